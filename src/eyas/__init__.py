@@ -1,0 +1,3 @@
+"""eyas: train EAGLE-3 speculative-decoding drafters."""
+
+__version__ = "0.1.0"
