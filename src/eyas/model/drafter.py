@@ -1,0 +1,320 @@
+"""The EAGLE-3 drafter: fc (3h_t -> h), one Llama decoder layer over concat(embedding, hidden), norm, lm_head.
+
+State-dict keys are exactly the export keys of EAGLE3.md section 5. The target's token embedding is
+NOT part of the drafter: the caller applies the frozen target embedding and passes `input_embeds`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from eyas.errors import EyasError
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DrafterConfig:
+    hidden_size: int
+    """Drafter width h (EAGLE-3: the target's hidden size)."""
+    target_hidden_size: int
+    """Width h_t of each of the three aux features; fc takes 3*h_t."""
+    intermediate_size: int
+    """Width of the SiLU-gated MLP."""
+    num_attention_heads: int
+    """Query heads."""
+    num_key_value_heads: int
+    """Key/value heads (GQA); divides num_attention_heads."""
+    head_dim: int
+    """Per-head width."""
+    rms_norm_eps: float
+    """RMSNorm epsilon (the target's)."""
+    rope_theta: float
+    """RoPE base. eyas uses the TARGET's value (the EAGLE reference hard-codes 10000); see docs/ttt.md."""
+    rope_scaling: dict | None = None
+    """RoPE scaling as in HF configs ({"rope_type": "linear"|"llama3", ...}) or None."""
+    max_position_embeddings: int
+    """Longest position the drafter is configured for (the target's)."""
+    vocab_size: int
+    """Target vocabulary size V (length of t2d)."""
+    draft_vocab_size: int
+    """Draft vocabulary size (rows of lm_head, length of d2t)."""
+    aux_layer_ids: tuple[int, int, int]
+    """HF hidden_states indices of the low/mid/high aux features."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
+        for name in ("hidden_size", "target_hidden_size", "intermediate_size", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings", "vocab_size",
+                     "draft_vocab_size"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"drafter config: {name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"drafter config: num_attention_heads {self.num_attention_heads} is not a multiple "
+                             f"of num_key_value_heads {self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"drafter config: head_dim must be even for RoPE, got {self.head_dim}")
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(f"drafter config: draft_vocab_size {self.draft_vocab_size} > vocab_size {self.vocab_size}")
+        if len(self.aux_layer_ids) != 3:
+            raise ValueError(f"drafter config: aux_layer_ids needs 3 ids, got {self.aux_layer_ids}")
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"drafter config: rope_type {rope_type!r} is not supported (supported: {ROPE_TYPES})")
+
+    @classmethod
+    def from_target(cls, hf_config, *, draft_vocab_size: int, aux_layer_ids, intermediate_size: int | None = None
+                    ) -> "DrafterConfig":
+        """Derive every size, eps and the RoPE settings from the target's HF config."""
+        c = hf_config
+        heads = c.num_attention_heads
+        # transformers 5 keeps theta inside rope_parameters; older configs have rope_theta / rope_scaling.
+        rope = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
+        theta = float(rope.pop("rope_theta", None) or getattr(c, "rope_theta", None) or 10000.0)
+        if "type" in rope and "rope_type" not in rope:
+            rope["rope_type"] = rope.pop("type")
+        rope_scaling = rope if rope.get("rope_type", "default") != "default" else None
+        return cls(
+            hidden_size=c.hidden_size, target_hidden_size=c.hidden_size,
+            intermediate_size=intermediate_size or c.intermediate_size,
+            num_attention_heads=heads, num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+            rms_norm_eps=float(c.rms_norm_eps), rope_theta=theta, rope_scaling=rope_scaling,
+            max_position_embeddings=c.max_position_embeddings, vocab_size=c.vocab_size,
+            draft_vocab_size=min(int(draft_vocab_size), c.vocab_size), aux_layer_ids=tuple(aux_layer_ids),
+        )
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["aux_layer_ids"] = list(self.aux_layer_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DrafterConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"drafter config: unknown keys {unknown}")
+        return cls(**d)
+
+
+def rope_inv_freq(cfg: DrafterConfig) -> Tensor:
+    """Inverse frequencies (head_dim/2,) for the configured RoPE type (HF Llama conventions)."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    s = cfg.rope_scaling or {}
+    rope_type = s.get("rope_type", "default")
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(s["factor"])
+    elif rope_type == "llama3":
+        factor, lo, hi = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+        old_ctx = float(s["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > old_ctx / lo, inv_freq / factor,
+                               torch.where(wavelen < old_ctx / hi, inv_freq, smoothed))
+    return inv_freq.float()
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.nh, self.nkv, self.hd = nh, nkv, hd
+        self.q_proj = nn.Linear(2 * h, nh * hd, bias=False)
+        self.k_proj = nn.Linear(2 * h, nkv * hd, bias=False)
+        self.v_proj = nn.Linear(2 * h, nkv * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, h, bias=False)
+
+    def forward(self, x, cos, sin, attn_mask, kv_cache):
+        B, S, _ = x.shape
+        q = self.q_proj(x).view(B, S, self.nh, self.hd).transpose(1, 2)   # (B, nh, S, hd)
+        k = self.k_proj(x).view(B, S, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, S, hd)
+        v = self.v_proj(x).view(B, S, self.nkv, self.hd).transpose(1, 2)  # (B, nkv, S, hd)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                     # (B, 1, S, hd)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if kv_cache is not None:
+            k = torch.cat([kv_cache[0], k], dim=2)                        # (B, nkv, L, hd)
+            v = torch.cat([kv_cache[1], v], dim=2)                        # (B, nkv, L, hd)
+        rep = self.nh // self.nkv
+        kr = k.repeat_interleave(rep, dim=1) if rep > 1 else k            # (B, nh, L, hd)
+        vr = v.repeat_interleave(rep, dim=1) if rep > 1 else v            # (B, nh, L, hd)
+        y = F.scaled_dot_product_attention(q, kr, vr, attn_mask=attn_mask.unsqueeze(1))  # (B, nh, S, hd)
+        y = y.transpose(1, 2).reshape(B, S, self.nh * self.hd)            # (B, S, nh*hd)
+        return self.o_proj(y), (k, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Llama layer whose attention reads concat(input_layernorm(embeds), hidden_norm(hidden)), 2h wide."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, hidden, input_embeds, cos, sin, attn_mask, kv_cache):
+        residual = hidden                                                  # un-normed g (or previous output)
+        x = torch.cat([self.input_layernorm(input_embeds), self.hidden_norm(hidden)], dim=-1)  # (B, S, 2h)
+        a, kv = self.self_attn(x, cos, sin, attn_mask, kv_cache)
+        h = residual + a
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, kv
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = DecoderLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        # Identity-prefix draft vocab until set_vocab(): draft id i <-> target id i.
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[: cfg.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.init_weights()
+
+    def init_weights(self, std: float = 0.02) -> None:
+        """Normal(0, std) for every Linear, ones for every RMSNorm (uses the global torch RNG)."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, mean=0.0, std=std)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
+    @torch.no_grad()
+    def set_vocab(self, d2t: Tensor, t2d: Tensor) -> None:
+        """Install the draft vocabulary maps (see eyas.model.vocab)."""
+        cfg = self.config
+        if tuple(d2t.shape) != (cfg.draft_vocab_size,) or tuple(t2d.shape) != (cfg.vocab_size,):
+            raise ValueError(f"draft vocab maps have shapes {tuple(d2t.shape)}, {tuple(t2d.shape)}; expected "
+                             f"({cfg.draft_vocab_size},), ({cfg.vocab_size},)")
+        self.d2t.copy_(d2t.to(torch.int64))
+        self.t2d.copy_(t2d.to(torch.bool))
+
+    @property
+    def token_ids(self) -> Tensor:
+        """Target id of every draft id, (draft_vocab,) int64, ascending."""
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def fuse(self, aux: Tensor) -> Tensor:
+        """(B, T, 3*h_t) concat(low, mid, high) -> g (B, T, h)."""
+        return self.fc(aux.to(self.fc.weight.dtype))
+
+    def rope(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        freqs = position_ids.float()[..., None] * self.inv_freq                 # (B, S, hd/2)
+        emb = torch.cat([freqs, freqs], dim=-1)                                  # (B, S, hd)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def layer(self, hidden: Tensor, input_embeds: Tensor, position_ids: Tensor, attn_mask: Tensor,
+              kv_cache: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """One draft step. attn_mask bool (B, S, past_len + S), True = may attend; keys = cache then new.
+
+        Returns (pre-norm output (B, S, h), (k_all, v_all)) with the S new (rotated) keys appended.
+        """
+        cos, sin = self.rope(position_ids, hidden.dtype)
+        return self.midlayer(hidden, input_embeds.to(hidden.dtype), cos, sin, attn_mask, kv_cache)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """(B, S, h) -> (B, S, draft_vocab)."""
+        return self.lm_head(self.norm(hidden))
+
+    def draft_to_target(self, draft_ids: Tensor) -> Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+
+
+def save_drafter(drafter: Eagle3Drafter, path: str | os.PathLike, meta: dict[str, Any] | None = None) -> None:
+    """Write DIR/config.json (config + meta, e.g. {"target": fingerprint}) and DIR/model.safetensors (fp32)."""
+    from safetensors.torch import save
+
+    from eyas.manifest import atomic_write_bytes
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: (v.float() if v.is_floating_point() else v).detach().cpu().contiguous()
+             for k, v in drafter.state_dict().items()}
+    atomic_write_bytes(path / WEIGHTS_FILE, save(state))
+    cfg = drafter.config.to_dict()
+    clash = sorted(set(meta or {}) & set(cfg))
+    if clash:
+        raise ValueError(f"save_drafter: meta keys {clash} clash with config fields")
+    atomic_write_bytes(path / CONFIG_FILE, (json.dumps({**cfg, **(meta or {})}, indent=2) + "\n").encode())
+
+
+def load_drafter(path: str | os.PathLike, *, device="cpu") -> tuple[Eagle3Drafter, dict]:
+    """Read a directory written by save_drafter -> (drafter in fp32, meta: the non-config keys of config.json)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    cfg_path, w_path = path / CONFIG_FILE, path / WEIGHTS_FILE
+    for p in (cfg_path, w_path):
+        if not p.exists():
+            raise EyasError(f"{p}: missing (is {path} a drafter checkpoint directory?)")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise EyasError(f"{cfg_path}: not valid JSON ({e})") from e
+    known = {f.name for f in fields(DrafterConfig)}
+    try:
+        cfg = DrafterConfig.from_dict({k: v for k, v in raw.items() if k in known})
+    except (TypeError, ValueError) as e:
+        raise EyasError(f"{cfg_path}: bad drafter config ({e})") from e
+    meta = {k: v for k, v in raw.items() if k not in known}
+    drafter = Eagle3Drafter(cfg)
+    state = load_file(str(w_path))
+    want = drafter.state_dict()
+    missing, extra = sorted(set(want) - set(state)), sorted(set(state) - set(want))
+    bad = [k for k in want if k in state and tuple(state[k].shape) != tuple(want[k].shape)]
+    if missing or extra or bad:
+        raise EyasError(f"{w_path}: weights do not match config (missing {missing}, unexpected {extra}, "
+                        f"wrong shape {bad})")
+    drafter.load_state_dict(state)
+    return drafter.to(device), meta
