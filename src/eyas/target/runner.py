@@ -1,0 +1,338 @@
+"""A fast static-cache Llama forward (gpt-fast style) with weights taken from an HF LlamaForCausalLM.
+
+Used by plain decoding (`generate`, also the prepare stage's regeneration), by speculative
+verification (arbitrary attention masks over cache slots, for trees) and by capture of aux
+hidden states (HF `hidden_states` convention: index i = residual stream entering layer i,
+index N = output of the final norm; ../shared/EAGLE3.md section 1).
+
+Cache layout: per layer k/v of shape [max_batch, kv_heads, max_seq, head_dim]. A forward writes
+the new keys/values at `cache_slots` and each query attends to the first L cache slots where
+`attn_mask[b, s, j]` is True (L = attn_mask.shape[-1] <= max_seq). Positions (RoPE) and slots are
+independent: a tree node sits at position prefix+depth but in slot prefix+index.
+
+On CUDA the single-token decode step runs as a CUDA graph (optionally of a torch.compile'd
+forward); on the CPU everything runs eagerly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from eyas.errors import EyasError
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunnerConfig:
+    """Shapes of the target, read from the HF config."""
+
+    num_layers: int
+    """Decoder layers N."""
+    hidden_size: int
+    """Residual width h."""
+    num_heads: int
+    """Query heads."""
+    num_kv_heads: int
+    """Key/value heads (GQA)."""
+    head_dim: int
+    """Per-head width."""
+    vocab_size: int
+    """Target vocabulary."""
+    rms_norm_eps: float
+    """RMSNorm epsilon."""
+    max_batch: int
+    """Rows of the static KV cache."""
+    max_seq: int
+    """Slots per row of the static KV cache."""
+
+    def __post_init__(self):
+        if self.max_batch < 1 or self.max_seq < 2:
+            raise ValueError(f"runner needs max_batch >= 1 and max_seq >= 2, got {self.max_batch}, {self.max_seq}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.num_heads} heads are not a multiple of {self.num_kv_heads} kv heads")
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """HF LlamaRMSNorm: normalise in fp32, cast back, then scale."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Non-interleaved RoPE (HF rotate_half). x (B,H,S,D), cos/sin (B,1,S,D)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # (B,H,S,D)
+    return x * cos + rot * sin
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: RunnerConfig, dtype, device):
+        super().__init__()
+        h, hd = cfg.hidden_size, cfg.head_dim
+        qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * hd
+        self.wqkv = nn.Linear(h, qkv, bias=False, dtype=dtype, device=device)
+        self.wo = nn.Linear(cfg.num_heads * hd, h, bias=False, dtype=dtype, device=device)
+        self.w13 = None  # set by from_hf: fused gate/up
+        self.w2 = None
+        self.attn_norm = nn.Parameter(torch.ones(h, dtype=dtype, device=device))
+        self.mlp_norm = nn.Parameter(torch.ones(h, dtype=dtype, device=device))
+        shape = (cfg.max_batch, cfg.num_kv_heads, cfg.max_seq, hd)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.cfg = cfg
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
+        cfg = self.cfg
+        B, S, _ = x.shape
+        H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        L = mask.shape[-1]
+        qkv = self.wqkv(rms_norm(x, self.attn_norm, cfg.rms_norm_eps))
+        q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
+        q = q.view(B, S, H, D).transpose(1, 2)  # (B,H,S,D)
+        k = k.view(B, S, KV, D).transpose(1, 2)  # (B,KV,S,D)
+        v = v.view(B, S, KV, D).transpose(1, 2)  # (B,KV,S,D)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        rows = torch.arange(B, device=x.device)[:, None].expand(B, S)  # (B,S)
+        kc, vc = self.k_cache[:B], self.v_cache[:B]
+        kc[rows, :, slots] = k.transpose(1, 2)  # cache[b, :, slot[b,s]] = k[b, :, s]
+        vc[rows, :, slots] = v.transpose(1, 2)
+        rep = H // KV
+        # GQA without repeating k/v: each kv head answers its `rep` query heads as rep*S queries.
+        qg = q.reshape(B, KV, rep * S, D)  # (B,KV,rep*S,D)
+        mg = mask[:, None, None].expand(B, 1, rep, S, L).reshape(B, 1, rep * S, L)  # (B,1,rep*S,L)
+        o = F.scaled_dot_product_attention(qg, kc[:, :, :L], vc[:, :, :L], attn_mask=mg)  # (B,KV,rep*S,D)
+        o = o.reshape(B, H, S, D).transpose(1, 2).reshape(B, S, H * D)  # (B,S,H*D)
+        x = x + self.wo(o)
+        gate, up = self.w13(rms_norm(x, self.mlp_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
+        return x + self.w2(F.silu(gate) * up)
+
+
+class Runner(nn.Module):
+    """Static-cache Llama forward. Build with `Runner.from_hf(model, max_batch=, max_seq=)`."""
+
+    def __init__(self, cfg: RunnerConfig, *, dtype=torch.float32, device="cpu"):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(Layer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size, dtype=dtype, device=device))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
+        self.register_buffer("cos", torch.zeros(cfg.max_seq, cfg.head_dim, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("sin", torch.zeros(cfg.max_seq, cfg.head_dim, dtype=dtype, device=device), persistent=False)
+        self._graphs: dict = {}
+        self._compiled = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    @torch.no_grad()
+    def from_hf(cls, model, *, max_batch: int = 1, max_seq: int = 2048, dtype=None, device=None,
+                compile: bool = False) -> "Runner":
+        """Copy the weights of an HF LlamaForCausalLM into a Runner with a static KV cache."""
+        hf = model.config
+        if getattr(hf, "model_type", "llama") not in ("llama", "mistral", "qwen2") or getattr(hf, "attention_bias", False) \
+                or getattr(hf, "mlp_bias", False) or getattr(hf, "hidden_act", "silu") != "silu":
+            raise EyasError(f"runner: only bias-free SiLU Llama-family targets are supported, got {hf.model_type}")
+        dtype = dtype or next(model.parameters()).dtype
+        device = torch.device(device) if device is not None else next(model.parameters()).device
+        heads = hf.num_attention_heads
+        cfg = RunnerConfig(
+            num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size, num_heads=heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+            vocab_size=hf.vocab_size, rms_norm_eps=hf.rms_norm_eps, max_batch=max_batch, max_seq=max_seq)
+        r = cls(cfg, dtype=dtype, device=device)
+        base = model.model
+        r.embed.weight.copy_(base.embed_tokens.weight)
+        r.lm_head.weight.copy_(model.lm_head.weight)
+        r.norm.copy_(base.norm.weight)
+        for mine, theirs in zip(r.layers, base.layers):
+            a, m = theirs.self_attn, theirs.mlp
+            mine.wqkv.weight.copy_(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+            mine.wo.weight.copy_(a.o_proj.weight)
+            mine.w13 = nn.Linear(cfg.hidden_size, 2 * m.gate_proj.out_features, bias=False, dtype=dtype, device=device)
+            mine.w13.weight.copy_(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+            mine.w2 = nn.Linear(m.down_proj.in_features, cfg.hidden_size, bias=False, dtype=dtype, device=device)
+            mine.w2.weight.copy_(m.down_proj.weight)
+            mine.attn_norm.copy_(theirs.input_layernorm.weight)
+            mine.mlp_norm.copy_(theirs.post_attention_layernorm.weight)
+        # RoPE table from HF's own rotary module (covers rope_scaling variants), computed in fp32.
+        pos = torch.arange(max_seq, device=device)[None]
+        probe = torch.zeros(1, dtype=torch.float32, device=device)
+        rot = base.rotary_emb.to(device)
+        cos, sin = rot(probe, pos)
+        r.cos.copy_(cos[0])
+        r.sin.copy_(sin[0])
+        r.eval().requires_grad_(False)
+        if compile:
+            r._compiled = torch.compile(r._decode, fullgraph=True, dynamic=False)
+        return r
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    # ------------------------------------------------------------------ forward
+    @torch.no_grad()
+    def forward(self, input_ids: Tensor, positions: Tensor, cache_slots: Tensor, attn_mask: Tensor, *,
+                capture: tuple[int, ...] = (), logits: bool = True, last_only: bool = False
+                ) -> tuple[Tensor, dict[int, Tensor]]:
+        """input_ids/positions/cache_slots (B,S) long, attn_mask bool (B,S,L) over cache slots 0..L-1.
+
+        Returns (logits (B,S,V), or the final-norm hidden (B,S,h) with logits=False; with last_only only
+        position S-1) and {aux id: hidden (B,S,h)} for each id in `capture` (HF hidden_states indices).
+        """
+        B, S = input_ids.shape
+        cfg = self.cfg
+        if B > cfg.max_batch or attn_mask.shape[-1] > cfg.max_seq:
+            raise EyasError(f"runner: batch {B} x {attn_mask.shape[-1]} slots exceeds the cache "
+                            f"({cfg.max_batch} x {cfg.max_seq})")
+        cos = self.cos[positions][:, None]  # (B,1,S,D)
+        sin = self.sin[positions][:, None]  # (B,1,S,D)
+        x = self.embed(input_ids)  # (B,S,h)
+        captured = {}
+        for i, layer in enumerate(self.layers):
+            if i in capture:
+                captured[i] = x
+            x = layer(x, cos, sin, cache_slots, attn_mask)
+        x = rms_norm(x, self.norm, cfg.rms_norm_eps)
+        if cfg.num_layers in capture:
+            captured[cfg.num_layers] = x
+        if last_only:
+            x = x[:, -1:]
+        return (self.lm_head(x) if logits else x), captured
+
+    def _decode(self, input_ids, positions, cache_slots, attn_mask):
+        return self.forward(input_ids, positions, cache_slots, attn_mask)[0]
+
+    def copy_slots(self, src: Tensor, dst: Tensor, row: int = 0) -> None:
+        """Move cache entries src[i] -> dst[i] (1-D long tensors) in every layer for one row (tree compaction)."""
+        for layer in self.layers:
+            layer.k_cache[row, :, dst] = layer.k_cache[row, :, src]
+            layer.v_cache[row, :, dst] = layer.v_cache[row, :, src]
+
+    # ------------------------------------------------------------------ graphed step
+    def graphed(self, batch: int, seq: int, fn=None):
+        """A callable with static inputs running `fn` (default: forward logits) for (batch, seq) tokens
+        attending over all max_seq slots; CUDA graph on CUDA, plain call elsewhere."""
+        key = (batch, seq, fn)
+        if key in self._graphs:
+            return self._graphs[key]
+        fn = fn or (self._compiled or self._decode)
+        dev = self.device
+        if dev.type != "cuda":
+            g = lambda ids, pos, slots, mask: fn(ids, pos, slots, mask)  # noqa: E731
+            self._graphs[key] = g
+            return g
+        ids = torch.zeros(batch, seq, dtype=torch.long, device=dev)
+        pos = torch.zeros(batch, seq, dtype=torch.long, device=dev)
+        slots = torch.full((batch, seq), self.cfg.max_seq - 1, dtype=torch.long, device=dev)
+        mask = torch.zeros(batch, seq, self.cfg.max_seq, dtype=torch.bool, device=dev)
+        mask[..., -1] = True
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                fn(ids, pos, slots, mask)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn(ids, pos, slots, mask)
+
+        def run(i, p, s, m):
+            ids.copy_(i)
+            pos.copy_(p)
+            slots.copy_(s)
+            mask.copy_(m)
+            graph.replay()
+            return out
+
+        self._graphs[key] = run
+        return run
+
+    # ------------------------------------------------------------------ plain decoding
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
+                 top_p: float = 1.0, eos_ids=(), seed: int = 0, prefill_chunk: int = 512,
+                 progress=None) -> list[list[int]]:
+        """Plain batched decoding. Returns the new tokens of each prompt (ending at and including
+        the first eos, or after max_new_tokens, or when the cache row is full)."""
+        from eyas.decode.sampling import sample
+
+        if temperature < 0:
+            raise EyasError(f"temperature must be >= 0, got {temperature}")
+        if not prompts:
+            return []
+        for i, p in enumerate(prompts):
+            if not p:
+                raise EyasError(f"generate: prompt {i} is empty")
+            if len(p) >= self.cfg.max_seq:
+                raise EyasError(f"generate: prompt {i} has {len(p)} tokens, the cache holds {self.cfg.max_seq}")
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        eos = torch.tensor(sorted(set(eos_ids)) or [-1], device=self.device)
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        out: list[list[int]] = [[] for _ in prompts]
+        B = self.cfg.max_batch
+        for c in range(0, len(order), B):
+            idx = order[c:c + B]
+            rows = self._generate_chunk([prompts[i] for i in idx], max_new_tokens, temperature, top_p, eos,
+                                        gen, prefill_chunk, sample)
+            for i, r in zip(idx, rows):
+                out[i] = r
+            if progress is not None:
+                progress(len(idx))
+        return out
+
+    def _generate_chunk(self, prompts, max_new, temperature, top_p, eos, gen, prefill_chunk, sample):
+        dev, M = self.device, self.cfg.max_seq
+        B = len(prompts)
+        T = max(len(p) for p in prompts)
+        pad = torch.tensor([T - len(p) for p in prompts], device=dev)  # left padding per row
+        ids = torch.zeros(B, T, dtype=torch.long, device=dev)
+        for b, p in enumerate(prompts):
+            ids[b, T - len(p):] = torch.tensor(p, device=dev)
+        cols = torch.arange(T, device=dev)
+        positions = (cols[None] - pad[:, None]).clamp(min=0)  # (B,T)
+        real = cols[None] >= pad[:, None]  # (B,T) slot holds a prompt token
+        # Prefill in chunks of the sequence: query s attends real slots <= s (pads attend themselves).
+        logits = None
+        for s0 in range(0, T, prefill_chunk):
+            s1 = min(T, s0 + prefill_chunk)
+            q = torch.arange(s0, s1, device=dev)
+            k = torch.arange(s1, device=dev)
+            mask = (k[None, None] <= q[None, :, None]) & real[:, None, :s1]  # (B,S,s1)
+            mask |= (k[None, None] == q[None, :, None])
+            slots = q[None].expand(B, -1)
+            logits, _ = self.forward(ids[:, s0:s1], positions[:, s0:s1], slots, mask, last_only=True)
+        steps = min(max_new, M - T)
+        tokens = torch.zeros(B, max(steps, 1), dtype=torch.long, device=dev)
+        nxt = sample(logits[:, -1], temperature, top_p, gen)  # (B,)
+        valid = torch.zeros(B, M, dtype=torch.bool, device=dev)
+        valid[:, :T] = real
+        pos = positions[:, -1:] + 1  # (B,1)
+        slot = torch.full((B, 1), T, dtype=torch.long, device=dev)
+        step = self.graphed(B, 1)
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        for t in range(steps):
+            tokens[:, t] = nxt
+            done |= torch.isin(nxt, eos)
+            if t + 1 == steps or ((t % 16 == 15) and bool(done.all())):
+                break
+            valid[:, T + t] = True
+            lg = step(nxt[:, None], pos, slot, valid[:, None, :])
+            nxt = sample(lg[:, -1], temperature, top_p, gen)
+            pos += 1
+            slot += 1
+        res = []
+        eos_set = set(eos.tolist())
+        for row in tokens[:, :steps].tolist():
+            cut = next((i + 1 for i, tok in enumerate(row) if tok in eos_set), len(row))
+            res.append(row[:cut])
+        return res

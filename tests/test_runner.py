@@ -1,0 +1,114 @@
+"""The static-cache runner against HF: logits, incremental decode, padding, hidden states, greedy generate."""
+
+import pytest
+import torch
+
+from conftest import make_tiny_llama
+from eyas.errors import EyasError
+from eyas.target.runner import Runner
+
+
+def causal_mask(S, L, start=0):
+    q = torch.arange(start, start + S)[:, None]
+    return (torch.arange(L)[None] <= q)[None]  # (1,S,L)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_prefill_and_decode_logits_match_hf(tie):
+    model = make_tiny_llama(tie=tie, seed=1)
+    r = Runner.from_hf(model, max_batch=2, max_seq=64)
+    ids = torch.randint(3, 256, (1, 20))
+    ref = model(ids).logits
+    pos = torch.arange(12)[None]
+    out, _ = r(ids[:, :12], pos, pos, causal_mask(12, 12))
+    torch.testing.assert_close(out, ref[:, :12], atol=1e-5, rtol=1e-5)
+    for t in range(12, 20):  # incremental decode, one token at a time, full-length mask
+        p = torch.tensor([[t]])
+        out, _ = r(ids[:, t:t + 1], p, p, causal_mask(1, 64, t))
+        torch.testing.assert_close(out[:, 0], ref[:, t], atol=1e-5, rtol=1e-5)
+
+
+def test_left_padded_batch_matches_unpadded_hf():
+    model = make_tiny_llama(seed=2)
+    r = Runner.from_hf(model, max_batch=2, max_seq=32)
+    a, b = torch.randint(3, 256, (10,)), torch.randint(3, 256, (6,))
+    ids = torch.zeros(2, 10, dtype=torch.long)
+    ids[0], ids[1, 4:] = a, b
+    pos = torch.stack([torch.arange(10), (torch.arange(10) - 4).clamp(min=0)])
+    real = torch.stack([torch.ones(10, dtype=torch.bool), torch.arange(10) >= 4])
+    mask = causal_mask(10, 10) & real[:, None, :] | torch.eye(10, dtype=torch.bool)[None]
+    out, _ = r(ids, pos, torch.arange(10)[None].expand(2, -1), mask)
+    torch.testing.assert_close(out[0], model(a[None]).logits[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1, 4:], model(b[None]).logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_captured_hidden_states_match_hf_indices():
+    model = make_tiny_llama(layers=5, seed=3)
+    r = Runner.from_hf(model, max_batch=1, max_seq=16)
+    ids = torch.randint(3, 256, (1, 9))
+    hs = model(ids, output_hidden_states=True).hidden_states
+    pos = torch.arange(9)[None]
+    final, cap = r(ids, pos, pos, causal_mask(9, 9), capture=(0, 1, 2, 4, 5), logits=False)
+    for i in (0, 1, 2, 4, 5):
+        torch.testing.assert_close(cap[i], hs[i], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final, hs[5], atol=1e-5, rtol=1e-5)
+
+
+def test_tree_mask_and_slot_compaction():
+    """A query that attends a non-contiguous set of slots equals HF on that sub-sequence."""
+    model = make_tiny_llama(seed=4)
+    r = Runner.from_hf(model, max_batch=1, max_seq=32)
+    ids = torch.randint(3, 256, (1, 8))
+    pos = torch.arange(5)[None]
+    r(ids[:, :5], pos, pos, causal_mask(5, 5))
+    # two siblings at position 5 in slots 5 and 6, a child of the second at position 6 in slot 7
+    toks = torch.tensor([[ids[0, 5], 77, ids[0, 6]]])
+    mask = torch.zeros(1, 3, 32, dtype=torch.bool)
+    mask[0, :, :5] = True
+    mask[0, 0, 5] = mask[0, 1, 6] = True
+    mask[0, 2, 6] = mask[0, 2, 7] = True
+    out, _ = r(toks, torch.tensor([[5, 5, 6]]), torch.tensor([[5, 6, 7]]), mask)
+    seq2 = torch.cat([ids[:, :5], torch.tensor([[77, ids[0, 6]]])], 1)
+    torch.testing.assert_close(out[0, 0], model(ids[:, :6]).logits[0, 5], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[0, 2], model(seq2).logits[0, 6], atol=1e-5, rtol=1e-5)
+    r.copy_slots(torch.tensor([6, 7]), torch.tensor([5, 6]))  # keep the path 77 -> ids[6]
+    out, _ = r(ids[:, 7:8], torch.tensor([[7]]), torch.tensor([[7]]), causal_mask(1, 32, 7))
+    seq3 = torch.cat([seq2, ids[:, 7:8]], 1)
+    torch.testing.assert_close(out[0, 0], model(seq3).logits[0, 7], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_greedy_generate_equals_hf_generate(tie):
+    model = make_tiny_llama(tie=tie, seed=5)
+    model.generation_config.pad_token_id = 0
+    r = Runner.from_hf(model, max_batch=3, max_seq=64)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 11, 7, 20, 1)]
+    ours = r.generate(prompts, 12, eos_ids=[2])
+    for p, o in zip(prompts, ours):
+        ref = model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=2,
+                             attention_mask=torch.ones(1, len(p), dtype=torch.long))[0, len(p):].tolist()
+        if 2 in ref:
+            ref = ref[:ref.index(2) + 1]
+        assert o == ref
+
+
+def test_generate_stops_at_eos_and_rejects_bad_input():
+    model = make_tiny_llama(seed=6)
+    r = Runner.from_hf(model, max_batch=2, max_seq=32)
+    free = r.generate([[5, 6, 7]], 10)[0]
+    stop = r.generate([[5, 6, 7]], 10, eos_ids=[free[3]])[0]
+    assert stop == free[:free.index(free[3]) + 1]
+    assert len(r.generate([[5] * 28], 10)[0]) == 4  # the cache row is full after 32 slots
+    with pytest.raises(EyasError):
+        r.generate([[5] * 40], 3)
+    with pytest.raises(EyasError):
+        r.generate([[5]], 3, temperature=-1)
+
+
+def test_sampled_generate_is_seeded_and_batch_independent_in_distribution():
+    model = make_tiny_llama(seed=7)
+    r = Runner.from_hf(model, max_batch=4, max_seq=32)
+    a = r.generate([[5, 6], [9, 9, 9]], 8, temperature=1.0, seed=3)
+    b = r.generate([[5, 6], [9, 9, 9]], 8, temperature=1.0, seed=3)
+    assert a == b and len(a[0]) == 8
