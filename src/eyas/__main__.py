@@ -1,0 +1,5 @@
+import sys
+
+from eyas.cli import main
+
+sys.exit(main())

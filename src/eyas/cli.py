@@ -1,0 +1,72 @@
+"""The `eyas` command: parse arguments and call the stage's library function. Nothing else."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from eyas.errors import EyasError
+
+# Each stage module exposes register(subparsers). Order = the pipeline.
+STAGE_MODULES = [
+    ("prepare", "eyas.data.command"),
+    ("capture", "eyas.capture.command"),
+    ("store", "eyas.store.command"),
+    ("train", "eyas.train.command"),
+    ("bench", "eyas.bench.command"),
+    ("export", "eyas.export.command"),
+    ("engine", "eyas.engines.command"),
+    ("run", "eyas.run"),
+]
+
+
+def _not_implemented(name: str):
+    def run(args) -> int:
+        print(f"eyas {name}: not implemented yet in this version of eyas", file=sys.stderr)
+        return 2
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eyas", description="Train EAGLE-3 speculative-decoding drafters.")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module in STAGE_MODULES:
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:  # a real import bug inside an implemented stage: let it surface
+                raise
+            p = sub.add_parser(name, help=f"{name} (not implemented yet)")
+            p.set_defaults(func=_not_implemented(name))
+            continue
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        from eyas import __version__
+        print(__version__)
+        return 0
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except EyasError as e:
+        print(f"eyas {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"eyas {args.command}: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

