@@ -1,0 +1,23 @@
+"""`eyas export`: argument parsing only; the work is eyas.export.export.run_export."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _run(args: argparse.Namespace) -> int:
+    from eyas.export.export import run_export
+
+    out = run_export(args.drafter, args.out, dtype=args.dtype, target_spec=args.target)
+    print(f"exported to {out} (see {out}/README.md for the SGLang and vLLM command lines)")
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("export", help="write a drafter in the layout SGLang and vLLM serve")
+    p.add_argument("--drafter", required=True, help="eyas run dir or drafter dir")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="weight dtype (default bf16)")
+    p.add_argument("--target", default=None,
+                   help="target spec to check against the training fingerprint (and to name in the README)")
+    p.set_defaults(func=_run)

@@ -1,0 +1,183 @@
+"""Export a trained drafter in the layout SGLang and vLLM load (EAGLE3.md section 5).
+
+    OUT/config.json        LlamaForCausalLMEagle3 config, aux layer ids in both engine conventions
+    OUT/model.safetensors  fc, midlayer.*, norm, lm_head (+ d2t int64, t2d bool); never embed_tokens
+    OUT/README.md          the exact SGLang and vLLM command lines
+
+Layer ids: vLLM reads the top-level `eagle_aux_hidden_state_layer_ids` as HF hidden_states
+indices; SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids` and adds 1 (Llama and most
+targets), so it gets HF ids - 1. SGLang's deepseek_v2.py adds the 1 only when the first id is 1,
+which our HF-1 ids satisfy exactly when the low id is the EAGLE default 2 (warned otherwise).
+
+Full draft vocabulary (draft_vocab_size == vocab_size): d2t/t2d are identities and are NOT
+written, because vLLM 0.33 has no `draft_id_to_target_id` parameter then and refuses the key
+(checked by tests/test_engine_contract.py). SGLang is fine either way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eyas.errors import EyasError
+from eyas.manifest import atomic_write_bytes, check_same
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+# SGLang model types whose set_eagle3_layers_to_capture adds +1 only if the first id is 1.
+SGLANG_FIRST_ID_QUIRK = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+
+
+def sglang_layer_ids(hf_ids) -> list[int]:
+    """HF hidden_states indices -> the ids SGLang wants in eagle_config (it adds 1 back)."""
+    return [int(i) - 1 for i in hf_ids]
+
+
+def export_config(cfg, *, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+    """The config.json dict for a DrafterConfig (see module docstring)."""
+    hf_ids = [int(i) for i in cfg.aux_layer_ids]
+    out: dict[str, Any] = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "torch_dtype": DTYPE_NAMES[dtype],
+        "eagle_aux_hidden_state_layer_ids": hf_ids,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_layer_ids(hf_ids),
+                         "use_aux_hidden_state": True},
+    }
+    if cfg.target_hidden_size != cfg.hidden_size:
+        out["target_hidden_size"] = cfg.target_hidden_size
+    return out
+
+
+def export_state(drafter, *, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """The tensors to write: float weights cast to `dtype`, d2t int64 / t2d bool (omitted for a full vocab)."""
+    cfg = drafter.config
+    out = {}
+    for name, t in drafter.state_dict().items():
+        if name in ("d2t", "t2d"):
+            continue
+        if "embed_tokens" in name:
+            raise EyasError(f"drafter has its own embedding {name!r}; eyas exports must not (EAGLE3.md section 5)")
+        out[name] = t.detach().to("cpu", dtype).contiguous()
+    if cfg.draft_vocab_size != cfg.vocab_size:
+        out["d2t"] = drafter.d2t.detach().to("cpu", torch.int64).contiguous()
+        out["t2d"] = drafter.t2d.detach().to("cpu", torch.bool).contiguous()
+    return out
+
+
+def readme_text(cfg, *, target: str, out_dir: str, engines: dict[str, str], num_speculative_tokens: int = 3) -> str:
+    hf_ids = list(cfg.aux_layer_ids)
+    vllm_spec = json.dumps({"method": "eagle3", "model": out_dir, "num_speculative_tokens": num_speculative_tokens})
+    pins = ", ".join(f"{k} {v}" for k, v in engines.items())
+    return f"""# EAGLE-3 drafter for `{target}`
+
+Exported by eyas. One Llama decoder layer; hidden {cfg.hidden_size}, draft vocab {cfg.draft_vocab_size} of
+{cfg.vocab_size}, aux layers (HF hidden_states indices) {hf_ids}; SGLang's eagle_config holds
+{sglang_layer_ids(hf_ids)} (it adds 1). No embed_tokens: both engines use the target's embedding.
+Checked against the weight loaders of {pins} (eyas tests/test_engine_contract.py).
+
+## SGLang
+
+```
+python -m sglang.launch_server --model-path {target} \\
+    --speculative-algorithm EAGLE3 --speculative-draft-model-path {out_dir} \\
+    --speculative-num-steps {num_speculative_tokens} --speculative-eagle-topk 1 \\
+    --speculative-num-draft-tokens {num_speculative_tokens + 1}
+```
+
+## vLLM
+
+```
+vllm serve {target} --speculative-config '{vllm_spec}'
+```
+"""
+
+
+def resolve_drafter_dir(path: str | os.PathLike) -> Path:
+    """An eyas run dir (RUN/drafter/...) or the drafter dir itself."""
+    p = Path(path)
+    if (p / "drafter" / "config.json").exists():
+        return p / "drafter"
+    if (p / "config.json").exists():
+        return p
+    raise EyasError(f"{p}: not an eyas run or drafter directory (no config.json or drafter/config.json)")
+
+
+def export_drafter(drafter, out_dir: str | os.PathLike, *, meta: dict | None = None, dtype: str = "bf16",
+                   target=None, target_ref: str | None = None, num_speculative_tokens: int = 3) -> Path:
+    """Write config.json, model.safetensors and README.md to `out_dir`.
+
+    `meta["target"]` is the training target's fingerprint; when `target` (an eyas Target) is given,
+    its fingerprint must match, and `target_ref` defaults to its name for the command lines.
+    """
+    from safetensors.torch import save
+
+    if dtype not in DTYPES:
+        raise EyasError(f"export dtype {dtype!r}: expected one of {sorted(DTYPES)}")
+    tdtype = DTYPES[dtype]
+    cfg = drafter.config
+    trained_on = (meta or {}).get("target")
+    if target is not None:
+        if trained_on:
+            check_same(trained_on, target.fingerprint, what="target (drafter was trained on another)",
+                       where=str(out_dir))
+        if target.vocab_size != cfg.vocab_size or target.hidden_size != cfg.target_hidden_size:
+            raise EyasError(f"{out_dir}: target vocab/hidden {target.vocab_size}/{target.hidden_size} != drafter's "
+                            f"{cfg.vocab_size}/{cfg.target_hidden_size}")
+        model_type = getattr(target.config, "model_type", "")
+        if model_type in SGLANG_FIRST_ID_QUIRK and cfg.aux_layer_ids[0] != 2:
+            log.warning("SGLang's %s adds +1 to the layer ids only if the first is 1; with HF ids %s it will "
+                        "capture the wrong layers (vLLM is unaffected)", model_type, list(cfg.aux_layer_ids))
+        target_ref = target_ref or target.name
+    target_ref = target_ref or (trained_on or {}).get("identity") or "TARGET"
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    from eyas.export.engine_pins import ENGINE_VERSIONS
+
+    atomic_write_bytes(out / "model.safetensors", save(export_state(drafter, dtype=tdtype),
+                                                       metadata={"format": "pt"}))
+    config = export_config(cfg, dtype=tdtype)
+    if trained_on:
+        config["eyas_target"] = trained_on   # informational; neither engine reads it
+    atomic_write_bytes(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
+    atomic_write_bytes(out / "README.md", readme_text(cfg, target=target_ref, out_dir=str(out), engines=ENGINE_VERSIONS,
+                                                      num_speculative_tokens=num_speculative_tokens).encode())
+    return out
+
+
+def run_export(drafter_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "bf16",
+               target_spec: str | None = None) -> Path:
+    """`eyas export`: load RUN/drafter (eyas layout), optionally check the target, write the export."""
+    from eyas.model.drafter import load_drafter
+
+    drafter, meta = load_drafter(resolve_drafter_dir(drafter_path))
+    target = None
+    if target_spec is not None:
+        from eyas.target import load_target
+
+        target = load_target(target_spec, aux_layer_ids=drafter.config.aux_layer_ids)
+    return export_drafter(drafter, out_dir, meta=meta, dtype=dtype, target=target, target_ref=target_spec)
