@@ -1,0 +1,123 @@
+"""Chat-template tokenization with assistant loss masks, derived from the template itself.
+
+For each assistant turn i the template is rendered twice: the prefix messages[:i] with the
+generation prompt (what a server feeds the model), and messages[:i+1] (the prefix plus the
+reply). Both must be prefixes of the full rendering. The characters between the two are what
+the model generates for that turn: the reply text, then the template's closing text. The
+trainable span is the reply plus the first special token that closes it (`<|im_end|>` for
+ChatML, `<|eot_id|>` for Llama-3); whitespace the template adds after that token is not
+trained. No separator string is hard-coded. Tokens are then marked by their character offsets:
+a token is trainable when it starts inside a span.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from eyas.errors import EyasError
+
+
+class TemplateError(Exception):
+    """The chat template cannot render this conversation (counted as a skip by prepare)."""
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    input_ids: list[int]
+    loss_mask: list[int]  # 1: assistant text or the end-of-turn token that closes it
+    truncated: bool       # cut to max_len
+
+
+def check_chat_template(tokenizer, where: str = "target") -> None:
+    if tokenizer is None:
+        raise EyasError(f"{where}: has no tokenizer; prepare needs one with a chat template")
+    if not getattr(tokenizer, "chat_template", None):
+        raise EyasError(f"{where}: the tokenizer has no chat template (set tokenizer.chat_template)")
+
+
+def special_strings(tokenizer) -> list[str]:
+    """Text of every special token (longest first, so overlapping names resolve to the longest)."""
+    out = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    for tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(tok, "special", False):
+            out.add(str(tok.content) if hasattr(tok, "content") else str(tok))
+    return sorted((s for s in out if s), key=len, reverse=True)
+
+
+def render(tokenizer, messages: Sequence[dict], *, add_generation_prompt: bool = False) -> str:
+    try:
+        text = tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # jinja raises whatever the template author chose (TemplateError, ValueError, ...)
+        raise TemplateError(f"chat template failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+    if not isinstance(text, str):
+        raise TemplateError("chat template did not return text")
+    return text
+
+
+def _reply_end(reply: str, content: str, specials: list[str]) -> int:
+    """Length of the trainable part of `reply` = rendered reply text + its closing special token."""
+    body = content.strip()
+    k = reply.find(body) if body else -1
+    after = k + len(body) if k >= 0 else 0
+    best = None
+    for s in specials:  # the earliest special token after the reply text; longest wins ties
+        j = reply.find(s, after)
+        if j >= 0 and (best is None or j < best[0]):
+            best = (j, j + len(s))
+    return best[1] if best else len(reply.rstrip())
+
+
+def assistant_spans(tokenizer, messages: Sequence[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The full rendering and the character spans [start, end) of each assistant reply."""
+    text = render(tokenizer, messages)
+    specials = special_strings(tokenizer)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prompt = render(tokenizer, messages[:i], add_generation_prompt=True)
+        upto = render(tokenizer, messages[: i + 1])
+        if not upto.startswith(prompt) or not text.startswith(upto):
+            raise TemplateError(f"chat template is not prefix-stable at turn {i} "
+                                "(rendering a prefix of the conversation changes earlier text)")
+        reply = upto[len(prompt):]
+        end = _reply_end(reply, m["content"], specials)
+        if end > 0:
+            spans.append((len(prompt), len(prompt) + end))
+    return text, spans
+
+
+def _in_spans(start: int, spans: list[tuple[int, int]]) -> int:
+    return int(any(s <= start < e for s, e in spans))
+
+
+def tokenize_conversation(tokenizer, messages: Sequence[dict], *, max_len: int | None = None) -> Tokenized:
+    """Token ids and loss mask for one conversation (trailing non-assistant turns are dropped)."""
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+    messages = list(messages[: last + 1])
+    text, spans = assistant_spans(tokenizer, messages)
+    if getattr(tokenizer, "is_fast", False):
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(enc["input_ids"])
+        mask = [_in_spans(a, spans) if b > a else 0 for a, b in enc["offset_mapping"]]
+    else:  # no offsets: tokenize the pieces between span boundaries separately
+        ids, mask, pos = [], [], 0
+        for s, e in spans + [(len(text), len(text))]:
+            for piece, flag in ((text[pos:s], 0), (text[s:e], 1)):
+                if piece:
+                    part = tokenizer(piece, add_special_tokens=False)["input_ids"]
+                    ids += part
+                    mask += [flag] * len(part)
+            pos = e
+    truncated = max_len is not None and len(ids) > max_len
+    if truncated:
+        ids, mask = ids[:max_len], mask[:max_len]
+    return Tokenized(ids, mask, truncated)
+
+
+def encode_prompt(tokenizer, messages: Sequence[dict]) -> list[int]:
+    """Token ids of messages + the generation prompt (what the model continues from)."""
+    text = render(tokenizer, messages, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

