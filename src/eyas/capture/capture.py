@@ -1,0 +1,191 @@
+"""The capture stage: run the target over prepared samples and write aux + final hidden states to a store."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from tqdm import tqdm
+
+from eyas.capture.hooks import capture_states
+from eyas.errors import EyasError
+from eyas.store import format as fmt
+from eyas.store.writer import StoreWriter
+
+
+@dataclass(frozen=True, kw_only=True)
+class CaptureConfig:
+    out: str
+    """Store directory to write (created; resumed if it holds a store of the same configuration)."""
+    target: str = "smollm2-135m"
+    """Target spec for load_target (ignored when a Target object is passed to run_capture)."""
+    data: str | None = None
+    """Prepared data directory (eyas prepare output)."""
+    layers: tuple[int, ...] | None = None
+    """Three HF hidden_states indices (low, mid, high); default: the target's (2, N//2, N-3)."""
+    dtype: str = "bf16"
+    """Stored dtype of the hidden states: bf16, or fp8 (e4m3 + per-token, per-state scale)."""
+    batch_tokens: int = 16384
+    """Token budget of one forward batch (padded batch size x longest sample)."""
+    device: str = "cpu"
+    """cpu or cuda (cuda:LOCAL_RANK under torchrun)."""
+    overwrite: bool = False
+    """Replace a store of another configuration in `out` instead of refusing."""
+    limit: int | None = None
+    """Capture only the first N samples of the data."""
+    shard_mb: int = 512
+    """Target shard size in MiB of hidden states (a shard closes at the first batch past it)."""
+    writer_threads: int = 2
+    """Background threads that serialise, hash and fsync shards."""
+    progress: bool = True
+    """Show a progress bar."""
+
+    def __post_init__(self):
+        if self.dtype not in fmt.DTYPES:
+            raise ValueError(f"dtype {self.dtype!r}: expected one of {sorted(fmt.DTYPES)}")
+        if self.batch_tokens < 1 or self.shard_mb < 1 or self.writer_threads < 1:
+            raise ValueError("batch_tokens, shard_mb and writer_threads must be positive")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit {self.limit}: must be positive")
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device {self.device!r}: expected cpu or cuda")
+
+
+def _samples_sha256(samples: list) -> str:
+    h = hashlib.sha256()
+    for sid, ids, mask in samples:
+        h.update(json.dumps([sid, list(ids), list(mask)]).encode())
+    return h.hexdigest()
+
+
+def _normalise(samples: Iterable, where: str, vocab: int) -> list[tuple[str, list[int], list[int]]]:
+    """(id, input_ids, loss_mask) tuples or Sample objects -> checked tuples."""
+    out, seen = [], set()
+    for s in samples:
+        sid, ids, mask = (s.id, s.input_ids, s.loss_mask) if hasattr(s, "input_ids") else s
+        sid, ids, mask = str(sid), [int(t) for t in ids], [int(m) for m in mask]
+        if sid in seen:
+            raise EyasError(f"{where}: sample {sid!r} appears twice")
+        if not ids or len(ids) != len(mask):
+            raise EyasError(f"{where}: sample {sid!r}: {len(ids)} input ids and {len(mask)} loss-mask "
+                            f"entries (expected the same non-zero number)")
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise EyasError(f"{where}: sample {sid!r}: token id outside the target vocabulary [0, {vocab})")
+        seen.add(sid)
+        out.append((sid, ids, mask))
+    return out
+
+
+def make_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices grouped longest first so that len(batch) * longest <= budget (a longer sample goes alone)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * lengths[cur[0]] > budget:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def _barrier() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _load_data(cfg: CaptureConfig, target) -> tuple[list, dict]:
+    if cfg.data is None:
+        raise EyasError("capture: no --data given (a prepared directory)")
+    from eyas.data.prepared import PreparedData  # the data stage, left of capture in the pipeline
+    data = PreparedData(cfg.data, target=target)
+    sha = hashlib.sha256((Path(cfg.data) / "manifest.json").read_bytes()).hexdigest()
+    return list(data), {"source": "prepared", "manifest_sha256": sha}
+
+
+def run_capture(cfg: CaptureConfig, target=None, *, samples: Iterable | None = None,
+                rank: int | None = None, world_size: int | None = None) -> dict:
+    """Capture every sample (this rank's share) into cfg.out; returns the store manifest.
+
+    `samples` (iterable of Sample or (id, input_ids, loss_mask)) replaces cfg.data, for tests and tools.
+    Rank and world size default to the RANK / WORLD_SIZE environment of torchrun.
+    """
+    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    if target is None:
+        from eyas.target import load_target
+        dtype = torch.bfloat16 if cfg.device.startswith("cuda") else torch.float32
+        target = load_target(cfg.target, device=cfg.device, dtype=dtype)
+    from eyas.target import check_aux_layer_ids
+    aux = check_aux_layer_ids(cfg.layers if cfg.layers is not None else target.aux_layer_ids, target.num_layers)
+    if samples is None:
+        raw, data_id = _load_data(cfg, target)
+        where = cfg.data
+    else:
+        raw, where = list(samples), "samples"
+        data_id = None
+    all_samples = _normalise(raw, where, target.vocab_size)
+    if data_id is None:
+        data_id = {"source": "in-memory", "sha256": _samples_sha256(all_samples)}
+    if cfg.limit is not None:
+        all_samples = all_samples[: cfg.limit]
+
+    header = {"config": {**asdict(cfg), "target": target.name, "layers": list(aux), "world_size": world_size},
+              "target": target.fingerprint, "layers": {"aux": list(aux)}, "dtype": cfg.dtype,
+              "hidden_size": target.hidden_size, "vocab_size": target.vocab_size, "data": data_id}
+    kw = dict(header=header, rank=rank, world_size=world_size, overwrite=cfg.overwrite,
+              shard_bytes=cfg.shard_mb << 20, threads=cfg.writer_threads)
+    if rank == 0:
+        writer = StoreWriter(cfg.out, **kw)
+        _barrier()
+    else:
+        _barrier()
+        writer = StoreWriter(cfg.out, **kw)
+
+    mine = [s for k, s in enumerate(all_samples) if k % world_size == rank and s[0] not in writer.committed_ids]
+    try:
+        _capture_loop(target, aux, mine, writer, cfg)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    _barrier()
+    return writer.finalize({s[0] for s in all_samples})
+
+
+def _capture_loop(target, aux, samples: list, writer: StoreWriter, cfg: CaptureConfig) -> None:
+    model, device = target.model, target.device
+    batches = make_batches([len(s[1]) for s in samples], cfg.batch_tokens)
+    total = sum(len(s[1]) for s in samples)
+    bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"capture r{writer.rank}",
+               disable=not cfg.progress, smoothing=0.1)
+    t0, done = time.perf_counter(), 0
+    bpt = fmt.bytes_per_token(cfg.dtype, target.hidden_size)
+    for batch in batches:
+        group = [samples[i] for i in batch]
+        lengths = [len(s[1]) for s in group]
+        B, T = len(group), max(lengths)
+        ids = torch.zeros(B, T, dtype=torch.long)
+        mask = torch.zeros(B, T, dtype=torch.bool)
+        for b, (_, tok, _) in enumerate(group):
+            ids[b, : len(tok)] = torch.tensor(tok)
+            mask[b, : len(tok)] = True
+        padded = min(lengths) < T
+        am = mask.to(device) if padded else None
+        states = capture_states(model, aux, ids.to(device), am.long() if padded else None)  # (B, T, 4, h)
+        flat = states[am] if padded else states.reshape(B * T, *states.shape[2:])            # (N, 4, h)
+        q, scale = fmt.quantize(flat, cfg.dtype)
+        writer.add([s[0] for s in group], lengths, ids[mask].to(torch.int32),
+                   torch.tensor([m for s in group for m in s[2]], dtype=torch.uint8), q, scale)
+        done += sum(lengths)
+        bar.update(sum(lengths))
+        dt = max(time.perf_counter() - t0, 1e-9)
+        bar.set_postfix_str(f"{done * bpt / dt / 1e6:.1f} MB/s")
+    bar.close()

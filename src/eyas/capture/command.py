@@ -1,0 +1,55 @@
+"""`eyas capture`: argparse wiring for run_capture."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from eyas.errors import EyasError
+
+
+def _layers(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--layers {text!r}: expected comma-separated integers, e.g. 2,15,27")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("capture", help="store the target's aux + final hidden states for prepared data")
+    p.add_argument("--target", default="smollm2-135m", help="target spec (default: the embedded smollm2-135m)")
+    p.add_argument("--data", required=True, help="prepared data directory (eyas prepare output)")
+    p.add_argument("--out", required=True, help="store directory to write or resume")
+    p.add_argument("--layers", type=_layers, default=None,
+                   help="three HF hidden_states indices low,mid,high (default 2,N//2,N-3)")
+    p.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16")
+    p.add_argument("--batch-tokens", type=int, default=16384, help="token budget per forward batch")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--overwrite", action="store_true", help="replace a store of another configuration")
+    p.add_argument("--limit", type=int, default=None, help="capture only the first N samples")
+    p.add_argument("--shard-mb", type=int, default=512, help="shard size in MiB")
+    p.set_defaults(func=_main)
+
+
+def _main(args) -> int:
+    from eyas.capture.capture import CaptureConfig, run_capture
+
+    device = args.device
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1:
+        import torch.distributed as dist
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")  # only for barriers; every rank writes its own shards
+        if device == "cuda":
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    try:
+        cfg = CaptureConfig(target=args.target, data=args.data, out=args.out, layers=args.layers, dtype=args.dtype,
+                            batch_tokens=args.batch_tokens, device=device, overwrite=args.overwrite,
+                            limit=args.limit, shard_mb=args.shard_mb)
+    except ValueError as e:
+        raise EyasError(f"capture: {e}") from None
+    m = run_capture(cfg)
+    keys = ("complete", "num_samples", "num_tokens", "num_shards", "bytes", "dtype")
+    print(json.dumps({k: m[k] for k in keys}))
+    return 0

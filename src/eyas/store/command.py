@@ -1,0 +1,30 @@
+"""`eyas store verify STORE` and `eyas store info STORE`."""
+
+from __future__ import annotations
+
+import json
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("store", help="inspect or verify a hidden-state store")
+    sub = p.add_subparsers(dest="store_cmd", required=True)
+    v = sub.add_parser("verify", help="check checksums, shapes and finiteness of every shard")
+    v.add_argument("store")
+    v.add_argument("--allow-incomplete", action="store_true", help="also verify an interrupted store")
+    v.set_defaults(func=_verify)
+    i = sub.add_parser("info", help="counts, bytes per token, layers")
+    i.add_argument("store")
+    i.set_defaults(func=_info)
+
+
+def _verify(args) -> int:
+    from eyas.store.reader import Store
+    report = Store(args.store, allow_incomplete=args.allow_incomplete).verify(progress=True)
+    print(f"{args.store}: OK ({report['shards']} shards, {report['samples']} samples, {report['tokens']} tokens)")
+    return 0
+
+
+def _info(args) -> int:
+    from eyas.store.reader import Store
+    print(json.dumps(Store(args.store, allow_incomplete=True).info(), indent=2))
+    return 0

@@ -1,0 +1,227 @@
+"""Reading a hidden-state store: memory-mapped random access by sample, and a resumable training stream."""
+
+from __future__ import annotations
+
+import bisect
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+from eyas.errors import EyasError
+from eyas.manifest import check_same, read_manifest
+from eyas.store import format as fmt
+from eyas.store.writer import read_sidecars
+
+
+@dataclass(frozen=True)
+class StoredSample:
+    id: str
+    input_ids: torch.Tensor   # (T,) int64
+    loss_mask: torch.Tensor   # (T,) bool, True = trainable token
+    aux: torch.Tensor         # (T, 3, h) low/mid/high residual streams, HF hidden_states[aux_layer_ids]
+    final: torch.Tensor       # (T, h) final-norm output; target logits = lm_head(final)
+
+
+class Store:
+    """A store directory. `target` (a Target or a fingerprint dict) makes it refuse another target's store."""
+
+    def __init__(self, path, *, target=None, dtype: torch.dtype = torch.bfloat16, allow_incomplete: bool = False):
+        self.path = Path(path)
+        self.manifest = read_manifest(self.path, kind=fmt.KIND)
+        m = self.manifest
+        if m.get("format") != fmt.FORMAT:
+            raise EyasError(f"{self.path}: store format {m.get('format')!r}, this eyas reads {fmt.FORMAT!r}")
+        if m.get("layers", {}).get("convention") != fmt.LAYER_CONVENTION:
+            raise EyasError(f"{self.path}: layer convention {m.get('layers')!r}, expected {fmt.LAYER_CONVENTION!r}")
+        if target is not None:
+            fp = target if isinstance(target, dict) else target.fingerprint
+            check_same(fp, m["target"], what="target", where=str(self.path))
+        if not m.get("complete") and not allow_incomplete:
+            raise EyasError(f"{self.path}: store is incomplete (capture was interrupted?); rerun the same "
+                            f"capture command to resume it")
+        self.dtype = dtype
+        self.records = read_sidecars(self.path)
+        if m.get("complete"):
+            listed = sorted(s["file"] for s in m["shards"])
+            if listed != [r["file"] for r in self.records]:
+                raise EyasError(f"{self.path}: manifest lists {len(listed)} shards but the directory has "
+                                f"{len(self.records)} committed shards; rerun capture to repair")
+        for r in self.records:
+            f = self.path / r["file"]
+            if not f.exists() or f.stat().st_size != r["bytes"]:
+                raise EyasError(f"{f}: missing or wrong size (expected {r['bytes']} bytes); run `eyas store verify`")
+        self.ids: list[str] = [i for r in self.records for i in r["ids"]]
+        self._starts = [0]
+        for r in self.records:
+            self._starts.append(self._starts[-1] + r["samples"])
+        self._index = {i: n for n, i in enumerate(self.ids)}
+        if len(self._index) != len(self.ids):
+            raise EyasError(f"{self.path}: a sample id appears in more than one shard; run `eyas store verify`")
+        self._handles: dict = {}
+        self._offsets: dict = {}
+        self._pid = os.getpid()
+
+    # ---- header ----
+    @property
+    def aux_layer_ids(self) -> tuple[int, int, int]:
+        return tuple(self.manifest["layers"]["aux"])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.manifest["hidden_size"])
+
+    @property
+    def store_dtype(self) -> str:
+        return self.manifest["dtype"]
+
+    @property
+    def fingerprint(self) -> dict:
+        return self.manifest["target"]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r["tokens"] for r in self.records)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    # ---- random access ----
+    def _shard(self, k: int):
+        if self._pid != os.getpid():  # forked DataLoader worker: reopen the maps
+            self._handles, self._offsets, self._pid = {}, {}, os.getpid()
+        h = self._handles.get(k)
+        if h is None:
+            h = safe_open(str(self.path / self.records[k]["file"]), framework="pt")
+            self._handles[k] = h
+            self._offsets[k] = h.get_tensor("offsets").tolist()
+        return h, self._offsets[k]
+
+    def __getitem__(self, i: int) -> StoredSample:
+        return self.get(i)
+
+    def get(self, i: int, dtype: torch.dtype | None = None) -> StoredSample:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample {i} out of range for a store of {len(self)}")
+        i %= len(self)
+        k = bisect.bisect_right(self._starts, i) - 1
+        j = i - self._starts[k]
+        h, off = self._shard(k)
+        a, b = off[j], off[j + 1]
+        hidden = h.get_slice("hidden")[a:b]                           # (T, 4, h) stored dtype
+        scale = h.get_slice("scale")[a:b] if self.store_dtype == "fp8" else None
+        hidden = fmt.dequantize(hidden, scale, dtype or self.dtype)
+        return StoredSample(
+            id=self.ids[i],
+            input_ids=h.get_slice("input_ids")[a:b].long(),
+            loss_mask=h.get_slice("loss_mask")[a:b].bool(),
+            aux=hidden[:, :3],                                          # (T, 3, h)
+            final=hidden[:, 3],                                         # (T, h)
+        )
+
+    def index_of(self, sample_id: str) -> int:
+        try:
+            return self._index[sample_id]
+        except KeyError:
+            raise EyasError(f"{self.path}: no sample with id {sample_id!r}") from None
+
+    def by_id(self, sample_id: str, dtype: torch.dtype | None = None) -> StoredSample:
+        return self.get(self.index_of(sample_id), dtype)
+
+    def __getstate__(self):
+        return {**self.__dict__, "_handles": {}, "_offsets": {}}
+
+    # ---- reports ----
+    def info(self) -> dict:
+        m = self.manifest
+        tokens = self.num_tokens
+        nbytes = sum(r["bytes"] for r in self.records)
+        return {"path": str(self.path), "complete": bool(m.get("complete")), "samples": len(self),
+                "tokens": tokens, "loss_tokens": sum(r["loss_tokens"] for r in self.records),
+                "shards": len(self.records), "bytes": nbytes,
+                "bytes_per_token": round(nbytes / tokens, 2) if tokens else None,
+                "dtype": m["dtype"], "hidden_size": m["hidden_size"], "aux_layer_ids": list(self.aux_layer_ids),
+                "layer_convention": m["layers"]["convention"], "target": m["target"].get("identity"),
+                "ranks": sorted({r["rank"] for r in self.records})}
+
+    def verify(self, progress: bool = False) -> dict:
+        from eyas.store.verify import verify_store
+        return verify_store(self, progress=progress)
+
+    # ---- training stream ----
+    def stream(self, *, shuffle: bool = True, seed: int = 0, rank: int = 0, world_size: int = 1,
+               dtype: torch.dtype | None = None) -> "SampleStream":
+        return SampleStream(self, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size, dtype=dtype)
+
+
+class SampleStream:
+    """Endless epoch-by-epoch iterator over a store for one rank; resumable via state_dict().
+
+    Epoch e visits a permutation of all samples drawn from seed+e (or store order if not shuffle); rank r
+    takes positions r, r+W, ... of it, truncated so every rank yields len(store)//W samples per epoch.
+    """
+
+    def __init__(self, store: Store, *, shuffle: bool = True, seed: int = 0, rank: int = 0, world_size: int = 1,
+                 dtype: torch.dtype | None = None):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} not in [0, {world_size})")
+        if len(store) < world_size:
+            raise EyasError(f"{store.path}: {len(store)} samples cannot be split over {world_size} ranks")
+        self.store, self.shuffle, self.seed = store, shuffle, seed
+        self.rank, self.world_size, self.dtype = rank, world_size, dtype
+        self.epoch, self.position = 0, 0
+        self.per_rank = len(store) // world_size
+
+    def order(self, epoch: int) -> list[int]:
+        """The sample indices this rank visits in `epoch`."""
+        n = len(self.store)
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + epoch)
+            perm = torch.randperm(n, generator=g).tolist()
+        else:
+            perm = list(range(n))
+        return perm[self.rank::self.world_size][: self.per_rank]
+
+    def __iter__(self) -> Iterator[StoredSample]:
+        while True:
+            order = self.order(self.epoch)
+            while self.position < len(order):
+                i = order[self.position]
+                self.position += 1
+                yield self.store.get(i, self.dtype)
+            self.epoch, self.position = self.epoch + 1, 0
+
+    def state_dict(self) -> dict:
+        """Position after the last yielded sample: a restored stream continues with the next one."""
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "shuffle": self.shuffle,
+                "rank": self.rank, "world_size": self.world_size, "num_samples": len(self.store)}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k in ("seed", "shuffle", "world_size", "num_samples"):
+            mine = self.state_dict()[k]
+            if state[k] != mine:
+                raise EyasError(f"{self.store.path}: stream state has {k}={state[k]!r}, this stream {mine!r}")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+def collate(samples: list[StoredSample], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-pad a list of samples into a batch; attention_mask marks real tokens."""
+    B, T = len(samples), max(s.input_ids.shape[0] for s in samples)
+    h = samples[0].final.shape[-1]
+    dt = samples[0].final.dtype
+    out = {"input_ids": torch.full((B, T), pad_id, dtype=torch.long),
+           "loss_mask": torch.zeros(B, T, dtype=torch.bool),
+           "attention_mask": torch.zeros(B, T, dtype=torch.bool),
+           "aux": torch.zeros(B, T, 3, h, dtype=dt),                  # (B, T, 3, h)
+           "final": torch.zeros(B, T, h, dtype=dt)}                   # (B, T, h)
+    for b, s in enumerate(samples):
+        n = s.input_ids.shape[0]
+        out["input_ids"][b, :n] = s.input_ids
+        out["loss_mask"][b, :n] = s.loss_mask
+        out["attention_mask"][b, :n] = True
+        out["aux"][b, :n] = s.aux
+        out["final"][b, :n] = s.final
+    return out

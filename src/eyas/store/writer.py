@@ -1,0 +1,311 @@
+"""StoreWriter: crash-safe, resumable, multi-rank writing of hidden-state shards.
+
+Commit protocol for one shard (see docs/store.md):
+  1. write `.shard-rRRR-IIIII.safetensors.tmp`, fsync it;
+  2. rename it to `shard-rRRR-IIIII.safetensors`, fsync the directory;
+  3. atomically write the sidecar `shard-rRRR-IIIII.json` (sample ids, counts, sha256): the commit;
+  4. rewrite manifest.json (header + all sidecars gathered from the directory).
+A shard without its sidecar is not committed; on restart its rank deletes it and the temp files.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import queue
+import threading
+from pathlib import Path
+
+import torch
+from safetensors.torch import save as st_save
+
+from eyas.errors import EyasError
+from eyas.manifest import MANIFEST, atomic_write_bytes, check_same, fsync_dir, read_manifest, write_manifest
+from eyas.store import format as fmt
+
+_STOP = object()
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    """Write + fsync one file (a separate function so tests can simulate a full disk)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_sidecars(path: Path) -> list[dict]:
+    """All committed shard records of a store, sorted by shard name."""
+    out = []
+    for p in sorted(path.glob("shard-r*-*.json")):
+        if not fmt.SIDECAR_RE.match(p.name):
+            continue
+        try:
+            rec = json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise EyasError(f"{p}: unreadable shard record ({e})") from e
+        out.append(rec)
+    return out
+
+
+def prepare_store_dir(path: Path, header: dict, *, overwrite: bool, clear: bool) -> None:
+    """Create STORE or check that an existing one has the same configuration; `clear` may delete it."""
+    if path.exists() and not path.is_dir():
+        raise EyasError(f"{path}: exists and is not a directory")
+    if path.is_dir() and any(path.iterdir()):
+        if not (path / MANIFEST).exists():
+            raise EyasError(f"{path}: not empty and not an eyas store; refusing to write into it")
+        old = read_manifest(path)
+        if old.get("kind") != fmt.KIND:
+            raise EyasError(f"{path}: holds a {old.get('kind')!r} directory, not a store; refusing to write into it")
+        if fmt.identity(old) != fmt.identity(header) and not overwrite:
+            try:
+                check_same(fmt.identity(old), fmt.identity(header), what="existing store configuration",
+                           where=str(path))
+            except EyasError as e:
+                raise EyasError(f"{e}; pass --overwrite to replace it") from None
+        if overwrite and clear:
+            for p in path.iterdir():
+                if p.name == MANIFEST or fmt.SHARD_RE.match(p.name) or fmt.SIDECAR_RE.match(p.name) \
+                        or p.name.startswith((".shard-r", f".{MANIFEST}")):
+                    p.unlink()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise EyasError(f"{path}: cannot create the store directory ({e.strerror or e})") from e
+    if not os.access(path, os.W_OK):
+        raise EyasError(f"{path}: directory is not writable")
+
+
+class StoreWriter:
+    """Writes samples into STORE as this rank's shards, in background threads.
+
+    header: {"target": fingerprint, "layers": {"aux": [...], "convention": ...}, "dtype": "bf16"|"fp8",
+             "hidden_size": h, "vocab_size": V, "data": {...}, "config": {...}}
+    """
+
+    def __init__(self, path, *, header: dict, rank: int = 0, world_size: int = 1, overwrite: bool = False,
+                 shard_bytes: int = 512 << 20, threads: int = 2, setup: bool = True):
+        if header.get("dtype") not in fmt.DTYPES:
+            raise EyasError(f"store dtype {header.get('dtype')!r}: expected one of {sorted(fmt.DTYPES)}")
+        self.path = Path(path)
+        self.header = {"kind": fmt.KIND, "format": fmt.FORMAT, **header}
+        self.header["layers"] = {**header["layers"], "convention": fmt.LAYER_CONVENTION}
+        self.rank, self.world_size = rank, world_size
+        self.shard_bytes = shard_bytes
+        self.dtype = header["dtype"]
+        if setup:
+            prepare_store_dir(self.path, self.header, overwrite=overwrite, clear=(rank == 0))
+        self._clean_orphans()
+        self._records = read_sidecars(self.path)
+        self.committed_ids: set[str] = {i for r in self._records for i in r["ids"]}
+        mine = [int(fmt.SHARD_RE.match(r["file"]).group(2)) for r in self._records if r["rank"] == rank]
+        self._next_index = max(mine, default=-1) + 1
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self.bytes_written = 0
+        self.tokens_written = 0
+        self._pending: list[tuple] = []
+        self._pending_bytes = 0
+        self._write_manifest(complete=False)
+        self._intake: queue.Queue = queue.Queue(maxsize=2)
+        self._out: queue.Queue = queue.Queue(maxsize=threads)
+        self._copy_stream = None
+        self._threads = [threading.Thread(target=self._intake_loop, daemon=True, name="store-intake")]
+        self._threads += [threading.Thread(target=self._write_loop, daemon=True, name=f"store-write{i}")
+                          for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    # ---- producer side (main thread) ----
+    def add(self, ids: list[str], lengths: list[int], input_ids: torch.Tensor, loss_mask: torch.Tensor,
+            hidden: torch.Tensor, scale: torch.Tensor | None) -> None:
+        """Queue a packed batch: tokens of the samples concatenated in order.
+
+        input_ids/loss_mask (N,), hidden (N, 4, h) in the store dtype, scale (N, 4) float32 for fp8.
+        Tensors may live on a GPU; the copy to the host runs on a side stream in the intake thread.
+        """
+        self._raise_if_failed()
+        assert sum(lengths) == hidden.shape[0] == input_ids.shape[0] == loss_mask.shape[0]
+        assert hidden.dtype == fmt.DTYPES[self.dtype] and (scale is None) == (self.dtype == "bf16")
+        event = None
+        if hidden.is_cuda:
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(device=hidden.device)
+            event = torch.cuda.Event()
+            event.record()
+            for t in (hidden, scale):
+                if t is not None:
+                    t.record_stream(self._copy_stream)
+        self._put(self._intake, (list(ids), list(lengths), input_ids, loss_mask, hidden, scale, event))
+
+    def add_sample(self, id: str, input_ids, loss_mask, aux: torch.Tensor, final: torch.Tensor) -> None:
+        """Convenience: one sample, aux (T, 3, h) and final (T, h) in any float dtype."""
+        hidden = torch.cat([aux, final.unsqueeze(1)], dim=1)  # (T, 4, h)
+        q, scale = fmt.quantize(hidden, self.dtype)
+        ids = torch.as_tensor(input_ids, dtype=torch.int32)
+        self.add([id], [ids.shape[0]], ids, torch.as_tensor(loss_mask, dtype=torch.uint8), q, scale)
+
+    def close(self) -> None:
+        """Write the last partial shard, wait for all writes, raise the first error (an EyasError)."""
+        self._put(self._intake, _STOP)
+        for t in self._threads:
+            t.join()
+        self._raise_if_failed()
+
+    def abort(self) -> None:
+        """Stop the threads after an error elsewhere; committed shards stay, temp files are removed."""
+        if self._error is None:
+            self._error = EyasError("aborted")
+        try:
+            self._intake.put_nowait(_STOP)
+        except queue.Full:
+            pass
+        for t in self._threads:
+            t.join(timeout=60)
+
+    def finalize(self, expected_ids: set[str] | None) -> dict:
+        """Mark the store complete if it holds exactly `expected_ids` (any rank may call it)."""
+        self._records = read_sidecars(self.path)
+        have = [i for r in self._records for i in r["ids"]]
+        complete = expected_ids is None or (len(have) == len(set(have)) and set(have) == set(expected_ids))
+        return self._write_manifest(complete=complete)
+
+    # ---- threads ----
+    def _put(self, q: queue.Queue, item) -> None:
+        while True:
+            try:
+                q.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            if isinstance(self._error, EyasError):
+                raise self._error
+            raise EyasError(f"{self.path}: shard writer failed ({self._error!r})") from self._error
+
+    def _intake_loop(self) -> None:
+        while True:
+            item = self._intake.get()
+            if item is _STOP:
+                if self._pending and self._error is None:
+                    self._flush()
+                for _ in range(len(self._threads) - 1):
+                    self._out.put(_STOP)
+                return
+            if self._error is not None:
+                continue
+            try:
+                ids, lengths, input_ids, loss_mask, hidden, scale, event = item
+                if event is not None:
+                    with torch.cuda.stream(self._copy_stream):
+                        self._copy_stream.wait_event(event)
+                        hidden, scale, input_ids, loss_mask = (
+                            None if t is None else t.to("cpu") for t in (hidden, scale, input_ids, loss_mask))
+                self._pending.append((ids, lengths, input_ids.cpu(), loss_mask.cpu(), hidden,
+                                      None if scale is None else scale))
+                self._pending_bytes += hidden.numel() * hidden.element_size()
+                if self._pending_bytes >= self.shard_bytes:
+                    self._flush()
+            except BaseException as e:  # noqa: BLE001 - reported to the producer
+                self._error = e
+
+    def _flush(self) -> None:
+        name = fmt.shard_name(self.rank, self._next_index)
+        self._next_index += 1
+        batches, self._pending, self._pending_bytes = self._pending, [], 0
+        self._put_out((name, batches))
+
+    def _put_out(self, item) -> None:
+        while self._error is None:
+            try:
+                self._out.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._out.get()
+            if item is _STOP:
+                return
+            if self._error is not None:
+                continue
+            try:
+                self._write_shard(*item)
+            except BaseException as e:  # noqa: BLE001
+                self._error = e
+
+    def _write_shard(self, name: str, batches: list[tuple]) -> None:
+        ids = [i for b in batches for i in b[0]]
+        lengths = [n for b in batches for n in b[1]]
+        offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+        offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+        tensors = {
+            "input_ids": torch.cat([b[2] for b in batches]).to(torch.int32),
+            "loss_mask": torch.cat([b[3] for b in batches]).to(torch.uint8),
+            "offsets": offsets,
+            "hidden": torch.cat([b[4] for b in batches]),
+        }
+        if self.dtype == "fp8":
+            tensors["scale"] = torch.cat([b[5] for b in batches]).float()
+        data = st_save(tensors, metadata={"format": fmt.FORMAT, "ids": json.dumps(ids)})
+        sha = hashlib.sha256(data).hexdigest()
+        final = self.path / name
+        tmp = self.path / f".{name}.tmp"
+        try:
+            _write_file(tmp, data)
+            os.replace(tmp, final)
+            fsync_dir(self.path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            final.unlink(missing_ok=True)
+            with self._lock:
+                n = sum(r["samples"] for r in self._records)
+            what = "disk full" if e.errno == errno.ENOSPC else "cannot write"
+            raise EyasError(f"{final}: {what} while writing a shard ({e.strerror or e}); the store keeps its "
+                            f"{n} committed samples, free space / fix the directory and rerun to resume") from e
+        rec = {"file": name, "rank": self.rank, "samples": len(ids), "tokens": int(offsets[-1]),
+               "loss_tokens": int(tensors["loss_mask"].sum()), "bytes": len(data), "sha256": sha, "ids": ids}
+        atomic_write_bytes(self.path / fmt.sidecar_name(name), (json.dumps(rec) + "\n").encode())
+        with self._lock:
+            self._records.append(rec)
+            self.committed_ids.update(ids)
+            self.bytes_written += len(data)
+            self.tokens_written += rec["tokens"]
+            self._write_manifest(complete=False)
+
+    # ---- manifest ----
+    def _clean_orphans(self) -> None:
+        """Delete temp files and uncommitted shards of the ranks this rank replaces."""
+        for p in list(self.path.iterdir()):
+            m = fmt.SHARD_RE.match(p.name)
+            if p.name.startswith(".shard-r"):
+                r = int(p.name[len(".shard-r"):][:3])
+            elif m and not (self.path / fmt.sidecar_name(p.name)).exists():
+                r = int(m.group(1))
+            else:
+                continue
+            if r % self.world_size == self.rank:
+                p.unlink(missing_ok=True)
+
+    def _write_manifest(self, *, complete: bool) -> dict:
+        if self.world_size > 1:
+            records = read_sidecars(self.path)
+        else:
+            records = sorted(self._records, key=lambda r: r["file"])
+        shards = [{k: v for k, v in r.items() if k != "ids"} for r in records]
+        m = {**self.header, "complete": bool(complete),
+             "num_shards": len(shards),
+             "num_samples": sum(s["samples"] for s in shards),
+             "num_tokens": sum(s["tokens"] for s in shards),
+             "num_loss_tokens": sum(s["loss_tokens"] for s in shards),
+             "bytes": sum(s["bytes"] for s in shards),
+             "shards": shards}
+        write_manifest(self.path, m)
+        return {"schema": 1, **m}
+
