@@ -1,0 +1,54 @@
+"""`eyas prepare`: argument parsing only; the work is eyas.data.prepare.run_prepare."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from eyas.errors import EyasError
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "prepare", help="tokenize conversations with loss masks (train split only)",
+        description="Tokenize conversations with the target's chat template and assistant loss masks; "
+                    "writes the TRAIN split (held-out ids are skipped) and manifest.json. "
+                    "Rerunning the same command resumes an interrupted run.")
+    p.add_argument("--target", default="smollm2-135m", help="smollm2-135m, an HF dir, a hub id (offline) or a GGUF file")
+    p.add_argument("--data", default="sharegpt", help="sharegpt, a ShareGPT .json or an OpenAI-messages .jsonl")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--limit", type=int, default=None, help="stop after N kept training conversations")
+    p.add_argument("--max-len", type=int, default=2048, help="truncate conversations to L tokens (default 2048)")
+    p.add_argument("--heldout-fraction", type=float, default=0.05, help="fraction held out for bench (default 0.05)")
+    p.add_argument("--regenerate", action="store_true", help="replace assistant turns with the target's own replies")
+    p.add_argument("--server", default=None, help="regenerate through this OpenAI-compatible server URL")
+    p.add_argument("--model", default=None, help="model name on the server (default: its first model)")
+    p.add_argument("--concurrency", type=int, default=8, help="server requests in flight (default 8)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per server request (default 120)")
+    p.add_argument("--retries", type=int, default=3, help="retries per server request (default 3)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy regeneration (default)")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="longest regenerated reply (default 512)")
+    p.add_argument("--batch-size", type=int, default=16, help="conversations per generation batch / commit")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true", help="start again instead of resuming")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the target's remote code")
+    p.set_defaults(func=main)
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    from eyas.data.prepare import PrepareConfig, format_counts, run_prepare
+
+    try:
+        cfg = PrepareConfig(
+            target=args.target, data=args.data, out=args.out, limit=args.limit, max_len=args.max_len,
+            heldout_fraction=args.heldout_fraction, regenerate=args.regenerate, server=args.server,
+            model=args.model, concurrency=args.concurrency, timeout=args.timeout, retries=args.retries,
+            temperature=args.temperature, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+            seed=args.seed, overwrite=args.overwrite, trust_remote_code=args.trust_remote_code)
+    except ValueError as e:
+        raise EyasError(str(e)) from e
+    manifest = run_prepare(cfg)
+    print(f"prepared {cfg.out}")
+    print(format_counts(manifest["counts"]))
+    return 0

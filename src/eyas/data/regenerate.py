@@ -1,0 +1,268 @@
+"""Self-distillation: replace every assistant turn with the target's own reply, turn by turn.
+
+User (and system) turns are kept; reply k is generated from the conversation with replies
+0..k-1 already replaced, so the data follows the target's own distribution (the EAGLE-3 paper
+regenerates before training). Two backends behind one interface,
+`regenerate(convs) -> list[Conversation | Skipped]`:
+
+* `LocalBackend`: batched generation with the loaded target, through the static-cache
+  `eyas.target.runner.Runner` for Llama-family targets, else HF `model.generate`.
+* `ServerBackend`: any OpenAI-compatible chat-completions server (SGLang, vLLM, ...), with
+  timeouts, retries with exponential backoff and a bounded number of requests in flight.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+from eyas.data.chat import TemplateError, encode_prompt
+from eyas.data.sources import Conversation, Skipped
+from eyas.errors import EyasError
+
+
+@dataclass
+class RegenStats:
+    turns: int = 0          # replies generated
+    cut: int = 0            # replies that hit max_new_tokens
+    new_tokens: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {"regenerated_turns": self.turns, "replies_cut_at_max_new_tokens": self.cut,
+                "generated_tokens": self.new_tokens,
+                "generation_tokens_per_s": round(self.new_tokens / self.seconds, 1) if self.seconds else None}
+
+
+def _seed(base: int, conv_id: str, turn: int) -> int:
+    h = hashlib.sha256(f"{base}:{conv_id}:{turn}".encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(h[:4], "big")
+
+
+def _assistant_turns(c: Conversation) -> list[int]:
+    return [i for i, m in enumerate(c.messages) if m["role"] == "assistant"]
+
+
+def _finish(c: Conversation, msgs: list[dict], reason: str | None) -> Conversation | Skipped:
+    """Keep the conversation up to its last regenerated reply; skip it when none is left."""
+    last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=-1)
+    if last < 0:
+        return Skipped(reason or "regeneration failed", c.where, f"no reply could be regenerated ({reason})")
+    return replace(c, messages=tuple(msgs[: last + 1]))
+
+
+# --------------------------------------------------------------------------- local
+
+def hf_generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+                eos_ids, seed: int, pad_id: int = 0) -> list[list[int]]:
+    """Batched HF generation, same contract as Runner.generate: new tokens up to and including eos."""
+    import torch
+
+    dev = next(model.parameters()).device
+    T = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), T), pad_id, dtype=torch.long, device=dev)
+    att = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):  # left padding
+        ids[b, T - len(p):] = torch.tensor(p, device=dev)
+        att[b, T - len(p):] = 1
+    torch.manual_seed(seed)
+    kw = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=att, max_new_tokens=max_new_tokens,
+                             eos_token_id=list(eos_ids) or None, pad_token_id=pad_id, **kw)
+    res, eos = [], set(eos_ids)
+    for row in out[:, T:].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        res.append(row[:cut])
+    return res
+
+
+class LocalBackend:
+    """Regenerate with the loaded target, a batch of conversations in lock-step by turn."""
+
+    def __init__(self, target, *, max_len: int, max_new_tokens: int, temperature: float, seed: int,
+                 batch_size: int = 16, use_runner: bool = True):
+        self.tok, self.model = target.tokenizer, target.model
+        self.eos = list(target.eos_token_ids) if hasattr(target, "eos_token_ids") else [self.tok.eos_token_id]
+        self.max_len, self.max_new, self.temperature, self.seed = max_len, max_new_tokens, temperature, seed
+        self.stats = RegenStats()
+        self.generate = self._pick(batch_size, use_runner)
+
+    def _pick(self, batch_size: int, use_runner: bool):
+        pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else (self.eos[0] if self.eos else 0)
+        if use_runner:
+            try:
+                from eyas.target.runner import Runner
+                runner = Runner.from_hf(self.model, max_batch=batch_size, max_seq=self.max_len + self.max_new)
+                return lambda prompts, seed: runner.generate(prompts, self.max_new, temperature=self.temperature,
+                                                             eos_ids=self.eos, seed=seed)
+            except (ImportError, EyasError, AttributeError):
+                pass
+        return lambda prompts, seed: hf_generate(self.model, prompts, self.max_new, self.temperature, self.eos, seed, pad)
+
+    def regenerate(self, convs: list[Conversation], progress=None) -> list[Conversation | Skipped]:
+        msgs = [list(c.messages) for c in convs]
+        turns = [_assistant_turns(c) for c in convs]
+        done: list[str | None] = [None] * len(convs)  # why a conversation stopped early
+        for r in range(max((len(t) for t in turns), default=0)):
+            batch, where = [], []
+            for k, c in enumerate(convs):
+                if done[k] or r >= len(turns[k]):
+                    continue
+                i = turns[k][r]
+                try:
+                    prompt = encode_prompt(self.tok, msgs[k][:i])
+                except TemplateError:
+                    done[k] = "chat template error"
+                    msgs[k] = msgs[k][:i]
+                    continue
+                if len(prompt) >= self.max_len:  # the reply would be truncated away anyway
+                    done[k] = "prompt longer than max-len"
+                    msgs[k] = msgs[k][:i]
+                    continue
+                batch.append(prompt)
+                where.append((k, i))
+            if not batch:
+                continue
+            t0 = time.perf_counter()
+            outs = self.generate(batch, _seed(self.seed, convs[where[0][0]].id, r))
+            self.stats.seconds += time.perf_counter() - t0
+            for (k, i), out in zip(where, outs):
+                self.stats.turns += 1
+                self.stats.new_tokens += len(out)
+                if not out or out[-1] not in self.eos:
+                    self.stats.cut += 1
+                text = self.tok.decode(out, skip_special_tokens=True)
+                if not text.strip():
+                    done[k] = "empty regenerated reply"
+                    msgs[k] = msgs[k][:i]
+                    continue
+                msgs[k][i] = {"role": "assistant", "content": text}
+            if progress is not None:
+                progress(sum(len(o) for o in outs), self.stats)
+        return [_finish(c, m, d) for c, m, d in zip(convs, msgs, done)]
+
+
+# --------------------------------------------------------------------------- server
+
+def chat_url(server: str) -> str:
+    url = server.rstrip("/")
+    if url.endswith("/chat/completions"):
+        return url
+    if url.endswith("/v1"):
+        return url + "/chat/completions"
+    return url + "/v1/chat/completions"
+
+
+class ServerBackend:
+    """Regenerate through an OpenAI-compatible chat-completions endpoint."""
+
+    RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
+
+    def __init__(self, server: str, *, model: str | None, max_new_tokens: int, temperature: float, seed: int,
+                 concurrency: int = 8, timeout: float = 120.0, retries: int = 3, backoff: float = 1.0,
+                 max_backoff: float = 30.0, client=None):
+        import httpx
+
+        self.url, self.max_new, self.temperature, self.seed = chat_url(server), max_new_tokens, temperature, seed
+        self.concurrency, self.retries, self.backoff, self.max_backoff = concurrency, retries, backoff, max_backoff
+        self.client = client or httpx.Client(timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+                                             limits=httpx.Limits(max_connections=concurrency))
+        self.model = model or self._first_model()
+        self.stats = RegenStats()
+        self._lock = threading.Lock()
+        self.sleeps: list[float] = []  # backoff delays taken (for the report and tests)
+
+    def _first_model(self) -> str:
+        import httpx
+
+        url = self.url.rsplit("/chat/completions", 1)[0] + "/models"
+        try:
+            r = self.client.get(url)
+            r.raise_for_status()
+            return r.json()["data"][0]["id"]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
+            raise EyasError(f"{url}: could not list the server's models ({e}); pass --model NAME") from e
+
+    def _post(self, payload: dict, what: str) -> dict:
+        """One chat completion with retries; raises EyasError naming `what` when they run out."""
+        import httpx
+
+        last = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                delay = min(self.backoff * 2 ** (attempt - 1), self.max_backoff)
+                with self._lock:
+                    self.sleeps.append(delay)
+                time.sleep(delay)
+            try:
+                r = self.client.post(self.url, json=payload)
+            except httpx.TimeoutException:
+                last = "timed out"
+                continue
+            except httpx.TransportError as e:
+                last = f"connection failed ({type(e).__name__}: {e})"
+                continue
+            if r.status_code in self.RETRY_STATUS:
+                last = f"HTTP {r.status_code} {r.text[:200]!r}"
+                continue
+            if r.status_code >= 400:
+                raise _Rejected(f"HTTP {r.status_code} {r.text[:200]!r}")
+            try:
+                body = r.json()
+                choice = body["choices"][0]
+                return {"text": choice["message"]["content"] or "", "finish": choice.get("finish_reason"),
+                        "tokens": (body.get("usage") or {}).get("completion_tokens", 0)}
+            except (ValueError, KeyError, IndexError, TypeError) as e:
+                last = f"unexpected response ({e})"
+                continue
+        raise EyasError(f"{self.url}: {what}: {last} after {self.retries + 1} attempts")
+
+    def _one(self, c: Conversation) -> Conversation | Skipped:
+        msgs = list(c.messages)
+        for r, i in enumerate(_assistant_turns(c)):
+            payload = {"model": self.model, "messages": msgs[:i], "max_tokens": self.max_new,
+                       "temperature": self.temperature, "seed": _seed(self.seed, c.id, r)}
+            try:
+                out = self._post(payload, f"conversation {c.id} turn {i}")
+            except _Rejected as e:
+                return _finish(c, msgs[:i], f"server rejected: {e}")
+            with self._lock:
+                self.stats.turns += 1
+                self.stats.new_tokens += out["tokens"]
+                self.stats.cut += out["finish"] == "length"
+            if not out["text"].strip():
+                return _finish(c, msgs[:i], "empty regenerated reply")
+            msgs[i] = {"role": "assistant", "content": out["text"]}
+        return replace(c, messages=tuple(msgs))
+
+    def regenerate(self, convs: list[Conversation], progress=None) -> list[Conversation | Skipped]:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+            futures = [pool.submit(self._one, c) for c in convs]
+            try:
+                out = [f.result() for f in futures]
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+        self.stats.seconds += time.perf_counter() - t0
+        if progress is not None:
+            progress(0, self.stats)
+        return out
+
+
+class _Rejected(Exception):
+    """A 4xx answer that retrying will not fix (e.g. the prompt is too long for the server)."""
+
+
+def make_backend(cfg, target):
+    if cfg.server:
+        return ServerBackend(cfg.server, model=cfg.model, max_new_tokens=cfg.max_new_tokens,
+                             temperature=cfg.temperature, seed=cfg.seed, concurrency=cfg.concurrency,
+                             timeout=cfg.timeout, retries=cfg.retries)
+    return LocalBackend(target, max_len=cfg.max_len, max_new_tokens=cfg.max_new_tokens,
+                        temperature=cfg.temperature, seed=cfg.seed, batch_size=cfg.batch_size)
