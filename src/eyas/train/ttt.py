@@ -135,7 +135,8 @@ def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, val
     total, losses, counts, corrects, ccounts, ccorrects = 0.0, [], [], [], [], []
     for k in range(K):
         emb_k = _shift(embeds, k + 1)                                              # (B, T, h) embed(x_{t+k+1})
-        out, cache = drafter.layer(hidden, emb_k, positions + k, full_mask[:, :, : (k + 1) * T], cache)
+        mask_k = full_mask[:, :, : (k + 1) * T].contiguous()                      # (B, T, (k+1)T)
+        out, cache = drafter.layer(hidden, emb_k, positions + k, mask_k, cache)
         run = run & _shift(valid, k + 2)
         m = run & _shift(lmask, k + 2) & _shift(in_draft, k + 1)                   # (B, T) counted positions
         fin_k, tgt_k = _shift(final, k + 1), _shift(tgt_draft, k + 1)              # target at t+k+1
