@@ -39,7 +39,7 @@ class CaptureConfig:
     """Replace a store of another configuration in `out` instead of refusing."""
     limit: int | None = None
     """Capture only the first N samples of the data."""
-    shard_mb: int = 512
+    shard_mb: float = 512
     """Target shard size in MiB of hidden states (a shard closes at the first batch past it)."""
     writer_threads: int = 2
     """Background threads that serialise, hash and fsync shards."""
@@ -49,7 +49,7 @@ class CaptureConfig:
     def __post_init__(self):
         if self.dtype not in fmt.DTYPES:
             raise ValueError(f"dtype {self.dtype!r}: expected one of {sorted(fmt.DTYPES)}")
-        if self.batch_tokens < 1 or self.shard_mb < 1 or self.writer_threads < 1:
+        if self.batch_tokens < 1 or self.shard_mb <= 0 or self.writer_threads < 1:
             raise ValueError("batch_tokens, shard_mb and writer_threads must be positive")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit {self.limit}: must be positive")
@@ -141,7 +141,7 @@ def run_capture(cfg: CaptureConfig, target=None, *, samples: Iterable | None = N
               "target": target.fingerprint, "layers": {"aux": list(aux)}, "dtype": cfg.dtype,
               "hidden_size": target.hidden_size, "vocab_size": target.vocab_size, "data": data_id}
     kw = dict(header=header, rank=rank, world_size=world_size, overwrite=cfg.overwrite,
-              shard_bytes=cfg.shard_mb << 20, threads=cfg.writer_threads)
+              shard_bytes=int(cfg.shard_mb * (1 << 20)), threads=cfg.writer_threads)
     if rank == 0:
         writer = StoreWriter(cfg.out, **kw)
         _barrier()

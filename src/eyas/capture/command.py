@@ -28,7 +28,7 @@ def register(subparsers) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--overwrite", action="store_true", help="replace a store of another configuration")
     p.add_argument("--limit", type=int, default=None, help="capture only the first N samples")
-    p.add_argument("--shard-mb", type=int, default=512, help="shard size in MiB")
+    p.add_argument("--shard-mb", type=float, default=512, help="shard size in MiB")
     p.set_defaults(func=_main)
 
 
