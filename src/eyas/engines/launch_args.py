@@ -1,0 +1,148 @@
+"""Server flags for capture through SGLang or vLLM, per target config and engine version.
+
+Flag names were checked against the SGLang wheels 0.5.14 and 0.5.23 (server_args.py /
+arg_groups/fields/*.py) and vLLM's extract_hidden_states example + connector source:
+  --disable-radix-cache, --chunked-prefill-size -1, --cuda-graph-backend-decode disabled,
+  --cuda-graph-backend-prefill disabled, --forward-hooks JSON (list of {name, target_modules,
+  hook_factory, config}), and from 0.5.23 --enable-return-aux-hidden-states with
+  --speculative-algorithm EAGLE3 --return-aux-hidden-state-layer-ids IDS.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+from eyas.errors import EyasError
+
+FIRST_AUX_FLAG_VERSION = (0, 5, 23)   # --enable-return-aux-hidden-states
+FIRST_HOOKS_VERSION = (0, 5, 14)      # --forward-hooks checked present from here (absent in 0.5.4)
+HOOK_FACTORY = "eyas.engines.sglang_hook:make_capture_hook"
+AUX_ENABLE_FACTORY = "eyas.engines.sglang_hook:make_aux_enable_hook"
+DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM",
+                  "KimiK25ForConditionalGeneration")
+
+
+def parse_version(v: str) -> tuple[int, int, int]:
+    """'0.5.15.post1' -> (0, 5, 15)."""
+    try:
+        parts = [int(p) for p in v.split(".")[:3]]
+    except ValueError:
+        raise EyasError(f"engine version {v!r}: expected X.Y.Z") from None
+    if len(parts) != 3:
+        raise EyasError(f"engine version {v!r}: expected X.Y.Z")
+    return tuple(parts)  # type: ignore[return-value]
+
+
+def default_aux_ids(n: int) -> list[int]:
+    return [2, n // 2, n - 3]
+
+
+def read_target_config(path) -> dict:
+    """A HF config.json; multimodal wrappers (Kimi-K2.5) keep the LM under text_config."""
+    p = Path(path)
+    try:
+        cfg = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise EyasError(f"{p}: cannot read target config ({e})") from e
+    text = cfg.get("text_config") or cfg
+    if "num_hidden_layers" not in text:
+        raise EyasError(f"{p}: no num_hidden_layers (not a HF causal-LM config.json?)")
+    arch = (cfg.get("architectures") or text.get("architectures") or ["?"])[0]
+    return {"num_layers": int(text["num_hidden_layers"]), "hidden_size": int(text["hidden_size"]),
+            "architecture": arch, "model_type": text.get("model_type", cfg.get("model_type"))}
+
+
+def is_deepseek(arch: str, model_type: str | None = None) -> bool:
+    return arch in DEEPSEEK_ARCHS or (model_type or "").startswith(("deepseek", "kimi"))
+
+
+def sglang_layer_ids(hf_ids, arch: str, model_type: str | None = None) -> list[int]:
+    """HF hidden_states ids -> the ids to give SGLang so that it captures exactly those.
+
+    Most SGLang models capture `layers_to_capture = [i + 1 for i in ids]`; deepseek_v2.py adds the
+    +1 only when ids[0] == 1 and otherwise uses the ids as given (EAGLE3.md section 1).
+    """
+    hf = [int(i) for i in hf_ids]
+    if min(hf) < 1:
+        raise EyasError(f"aux layer ids {hf}: SGLang cannot capture hidden_states[0] (the embedding)")
+    if not is_deepseek(arch, model_type):
+        return [i - 1 for i in hf]
+    if hf[0] == 2:
+        return [i - 1 for i in hf]   # first id becomes 1 -> SGLang adds +1 to all
+    if hf[0] == 1:
+        raise EyasError(f"aux layer ids {hf}: with DeepSeek SGLang ids starting at 1 get +1, so HF id 1 "
+                        f"cannot be expressed; choose a first id other than 1")
+    return hf                        # first id != 1 -> SGLang uses them as given
+
+
+def sglang_capture_ids(sglang_ids, arch: str, model_type: str | None = None) -> list[int]:
+    """What SGLang's set_eagle3_layers_to_capture makes of `sglang_ids` (its layers_to_capture = HF ids)."""
+    ids = list(sglang_ids)
+    if is_deepseek(arch, model_type):
+        return [i + 1 for i in ids] if ids and ids[0] == 1 else ids
+    return [i + 1 for i in ids]
+
+
+def hook_spec(store: str, data: str, hf_ids, *, num_layers: int, aux_flag: bool, sglang_ids) -> list[dict]:
+    """The --forward-hooks JSON (format of sglang/srt/model_executor/hook_manager.py)."""
+    cfg = {"store": store, "data": data, "aux_layer_ids": list(hf_ids), "num_layers": num_layers}
+    spec = [{"name": "eyas_capture", "target_modules": ["logits_processor"],
+             "hook_factory": HOOK_FACTORY, "config": cfg}]
+    if not aux_flag:
+        # No --enable-return-aux-hidden-states: a hook on the root module (name "") switches aux capture
+        # on after the first forward (the server's warm-up), through the model's own setter.
+        spec.append({"name": "eyas_enable_aux", "target_modules": [""], "hook_factory": AUX_ENABLE_FACTORY,
+                     "config": {"sglang_layer_ids": list(sglang_ids)}})
+    return spec
+
+
+def sglang_args(target_config, version: str, *, model: str = "MODEL", store: str = "STORE",
+                data: str = "PREPARED", aux_layer_ids=None, tp: int = 1, attn_dp: int = 1) -> list[str]:
+    info = read_target_config(target_config) if not isinstance(target_config, dict) else target_config
+    v = parse_version(version)
+    if v < FIRST_HOOKS_VERSION:
+        raise EyasError(f"SGLang {version} has no --forward-hooks (checked from {'.'.join(map(str, FIRST_HOOKS_VERSION))}); "
+                        f"use `eyas engine patch sglang --apply` and the printed flags of 0.5.14")
+    n = info["num_layers"]
+    hf = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_ids(n)
+    if max(hf) >= n:
+        raise EyasError(f"aux layer ids {hf}: the target has {n} layers (ids must be < {n})")
+    sg = sglang_layer_ids(hf, info["architecture"], info.get("model_type"))
+    aux_flag = v >= FIRST_AUX_FLAG_VERSION
+    args = ["python", "-m", "sglang.launch_server", "--model-path", model, "--tp-size", str(tp)]
+    if attn_dp > 1:
+        args += ["--dp-size", str(attn_dp), "--enable-dp-attention"]
+    args += ["--disable-radix-cache", "--chunked-prefill-size", "-1",
+             "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
+    if aux_flag:
+        args += ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
+                 "--return-aux-hidden-state-layer-ids", *map(str, sg)]
+    args += ["--forward-hooks", json.dumps(hook_spec(store, data, hf, num_layers=n, aux_flag=aux_flag,
+                                                     sglang_ids=sg), separators=(",", ":"))]
+    return args
+
+
+def vllm_args(target_config, *, model: str = "MODEL", out_dir: str = "VLLM_OUT", aux_layer_ids=None,
+              tp: int = 1) -> list[str]:
+    """vLLM: extract_hidden_states speculative method + ExampleHiddenStatesConnector.
+
+    Layer ids are HF indices (vLLM's convention). Id N (num_layers) is requested as the 4th state for
+    the final hidden state; whether vLLM returns it pre- or post-norm is checked by `engine crosscheck`.
+    """
+    info = read_target_config(target_config) if not isinstance(target_config, dict) else target_config
+    n = info["num_layers"]
+    hf = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_ids(n)
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [*hf, n]}}}
+    kv = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+          "kv_connector_extra_config": {"shared_storage_path": out_dir}}
+    return ["vllm", "serve", model, "--tensor-parallel-size", str(tp), "--no-enable-prefix-caching",
+            "--no-enable-chunked-prefill", "--enforce-eager",
+            "--speculative-config", json.dumps(spec, separators=(",", ":")),
+            "--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
+
+
+def format_command(args: list[str]) -> str:
+    return " \\\n  ".join(shlex.quote(a) for a in args)

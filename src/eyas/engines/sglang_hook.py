@@ -1,0 +1,177 @@
+"""SGLang forward hook (loaded with --forward-hooks) that writes EAGLE-3 states into an eyas store.
+
+It is registered on the target's `logits_processor` (hook_manager.register_forward_hook), whose
+positional inputs are (input_ids, hidden_states, lm_head, forward_batch, aux_hidden_states):
+  hidden_states  (N, h)  final-norm output of every token of the batch (before pruning to last tokens)
+  aux            list of 3 x (N, h), or packed (N, 3h) from 0.5.23; the residual stream entering the
+                 captured layers (SGLang's layers_to_capture = HF ids)
+  forward_batch  .rids, .extend_seq_lens_cpu, .extend_prefix_lens_cpu, .forward_mode
+Only attention-TP rank 0 of each attention-DP group writes (TP ranks hold the same states after the
+all-reduce); the writer rank is the DP rank, so each DP group has its own shards in the one store.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from eyas.engines.records import Assembler, Record
+
+IDLE_FLUSH_S = 5.0
+FLUSH_RID = "eyas-control-flush"
+
+
+def events_name(rank: int) -> str:
+    return f"engine-events-r{rank:03d}.jsonl"
+
+
+def sglang_ranks() -> tuple[int, int, int]:
+    """(attention TP rank, attention DP rank, attention DP size) from SGLang's dp_attention module."""
+    from sglang.srt.layers import dp_attention as d  # noqa: PLC0415 - only inside the server
+    return d.get_attention_tp_rank(), d.get_attention_dp_rank(), d.get_attention_dp_size()
+
+
+def unpack_aux(aux, n: int, h: int, num_aux: int) -> torch.Tensor | None:
+    """list of K x (N, h) | packed (N, K*h) | packer with .finalize() -> (N, K, h)."""
+    if aux is None:
+        return None
+    if hasattr(aux, "finalize") and not isinstance(aux, torch.Tensor):
+        aux = aux.finalize()
+    if isinstance(aux, (list, tuple)):
+        if len(aux) == 0:
+            return None
+        aux = torch.stack(list(aux), dim=1)            # (N, K, h)
+    elif isinstance(aux, torch.Tensor) and aux.dim() == 2:
+        aux = aux.reshape(aux.shape[0], -1, h)         # (N, K*h) -> (N, K, h)
+    return aux
+
+
+def batch_view(args: tuple, num_aux: int = 3):
+    """The logits processor's positional inputs -> (mode, rids, extend lens, prefix lens, ids, final, aux)."""
+    input_ids, hidden = args[0], args[1]
+    fb = args[3]
+    aux = args[4] if len(args) > 4 else None
+    mode = getattr(getattr(fb, "forward_mode", None), "name", str(getattr(fb, "forward_mode", "")))
+    rids = list(getattr(fb, "rids", None) or [])
+    ext = getattr(fb, "extend_seq_lens_cpu", None)
+    pre = getattr(fb, "extend_prefix_lens_cpu", None)
+    aux = unpack_aux(aux, hidden.shape[0], hidden.shape[-1], num_aux)
+    return mode, rids, ext, pre, input_ids, hidden, aux
+
+
+class CaptureHook:
+    """The callable SGLang registers: hook(module, args, output)."""
+
+    def __init__(self, *, store, expected: dict, loss_masks: dict, num_aux: int = 3, ranks=None,
+                 writer_factory=None, idle_flush_s: float = IDLE_FLUSH_S):
+        self.store = Path(store)
+        self.loss_masks = loss_masks
+        self._ranks = ranks or sglang_ranks
+        self._writer_factory = writer_factory or self._store_writer
+        self.tp_rank = self.dp_rank = self.dp_size = None
+        self.asm = Assembler(expected, num_aux=num_aux)
+        self.writer = None
+        self.idle_flush_s = idle_flush_s
+        self._last = time.monotonic()
+        self._lock = threading.Lock()
+        self._timer = None
+
+    # ---- writer ----
+    def _store_writer(self, rank: int, world: int):
+        from eyas.manifest import read_manifest  # noqa: PLC0415
+        from eyas.store import format as fmt  # noqa: PLC0415
+        from eyas.store.writer import StoreWriter  # noqa: PLC0415
+        m = read_manifest(self.store, kind=fmt.KIND)   # created by run_engine_capture before any request
+        header = {k: m[k] for k in m if k in ("target", "layers", "dtype", "hidden_size", "vocab_size",
+                                              "data", "config")}
+        return StoreWriter(self.store, header=header, rank=rank, world_size=world, setup=False)
+
+    def _ensure_ranks(self) -> bool:
+        if self.tp_rank is None:
+            self.tp_rank, self.dp_rank, self.dp_size = self._ranks()
+            if self.tp_rank == 0:
+                from eyas.store.writer import read_sidecars  # noqa: PLC0415
+                if self.store.exists():
+                    self.asm.done |= {i for r in read_sidecars(self.store) for i in r["ids"]}
+        return self.tp_rank == 0
+
+    def _event(self, rec: Record) -> None:
+        line = {"rid": rec.rid, "id": rec.sample_id, "ok": rec.ok, "reason": rec.reason, "dp_rank": self.dp_rank,
+                "tokens": None if rec.input_ids is None else int(rec.input_ids.shape[0]), "time": time.time()}
+        with open(self.store / events_name(self.dp_rank), "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def flush(self) -> None:
+        """Commit everything accepted so far (closes the writer; the next sample opens a new one)."""
+        with self._lock:
+            if self.writer is not None:
+                self.writer.close()
+                self.writer = None
+
+    def _idle_loop(self) -> None:
+        while True:
+            time.sleep(self.idle_flush_s / 2)
+            if self.writer is not None and time.monotonic() - self._last > self.idle_flush_s:
+                self.flush()
+
+    # ---- the hook ----
+    def __call__(self, module, args, output=None):
+        if not self._ensure_ranks():
+            return None                          # TP duplicate: rank 0 of the group writes
+        mode, rids, ext, pre, ids, final, aux = batch_view(args, self.asm.num_aux)
+        if mode not in ("EXTEND", "MIXED") or not rids:
+            return None                          # decode / idle / dummy forwards carry no prompt states
+        if any(r.startswith(FLUSH_RID) for r in rids):
+            self.flush()
+            return None
+        if ext is None or pre is None:
+            ext, pre = [int(ids.shape[0])], [0]
+        self._last = time.monotonic()
+        for rec in self.asm.feed(rids, list(ext), list(pre), ids, final, aux):
+            if rec.ok:
+                with self._lock:
+                    if self.writer is None:
+                        self.writer = self._writer_factory(self.dp_rank, self.dp_size)
+                    self.writer.add_sample(rec.sample_id, rec.input_ids, self.loss_masks[rec.sample_id],
+                                           rec.aux, rec.final)
+                rec = Record(rec.rid, rec.sample_id, True)   # do not keep tensors alive in the log path
+            self._event(rec)
+        if self._timer is None and self.idle_flush_s > 0:
+            self._timer = threading.Thread(target=self._idle_loop, daemon=True, name="eyas-idle-flush")
+            self._timer.start()
+        return None
+
+
+def load_expected(data_path) -> tuple[dict, dict]:
+    """Prepared data -> ({sample id: token ids}, {sample id: loss mask})."""
+    from eyas.data.prepared import PreparedData  # noqa: PLC0415
+    ids, masks = {}, {}
+    for s in PreparedData(data_path):
+        ids[s.id], masks[s.id] = s.input_ids, s.loss_mask
+    return ids, masks
+
+
+def make_capture_hook(config: dict):
+    """--forward-hooks factory: config {store, data, aux_layer_ids, num_layers}."""
+    expected, masks = load_expected(config["data"])
+    return CaptureHook(store=config["store"], expected=expected, loss_masks=masks,
+                       num_aux=len(config.get("aux_layer_ids", [0, 0, 0])),
+                       idle_flush_s=float(config.get("idle_flush_s", IDLE_FLUSH_S)))
+
+
+def make_aux_enable_hook(config: dict):
+    """--forward-hooks factory for SGLang without --enable-return-aux-hidden-states: after the first
+    forward of the root model (the server warm-up) it calls the model's set_eagle3_layers_to_capture."""
+    ids = list(config["sglang_layer_ids"])
+    done = []
+
+    def hook(module, args, output):
+        if not done and hasattr(module, "set_eagle3_layers_to_capture"):
+            module.set_eagle3_layers_to_capture(ids)
+            done.append(True)
+        return None
+    return hook
