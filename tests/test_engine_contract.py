@@ -205,3 +205,16 @@ def test_config_fields(sglang, vllm, exported):
     assert "layer_ids = getattr(hf_config, 'eagle_aux_hidden_state_layer_ids', None)" in vfn
     assert config["tie_word_embeddings"] is False and config["num_hidden_layers"] == 1
     assert set(LLAMA_FIELDS) - {"attention_bias"} <= set(config) | {"rope_scaling"}
+
+
+def test_checker_catches_bad_exports(sglang, vllm, exported):
+    """The checks above are not vacuous: a misspelt key or a wrong shape fails them."""
+    config, tensors = exported
+    renamed = dict(tensors)
+    renamed["midlayer.hiddennorm.weight"] = renamed.pop("midlayer.hidden_norm.weight")   # silently dropped
+    for check, src in ((test_sglang_weights, sglang), (test_vllm_weights, vllm)):
+        with pytest.raises(AssertionError, match="drop"):
+            check(src, (config, renamed))
+    reshaped = {**tensors, "fc.weight": torch.zeros(64, 128, dtype=torch.bfloat16)}
+    with pytest.raises(AssertionError, match="fc.weight"):
+        test_vllm_weights(vllm, (config, reshaped))
