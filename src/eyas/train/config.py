@@ -1,0 +1,128 @@
+"""TrainConfig: every knob of `eyas train`, frozen, validated, written into RUN/manifest.json."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+# Fields that may change between a run and its --resume (they do not change the loss curve).
+RESUME_FREE = ("resume", "progress", "checkpoint_every", "keep_checkpoints", "target", "device")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    out: str
+    """Run directory RUN (manifest.json, drafter/, vocab, checkpoints/, metrics.jsonl, tb/)."""
+    store: str | None = None
+    """Offline mode: the hidden-state store to train from."""
+    data: str | None = None
+    """Online mode: a prepared-data directory; the target runs inside each step (needs `target`)."""
+    target: str | None = None
+    """Target spec (online mode; offline: for the frozen embedding/lm_head, default = the store's target)."""
+    epochs: int | None = None
+    """Passes over the training split (default 1 when `steps` is not set)."""
+    steps: int | None = None
+    """Optimizer steps; overrides `epochs` (epochs then repeat as needed)."""
+    resume: bool = False
+    """Continue from the latest checkpoint in RUN/checkpoints (refuses another configuration)."""
+    init: str | None = None
+    """Start from the weights (and draft vocab) of a saved drafter directory instead of random init."""
+    lr: float = 1e-4
+    """Peak learning rate (SpecForge 1e-4; the EAGLE reference 5e-5)."""
+    min_lr_ratio: float = 0.0
+    """Cosine decays to lr * min_lr_ratio."""
+    warmup_ratio: float = 0.02
+    """Share of the total steps spent in linear warm-up."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    grad_clip: float = 0.5
+    """Global gradient-norm clip (0 disables)."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step on each rank."""
+    batch_tokens: int = 4096
+    """Token budget of one micro-batch: rows * padded length <= this (a longer sample gets a row alone)."""
+    max_len: int = 2048
+    """Samples are truncated to this many tokens."""
+    ttt_steps: int = 7
+    """K, unrolled draft steps of training-time test."""
+    decay: float = 0.8
+    """Loss weight of step k is decay**k."""
+    chunk_size: int | None = None
+    """Positions per logits chunk in the TTT loss (None: whole sequence; set it on long sequences on GPU)."""
+    draft_vocab: int = 32000
+    """Draft vocabulary size (capped at the target vocabulary)."""
+    intermediate_size: int | None = None
+    """Drafter MLP width (default: the target's)."""
+    device: str = "auto"
+    """'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:N'. Under torchrun: cuda:LOCAL_RANK."""
+    seed: int = 0
+    """Seeds the drafter init and the data order."""
+    deterministic: bool = False
+    """torch.use_deterministic_algorithms and fp32 math (no autocast): bitwise-repeatable runs."""
+    eval_fraction: float = 0.05
+    """Share of samples held out for evaluation, by a hash of the sample id (0 disables eval)."""
+    checkpoint_every: int = 0
+    """Checkpoint every N optimizer steps (0: only at the end). A checkpoint is also written at the end."""
+    keep_checkpoints: int = 2
+    """How many step-N checkpoints to keep (the newest)."""
+    log_every: int = 1
+    """Write train metrics every N optimizer steps."""
+    fsdp: bool = False
+    """Shard the drafter with FSDP2 (torch.distributed.fsdp.fully_shard) instead of DDP."""
+    progress: bool = True
+    """Show a tqdm progress bar (rank 0)."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+        if (self.store is None) == (self.data is None):
+            raise ValueError("train: give exactly one of --store (offline) or --data (online)")
+        if self.data is not None and self.target is None:
+            raise ValueError("train: online training (--data) needs --target")
+        if self.epochs is not None and self.epochs < 1:
+            raise ValueError(f"train: --epochs must be >= 1, got {self.epochs}")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"train: --steps must be >= 1, got {self.steps}")
+        if not self.lr > 0:
+            raise ValueError(f"train: --lr must be positive, got {self.lr}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0 or not 0.0 <= self.warmup_ratio < 1.0:
+            raise ValueError("train: min_lr_ratio must be in [0, 1] and warmup_ratio in [0, 1)")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"train: betas must be two numbers in [0, 1), got {self.betas}")
+        for name in ("grad_accum", "batch_tokens", "max_len", "ttt_steps", "draft_vocab", "log_every",
+                     "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train: {name} must be >= 1, got {getattr(self, name)}")
+        if self.max_len < 3:
+            raise ValueError(f"train: max_len must be >= 3 (TTT predicts x[t+2]), got {self.max_len}")
+        if self.checkpoint_every < 0 or self.grad_clip < 0:
+            raise ValueError("train: checkpoint_every and grad_clip must be >= 0")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"train: eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        if not 0.0 < self.decay <= 1.0:
+            raise ValueError(f"train: decay must be in (0, 1], got {self.decay}")
+        if self.intermediate_size is not None and self.intermediate_size < 1:
+            raise ValueError(f"train: intermediate_size must be >= 1, got {self.intermediate_size}")
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise ValueError(f"train: chunk_size must be >= 1, got {self.chunk_size}")
+
+    @property
+    def online(self) -> bool:
+        return self.data is not None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"train config: unknown keys {unknown}")
+        return cls(**d)
+
+    def identity(self) -> dict:
+        """The fields a --resume must match."""
+        return {k: v for k, v in self.to_dict().items() if k not in RESUME_FREE}

@@ -1,0 +1,201 @@
+"""Training batches: sources (offline store / online prepared data), the eval split, the batch plan, collate.
+
+Both modes produce the same `Batch`: right-padded (B, T) ids/masks plus aux (B, T, 3h_t) = concat(low, mid,
+high) and final (B, T, h_t). Offline reads them from the store; online runs the target's decoder stack with
+forward pre-hooks on the aux layers (no lm_head, so no T x V logits) and keeps nothing.
+
+The batch plan is a pure function of (seed, epoch, lengths): micro-batch m of an epoch goes to rank
+m % world_size, and a step on a rank uses `grad_accum` consecutive micro-batches of its own. A single process
+with grad_accum = A * W therefore sees exactly the micro-batches that W ranks with grad_accum = A see.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from eyas.errors import EyasError
+
+EVAL_SALT = "eyas-train-eval:"   # independent of the prepare stage's own held-out split
+
+
+def is_eval(sample_id: str, fraction: float) -> bool:
+    """Held-out for training-time eval: a salted hash of the id (ShareGPT parts `<id>_N` stay together)."""
+    from eyas.data.split import split_key
+
+    if fraction <= 0:
+        return False
+    key = EVAL_SALT + split_key(sample_id, sharegpt=True)
+    h = int.from_bytes(hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()[:8], "big")
+    return h < fraction * 2**64
+
+
+@dataclass
+class Batch:
+    ids: list[str]
+    """Sample id of each row."""
+    input_ids: Tensor
+    """(B, T) int64, 0 on padding."""
+    loss_mask: Tensor
+    """(B, T) bool, trainable tokens."""
+    valid: Tensor
+    """(B, T) bool, False on padding."""
+    aux: Tensor | None = None
+    """(B, T, 3h_t) concat(low, mid, high); None until the online target fills it."""
+    final: Tensor | None = None
+    """(B, T, h_t) the target's final-norm output."""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.valid.sum())
+
+    def to(self, device, dtype: torch.dtype | None = None) -> "Batch":
+        f = (lambda t: None if t is None else t.to(device, dtype=dtype or t.dtype, non_blocking=True))
+        return Batch(self.ids, self.input_ids.to(device), self.loss_mask.to(device), self.valid.to(device),
+                     f(self.aux), f(self.final))
+
+
+# ------------------------------------------------------------------------------------------------ sources
+class StoreSource:
+    """Offline: a hidden-state store. Token tables are read from the shards without the hidden states."""
+
+    def __init__(self, store, *, max_len: int, feature_dtype: torch.dtype = torch.float32):
+        from safetensors import safe_open
+
+        self.store, self.max_len, self.feature_dtype = store, max_len, feature_dtype
+        self.ids: list[str] = list(store.ids)
+        self._tokens: list[tuple[Tensor, Tensor]] = []
+        for rec in store.records:
+            with safe_open(str(Path(store.path) / rec["file"]), framework="pt") as f:
+                off = f.get_tensor("offsets").tolist()
+                ids, mask = f.get_tensor("input_ids").long(), f.get_tensor("loss_mask").bool()
+            for j in range(len(off) - 1):
+                self._tokens.append((ids[off[j]:off[j + 1]], mask[off[j]:off[j + 1]]))
+        assert len(self._tokens) == len(self.ids)
+        self.lengths = [min(len(t[0]), max_len) for t in self._tokens]
+        self.where = str(store.path)
+
+    def tokens(self, i: int) -> tuple[Tensor, Tensor]:
+        ids, mask = self._tokens[i]
+        return ids[: self.max_len], mask[: self.max_len]
+
+    def collate(self, idx: list[int]) -> Batch:
+        samples = [self.store.get(i, self.feature_dtype) for i in idx]
+        b = _pad([s.id for s in samples], [(s.input_ids, s.loss_mask) for s in samples], self.max_len)
+        T, h = b.input_ids.shape[1], samples[0].final.shape[-1]
+        b.aux = torch.zeros(len(idx), T, 3 * h, dtype=self.feature_dtype)       # (B, T, 3h)
+        b.final = torch.zeros(len(idx), T, h, dtype=self.feature_dtype)         # (B, T, h)
+        for r, s in enumerate(samples):
+            n = min(s.final.shape[0], self.max_len)
+            b.aux[r, :n] = s.aux[:n].reshape(n, 3 * h)                          # (n, 3, h) -> (n, 3h) low|mid|high
+            b.final[r, :n] = s.final[:n]
+        return b
+
+
+class PreparedSource:
+    """Online: prepared samples (ids + loss mask only); features come from the target at train time."""
+
+    def __init__(self, data, *, max_len: int):
+        self.data, self.max_len = data, max_len
+        self.samples = [data[i] for i in range(len(data))]
+        self.ids = [s.id for s in self.samples]
+        self.lengths = [min(len(s.input_ids), max_len) for s in self.samples]
+        self.where = str(getattr(data, "path", "prepared data"))
+
+    def tokens(self, i: int) -> tuple[Tensor, Tensor]:
+        s = self.samples[i]
+        return (torch.as_tensor(s.input_ids[: self.max_len], dtype=torch.int64),
+                torch.as_tensor(s.loss_mask[: self.max_len]).bool())
+
+    def collate(self, idx: list[int]) -> Batch:
+        return _pad([self.ids[i] for i in idx], [self.tokens(i) for i in idx], self.max_len)
+
+
+def _pad(ids: list[str], toks: list[tuple[Tensor, Tensor]], max_len: int) -> Batch:
+    B, T = len(toks), max(min(len(t[0]), max_len) for t in toks)
+    out = Batch(ids, torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.bool),
+                torch.zeros(B, T, dtype=torch.bool))
+    for r, (x, m) in enumerate(toks):
+        n = min(len(x), max_len)
+        out.input_ids[r, :n] = x[:n]
+        out.loss_mask[r, :n] = m[:n].bool()
+        out.valid[r, :n] = True
+    return out
+
+
+@torch.no_grad()
+def target_features(target, batch: Batch) -> Batch:
+    """Online: run the target's decoder stack on the batch; fill aux (B,T,3h) and final (B,T,h) in place.
+
+    Forward pre-hooks on layers[i] give hidden_states[i] (the residual entering layer i); the decoder stack's
+    last_hidden_state is the final-norm output. No lm_head call, so no (T, V) logits; nothing is stored.
+    """
+    from eyas.capture.hooks import LayerInputs, decoder_stack
+
+    base = decoder_stack(target.model)
+    n = len(base.layers)
+    dev = target.device
+    with LayerInputs(base.layers, target.aux_layer_ids) as cap:
+        final = base(input_ids=batch.input_ids.to(dev), attention_mask=batch.valid.to(dev).long(),
+                     use_cache=False).last_hidden_state                        # (B, T, h)
+    aux = [final if i == n else cap.states[i] for i in target.aux_layer_ids]
+    batch.aux = torch.cat(aux, dim=-1)                                         # (B, T, 3h) low|mid|high
+    batch.final = final
+    return batch
+
+
+def nonfinite_rows(batch: Batch) -> list[str]:
+    """Ids of rows whose aux or final features hold NaN/Inf on valid positions."""
+    bad = ~(torch.isfinite(batch.aux).all(-1) & torch.isfinite(batch.final).all(-1))  # (B, T)
+    bad = (bad & batch.valid.to(bad.device)).any(-1)                                    # (B,)
+    return [batch.ids[r] for r in bad.nonzero().flatten().tolist()]
+
+
+# ----------------------------------------------------------------------------------------------- planning
+def split_indices(source, fraction: float) -> tuple[list[int], list[int]]:
+    """(train, eval) sample indices; samples shorter than 3 tokens (nothing to predict) are dropped."""
+    train, ev = [], []
+    for i, sid in enumerate(source.ids):
+        if source.lengths[i] < 3:
+            continue
+        (ev if is_eval(sid, fraction) else train).append(i)
+    return train, ev
+
+
+def group(indices: list[int], lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Greedy micro-batches in the given order with rows * padded length <= batch_tokens."""
+    out, cur, longest = [], [], 0
+    for i in indices:
+        n = lengths[i]
+        if cur and (len(cur) + 1) * max(longest, n) > batch_tokens:
+            out.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, n)
+    if cur:
+        out.append(cur)
+    return out
+
+
+def epoch_batches(indices: list[int], lengths: list[int], *, batch_tokens: int, seed: int, epoch: int,
+                  bucket: int = 64) -> list[list[int]]:
+    """The epoch's micro-batches: shuffle (seed, epoch), sort windows of `bucket` samples by length (less
+    padding), group to the token budget, shuffle the batch order. Same on every rank."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    perm = [indices[j] for j in torch.randperm(len(indices), generator=g).tolist()]
+    ordered = []
+    for s in range(0, len(perm), bucket):
+        ordered += sorted(perm[s:s + bucket], key=lambda i: lengths[i])
+    batches = group(ordered, lengths, batch_tokens)
+    return [batches[j] for j in torch.randperm(len(batches), generator=g).tolist()]
+
+
+def rank_batches(batches: list[list[int]], *, rank: int, world_size: int, grad_accum: int) -> list[list[list[int]]]:
+    """This rank's steps: step s uses global micro-batches s*W*A + a*W + rank, a < A. The tail is dropped."""
+    per_step = world_size * grad_accum
+    steps = len(batches) // per_step
+    return [[batches[s * per_step + a * world_size + rank] for a in range(grad_accum)] for s in range(steps)]

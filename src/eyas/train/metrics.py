@@ -1,0 +1,156 @@
+"""Training metrics: per-step TTT sums -> loss_k / acc_k / cond_acc_k / predicted chain acceptance, the
+frequency baseline, and the sinks (RUN/metrics.jsonl, TensorBoard in RUN/tb, a tqdm bar on rank 0)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class Sums:
+    """Sums of TTT outputs over micro-batches (and ranks after all_reduce), as one flat float64 tensor."""
+
+    def __init__(self, K: int, device):
+        self.K = K
+        # [n_micro, loss, tokens, base_count, base_correct, loss_k*K, lsum_k*K, count_k*K, correct_k*K,
+        #  cond_count_k*K, cond_correct_k*K]
+        self.t = torch.zeros(5 + 6 * K, dtype=torch.float64, device=device)
+
+    def add(self, out, tokens: int, baseline: tuple[Tensor, Tensor] | None = None) -> None:
+        K, t = self.K, self.t
+        t[0] += 1
+        t[1] += out.loss.detach().double()
+        t[2] += tokens
+        if baseline is not None:
+            t[3] += baseline[0]
+            t[4] += baseline[1]
+        t[5:5 + K] += out.loss_k.double()
+        t[5 + K:5 + 2 * K] += out.loss_k.double() * out.count_k
+        for j, x in enumerate((out.count_k, out.correct_k, out.cond_count_k, out.cond_correct_k)):
+            t[5 + (2 + j) * K:5 + (3 + j) * K] += x.double()
+
+    def all_reduce(self) -> "Sums":
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(self.t)
+        return self
+
+    def summary(self, *, token_weighted: bool = False) -> dict:
+        """loss / loss_k (mean over micro-batches, or token-weighted), acc_k, cond_acc_k, tau estimate."""
+        K = self.K
+        v = self.t.cpu().tolist()
+        n, loss, tokens = max(v[0], 1.0), v[1], v[2]
+        sec = lambda j: v[5 + j * K:5 + (j + 1) * K]   # noqa: E731
+        loss_k, lsum_k, count, correct, ccount, ccorrect = (sec(j) for j in range(6))
+        acc = [c / max(m, 1.0) for c, m in zip(correct, count)]
+        cond = [c / max(m, 1.0) for c, m in zip(ccorrect, ccount)]
+        if token_weighted:
+            loss_k = [s / max(m, 1.0) for s, m in zip(lsum_k, count)]
+        else:
+            loss_k = [x / n for x in loss_k]
+        out = {"loss": loss / n, "loss_k": loss_k, "acc_k": acc, "cond_acc_k": cond,
+               "tau_est": chain_acceptance(cond), "tokens": int(tokens), "positions_k": [int(c) for c in count]}
+        if v[3] > 0:
+            out["baseline_acc_0"] = v[4] / v[3]
+            out["baseline_positions"] = int(v[3])
+        return out
+
+
+def chain_acceptance(cond_acc: list[float]) -> float:
+    """Expected tokens per target forward for a chain of len(cond_acc) drafts: 1 + sum_k prod_{j<=k} cond_acc_j."""
+    tau, p = 1.0, 1.0
+    for a in cond_acc:
+        p *= a
+        tau += p
+    return tau
+
+
+@torch.no_grad()
+def frequency_baseline(input_ids: Tensor, loss_mask: Tensor, valid: Tensor, final: Tensor, lm_head_weight: Tensor,
+                       t2d: Tensor, top_id: int, chunk: int = 512) -> tuple[Tensor, Tensor]:
+    """(count, correct) of always predicting target id `top_id` on TTT step 0's counted positions.
+
+    Step 0 at position t predicts x_{t+2} against the target's argmax at s = t+1; it counts iff valid[s-1..s+1],
+    loss_mask[s+1] and argmax(target logits at s) is in the draft vocab (the same rule as eyas.train.ttt).
+    """
+    B, T = input_ids.shape
+    tgt = torch.cat([F.linear(final[:, i:i + chunk].to(lm_head_weight.dtype), lm_head_weight).argmax(-1)
+                     for i in range(0, T, chunk)], dim=1)                     # (B, T) target argmax at s
+    v, lm = valid.bool(), loss_mask.bool() & valid.bool()
+    m = torch.zeros(B, T, dtype=torch.bool, device=input_ids.device)
+    if T >= 3:
+        m[:, 1:T - 1] = v[:, :T - 2] & v[:, 1:T - 1] & v[:, 2:] & lm[:, 2:] & t2d[tgt[:, 1:T - 1]]
+    return m.sum(), (m & (tgt == top_id)).sum()
+
+
+class MetricsSink:
+    """metrics.jsonl + TensorBoard + tqdm. Only rank 0 writes; other ranks get a no-op sink."""
+
+    def __init__(self, run_dir: Path, *, enabled: bool, total_steps: int, start_step: int, progress: bool):
+        self.enabled = enabled
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.tb = self.bar = None
+        self.t0, self.tokens = time.perf_counter(), 0
+        if not enabled:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=start_step or None)
+        except ImportError:  # tensorboard is a dependency, but training must not die without it
+            self.tb = None
+        if progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+
+    def log(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            split, step = record.get("split", "train"), record["step"]
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k not in ("step", "epoch"):
+                    self.tb.add_scalar(f"{split}/{k}", v, step)
+                elif isinstance(v, list) and k in ("loss_k", "acc_k", "cond_acc_k"):
+                    for i, x in enumerate(v):
+                        self.tb.add_scalar(f"{split}/{k[:-2]}_{i}", x, step)
+
+    def step(self, n_tokens: int, postfix: dict) -> float:
+        """Advance the bar; returns tokens/s since the sink was created."""
+        self.tokens += n_tokens
+        rate = self.tokens / max(time.perf_counter() - self.t0, 1e-9)
+        if self.bar is not None:
+            self.bar.set_postfix({**postfix, "tok/s": f"{rate:,.0f}"}, refresh=False)
+            self.bar.update(1)
+        return rate
+
+    def note(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """On resume: drop records logged after the checkpoint's step (the interrupted run's tail)."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in keep))
