@@ -185,7 +185,7 @@ def test_reference_is_sensitive_to_alignment(mutation):
     d, c = make_case(seed=11)
     out, _ = run_fast(d, c, K)
     loss_m, met_m, _ = run_naive(d, c, K, **mutation)
-    differs = abs(float(out.loss) - float(loss_m)) > 1e-3 or out.count_k.tolist() != met_m["count_k"]
+    differs = abs(float(out.loss.detach()) - float(loss_m.detach())) > 1e-3 or out.count_k.tolist() != met_m["count_k"]
     assert differs, mutation
 
 
@@ -237,3 +237,21 @@ def test_target_logits_from_final_restricts_columns():
     assert full.shape == (2, 5, 30)
     torch.testing.assert_close(target_logits_from_final(final, W, tok), full[..., tok])
     torch.testing.assert_close(full, final @ W.T)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_cpu_and_bf16_autocast_runs():
+    K = 4
+    d, c = make_case(seed=7, B=2, T=33)
+    cpu, cpu_grads = run_fast(d, c, K)
+    dc = d.cuda()
+    cc = {k: v.cuda() for k, v in c.items()}
+    gpu, gpu_grads = run_fast(dc, cc, K, chunk_size=8)
+    torch.testing.assert_close(gpu.loss.cpu(), cpu.loss.detach(), rtol=1e-4, atol=1e-4)
+    for name in cpu_grads:
+        torch.testing.assert_close(gpu_grads[name].cpu(), cpu_grads[name], rtol=1e-3, atol=1e-4, msg=name)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        bf, bf_grads = run_fast(dc, cc, K, chunk_size=8)
+    assert torch.isfinite(bf.loss) and abs(float(bf.loss) - float(cpu.loss)) < 0.1 * float(cpu.loss)
+    assert bf.count_k.tolist() == cpu.count_k.tolist()
