@@ -175,3 +175,24 @@ def make_aux_enable_hook(config: dict):
             done.append(True)
         return None
     return hook
+
+
+HOOK_ENV = "EYAS_SGLANG_HOOK"
+
+
+def attach(model) -> None:
+    """Called by the patched SGLang model __init__: registers the capture hook if $EYAS_SGLANG_HOOK is set.
+
+    $EYAS_SGLANG_HOOK: the JSON list printed for --forward-hooks (or a path to a file holding it).
+    """
+    import os  # noqa: PLC0415
+    raw = os.environ.get(HOOK_ENV)
+    if not raw:
+        return
+    spec = json.loads(Path(raw).read_text() if not raw.lstrip().startswith("[") else raw)
+    for s in spec:
+        cfg = s.get("config") or {}
+        if s["hook_factory"].endswith(":make_capture_hook"):
+            model.logits_processor.register_forward_hook(make_capture_hook(cfg))
+        elif s["hook_factory"].endswith(":make_aux_enable_hook"):
+            model.register_forward_hook(make_aux_enable_hook(cfg))
