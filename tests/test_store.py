@@ -1,0 +1,197 @@
+"""The store on its own: round trip against naive references, verify, resume bookkeeping, training stream."""
+
+import argparse
+import json
+import pickle
+
+import pytest
+import torch
+
+from eyas.errors import EyasError
+from eyas.store import Store, StoreWriter, collate
+from eyas.store import format as fmt
+from eyas.store.command import register
+
+H = 16
+
+
+def header(dtype="bf16", identity="tiny"):
+    return {"target": {"identity": identity, "config_sha256": "c", "tokenizer_sha256": None},
+            "layers": {"aux": [1, 2, 3]}, "dtype": dtype, "hidden_size": H, "vocab_size": 100,
+            "data": {"source": "test"}, "config": {}}
+
+
+def make(n=10, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k in range(n):
+        t = int(torch.randint(1, 20, (1,), generator=g))
+        out[f"s{k}"] = (torch.randint(0, 100, (t,), generator=g), torch.randint(0, 2, (t,), generator=g),
+                        torch.randn(t, 3, H, generator=g) * 10, torch.randn(t, H, generator=g))
+    return out
+
+
+def write(path, samples, dtype="bf16", shard_bytes=2000, **kw):
+    w = StoreWriter(path, header=header(dtype), shard_bytes=shard_bytes, **kw)
+    for sid, (ids, mask, aux, final) in samples.items():
+        w.add_sample(sid, ids, mask, aux, final)
+    w.close()
+    return w.finalize(set(samples))
+
+
+def naive_fp8(x):
+    """Reference fp8 round trip: per row scale = max|x| / 448, e4m3 round, multiply back."""
+    out = torch.empty_like(x)
+    for idx in torch.cartesian_prod(*[torch.arange(s) for s in x.shape[:-1]]).reshape(-1, x.dim() - 1):
+        row = x[tuple(idx)]
+        s = row.abs().max() / 448 if row.abs().max() > 0 else torch.tensor(1.0)
+        out[tuple(idx)] = (row / s).to(torch.float8_e4m3fn).float() * s
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_round_trip_against_naive(tmp_path, dtype):
+    samples = make()
+    m = write(tmp_path / "s", samples, dtype)
+    assert m["complete"] and m["num_samples"] == 10 and m["num_shards"] > 2
+    store = Store(tmp_path / "s", dtype=torch.float32)
+    assert len(store) == 10
+    for sid, (ids, mask, aux, final) in samples.items():
+        s = store.by_id(sid)
+        assert torch.equal(s.input_ids, ids) and torch.equal(s.loss_mask, mask.bool())
+        if dtype == "bf16":
+            assert torch.equal(s.aux, aux.bfloat16().float()) and torch.equal(s.final, final.bfloat16().float())
+        else:
+            assert torch.equal(s.aux, naive_fp8(aux)) and torch.equal(s.final, naive_fp8(final))
+        assert store[store.index_of(sid)].id == sid
+    assert store.get(0, torch.bfloat16).aux.dtype == torch.bfloat16
+
+
+def test_info_bytes_per_token(tmp_path):
+    for dtype in ("bf16", "fp8"):
+        write(tmp_path / dtype, make(), dtype, shard_bytes=1 << 20)
+        info = Store(tmp_path / dtype).info()
+        # safetensors header (~500 B per shard) is the only overhead beyond the formula
+        payload = info["tokens"] * fmt.bytes_per_token(dtype, H) + 8 * (info["samples"] + 1)
+        assert payload <= info["bytes"] <= payload + 1000, dtype
+        assert info["aux_layer_ids"] == [1, 2, 3] and info["layer_convention"] == "hf_hidden_states"
+
+
+def test_verify_names_flipped_shard(tmp_path):
+    write(tmp_path / "s", make())
+    store = Store(tmp_path / "s")
+    assert store.verify()["ok"]
+    bad = tmp_path / "s" / store.records[2]["file"]
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    bad.write_bytes(bytes(data))
+    with pytest.raises(EyasError, match=rf"{bad.name}: sha256 mismatch"):
+        Store(tmp_path / "s").verify()
+    # a truncated shard is refused at open
+    bad.write_bytes(bytes(data[:-10]))
+    with pytest.raises(EyasError, match=rf"{bad.name}: missing or wrong size"):
+        Store(tmp_path / "s")
+
+
+def test_verify_catches_non_finite_even_with_good_checksum(tmp_path):
+    s = make(3)
+    s["s1"][2][1, 0, 0] = float("nan")
+    write(tmp_path / "s", s, shard_bytes=1)   # one sample per shard
+    with pytest.raises(EyasError, match=r"shard-r000-00001.safetensors: non-finite hidden state at token 1"):
+        Store(tmp_path / "s").verify()
+
+
+def test_refuses_other_target_and_incomplete(tmp_path):
+    write(tmp_path / "s", make())
+    with pytest.raises(EyasError, match="target does not match.*config_sha256"):
+        Store(tmp_path / "s", target={"identity": "tiny", "config_sha256": "other", "tokenizer_sha256": None})
+    Store(tmp_path / "s", target=header()["target"])
+    w = StoreWriter(tmp_path / "p", header=header(), shard_bytes=1)
+    w.add_sample("a", [1], [1], torch.zeros(1, 3, H), torch.zeros(1, H))
+    w.close()
+    assert not w.finalize({"a", "b"})["complete"]
+    with pytest.raises(EyasError, match="incomplete"):
+        Store(tmp_path / "p")
+    assert len(Store(tmp_path / "p", allow_incomplete=True)) == 1
+
+
+def test_resume_cleans_orphans_and_skips_committed(tmp_path):
+    p = tmp_path / "s"
+    samples = make(6)
+    first = dict(list(samples.items())[:3])
+    w = StoreWriter(p, header=header(), shard_bytes=1)
+    for sid, (ids, mask, aux, final) in first.items():
+        w.add_sample(sid, ids, mask, aux, final)
+    w.close()
+    # leftovers of a crash: a temp file, a renamed shard without its sidecar, and another rank's temp file
+    (p / ".shard-r000-00003.safetensors.tmp").write_bytes(b"partial")
+    (p / "shard-r000-00004.safetensors").write_bytes((p / "shard-r000-00000.safetensors").read_bytes())
+    (p / ".shard-r001-00000.safetensors.tmp").write_bytes(b"partial")
+    w = StoreWriter(p, header=header(), shard_bytes=1, rank=0, world_size=2)
+    assert w.committed_ids == set(first)
+    assert not (p / ".shard-r000-00003.safetensors.tmp").exists()
+    assert not (p / "shard-r000-00004.safetensors").exists()
+    assert (p / ".shard-r001-00000.safetensors.tmp").exists()      # rank 1 cleans its own
+    for sid, (ids, mask, aux, final) in samples.items():
+        if sid not in w.committed_ids:
+            w.add_sample(sid, ids, mask, aux, final)
+    w.close()
+    assert w.finalize(set(samples))["complete"]
+    names = [r["file"] for r in Store(p).records]
+    assert names == [fmt.shard_name(0, i) for i in range(6)]       # numbering continued after 2
+
+
+def test_stream_shuffle_ranks_and_resume(tmp_path):
+    write(tmp_path / "s", make(11))
+    store = Store(tmp_path / "s")
+    take = lambda it, n: [next(it).id for _ in range(n)]  # noqa: E731
+    a = take(iter(store.stream(seed=3)), 22)
+    assert a == take(iter(store.stream(seed=3)), 22)
+    assert sorted(a[:11]) == sorted(store.ids) == sorted(a[11:]) and a[:11] != a[11:]
+    assert a != take(iter(store.stream(seed=4)), 22)
+    assert take(iter(store.stream(shuffle=False)), 11) == store.ids
+    # ranks: disjoint, equal length, cover all but the remainder
+    r = [take(iter(store.stream(seed=3, rank=k, world_size=3)), 3) for k in range(3)]
+    assert sum(map(len, r)) == 9 and len(set(sum(r, []))) == 9
+    # resume: a restored stream continues exactly where the saved one stopped (across epochs)
+    s1 = store.stream(seed=5, rank=1, world_size=2)
+    it = iter(s1)
+    take(it, 7)
+    state = json.loads(json.dumps(s1.state_dict()))
+    rest = take(it, 9)
+    s2 = store.stream(seed=5, rank=1, world_size=2)
+    s2.load_state_dict(state)
+    assert take(iter(s2), 9) == rest
+    with pytest.raises(EyasError, match="seed"):
+        store.stream(seed=6, rank=1, world_size=2).load_state_dict(state)
+
+
+def test_pickle_and_collate(tmp_path):
+    samples = make(4)
+    write(tmp_path / "s", samples)
+    store = Store(tmp_path / "s", dtype=torch.float32)
+    store[0]
+    clone = pickle.loads(pickle.dumps(store))          # DataLoader workers get a copy without open maps
+    assert torch.equal(clone[1].aux, store[1].aux)
+    batch = collate([store[i] for i in range(4)])
+    T = max(len(samples[f"s{k}"][0]) for k in range(4))
+    assert batch["aux"].shape == (4, T, 3, H) and batch["final"].shape == (4, T, H)
+    for b in range(4):
+        n = int(batch["attention_mask"][b].sum())
+        assert torch.equal(batch["final"][b, :n], store[b].final) and not batch["final"][b, n:].any()
+
+
+def test_cli(tmp_path, capsys):
+    write(tmp_path / "s", make())
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["store", "info", str(tmp_path / "s")])
+    assert args.func(args) == 0 and json.loads(capsys.readouterr().out)["samples"] == 10
+    args = parser.parse_args(["store", "verify", str(tmp_path / "s")])
+    assert args.func(args) == 0 and "OK" in capsys.readouterr().out
+    shard = sorted((tmp_path / "s").glob("shard-*.safetensors"))[-1]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(EyasError, match=shard.name):
+        args.func(args)
