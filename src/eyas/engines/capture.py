@@ -1,0 +1,113 @@
+"""run_engine_capture(cfg) -> manifest: the engine path of `eyas capture --engine sglang|vllm`."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from eyas.engines.client import (EngineCaptureConfig, committed, read_events, record_failures, send_all)
+from eyas.errors import EyasError
+
+
+def _load(data: str):
+    from eyas.data.prepared import PreparedData  # noqa: PLC0415
+    pd = PreparedData(data)
+    ids = {s.id: s.input_ids for s in pd}
+    masks = {s.id: s.loss_mask for s in pd}
+    return pd.manifest, ids, masks
+
+
+def store_header(prep_manifest: dict, cfg: EngineCaptureConfig, aux_ids, hidden_size: int, vocab: int) -> dict:
+    return {"target": prep_manifest.get("target"), "layers": {"aux": list(aux_ids)}, "dtype": cfg.dtype,
+            "hidden_size": hidden_size, "vocab_size": vocab, "data": {"path": str(cfg.data)},
+            "config": {"engine": cfg.engine, "url": cfg.url}}
+
+
+def run_engine_capture(cfg: EngineCaptureConfig, *, aux_layer_ids, hidden_size: int, vocab_size: int,
+                       samples=None, post=None) -> dict:
+    """Create/resume STORE, send every sample not yet committed, retry rejected ones, finalize."""
+    from eyas.store.writer import StoreWriter  # noqa: PLC0415
+    if samples is None:
+        prep, ids, masks = _load(cfg.data)
+    else:
+        prep, ids, masks = samples
+    out = Path(cfg.out)
+    header = store_header(prep, cfg, aux_layer_ids, hidden_size, vocab_size)
+    StoreWriter(out, header=header).close()                 # creates or checks the store (resume)
+    kw = {} if post is None else {"post": post}
+    failures: dict[str, str] = {}
+    for attempt in range(cfg.retries + 1):
+        todo = {k: v for k, v in ids.items() if k not in committed(out)}
+        if not todo:
+            break
+        if cfg.engine == "vllm":
+            failures = _vllm_round(cfg, todo, masks, header, attempt, kw)
+        else:
+            failures = _sglang_round(cfg, out, todo, attempt, kw)
+        if not failures:
+            break
+    if failures:
+        record_failures(out, failures)
+    w = StoreWriter(out, header=header, setup=False)
+    w.close()
+    return w.finalize(set(ids))
+
+
+def _sglang_round(cfg, out: Path, todo: dict, attempt: int, kw) -> dict:
+    resp = send_all(cfg, todo, attempt=attempt, **kw)
+    failures = {k: v for k, v in resp.items() if isinstance(v, str)}
+    deadline = time.monotonic() + cfg.commit_wait_s
+    while True:                                             # the hook commits on idle flush
+        ev, done = read_events(out), committed(out)
+        pending = [k for k in todo if k not in failures and k not in done
+                   and not (k in ev and not ev[k]["ok"])]
+        if not pending or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for k in todo:
+        if k in done:
+            failures.pop(k, None)
+        elif k not in failures:
+            failures[k] = ev[k]["reason"] if k in ev and not ev[k]["ok"] else "not committed by the hook in time"
+    return failures
+
+
+def _vllm_round(cfg, todo: dict, masks: dict, header: dict, attempt: int, kw) -> dict:
+    from eyas.engines.vllm_ingest import ingest_dir  # noqa: PLC0415
+    from eyas.store.writer import StoreWriter  # noqa: PLC0415
+    resp = send_all(cfg, todo, attempt=attempt, **kw)
+    failures = {k: v for k, v in resp.items() if isinstance(v, str)}
+    names = {}
+    for k, v in resp.items():
+        path = (v.get("kv_transfer_params") or {}).get("hidden_states_path") if isinstance(v, dict) else None
+        if path:
+            names[k] = path
+    w = StoreWriter(cfg.out, header=header, setup=False)
+    ok = {k: todo[k] for k in todo if k not in failures}
+    _, rejected = ingest_dir(cfg.vllm_dir, w, ok, masks, names=names)
+    w.close()
+    failures.update({r.sample_id: r.reason for r in rejected})
+    return failures
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Flags for `eyas capture --engine ...` (wired by the capture command's owner)."""
+    g = parser.add_argument_group("serving engine")
+    g.add_argument("--engine", choices=["sglang", "vllm"], default=None,
+                   help="capture through a running SGLang/vLLM server instead of in-process")
+    g.add_argument("--url", default="http://127.0.0.1:30000", help="server base URL")
+    g.add_argument("--vllm-dir", default="", help="vLLM connector shared_storage_path")
+    g.add_argument("--concurrency", type=int, default=16, help="requests in flight")
+    g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    g.add_argument("--retries", type=int, default=3, help="extra attempts per sample")
+
+
+def config_from_args(args) -> EngineCaptureConfig:
+    try:
+        return EngineCaptureConfig(engine=args.engine, url=args.url, data=args.data, out=args.out,
+                                   vllm_dir=args.vllm_dir, concurrency=args.concurrency,
+                                   timeout_s=args.request_timeout, retries=args.retries,
+                                   dtype=getattr(args, "dtype", "bf16"))
+    except ValueError as e:
+        raise EyasError(str(e)) from None

@@ -1,0 +1,101 @@
+"""Send prepared samples to a serving engine and drive them into a verified store.
+
+Each sample goes out as rid `{id}#a{attempt}` with max_new_tokens=1: the prompt forward is what
+carries the states. Bounded concurrency (a thread pool), a timeout and retries per request; samples
+already committed to the store are never sent again (resume), and a sample id is written at most
+once (the hook / ingester refuse duplicates). Failures end up in STORE/engine-failures.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from eyas.engines.records import ATTEMPT_SEP
+from eyas.engines.sglang_hook import events_name
+from eyas.errors import EyasError
+
+FAILURES = "engine-failures.jsonl"
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineCaptureConfig:
+    engine: str              # "sglang" or "vllm"
+    url: str                 # server base URL, e.g. http://127.0.0.1:30000
+    data: str                # prepared data directory
+    out: str                 # store directory
+    vllm_dir: str = ""       # vLLM's shared_storage_path (vllm only)
+    concurrency: int = 16    # requests in flight
+    timeout_s: float = 600.0  # per request
+    retries: int = 3         # extra attempts per sample
+    dtype: str = "bf16"      # store dtype (bf16 | fp8)
+    commit_wait_s: float = 60.0  # how long to wait for the hook's idle flush to commit the last shard
+
+    def __post_init__(self):
+        if self.engine not in ("sglang", "vllm"):
+            raise ValueError(f"engine {self.engine!r}: expected sglang or vllm")
+        if self.concurrency < 1 or self.retries < 0 or self.timeout_s <= 0:
+            raise ValueError("concurrency >= 1, retries >= 0 and timeout_s > 0 are required")
+        if self.engine == "vllm" and not self.vllm_dir:
+            raise ValueError("vllm needs vllm_dir (the connector's shared_storage_path)")
+
+
+def request_body(engine: str, rid: str, ids: list[int]) -> tuple[str, dict]:
+    if engine == "sglang":
+        return "/generate", {"rid": rid, "input_ids": list(ids),
+                             "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+    return "/v1/completions", {"model": "default", "prompt": list(ids), "max_tokens": 1, "temperature": 0.0,
+                               "request_id": rid}
+
+
+def http_post(url: str, body: dict, timeout: float) -> dict:
+    import httpx  # noqa: PLC0415
+    r = httpx.post(url, json=body, timeout=timeout)
+    r.raise_for_status()
+    return r.json()
+
+
+def send_all(cfg: EngineCaptureConfig, samples: dict, *, attempt: int, post=http_post) -> dict:
+    """POST each sample once (with per-request retries on transport errors) -> {id: response | error str}."""
+    def one(sid):
+        last = ""
+        for k in range(cfg.retries + 1):
+            rid = f"{sid}{ATTEMPT_SEP}{attempt * (cfg.retries + 1) + k}"
+            path, body = request_body(cfg.engine, rid, samples[sid])
+            try:
+                return sid, post(cfg.url.rstrip("/") + path, body, cfg.timeout_s)
+            except Exception as e:  # noqa: BLE001 - recorded and retried
+                last = f"{type(e).__name__}: {e}"
+                time.sleep(min(2 ** k * 0.1, 5))
+        return sid, last
+    with ThreadPoolExecutor(cfg.concurrency) as pool:
+        return dict(pool.map(one, list(samples)))
+
+
+def read_events(store: Path) -> dict[str, dict]:
+    """Latest hook verdict per sample id, over all DP ranks."""
+    out = {}
+    for p in sorted(store.glob("engine-events-r*.jsonl")):
+        for line in p.read_text().splitlines():
+            if line.strip():
+                e = json.loads(line)
+                if e["ok"] or e["id"] not in out or not out[e["id"]]["ok"]:
+                    out[e["id"]] = e
+    return out
+
+
+def record_failures(store: Path, failures: dict) -> None:
+    with open(store / FAILURES, "a") as f:
+        for sid, why in sorted(failures.items()):
+            f.write(json.dumps({"id": sid, "reason": why, "time": time.time()}) + "\n")
+
+
+def committed(store: Path) -> set[str]:
+    from eyas.store.writer import read_sidecars  # noqa: PLC0415
+    return {i for r in read_sidecars(store) for i in r["ids"]}
+
+
+assert events_name(0).startswith("engine-events-r")
