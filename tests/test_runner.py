@@ -8,6 +8,14 @@ from eyas.errors import EyasError
 from eyas.target.runner import Runner
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def causal_mask(S, L, start=0):
     q = torch.arange(start, start + S)[:, None]
     return (torch.arange(L)[None] <= q)[None]  # (1,S,L)

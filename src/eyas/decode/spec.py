@@ -1,0 +1,198 @@
+"""Lossless speculative decoding at batch 1: EAGLE-3 chains and trees, prompt lookup, one verify path.
+
+Each round: the drafter proposes a tree (a chain is a tree); the target runs the root (pending
+token) plus all draft nodes in ONE forward with the tree mask, capturing its aux hidden states;
+`verify` accepts the longest matching path and draws the bonus token; accepted cache slots are
+compacted; the drafter continues from the aux states of the accepted positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from eyas.decode.eagle import EagleDrafting
+from eyas.decode.lookup import lookup
+from eyas.decode.sampling import sample
+from eyas.decode.tree import Draft, chain, verify
+from eyas.errors import EyasError
+
+METHODS = ("plain", "chain", "tree", "lookup")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpecConfig:
+    method: str = "chain"
+    """plain (no drafter) | chain | tree (EAGLE-2 dynamic) | lookup (prompt n-gram)."""
+    k: int = 5
+    """Chain length / prompt-lookup tokens per round."""
+    top_k: int = 10
+    """Tree: children kept per expanded node and nodes expanded per level."""
+    depth: int = 6
+    """Tree: maximum depth in draft tokens."""
+    total_tokens: int = 60
+    """Tree: draft nodes verified per round."""
+    temperature: float = 0.0
+    """0 = greedy; > 0 samples with rejection sampling that preserves the target's law."""
+    top_p: float = 1.0
+    """Nucleus filter of the target (and draft) law when sampling."""
+    max_ngram: int = 3
+    """Prompt lookup: longest suffix n-gram searched."""
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise EyasError(f"decode method {self.method!r}: expected one of {METHODS}")
+        if self.temperature < 0:
+            raise EyasError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise EyasError(f"top_p must be in (0, 1], got {self.top_p}")
+        if min(self.k, self.top_k, self.depth, self.total_tokens, self.max_ngram) < 1:
+            raise EyasError("k, top_k, depth, total_tokens and max_ngram must all be >= 1")
+
+    @property
+    def draft_size(self) -> int:
+        """Most draft nodes verified in one round."""
+        return {"plain": 0, "chain": self.k, "lookup": self.k, "tree": self.total_tokens}[self.method]
+
+    @property
+    def max_depth(self) -> int:
+        return {"plain": 0, "chain": self.k, "lookup": self.k, "tree": self.depth}[self.method]
+
+
+@dataclass
+class SpecStats:
+    tokens: int = 0
+    """Tokens generated."""
+    target_forwards: int = 0
+    """Target forwards (prefill counts one: it yields the first token)."""
+    rounds: int = 0
+    """Verify rounds."""
+    accepted_at: list[int] = field(default_factory=list)
+    """accepted_at[j]: rounds in which draft position j (depth j+1) was accepted."""
+
+    @property
+    def tau(self) -> float:
+        """Tokens per target forward, bonus included."""
+        return self.tokens / max(self.target_forwards, 1)
+
+    def add(self, other: "SpecStats") -> None:
+        self.tokens += other.tokens
+        self.target_forwards += other.target_forwards
+        self.rounds += other.rounds
+        if len(self.accepted_at) < len(other.accepted_at):
+            self.accepted_at += [0] * (len(other.accepted_at) - len(self.accepted_at))
+        for j, a in enumerate(other.accepted_at):
+            self.accepted_at[j] += a
+
+    def acceptance_by_position(self) -> list[float]:
+        """Fraction of rounds whose accepted path reached draft position j."""
+        return [a / max(self.rounds, 1) for a in self.accepted_at]
+
+
+class SpecDecoder:
+    """Speculative decoding with a target `Runner` and an optional EAGLE-3 drafter (batch 1, cache row 0)."""
+
+    def __init__(self, runner, drafter=None, cfg: SpecConfig = SpecConfig()):
+        if cfg.method in ("chain", "tree") and drafter is None:
+            raise EyasError(f"decode method {cfg.method!r} needs a drafter")
+        if cfg.draft_size + 2 > runner.cfg.max_seq:
+            raise EyasError(f"a draft of {cfg.draft_size} tokens does not fit a target cache of "
+                            f"{runner.cfg.max_seq} slots")
+        self.runner, self.cfg = runner, cfg
+        self.aux_ids: tuple[int, ...] = ()
+        self.drafting = None
+        if drafter is not None and cfg.method in ("chain", "tree"):
+            drafter = drafter.to(device=runner.device, dtype=runner.dtype).eval()
+            self.aux_ids = tuple(drafter.config.aux_layer_ids)
+            if drafter.config.vocab_size != runner.cfg.vocab_size:
+                raise EyasError(f"drafter vocab {drafter.config.vocab_size} != target vocab {runner.cfg.vocab_size}")
+            if drafter.config.target_hidden_size != runner.cfg.hidden_size:
+                raise EyasError(f"drafter expects target hidden size {drafter.config.target_hidden_size}, "
+                                f"target has {runner.cfg.hidden_size}")
+            self.drafting = EagleDrafting(drafter, runner.embed)
+        self._verify_fn = self._verify_forward
+
+    def _verify_forward(self, ids, pos, slots, mask):
+        logits, cap = self.runner.forward(ids, pos, slots, mask, capture=self.aux_ids)
+        aux = torch.cat([cap[i] for i in self.aux_ids], -1) if self.aux_ids else logits[..., :0]
+        return logits, aux
+
+    def _prefill(self, prompt: list[int], chunk: int = 512):
+        r, dev = self.runner, self.runner.device
+        ids = torch.tensor([prompt], device=dev)
+        n = len(prompt)
+        auxs, logits = [], None
+        for s0 in range(0, n, chunk):
+            s1 = min(n, s0 + chunk)
+            q = torch.arange(s0, s1, device=dev)
+            mask = (torch.arange(s1, device=dev)[None] <= q[:, None])[None]  # (1,S,s1)
+            logits, cap = r.forward(ids[:, s0:s1], q[None], q[None], mask, capture=self.aux_ids, last_only=True)
+            if self.aux_ids:
+                auxs.append(torch.cat([cap[i] for i in self.aux_ids], -1))  # (1,S,3h)
+        return logits[0, -1], (torch.cat(auxs, 1) if auxs else None)
+
+    def _propose(self, tokens: list[int], gen) -> Draft:
+        c, root = self.cfg, tokens[-1]
+        if c.method == "plain":
+            return chain(root, [])
+        if c.method == "lookup":
+            return chain(root, lookup(tokens, c.k, c.max_ngram))
+        if c.method == "chain":
+            return self.drafting.propose_chain(root, c.k, c.temperature, c.top_p, gen, self.runner.cfg.vocab_size)
+        return self.drafting.propose_tree(root, c.top_k, c.depth, c.total_tokens)
+
+    @torch.no_grad()
+    def generate(self, prompt: list[int], max_new_tokens: int, *, eos_ids=(), seed: int = 0
+                 ) -> tuple[list[int], SpecStats]:
+        """New tokens for one prompt (ending at the first eos or after max_new_tokens) and stats."""
+        c, r = self.cfg, self.runner
+        dev, M = r.device, r.cfg.max_seq
+        n = len(prompt)
+        if n == 0:
+            raise EyasError("speculative decoding: empty prompt")
+        if n + max_new_tokens + c.draft_size + 1 > M:
+            raise EyasError(f"prompt {n} + {max_new_tokens} new + {c.draft_size} draft tokens exceed the "
+                            f"target cache ({M} slots)")
+        eos = set(eos_ids)
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        stats = SpecStats(accepted_at=[0] * c.max_depth)
+        last_logits, aux = self._prefill(prompt)
+        first = int(sample(last_logits[None], c.temperature, c.top_p, gen)[0])
+        out = [first]
+        stats.target_forwards = 1
+        if self.drafting is not None:
+            self.drafting.reset()
+            self.drafting.extend(aux, torch.tensor([prompt[1:] + [first]], device=dev))
+        committed = n  # target cache slots 0..n-1 hold processed tokens; out[-1] is pending
+        while len(out) < max_new_tokens and out[-1] not in eos:
+            draft = self._propose(prompt + out, gen)
+            S = len(draft)
+            ids = torch.tensor([draft.tokens], device=dev)
+            pos = committed + torch.tensor([draft.depths], device=dev)
+            slots = committed + torch.arange(S, device=dev)[None]
+            width = M if dev.type == "cuda" else committed + S
+            mask = torch.zeros(1, S, width, dtype=torch.bool, device=dev)
+            mask[0, :, :committed] = True
+            mask[0, :, committed:committed + S] = draft.ancestors().to(dev)
+            logits, vaux = r.graphed(1, S, self._verify_fn)(ids, pos, slots, mask)
+            path, bonus = verify(draft, logits[0], c.temperature, c.top_p, gen)
+            stats.target_forwards += 1
+            stats.rounds += 1
+            for j in range(len(path) - 1):
+                stats.accepted_at[j] += 1
+            new = [draft.tokens[i] for i in path[1:]] + [bonus]
+            if path[-1] != len(path) - 1:  # tree: move the accepted path's k/v next to the prefix
+                r.copy_slots(committed + torch.tensor(path, device=dev), committed + torch.arange(len(path), device=dev))
+            if self.drafting is not None:
+                self.drafting.rollback()
+                self.drafting.extend(vaux[:, path], torch.tensor([new], device=dev))
+            committed += len(path)
+            out += new
+        for i, t in enumerate(out):
+            if t in eos:
+                out = out[:i + 1]
+                break
+        out = out[:max_new_tokens]
+        stats.tokens = len(out)
+        return out, stats
