@@ -1,0 +1,100 @@
+"""`eyas engine launch-args | patch | crosscheck | ingest-vllm`."""
+
+from __future__ import annotations
+
+import json
+
+from eyas.errors import EyasError
+
+
+def _launch(a) -> int:
+    from eyas.engines import launch_args as la
+    ids = [int(x) for x in a.aux_layer_ids.split(",")] if a.aux_layer_ids else None
+    if a.engine == "sglang":
+        args = la.sglang_args(a.target_config, a.version, model=a.model, store=a.store, data=a.data,
+                              aux_layer_ids=ids, tp=a.tp, attn_dp=a.attn_dp)
+    else:
+        args = la.vllm_args(a.target_config, model=a.model, out_dir=a.vllm_dir, aux_layer_ids=ids, tp=a.tp)
+    print(la.format_command(args))
+    return 0
+
+
+def _patch(a) -> int:
+    from eyas.engines import sglang_patch as sp
+    d = sp.models_dir(a.sglang_dir)
+    if a.check:
+        for c in sp.plan(d):
+            print(c.diff() or f"{c.path}: already patched")
+    elif a.apply:
+        print("\n".join(f"patched {p}" for p in sp.apply(d)) or "already patched")
+    else:
+        print("\n".join(f"restored {p}" for p in sp.revert(d)) or "nothing to revert")
+    return 0
+
+
+def _crosscheck(a) -> int:
+    from eyas.engines.crosscheck import crosscheck, reference_states, report
+    from eyas.store.reader import Store
+    from eyas.target import load_target
+    st = Store(a.store, allow_incomplete=True)
+    t = load_target(a.target, aux_layer_ids=tuple(st.aux_layer_ids))
+    n = min(a.n, len(st))
+    samples = [st.get(i, dtype=__import__("torch").float32) for i in range(n)]
+    eng = [__import__("torch").cat([s.aux, s.final[:, None]], dim=1) for s in samples]
+    ref = reference_states(t.model, [s.input_ids for s in samples])
+    rows = crosscheck(eng, ref, st.aux_layer_ids, tol=a.tol)
+    print(report(rows))
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+def _ingest(a) -> int:
+    from eyas.engines.capture import _load
+    from eyas.engines.vllm_ingest import ingest_dir
+    from eyas.store.writer import StoreWriter
+    from eyas.manifest import read_manifest
+    prep, ids, masks = _load(a.data)
+    header = {k: v for k, v in read_manifest(a.out).items()
+              if k in ("target", "layers", "dtype", "hidden_size", "vocab_size", "data", "config")}
+    w = StoreWriter(a.out, header=header, setup=False)
+    written, rejected = ingest_dir(a.vllm_dir, w, ids, masks)
+    w.close()
+    m = w.finalize(set(ids))
+    print(json.dumps({"written": len(written), "rejected": {r.sample_id: r.reason for r in rejected},
+                      "complete": m["complete"]}, indent=1))
+    return 0 if m["complete"] else 1
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("engine", help="capture through SGLang / vLLM servers")
+    sub = p.add_subparsers(dest="engine_cmd", required=True)
+    la = sub.add_parser("launch-args", help="print the server command for capture")
+    la.add_argument("engine", choices=["sglang", "vllm"])
+    la.add_argument("--target-config", required=True, help="the target's HF config.json")
+    la.add_argument("--version", default="0.5.23", help="SGLang version")
+    la.add_argument("--model", default="MODEL")
+    la.add_argument("--store", default="STORE")
+    la.add_argument("--data", default="PREPARED")
+    la.add_argument("--vllm-dir", default="VLLM_OUT")
+    la.add_argument("--aux-layer-ids", default="", help="HF ids a,b,c (default 2,N//2,N-3)")
+    la.add_argument("--tp", type=int, default=1)
+    la.add_argument("--attn-dp", type=int, default=1)
+    la.set_defaults(func=_launch)
+    pa = sub.add_parser("patch", help="AST-patch SGLang model files to call the eyas hook")
+    pa.add_argument("engine", choices=["sglang"])
+    g = pa.add_mutually_exclusive_group(required=True)
+    g.add_argument("--check", action="store_true")
+    g.add_argument("--apply", action="store_true")
+    g.add_argument("--revert", action="store_true")
+    pa.add_argument("--sglang-dir", default=None, help="sglang package dir (default: the installed one)")
+    pa.set_defaults(func=_patch)
+    cc = sub.add_parser("crosscheck", help="engine-path store vs in-process capture, per layer")
+    cc.add_argument("--store", required=True)
+    cc.add_argument("--target", required=True)
+    cc.add_argument("-n", type=int, default=8)
+    cc.add_argument("--tol", type=float, default=0.05, help="max abs diff counted as equal (bf16 engine)")
+    cc.set_defaults(func=_crosscheck)
+    iv = sub.add_parser("ingest-vllm", help="vLLM extract_hidden_states files -> store")
+    iv.add_argument("--vllm-dir", required=True)
+    iv.add_argument("--data", required=True)
+    iv.add_argument("--out", required=True, help="store created by run_engine_capture / capture --engine")
+    iv.set_defaults(func=_ingest)

@@ -1,0 +1,60 @@
+"""`eyas engine launch-args` for SmolLM2 (30 layers) and a DeepSeek-V3-shaped config (61 layers)."""
+
+import argparse
+import json
+
+import pytest
+
+from eyas.engines import command
+from eyas.errors import EyasError
+
+
+def run(capsys, tmp_path, cfg, *extra):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    ap = argparse.ArgumentParser()
+    command.register(ap.add_subparsers())
+    a = ap.parse_args(["engine", "launch-args", *extra[:1], "--target-config", str(p), *extra[1:]])
+    assert a.func(a) == 0
+    return capsys.readouterr().out.replace("\\\n", " ").split()
+
+
+def flag(out, name, k=1):
+    i = out.index(name)
+    return out[i + 1: i + 1 + k]
+
+
+SMOL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 30, "hidden_size": 576}
+DSV3 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_hidden_layers": 61,
+        "hidden_size": 7168}
+
+
+def test_smollm2_0_5_23(capsys, tmp_path):
+    out = run(capsys, tmp_path, SMOL, "sglang", "--version", "0.5.23")
+    assert flag(out, "--return-aux-hidden-state-layer-ids", 3) == ["1", "14", "26"]
+    assert "--enable-return-aux-hidden-states" in out and flag(out, "--speculative-algorithm") == ["EAGLE3"]
+    assert "--disable-radix-cache" in out and flag(out, "--chunked-prefill-size") == ["-1"]
+    assert flag(out, "--cuda-graph-backend-decode") == ["disabled"] == flag(out, "--cuda-graph-backend-prefill")
+    spec = json.loads(flag(out, "--forward-hooks")[0].strip("'"))
+    assert spec[0]["target_modules"] == ["logits_processor"] and spec[0]["config"]["aux_layer_ids"] == [2, 15, 27]
+    assert len(spec) == 1
+
+
+def test_deepseek_0_5_14_no_aux_flag(capsys, tmp_path):
+    out = run(capsys, tmp_path, DSV3, "sglang", "--version", "0.5.14")
+    assert "--enable-return-aux-hidden-states" not in out
+    spec = json.loads(flag(out, "--forward-hooks")[0].strip("'"))
+    assert spec[0]["config"]["aux_layer_ids"] == [2, 30, 58]
+    assert spec[1]["target_modules"] == [""] and spec[1]["config"]["sglang_layer_ids"] == [1, 29, 57]
+
+
+def test_deepseek_vllm(capsys, tmp_path):
+    out = run(capsys, tmp_path, DSV3, "vllm")
+    spec = json.loads(flag(out, "--speculative-config")[0].strip("'"))
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58, 61]
+    assert "--no-enable-prefix-caching" in out and "--no-enable-chunked-prefill" in out
+
+
+def test_old_sglang_refused(capsys, tmp_path):
+    with pytest.raises(EyasError, match="no --forward-hooks"):
+        run(capsys, tmp_path, SMOL, "sglang", "--version", "0.5.4")
