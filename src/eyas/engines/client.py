@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eyas.engines.records import ATTEMPT_SEP
-from eyas.engines.sglang_hook import events_name
-from eyas.errors import EyasError
 
 FAILURES = "engine-failures.jsonl"
 
@@ -98,4 +96,3 @@ def committed(store: Path) -> set[str]:
     return {i for r in read_sidecars(store) for i in r["ids"]}
 
 
-assert events_name(0).startswith("engine-events-r")
