@@ -1,0 +1,241 @@
+"""`eyas bench`: acceptance length and real speedup of a drafter, with baselines in the same run.
+
+For each prompt (multi-turn records are answered turn by turn with each method's own previous
+answers as context, like MT-bench) it decodes with: plain fast decoding (no drafter), prompt
+lookup, and the EAGLE-3 drafter (chain or tree). tokens/s are measured in this run on the same
+runner, so the speedup is against eyas's fastest plain decoder. At temperature 0 the speculative
+outputs must equal the plain greedy outputs (the lossless check).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from eyas.decode.spec import SpecConfig, SpecDecoder, SpecStats
+from eyas.errors import EyasError
+
+PROMPT_SETS = ("sharegpt-heldout", "humaneval")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    target: str = "smollm2-135m"
+    """Target spec (embedded name, HF dir, GGUF)."""
+    drafter: str | None = None
+    """Drafter: eyas run dir, drafter dir or exported EAGLE-3 dir; None = baselines only."""
+    prompts: str = "sharegpt-heldout"
+    """sharegpt-heldout | humaneval | a .jsonl with `prompt` or `turns`."""
+    method: str = "chain"
+    """chain | tree."""
+    k: int = 5
+    """Chain length (and prompt-lookup tokens per round)."""
+    top_k: int = 10
+    """Tree: children per node."""
+    depth: int = 6
+    """Tree: depth."""
+    total_tokens: int = 60
+    """Tree: draft tokens per round."""
+    temperature: float = 0.0
+    """0 = greedy (lossless check on); > 0 rejection sampling."""
+    top_p: float = 1.0
+    """Nucleus filter when sampling."""
+    max_new_tokens: int = 128
+    """New tokens per turn."""
+    limit: int | None = 20
+    """Prompt records used (None = all)."""
+    max_seq: int = 2048
+    """Target cache slots; longer prompts are left-truncated (counted)."""
+    device: str = "cpu"
+    """cpu | cuda."""
+    compile: bool = False
+    """torch.compile the target's graphed steps (CUDA)."""
+    baselines: bool = True
+    """Also run plain decoding and prompt lookup."""
+    seed: int = 0
+    """Sampling seed."""
+    json_out: str | None = None
+    """Write the report here (and the plot next to it as .png)."""
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise EyasError(f"temperature must be >= 0, got {self.temperature}")
+        if self.method not in ("chain", "tree"):
+            raise EyasError(f"bench method {self.method!r}: expected chain or tree")
+        if self.max_new_tokens < 1:
+            raise EyasError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.limit is not None and self.limit < 1:
+            raise EyasError(f"limit must be >= 1, got {self.limit}")
+
+    def spec(self, method: str) -> SpecConfig:
+        return SpecConfig(method=method, k=self.k, top_k=self.top_k, depth=self.depth, total_tokens=self.total_tokens,
+                          temperature=self.temperature, top_p=self.top_p)
+
+
+def load_bench_prompts(cfg: BenchConfig) -> list[dict]:
+    from eyas.data.sources import load_prompts
+
+    recs = load_prompts(cfg.prompts, limit=cfg.limit)
+    if not recs:
+        raise EyasError(f"{cfg.prompts}: no prompts")
+    return recs
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+class _Method:
+    """One decoding method over all conversations: outputs, stats and wall time."""
+
+    def __init__(self, name, decode):
+        self.name, self.decode = name, decode
+        self.stats, self.seconds, self.outputs = SpecStats(), 0.0, []
+
+    def report(self) -> dict:
+        s = self.stats
+        return {"tokens": s.tokens, "seconds": round(self.seconds, 4),
+                "tokens_per_s": round(s.tokens / self.seconds, 2) if self.seconds else None,
+                "tau": round(s.tau, 4), "target_forwards": s.target_forwards, "rounds": s.rounds,
+                "acceptance_by_position": [round(a, 4) for a in s.acceptance_by_position()]}
+
+
+def run_bench(cfg: BenchConfig, *, target=None, drafter=None, drafter_meta: dict | None = None,
+              records: list[dict] | None = None, out=None) -> dict:
+    """Run the benchmark; return (and optionally write) the report dict."""
+    from eyas.data.chat import encode_prompt
+    from eyas.target.runner import Runner
+
+    out = out or sys.stdout
+    if target is None:
+        from eyas.target import load_target
+        target = load_target(cfg.target, device=cfg.device)
+    tok = target.tokenizer
+    if tok is None:
+        raise EyasError(f"target {cfg.target!r} has no tokenizer; bench needs one to apply the chat template")
+    meta = dict(drafter_meta or {})
+    if drafter is None and cfg.drafter is not None:
+        from eyas.export.importer import load_any_drafter  # the loader shared with `eyas export`
+        drafter, meta = load_any_drafter(cfg.drafter, target=target)
+    if drafter is not None:
+        if meta.get("target"):  # refuse a drafter trained for another target
+            from eyas.manifest import check_same
+            check_same(meta["target"], target.fingerprint, what="drafter's target", where=meta.get("source", "drafter"))
+        if tuple(drafter.config.aux_layer_ids) != tuple(target.aux_layer_ids) and meta.get("target") is None:
+            print(f"note: drafter aux layers {list(drafter.config.aux_layer_ids)} differ from the target default "
+                  f"{list(target.aux_layer_ids)}; using the drafter's", file=out)
+    records = records if records is not None else load_bench_prompts(cfg)
+    if not records:
+        raise EyasError(f"{cfg.prompts}: empty prompt set")
+    runner = Runner.from_hf(target.model, max_batch=1, max_seq=cfg.max_seq, device=target.device,
+                            compile=cfg.compile)
+    eos = target.eos_token_ids
+    room = cfg.max_seq - cfg.max_new_tokens - max(cfg.spec(cfg.method).draft_size, cfg.k) - 2
+    if room < 8:
+        raise EyasError(f"max_seq {cfg.max_seq} leaves no room for prompts with {cfg.max_new_tokens} new tokens "
+                        f"and a {cfg.spec(cfg.method).draft_size}-token draft")
+
+    methods = []
+    if cfg.baselines or drafter is None:
+        methods.append(_Method("plain", lambda p, seed: _plain(runner, p, cfg, eos, seed)))
+        lk = SpecDecoder(runner, None, cfg.spec("lookup"))
+        methods.append(_Method("lookup", lambda p, seed: lk.generate(p, cfg.max_new_tokens, eos_ids=eos, seed=seed)))
+    if drafter is not None:
+        dec = SpecDecoder(runner, drafter, cfg.spec(cfg.method))
+        methods.append(_Method(f"eagle-{cfg.method}", lambda p, seed: dec.generate(p, cfg.max_new_tokens, eos_ids=eos,
+                                                                                    seed=seed)))
+    truncated = 0
+    first = encode_prompt(tok, [{"role": "user", "content": records[0]["turns"][0]}])[-room:]
+    for m in methods:  # warm-up: graph capture / compilation is not timed
+        m.decode(first, cfg.seed)
+    for ri, rec in enumerate(records):
+        for m in methods:
+            msgs, outs = [], []
+            for ti, turn in enumerate(rec["turns"]):
+                msgs.append({"role": "user", "content": turn})
+                ids = encode_prompt(tok, msgs)
+                if len(ids) > room:
+                    ids = ids[-room:]
+                    truncated += m is methods[0]
+                _sync(runner.device)
+                t0 = time.perf_counter()
+                new, st = m.decode(ids, cfg.seed + 1000 * ri + ti)
+                _sync(runner.device)
+                m.seconds += time.perf_counter() - t0
+                m.stats.add(st)
+                outs.append(new)
+                msgs.append({"role": "assistant", "content": tok.decode(new, skip_special_tokens=True)})
+            m.outputs.append(outs)
+    if truncated:
+        print(f"warning: {truncated} prompt(s) longer than {room} tokens were left-truncated", file=out)
+    report = {"config": asdict(cfg), "target": target.fingerprint, "drafter": meta.get("source"),
+              "device": str(runner.device), "records": len(records), "turns": sum(len(r["turns"]) for r in records),
+              "truncated": truncated, "methods": {m.name: m.report() for m in methods}}
+    by = {m.name: m for m in methods}
+    plain = by.get("plain")
+    for m in methods:
+        if plain is not None and m is not plain and plain.seconds and m.seconds:
+            report["methods"][m.name]["speedup"] = round(
+                (m.stats.tokens / m.seconds) / (plain.stats.tokens / plain.seconds), 3)
+    if cfg.temperature == 0 and plain is not None:
+        report["lossless"] = {m.name: {"identical_turns": sum(a == b for x, y in zip(m.outputs, plain.outputs)
+                                                              for a, b in zip(x, y)),
+                                       "turns": report["turns"], "held": m.outputs == plain.outputs}
+                              for m in methods if m is not plain}
+    print(format_table(report), file=out)
+    if cfg.json_out:
+        from eyas.manifest import atomic_write_bytes
+        path = Path(cfg.json_out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, (json.dumps(report, indent=2) + "\n").encode())
+        report["plot"] = plot_acceptance(report, path.with_suffix(".png"))
+    return report
+
+
+def _plain(runner, prompt, cfg, eos, seed):
+    out = runner.generate([prompt], cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                          eos_ids=eos, seed=seed)[0]
+    return out, SpecStats(tokens=len(out), target_forwards=len(out))
+
+
+def format_table(report: dict) -> str:
+    rows = [f"{'method':<14}{'tokens':>8}{'tok/s':>10}{'speedup':>9}{'tau':>7}  acceptance by position"]
+    for name, m in report["methods"].items():
+        acc = " ".join(f"{a:.2f}" for a in m["acceptance_by_position"][:8])
+        rows.append(f"{name:<14}{m['tokens']:>8}{m['tokens_per_s'] or 0:>10.1f}{m.get('speedup', 1.0):>9.2f}"
+                    f"{m['tau']:>7.2f}  {acc}")
+    if "lossless" in report:
+        for name, ll in report["lossless"].items():
+            rows.append(f"lossless {name}: {'held' if ll['held'] else 'FAILED'} "
+                        f"({ll['identical_turns']}/{ll['turns']} turns identical to plain greedy)")
+    rows.append(f"{report['records']} prompts, {report['turns']} turns, {report['truncated']} truncated, "
+                f"device {report['device']}")
+    return "\n".join(rows)
+
+
+def plot_acceptance(report: dict, path: Path) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name, m in report["methods"].items():
+        acc = m["acceptance_by_position"]
+        if acc:
+            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{name} (tau {m['tau']:.2f})")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("fraction of rounds accepted")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("acceptance by draft position")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)

@@ -1,0 +1,47 @@
+"""`eyas bench` command line: parses arguments and calls run_bench."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("bench", help="measure acceptance length and real speedup of a drafter",
+                              description="Speculative decoding benchmark with plain and prompt-lookup baselines.")
+    p.add_argument("--target", default="smollm2-135m", help="target model (embedded name, HF dir, GGUF)")
+    p.add_argument("--drafter", help="eyas run dir, drafter dir or exported EAGLE-3 dir (omit: baselines only)")
+    p.add_argument("--prompts", default="sharegpt-heldout", help="sharegpt-heldout | humaneval | FILE.jsonl")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--chain", type=int, metavar="K", help="chain of K draft tokens (default 5)")
+    shape.add_argument("--tree", action="store_true", help="EAGLE-2 dynamic tree")
+    p.add_argument("--top-k", type=int, default=10, help="tree: children per node")
+    p.add_argument("--depth", type=int, default=6, help="tree: depth")
+    p.add_argument("--total-tokens", type=int, default=60, help="tree: draft tokens per round")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--limit", type=int, default=20, help="number of prompt records (default 20)")
+    p.add_argument("--max-seq", type=int, default=2048, help="target cache length; longer prompts are left-truncated")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the target's decode steps (CUDA)")
+    p.add_argument("--no-baselines", action="store_true", help="skip plain decoding and prompt lookup")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", dest="json_out", help="write the report here (plot next to it as .png)")
+    p.set_defaults(func=main)
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from eyas.bench.bench import BenchConfig, run_bench
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = BenchConfig(target=args.target, drafter=args.drafter, prompts=args.prompts,
+                      method="tree" if args.tree else "chain", k=args.chain or 5, top_k=args.top_k,
+                      depth=args.depth, total_tokens=args.total_tokens, temperature=args.temperature,
+                      top_p=args.top_p, max_new_tokens=args.max_new_tokens, limit=args.limit,
+                      max_seq=args.max_seq, device=device, compile=args.compile,
+                      baselines=not args.no_baselines, seed=args.seed, json_out=args.json_out)
+    run_bench(cfg)
+    return 0
