@@ -157,13 +157,15 @@ def nonfinite_rows(batch: Batch) -> list[str]:
 
 # ----------------------------------------------------------------------------------------------- planning
 def split_indices(source, fraction: float) -> tuple[list[int], list[int]]:
-    """(train, eval) sample indices; samples shorter than 3 tokens (nothing to predict) are dropped."""
+    """(train, eval) sample indices in sample-id order (so a store and the prepared data it was captured from
+    plan the same batches); samples shorter than 3 tokens (nothing to predict) are dropped."""
     train, ev = [], []
     for i, sid in enumerate(source.ids):
         if source.lengths[i] < 3:
             continue
         (ev if is_eval(sid, fraction) else train).append(i)
-    return train, ev
+    by_id = lambda i: source.ids[i]  # noqa: E731
+    return sorted(train, key=by_id), sorted(ev, key=by_id)
 
 
 def group(indices: list[int], lengths: list[int], batch_tokens: int) -> list[list[int]]:

@@ -223,7 +223,7 @@ def run_train(cfg: TrainConfig, target=None) -> dict:
         model = module
     elif world > 1:
         model = nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda"
-                                                    else None, broadcast_buffers=False)
+                                                    else None)
     else:
         model = module
     params = [p for p in module.parameters() if p.requires_grad]
@@ -288,8 +288,8 @@ def run_train(cfg: TrainConfig, target=None) -> dict:
             for j in range(rounds):
                 k = j * world + rank
                 b = _features(source, batches[k % len(batches)], target, device, cfg.online)
-                with amp:
-                    o = TTTOutput(*model(b.input_ids, b.loss_mask, b.valid, b.aux, b.final, embed_w, lm_w))
+                with amp:  # DDP: the plain module (ranks may run different numbers of eval batches)
+                    o = TTTOutput(*module(b.input_ids, b.loss_mask, b.valid, b.aux, b.final, embed_w, lm_w))
                     base = frequency_baseline(b.input_ids, b.loss_mask, b.valid, b.final, lm_w, t2d, top_id)
                 if k < len(batches):
                     sums.add(o, b.num_tokens, base)
