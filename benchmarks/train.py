@@ -1,0 +1,181 @@
+"""Drafter training throughput: tokens/s, MFU against the card's measured bf16 matmul rate, peak memory.
+
+    PYTHONPATH=src python benchmarks/train.py                                   # GPU: SmolLM2 + 8B shapes
+    PYTHONPATH=src python benchmarks/train.py --device cpu --shapes tiny --seqs 128 --steps 2   # smoke test
+    torchrun --nproc_per_node 2 benchmarks/train.py --shapes llama8b --seqs 2048 # DDP scaling (NCCL)
+
+Each row times full optimizer steps of the trainer's own pieces (TTTModule = drafter + TTT loss, bf16 autocast,
+AdamW, grad clip) on random features: one sequence of `seq` tokens per rank and step, all tokens trainable.
+MFU counts useful FLOPs only: 3x the forward matmuls of the trained parts (fc once per token; per TTT step the
+q/k/v/o, MLP and lm_head matmuls plus causal attention over t/2 + k keys) and 1x the frozen target logits
+(full vocab once per token for the argmax, draft vocab once per step for the soft targets).
+Prints a table and appends a dated section to BENCHMARKS.md (repo root).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from eyas.model.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
+from eyas.train.trainer import TTTModule  # noqa: E402
+from eyas.train.ttt import TTTConfig  # noqa: E402
+
+# name -> (h, heads, kv heads, head_dim, intermediate, target vocab, draft vocab)
+SHAPES = {
+    "tiny": (64, 4, 2, 16, 128, 512, 256),
+    "smollm2": (576, 9, 3, 64, 1536, 49152, 32000),
+    "llama8b": (4096, 32, 8, 128, 14336, 128256, 32000),
+}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_rate(device: torch.device, n: int, reps: int) -> float:
+    """Measured dense matmul FLOP/s (bf16 on GPU, fp32 on CPU)."""
+    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a, b = torch.randn(n, n, device=device, dtype=dt), torch.randn(n, n, device=device, dtype=dt)
+    for _ in range(2):
+        a @ b
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync(device)
+    return 2 * n ** 3 * reps / (time.perf_counter() - t0)
+
+
+def useful_flops(c: DrafterConfig, T: int, K: int) -> float:
+    h, ht, nh, nkv, hd = c.hidden_size, c.target_hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    per_step = 2 * (2 * h * (nh + 2 * nkv) * hd + nh * hd * h + 3 * h * c.intermediate_size + h * c.draft_vocab_size)
+    trained = 2 * 3 * ht * h * T + sum(per_step * T + 2 * 2 * nh * hd * (T * (T + 1) / 2 + k * T) for k in range(K))
+    frozen = 2 * ht * c.vocab_size * T + K * 2 * ht * c.draft_vocab_size * T
+    return 3 * trained + frozen
+
+
+def bench(shape: str, T: int, K: int, steps: int, chunk: int | None, device: torch.device, ddp: bool) -> dict:
+    h, nh, nkv, hd, inter, V, Vd = SHAPES[shape]
+    cfg = DrafterConfig(hidden_size=h, target_hidden_size=h, intermediate_size=inter, num_attention_heads=nh,
+                        num_key_value_heads=nkv, head_dim=hd, rms_norm_eps=1e-5, rope_theta=500000.0,
+                        max_position_embeddings=max(T, 8192), vocab_size=V, draft_vocab_size=Vd,
+                        aux_layer_ids=(2, 16, 29))
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(cfg).to(device)
+    module = TTTModule(drafter, TTTConfig(num_steps=K, chunk_size=chunk))
+    model = module
+    if ddp:
+        model = torch.nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda"
+                                                          else None)
+    fdt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    embed = (torch.randn(V, h, device=device) * 0.02).to(fdt)
+    lm = (torch.randn(V, h, device=device) * 0.02).to(fdt)
+    ids = torch.randint(0, V, (1, T), device=device)
+    ones = torch.ones(1, T, dtype=torch.bool, device=device)
+    aux = torch.randn(1, T, 3 * h, device=device).to(fdt)
+    final = torch.randn(1, T, h, device=device).to(fdt)
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), foreach=device.type == "cuda")
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+
+    def step():
+        with amp:
+            loss = model(ids, ones, ones, aux, final, embed, lm)[0]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        for _ in range(2):
+            step()
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync(device)
+        dt = (time.perf_counter() - t0) / steps
+    except torch.OutOfMemoryError:
+        return {"shape": shape, "seq": T, "error": "out of memory"}
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    return {"shape": shape, "seq": T, "chunk": chunk, "ms_step": dt * 1e3, "tok_s": T / dt,
+            "flops_step": useful_flops(cfg, T, K), "peak_gib": peak}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--shapes", default="smollm2,llama8b", help=f"comma list of {sorted(SHAPES)}")
+    ap.add_argument("--seqs", default="2048,8192")
+    ap.add_argument("--ttt-steps", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per row (after 2 warm-up steps)")
+    ap.add_argument("--chunk-size", type=int, default=0, help="TTT logits chunk (0: none)")
+    ap.add_argument("--no-record", action="store_true", help="do not append to BENCHMARKS.md")
+    args = ap.parse_args()
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = 0
+    device = torch.device(args.device)
+    if world > 1:
+        import torch.distributed as dist
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        rank = dist.get_rank()
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+    peak = matmul_rate(device, 8192 if device.type == "cuda" else 1024, 20 if device.type == "cuda" else 3)
+    rows = []
+    for shape in args.shapes.split(","):
+        for T in (int(s) for s in args.seqs.split(",")):
+            r = bench(shape, T, args.ttt_steps, args.steps, args.chunk_size or None, device, world > 1)
+            rows.append(r)
+            if rank == 0:
+                print(r, flush=True)
+    if rank != 0:
+        return 0
+    what = "bf16" if device.type == "cuda" else "fp32"
+    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    lines = [f"| drafter | seq | ranks | chunk | ms/step | tokens/s (all ranks) | TFLOP/step | MFU | peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['shape']} | {r['seq']} | {world} | | {r['error']} | | | | |")
+            continue
+        mfu = r["flops_step"] / (r["ms_step"] / 1e3) / peak
+        lines.append(f"| {r['shape']} | {r['seq']} | {world} | {r['chunk'] or '-'} | {r['ms_step']:.1f} | "
+                     f"{r['tok_s'] * world:,.0f} | {r['flops_step'] / 1e12:.2f} | {mfu:.1%} | {r['peak_gib']:.1f} |")
+    table = "\n".join(lines)
+    note = (f"Measured {what} matmul rate: {peak / 1e12:.1f} TFLOP/s per device; MFU = useful "
+            f"FLOPs / time / that rate. K = {args.ttt_steps} TTT steps, one sequence per rank and step, random features.")
+    print(table)
+    print(note)
+    if not args.no_record:
+        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        cmd = " ".join(["python"] + sys.argv) if world == 1 else f"torchrun --nproc_per_node {world} " + " ".join(sys.argv)
+        with open(ROOT / "BENCHMARKS.md", "a") as f:
+            if f.tell() == 0:
+                f.write("# Benchmarks\n\nAppend-only; each section says when, where and how it was measured.\n")
+            f.write(f"\n## Drafter training throughput — {now}\n\nMachine: {dev} x{world}, torch {torch.__version__}. "
+                    f"Command: `{cmd}`\n\n{table}\n\n{note}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
