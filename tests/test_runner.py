@@ -120,3 +120,25 @@ def test_sampled_generate_is_seeded_and_batch_independent_in_distribution():
     a = r.generate([[5, 6], [9, 9, 9]], 8, temperature=1.0, seed=3)
     b = r.generate([[5, 6], [9, 9, 9]], 8, temperature=1.0, seed=3)
     assert a == b and len(a[0]) == 8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compile", [False, True])
+def test_cuda_graphed_generate_and_speculative_equal_eager_cpu(compile):
+    from eyas.decode.spec import SpecConfig, SpecDecoder
+    from eyas.model.drafter import DrafterConfig, Eagle3Drafter
+
+    model = make_tiny_llama(seed=8)
+    cpu = Runner.from_hf(model, max_batch=4, max_seq=96)
+    gpu = Runner.from_hf(model, max_batch=4, max_seq=96, device="cuda", compile=compile)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 17, 2, 30, 9)]
+    ref = cpu.generate(prompts, 20, eos_ids=[2])
+    assert gpu.generate(prompts, 20, eos_ids=[2]) == ref
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(DrafterConfig.from_target(model.config, draft_vocab_size=256, aux_layer_ids=(1, 2, 3)))
+    for cfg in (SpecConfig(method="chain", k=3), SpecConfig(method="tree", top_k=3, depth=3, total_tokens=8),
+                SpecConfig(method="lookup", k=3)):
+        dec = SpecDecoder(gpu, drafter, cfg)
+        assert [dec.generate(p, 20, eos_ids=[2])[0] for p in prompts] == ref

@@ -68,9 +68,10 @@ def verify(draft: Draft, logits: Tensor, temperature: float, top_p: float, gen) 
     """
     children = draft.children()
     path, node = [0], 0
+    greedy = logits.argmax(-1).tolist() if temperature == 0 else None  # one device sync per round
     while True:
-        if temperature == 0:
-            best = int(logits[node].argmax())
+        if greedy is not None:
+            best = greedy[node]
             nxt = next((c for c in children[node] if draft.tokens[c] == best), None)
             if nxt is None:
                 return path, best

@@ -85,11 +85,12 @@ class Layer(nn.Module):
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.cfg = cfg
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, bias: Tensor) -> Tensor:
+        """bias: additive attention mask (B,1,rep*S,L) over cache slots 0..L-1, shared by all layers."""
         cfg = self.cfg
         B, S, _ = x.shape
         H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        L = mask.shape[-1]
+        L = bias.shape[-1]
         qkv = self.wqkv(rms_norm(x, self.attn_norm, cfg.rms_norm_eps))
         q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
         q = q.view(B, S, H, D).transpose(1, 2)  # (B,H,S,D)
@@ -100,11 +101,9 @@ class Layer(nn.Module):
         kc, vc = self.k_cache[:B], self.v_cache[:B]
         kc[rows, :, slots] = k.transpose(1, 2)  # cache[b, :, slot[b,s]] = k[b, :, s]
         vc[rows, :, slots] = v.transpose(1, 2)
-        rep = H // KV
         # GQA without repeating k/v: each kv head answers its `rep` query heads as rep*S queries.
-        qg = q.reshape(B, KV, rep * S, D)  # (B,KV,rep*S,D)
-        mg = mask[:, None, None].expand(B, 1, rep, S, L).reshape(B, 1, rep * S, L)  # (B,1,rep*S,L)
-        o = F.scaled_dot_product_attention(qg, kc[:, :, :L], vc[:, :, :L], attn_mask=mg)  # (B,KV,rep*S,D)
+        qg = q.reshape(B, KV, -1, D)  # (B,KV,rep*S,D)
+        o = F.scaled_dot_product_attention(qg, kc[:, :, :L], vc[:, :, :L], attn_mask=bias)  # (B,KV,rep*S,D)
         o = o.reshape(B, H, S, D).transpose(1, 2).reshape(B, S, H * D)  # (B,S,H*D)
         x = x + self.wo(o)
         gate, up = self.w13(rms_norm(x, self.mlp_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
@@ -197,11 +196,15 @@ class Runner(nn.Module):
         cos = self.cos[positions][:, None]  # (B,1,S,D)
         sin = self.sin[positions][:, None]  # (B,1,S,D)
         x = self.embed(input_ids)  # (B,S,h)
+        # One additive mask for all layers, laid out for the grouped-query trick in Layer.forward.
+        L, rep = attn_mask.shape[-1], cfg.num_heads // cfg.num_kv_heads
+        bias = torch.zeros(attn_mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~attn_mask, float("-inf"))
+        bias = bias[:, None, None].expand(B, 1, rep, S, L).reshape(B, 1, rep * S, L)  # (B,1,rep*S,L)
         captured = {}
         for i, layer in enumerate(self.layers):
             if i in capture:
                 captured[i] = x
-            x = layer(x, cos, sin, cache_slots, attn_mask)
+            x = layer(x, cos, sin, cache_slots, bias)
         x = rms_norm(x, self.norm, cfg.rms_norm_eps)
         if cfg.num_layers in capture:
             captured[cfg.num_layers] = x

@@ -1,0 +1,155 @@
+"""Decoding benchmark (GPU): plain fast decoding vs model.generate, speculative chains and tree.
+
+    PYTHONPATH=src python benchmarks/decode.py --target smollm2-135m [--drafter RUN] [--compile]
+
+Prints a table and appends it, with date, machine and command, to BENCHMARKS.md (or --md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import io
+import json
+import platform
+import sys
+import time
+
+import torch
+
+
+def tok_per_s(fn, tokens_fn, device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return tokens_fn(out) / (time.perf_counter() - t0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--drafter", default=None)
+    ap.add_argument("--prompts", default="sharegpt-heldout,humaneval")
+    ap.add_argument("--limit", type=int, default=10)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-seq", type=int, default=2048)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--compile", action="store_true", help="torch.compile the graphed target steps")
+    ap.add_argument("--batches", default="1,16,64,256", help="batch sizes for plain decoding throughput")
+    ap.add_argument("--compile-batches", default="1", help="batch sizes also timed with --compile")
+    ap.add_argument("--spec-compile", action="store_true", help="also compile the speculative verify steps")
+    ap.add_argument("--hf-prompts", type=int, default=2, help="prompts timed with model.generate")
+    ap.add_argument("--random-drafter", action="store_true",
+                    help="time the speculative loop with an untrained drafter (tau ~1; cost per round only)")
+    ap.add_argument("--max-seqs", default="1024", help="cache lengths timed for plain batch-1 decoding")
+    ap.add_argument("--md", default="BENCHMARKS.md")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    from eyas.bench.bench import BenchConfig, run_bench
+    from eyas.data.chat import encode_prompt
+    from eyas.data.sources import load_prompts
+    from eyas.target import load_target
+    from eyas.target.runner import Runner
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    t0 = time.time()
+    target = load_target(args.target, device=dev, dtype=dtype)
+    print(f"target loaded in {time.time() - t0:.1f}s", flush=True)
+    tok, eos = target.tokenizer, target.eos_token_ids
+    recs = load_prompts(args.prompts.split(",")[0], limit=64)
+    prompts = [encode_prompt(tok, [{"role": "user", "content": r["turns"][0]}])[-512:] for r in recs]
+    N = args.max_new_tokens
+    rows: list[tuple[str, str]] = []
+    results: dict = {}
+
+    # model.generate at batch 1 (HF dynamic cache, the slow reference)
+    model = target.model
+    gen_tokens = 0
+    t = time.perf_counter()
+    for p in prompts[:args.hf_prompts]:
+        with torch.no_grad():
+            o = model.generate(torch.tensor([p], device=dev), max_new_tokens=N, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)
+        gen_tokens += o.shape[1] - len(p)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    results["hf_generate_b1"] = gen_tokens / (time.perf_counter() - t)
+    rows.append(("model.generate, batch 1", f"{results['hf_generate_b1']:.0f} tok/s"))
+
+    # eyas plain decoding: CUDA graphs, with and without torch.compile
+    for comp in ([False, True] if args.compile else [False]):
+        for B in [int(b) for b in (args.compile_batches if comp else args.batches).split(",")]:
+            t = time.perf_counter()
+            r = Runner.from_hf(model, max_batch=B, max_seq=int(args.max_seqs.split(",")[0]), compile=comp)
+            batch = (prompts * ((B + len(prompts) - 1) // len(prompts)))[:B]
+            r.generate(batch, 4)  # capture / compile
+            build = time.perf_counter() - t
+            rate = tok_per_s(lambda: r.generate(batch, N), lambda out: sum(map(len, out)), dev)
+            key = f"plain_b{B}{'_compiled' if comp else ''}"
+            results[key] = rate
+            rows.append((f"eyas plain, batch {B}{', compiled' if comp else ''}", f"{rate:.0f} tok/s (setup {build:.0f}s)"))
+            print(rows[-1], flush=True)
+            del r
+            torch.cuda.empty_cache() if dev.type == "cuda" else None
+
+    for M in [int(m) for m in args.max_seqs.split(",")[1:]]:
+        r = Runner.from_hf(model, max_batch=1, max_seq=M)
+        r.generate(prompts[:1], 4)
+        rate = tok_per_s(lambda: r.generate(prompts[:1], N), lambda out: sum(map(len, out)), dev)
+        rows.append((f"eyas plain, batch 1, cache {M}", f"{rate:.0f} tok/s"))
+        print(rows[-1], flush=True)
+
+    # speculative decoding in the same process (plain baseline measured by run_bench itself)
+    drafter = meta = None
+    if args.drafter:
+        from eyas.export.importer import load_any_drafter
+        drafter, meta = load_any_drafter(args.drafter, target=target)
+    elif args.random_drafter:
+        from eyas.model.drafter import DrafterConfig, Eagle3Drafter
+        torch.manual_seed(0)
+        drafter = Eagle3Drafter(DrafterConfig.from_target(target.config, draft_vocab_size=32000,
+                                                          aux_layer_ids=target.aux_layer_ids))
+    shapes = [("chain", 3), ("chain", 5), ("tree", 0)] if drafter is not None else [("chain", 5)]
+    for pset in args.prompts.split(","):
+        for method, k in shapes:
+            cfg = BenchConfig(target=args.target, drafter=None, prompts=pset, method=method, k=k or 5,
+                              max_new_tokens=N, limit=args.limit, max_seq=args.max_seq, device=str(dev),
+                              compile=args.spec_compile, baselines=True)
+            buf = io.StringIO()
+            rep = run_bench(cfg, target=target, drafter=drafter, drafter_meta=meta, out=buf)
+            print(buf.getvalue(), flush=True)
+            results[f"{pset}_{method}{k or ''}"] = rep["methods"]
+            for name, m in rep["methods"].items():
+                if name == "plain" and (method, k) != shapes[0]:
+                    continue
+                label = f"{pset} {name}{k if name == 'eagle-chain' else ''}"
+                rows.append((label, f"{m['tokens_per_s']:.0f} tok/s, tau {m['tau']:.2f}, "
+                                    f"speedup {m.get('speedup', 1.0):.2f}"))
+            if "lossless" in rep:
+                rows.append((f"{pset} lossless ({method}{k or ''})",
+                             ", ".join(f"{n}: {v['identical_turns']}/{v['turns']}" for n, v in rep["lossless"].items())))
+
+    machine = (torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor() or "cpu")
+    head = (f"\n## decode benchmark, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
+            f"- machine: {machine}; torch {torch.__version__}; dtype {args.dtype}\n"
+            f"- command: `{' '.join(['python'] + sys.argv)}`\n"
+            f"- target: {args.target}; drafter: {args.drafter or ('UNTRAINED random (timing only, tau ~1)' if args.random_drafter else 'none (baselines only)')}; "
+            f"max new tokens {N}; prompts {args.prompts} (limit {args.limit})\n\n"
+            "| what | result |\n|---|---|\n")
+    table = head + "".join(f"| {a} | {b} |\n" for a, b in rows)
+    print(table)
+    with open(args.md, "a") as f:
+        f.write(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
