@@ -309,3 +309,20 @@ def test_two_ranks_write_one_store(tmp_path):
     store.verify()
     run_capture(cfg(tmp_path / "ref"), target, samples=samples)
     _assert_same_store(tmp_path / "s", tmp_path / "ref")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_capture_matches_cpu(tmp_path):
+    """The CUDA path (side-stream copy to the host in the writer) stores the same states as the CPU path."""
+    samples = make_samples(16, seed=9)
+    cpu = target_from_model(make_tiny_llama())
+    run_capture(cfg(tmp_path / "cpu", batch_tokens=128, shard_mb=0.02), cpu, samples=samples)
+    gpu = target_from_model(make_tiny_llama().cuda())
+    run_capture(cfg(tmp_path / "gpu", batch_tokens=128, shard_mb=0.02, device="cuda"), gpu, samples=samples)
+    a, b = _store_dump(tmp_path / "cpu"), _store_dump(tmp_path / "gpu")
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert torch.equal(a[k][0], b[k][0]) and torch.equal(a[k][1], b[k][1])
+        for x, y in zip(a[k][2:], b[k][2:]):
+            assert (x - y).abs().max() <= 0.02 * x.abs().max(), k

@@ -1,0 +1,145 @@
+"""Capture throughput: bare forward vs captured-and-written, bf16 and fp8, next to the disk's write speed.
+
+    PYTHONPATH=src python benchmarks/capture.py                       # GPU: SmolLM2, 16 batches of 32 x 1024
+    PYTHONPATH=src python benchmarks/capture.py --device cpu --batches 2 --batch-size 2 --seq 256   # smoke test
+
+Prints a table and appends a dated section to BENCHMARKS.md (repo root). Ratio = captured-and-written
+tokens/s divided by bare-forward tokens/s in the same run (goal >= 0.9 where the disk allows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from eyas.capture import CaptureConfig, run_capture  # noqa: E402
+from eyas.capture.hooks import capture_states, decoder_stack  # noqa: E402
+from eyas.store import Store  # noqa: E402
+from eyas.store import format as fmt  # noqa: E402
+from eyas.target import load_target  # noqa: E402
+
+
+def sync(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def disk_write_speed(path: Path, nbytes: int, chunk: int = 64 << 20) -> float:
+    """Bytes/s to write and fsync `nbytes` into a fresh file (buffered writes, like the store)."""
+    buf = os.urandom(chunk)
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(nbytes // chunk):
+            f.write(buf)
+        f.flush()
+        os.fsync(f.fileno())
+    dt = time.perf_counter() - t0
+    path.unlink()
+    return nbytes // chunk * chunk / dt
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batches", type=int, default=16)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--dir", default="/tmp/eyas-bench-capture", help="where the stores and the disk test write")
+    ap.add_argument("--disk-gb", type=float, default=2.0)
+    ap.add_argument("--no-record", action="store_true", help="do not append to BENCHMARKS.md")
+    args = ap.parse_args()
+
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    t0 = time.perf_counter()
+    target = load_target(args.target, device=args.device, dtype=dtype)
+    load_s = time.perf_counter() - t0
+    B, T, n = args.batch_size, args.seq, args.batches
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (n, B, T), generator=g)        # (batches, B, T)
+    tokens = n * B * T
+    work = Path(args.dir)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+
+    disk = disk_write_speed(work / "disk-test.bin", int(args.disk_gb * (1 << 30)))
+    base = decoder_stack(target.model)
+
+    def bare():
+        with torch.inference_mode():
+            for k in range(n):
+                base(input_ids=ids[k].to(args.device), use_cache=False).last_hidden_state
+        sync(args.device)
+
+    def hooks_only(store_dtype):
+        with torch.inference_mode():
+            for k in range(n):
+                s = capture_states(target.model, target.aux_layer_ids, ids[k].to(args.device))  # (B, T, 4, h)
+                q, scale = fmt.quantize(s.reshape(B * T, 4, -1), store_dtype)
+                q.cpu()
+        sync(args.device)
+
+    bare()  # warm-up (kernels, allocator)
+    t = time.perf_counter()
+    bare()
+    bare_s = time.perf_counter() - t
+    rows = [("bare forward (decoder stack, no lm_head)", tokens / bare_s, None, None)]
+    samples = [(f"b{k}-{b}", ids[k, b].tolist(), [1] * T) for k in range(n) for b in range(B)]
+    for sd in ("bf16", "fp8"):
+        hooks_only(sd)
+        t = time.perf_counter()
+        hooks_only(sd)
+        rows.append((f"{sd}: hooks + quantise + copy to host, no write", tokens / (time.perf_counter() - t), None, None))
+        out = work / f"store-{sd}"
+        cfg = CaptureConfig(out=str(out), dtype=sd, batch_tokens=B * T, device=args.device, progress=False)
+        sync(args.device)
+        t = time.perf_counter()
+        run_capture(cfg, target, samples=samples)
+        dt = time.perf_counter() - t
+        info = Store(out).info()
+        rows.append((f"{sd}: captured and written (run_capture)", tokens / dt, info["bytes"] / dt,
+                     info["bytes_per_token"]))
+        shutil.rmtree(out)
+
+    dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    head = f"| {'what':<48} | {'tokens/s':>12} | {'ratio':>6} | {'MB/s written':>12} | {'bytes/token':>11} |"
+    sep = "|" + "-" * 50 + "|" + "-" * 14 + "|" + "-" * 8 + "|" + "-" * 14 + "|" + "-" * 13 + "|"
+    lines = [head, sep]
+    for what, tps, bps, bpt in rows:
+        lines.append(f"| {what:<48} | {tps:>12,.0f} | {tps / rows[0][1]:>6.2f} | "
+                     f"{'' if bps is None else f'{bps / 1e6:,.0f}':>12} | {'' if bpt is None else bpt:>11} |")
+    lines.append(f"| {'disk: write + fsync ' + f'{args.disk_gb:g} GiB':<48} | {'':>12} | {'':>6} | "
+                 f"{disk / 1e6:>12,.0f} | {'':>11} |")
+    table = "\n".join(lines)
+    cmd = "python " + " ".join([os.path.relpath(__file__, ROOT)] + sys.argv[1:])
+    h = target.hidden_size
+    note = (f"{target.name}, h={h}, aux={list(target.aux_layer_ids)}, model dtype {str(dtype)[6:]}, "
+            f"{n} batches of {B} x {T} random ids ({tokens:,} tokens), target load {load_s:.1f} s. "
+            f"Disk-bound ceiling: bf16 {disk / fmt.bytes_per_token('bf16', h):,.0f} tok/s, "
+            f"fp8 {disk / fmt.bytes_per_token('fp8', h):,.0f} tok/s.")
+    print(table)
+    print(note)
+    if not args.no_record:
+        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        with open(ROOT / "BENCHMARKS.md", "a") as f:
+            if f.tell() == 0:
+                f.write("# Benchmarks\n\nAppend-only; each section says when, where and how it was measured.\n")
+            f.write(f"\n## Capture throughput — {now}\n\nMachine: {dev}, torch {torch.__version__}. "
+                    f"Command: `{cmd}`\n\n{table}\n\n{note}\n")
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
