@@ -326,3 +326,26 @@ def test_cuda_capture_matches_cpu(tmp_path):
         assert torch.equal(a[k][0], b[k][0]) and torch.equal(a[k][1], b[k][1])
         for x, y in zip(a[k][2:], b[k][2:]):
             assert (x - y).abs().max() <= 0.02 * x.abs().max(), k
+
+
+def _prepared(path, target, samples):
+    from eyas.data.prepared import PreparedWriter, Sample
+    w = PreparedWriter(path, identity={"target": target.fingerprint})
+    for sid, ids, mask in samples:
+        w.add(Sample(id=sid, input_ids=ids, loss_mask=mask))
+    w.commit(len(samples), {})
+    w.finish({"target": target.fingerprint, "counts": {"kept": len(samples)}})
+
+
+def test_prepared_data_path_and_other_target_refused(tmp_path):
+    target = target_from_model(make_tiny_llama())
+    samples = make_samples(5, seed=10)
+    _prepared(tmp_path / "prep", target, samples)
+    m = run_capture(cfg(tmp_path / "s", data=str(tmp_path / "prep")), target)
+    assert m["complete"] and m["data"]["source"] == "prepared"
+    run_capture(cfg(tmp_path / "ref"), target, samples=samples)
+    a, b = _store_dump(tmp_path / "s"), _store_dump(tmp_path / "ref")
+    assert all(torch.equal(x, y) for k in a for x, y in zip(a[k], b[k]))
+    other = target_from_model(make_tiny_llama(vocab=300))
+    with pytest.raises(EyasError, match=r"prep: target does not match \(config_sha256"):
+        run_capture(cfg(tmp_path / "s2", data=str(tmp_path / "prep")), other)
