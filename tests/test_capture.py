@@ -190,6 +190,8 @@ def test_refuses_store_of_other_config_unless_overwrite(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(EyasError, match="not a directory"):
         run_capture(cfg(tmp_path / "file"), target, samples=samples)
+    with pytest.raises(EyasError, match="cannot create the store directory"):
+        run_capture(cfg(tmp_path / "file" / "sub"), target, samples=samples)
 
 
 def test_bad_samples(tmp_path):
@@ -253,7 +255,7 @@ KILL_SCRIPT = textwrap.dedent("""
     if {slow}:
         model.model.layers[0].register_forward_pre_hook(lambda *a: time.sleep(0.1))
     samples = json.load(open({samples!r}))
-    run_capture(CaptureConfig(out={out!r}, batch_tokens=1, shard_mb=0.03, progress=False),
+    run_capture(CaptureConfig(out={out!r}, batch_tokens=1, shard_mb=0.015, progress=False),
                 target_from_model(model), samples=samples)
 """)
 
@@ -268,8 +270,8 @@ def _run_script(tmp_path, out, samples, slow):
 
 
 def test_kill_9_then_resume_equals_uninterrupted(tmp_path, monkeypatch):
-    # Shards of 0.03 MiB hold ~3 samples of ~20 tokens here (512 B/token): ~16 shards in a run.
-    samples = make_samples(48, seed=7, lo=10, hi=30)
+    # Shards of 0.015 MiB hold ~1-2 samples of ~20 tokens here (512 B/token): ~15 shards in a run.
+    samples = make_samples(24, seed=7, lo=10, hi=30)
     out = tmp_path / "killed"
     proc = _run_script(tmp_path, out, samples, slow=True)
     deadline = time.time() + 120
@@ -285,13 +287,13 @@ def test_kill_9_then_resume_equals_uninterrupted(tmp_path, monkeypatch):
     partial.verify()
     # resume in-process (same configuration), then compare with an uninterrupted run
     target = target_from_model(make_tiny_llama())
-    m = run_capture(cfg(out, batch_tokens=1, shard_mb=0.03), target, samples=samples)
+    m = run_capture(cfg(out, batch_tokens=1, shard_mb=0.015), target, samples=samples)
     assert m["complete"] and m["num_samples"] == len(samples)
     assert not [p for p in os.listdir(out) if p.startswith(".")]
     store = Store(out)
     assert len(store) == len(set(store.ids)) == len(samples)
     store.verify()
-    run_capture(cfg(tmp_path / "ref", batch_tokens=1, shard_mb=0.03), target, samples=samples)
+    run_capture(cfg(tmp_path / "ref", batch_tokens=1, shard_mb=0.015), target, samples=samples)
     _assert_same_store(out, tmp_path / "ref")
 
 

@@ -178,9 +178,12 @@ def _capture_loop(target, aux, samples: list, writer: StoreWriter, cfg: CaptureC
             ids[b, : len(tok)] = torch.tensor(tok)
             mask[b, : len(tok)] = True
         padded = min(lengths) < T
-        am = mask.to(device) if padded else None
-        states = capture_states(model, aux, ids.to(device), am.long() if padded else None)  # (B, T, 4, h)
-        flat = states[am] if padded else states.reshape(B * T, *states.shape[2:])            # (N, 4, h)
+        am = mask.long().to(device) if padded else None
+        states = capture_states(model, aux, ids.to(device), am)                             # (B, T, 4, h)
+        flat = states.reshape(B * T, *states.shape[2:])                                      # (B*T, 4, h)
+        if padded:  # gather real tokens with host-computed indices: no device->host sync here
+            keep = mask.flatten().nonzero().squeeze(1).to(flat.device, non_blocking=True)
+            flat = flat.index_select(0, keep)                                                # (N, 4, h)
         q, scale = fmt.quantize(flat, cfg.dtype)
         writer.add([s[0] for s in group], lengths, ids[mask].to(torch.int32),
                    torch.tensor([m for s in group for m in s[2]], dtype=torch.uint8), q, scale)
