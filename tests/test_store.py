@@ -195,3 +195,12 @@ def test_cli(tmp_path, capsys):
     shard.write_bytes(bytes(data))
     with pytest.raises(EyasError, match=shard.name):
         args.func(args)
+
+
+def test_nonfinite_bit_test_matches_isfinite():
+    from eyas.store.verify import _nonfinite
+    x = torch.tensor([0.0, 1.0, -3.5, float("inf"), float("-inf"), float("nan"), 1e38, -1e-40])
+    assert _nonfinite(x.bfloat16()).tolist() == (~torch.isfinite(x.bfloat16())).tolist()
+    q = torch.tensor([0.0, 448.0, -448.0, 1e-3, float("nan")]).to(torch.float8_e4m3fn)
+    assert _nonfinite(q).tolist() == [False, False, False, False, True]
+    assert _nonfinite(q.float()).tolist() == _nonfinite(q).tolist()

@@ -41,7 +41,7 @@ class CaptureConfig:
     """Capture only the first N samples of the data."""
     shard_mb: float = 512
     """Target shard size in MiB of hidden states (a shard closes at the first batch past it)."""
-    writer_threads: int = 2
+    writer_threads: int = 4
     """Background threads that serialise, hash and fsync shards."""
     progress: bool = True
     """Show a progress bar."""
