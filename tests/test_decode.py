@@ -122,6 +122,25 @@ def test_greedy_speculative_equals_target_greedy(setup, cfg):
         assert stats.accepted_at[0] > 0 and (cfg.k == 1 or stats.accepted_at[1] > 0)
 
 
+def test_static_cache_chain_drafter_equals_target_greedy_and_eager_drafter(setup):
+    """The CUDA-graph drafter path (run eagerly on the CPU here) proposes the same chains."""
+    model, runner, trained, prompts, ref, eos = setup
+    cfg = SpecConfig(method="chain", k=4)
+    fast, fs = run_all_dec(SpecDecoder(runner, trained, cfg, fast=True), prompts[::3], eos)
+    slow, ss = run_all_dec(SpecDecoder(runner, trained, cfg, fast=False), prompts[::3], eos)
+    assert fast == ref[::3] and slow == ref[::3]
+    assert fs.accepted_at == ss.accepted_at and fs.target_forwards == ss.target_forwards
+
+
+def run_all_dec(dec, prompts, eos):
+    outs, stats = [], None
+    for p in prompts:
+        o, s = dec.generate(p, 24, eos_ids=[eos])
+        outs.append(o)
+        stats = s if stats is None else (stats.add(s) or stats)
+    return outs, stats
+
+
 def test_greedy_default_tree_and_untrained_drafter_with_small_draft_vocab(setup):
     model, runner, _, prompts, ref, eos = setup
     untrained = make_drafter(model, seed=3, draft_vocab=100)

@@ -93,7 +93,8 @@ class SpecStats:
 class SpecDecoder:
     """Speculative decoding with a target `Runner` and an optional EAGLE-3 drafter (batch 1, cache row 0)."""
 
-    def __init__(self, runner, drafter=None, cfg: SpecConfig = SpecConfig()):
+    def __init__(self, runner, drafter=None, cfg: SpecConfig = SpecConfig(), *, fast: bool | None = None):
+        """fast: use the CUDA-graph drafter for greedy chains (default: on CUDA)."""
         if cfg.method in ("chain", "tree") and drafter is None:
             raise EyasError(f"decode method {cfg.method!r} needs a drafter")
         if cfg.draft_size + 2 > runner.cfg.max_seq:
@@ -110,7 +111,13 @@ class SpecDecoder:
             if drafter.config.target_hidden_size != runner.cfg.hidden_size:
                 raise EyasError(f"drafter expects target hidden size {drafter.config.target_hidden_size}, "
                                 f"target has {runner.cfg.hidden_size}")
-            self.drafting = EagleDrafting(drafter, runner.embed)
+            if fast is None:
+                fast = runner.device.type == "cuda"
+            if fast and cfg.method == "chain" and cfg.temperature == 0:
+                from eyas.decode.graphed import GraphedChainDrafting
+                self.drafting = GraphedChainDrafting(drafter, runner.embed, runner.cfg.max_seq, cfg.k)
+            else:
+                self.drafting = EagleDrafting(drafter, runner.embed)
         self._verify_fn = self._verify_forward
 
     def _verify_forward(self, ids, pos, slots, mask):
