@@ -195,14 +195,16 @@ def _ddp_worker(rank, world, port, kw):
         dist.destroy_process_group()
 
 
-def test_ddp_two_ranks_equals_single_process(tmp_path):
+@pytest.mark.parametrize("fsdp", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["ddp", "fsdp2"])
+def test_ddp_two_ranks_equals_single_process(tmp_path, fsdp):
+    """2 gloo ranks x grad_accum 1 == 1 process x grad_accum 2 on the same global batches (DDP, or FSDP2)."""
     import torch.multiprocessing as mp
 
     t = tiny_target()
     store = capture(tmp_path, t, make_samples(40))
     single = cfg(tmp_path, store, "single", steps=3, grad_accum=2, deterministic=False)
     run_train(single, target=t)
-    kw = {**single.to_dict(), "out": str(tmp_path / "ddp"), "grad_accum": 1}
+    kw = {**single.to_dict(), "out": str(tmp_path / "ddp"), "grad_accum": 1, "fsdp": fsdp}
     mp.spawn(_ddp_worker, args=(2, _free_port(), kw), nprocs=2, join=True)
 
     a, b = records(tmp_path / "single"), records(tmp_path / "ddp")
