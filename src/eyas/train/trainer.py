@@ -249,7 +249,8 @@ def run_train(cfg: TrainConfig, target=None) -> dict:
     step, epoch, pos = 0, 0, 0
     if cfg.resume and (last := ckpt.latest_checkpoint(run)) is not None:
         state, rng = ckpt.load_checkpoint(last, rank=rank)
-        check_same(state["config"], cfg.identity(), what="training configuration", where=str(last))
+        check_same({**state["config"], "world_size": state["world_size"]}, {**cfg.identity(), "world_size": world},
+                   what="training configuration", where=str(last))
         _load_full_state(module, optim, state["model"], state["optimizer"], cfg.fsdp)
         sched.load_state_dict(state["scheduler"])
         step, epoch, pos = state["step"], state["data"]["epoch"], state["data"]["position"]
