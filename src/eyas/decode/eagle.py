@@ -88,18 +88,17 @@ class EagleDrafting:
         hidden = self.last.expand(1, len(frontier), -1)  # (1,F,h) input hidden of each frontier node
         k, v = self.k, self.v
         n = self.n
-        tree_slot: dict[int, int] = {}  # pool index -> column in the drafter cache
         anc_cols: dict[int, list[int]] = {-1: []}
         for level in range(2, depth + 1):
             F_ = len(frontier)
             L = k.shape[2]
-            mask = torch.zeros(1, F_, L + F_, dtype=torch.bool, device=dev)
+            mask = torch.zeros(1, F_, L + F_, dtype=torch.bool)  # built on the CPU, one copy
             mask[0, :, :n] = True
             for r, node in enumerate(frontier):
                 cols = anc_cols[parents[node]] + [L + r]
                 anc_cols[node] = cols
-                tree_slot[node] = L + r
                 mask[0, r, cols] = True
+            mask = mask.to(dev, non_blocking=True)
             emb = self.embed(torch.tensor([[toks[j] for j in frontier]], device=dev))  # (1,F,h)
             pos = torch.full((1, F_), n - 1 + level - 1, device=dev)
             out, (k, v) = d.layer(hidden, emb, pos, mask, (k, v))  # (1,F,h)

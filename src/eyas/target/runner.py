@@ -103,7 +103,14 @@ class Layer(nn.Module):
         vc[rows, :, slots] = v.transpose(1, 2)
         # GQA without repeating k/v: each kv head answers its `rep` query heads as rep*S queries.
         qg = q.reshape(B, KV, -1, D)  # (B,KV,rep*S,D)
-        o = F.scaled_dot_product_attention(qg, kc[:, :, :L], vc[:, :, :L], attn_mask=bias)  # (B,KV,rep*S,D)
+        if qg.shape[2] <= 256:
+            # Few queries (decode, verify): plain matmuls parallelise over the keys; the fused SDPA
+            # kernels give each (head, query block) one thread block and crawl through long caches.
+            att = torch.matmul(qg, kc[:, :, :L].transpose(-1, -2)) * D ** -0.5 + bias  # (B,KV,rep*S,L)
+            att = torch.softmax(att.float(), dim=-1).to(qg.dtype)
+            o = torch.matmul(att, vc[:, :, :L])  # (B,KV,rep*S,D)
+        else:
+            o = F.scaled_dot_product_attention(qg, kc[:, :, :L], vc[:, :, :L], attn_mask=bias)  # (B,KV,rep*S,D)
         o = o.reshape(B, H, S, D).transpose(1, 2).reshape(B, S, H * D)  # (B,S,H*D)
         x = x + self.wo(o)
         gate, up = self.w13(rms_norm(x, self.mlp_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
