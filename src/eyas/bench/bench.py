@@ -53,6 +53,8 @@ class BenchConfig:
     """Target cache slots; longer prompts are left-truncated (counted)."""
     device: str = "cpu"
     """cpu | cuda."""
+    dtype: str | None = None
+    """fp32 | bf16 | fp16 (default: bf16 on CUDA, fp32 on the CPU); fp32 makes the lossless check exact."""
     compile: bool = False
     """torch.compile the target's graphed steps (CUDA)."""
     baselines: bool = True
@@ -69,6 +71,8 @@ class BenchConfig:
             raise EyasError(f"bench method {self.method!r}: expected chain or tree")
         if self.max_new_tokens < 1:
             raise EyasError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.dtype not in (None, "fp32", "bf16", "fp16"):
+            raise EyasError(f"dtype {self.dtype!r}: expected fp32, bf16 or fp16")
         if self.limit is not None and self.limit < 1:
             raise EyasError(f"limit must be >= 1, got {self.limit}")
 
@@ -115,7 +119,8 @@ def run_bench(cfg: BenchConfig, *, target=None, drafter=None, drafter_meta: dict
     out = out or sys.stdout
     if target is None:
         from eyas.target import load_target
-        target = load_target(cfg.target, device=cfg.device)
+        dt = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
+        target = load_target(cfg.target, device=cfg.device, dtype=dt)
     tok = target.tokenizer
     if tok is None:
         raise EyasError(f"target {cfg.target!r} has no tokenizer; bench needs one to apply the chat template")
@@ -229,6 +234,8 @@ def plot_acceptance(report: dict, path: Path) -> str:
         acc = m["acceptance_by_position"]
         if acc:
             ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{name} (tau {m['tau']:.2f})")
+    longest = max((len(m["acceptance_by_position"]) for m in report["methods"].values()), default=0)
+    ax.set_xticks(range(1, longest + 1))
     ax.set_xlabel("draft position")
     ax.set_ylabel("fraction of rounds accepted")
     ax.set_ylim(0, 1)
