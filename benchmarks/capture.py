@@ -1,6 +1,6 @@
 """Capture throughput: bare forward vs captured-and-written, bf16 and fp8, next to the disk's write speed.
 
-    PYTHONPATH=src python benchmarks/capture.py                       # GPU: SmolLM2, 16 batches of 32 x 1024
+    PYTHONPATH=src python benchmarks/capture.py                       # GPU: SmolLM2, 32 batches of 32 x 1024
     PYTHONPATH=src python benchmarks/capture.py --device cpu --batches 2 --batch-size 2 --seq 256   # smoke test
 
 Prints a table and appends a dated section to BENCHMARKS.md (repo root). Ratio = captured-and-written
@@ -53,11 +53,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--batches", type=int, default=16)
+    ap.add_argument("--batches", type=int, default=32)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--dir", default="/tmp/eyas-bench-capture", help="where the stores and the disk test write")
     ap.add_argument("--disk-gb", type=float, default=2.0)
+    ap.add_argument("--shard-mb", type=float, default=256)
     ap.add_argument("--no-record", action="store_true", help="do not append to BENCHMARKS.md")
     args = ap.parse_args()
 
@@ -102,7 +103,9 @@ def main() -> int:
         hooks_only(sd)
         rows.append((f"{sd}: hooks + quantise + copy to host, no write", tokens / (time.perf_counter() - t), None, None))
         out = work / f"store-{sd}"
-        cfg = CaptureConfig(out=str(out), dtype=sd, batch_tokens=B * T, device=args.device, progress=False)
+        # run_capture timed whole: sample checks, data hash, forward, and the last shard's write + fsync
+        cfg = CaptureConfig(out=str(out), dtype=sd, batch_tokens=B * T, device=args.device, progress=False,
+                            shard_mb=args.shard_mb)
         sync(args.device)
         t = time.perf_counter()
         run_capture(cfg, target, samples=samples)
@@ -125,7 +128,8 @@ def main() -> int:
     cmd = "python " + " ".join([os.path.relpath(__file__, ROOT)] + sys.argv[1:])
     h = target.hidden_size
     note = (f"{target.name}, h={h}, aux={list(target.aux_layer_ids)}, model dtype {str(dtype)[6:]}, "
-            f"{n} batches of {B} x {T} random ids ({tokens:,} tokens), target load {load_s:.1f} s. "
+            f"{n} batches of {B} x {T} random ids ({tokens:,} tokens), shards of {args.shard_mb:g} MiB, "
+            f"target load {load_s:.1f} s. "
             f"Disk-bound ceiling: bf16 {disk / fmt.bytes_per_token('bf16', h):,.0f} tok/s, "
             f"fp8 {disk / fmt.bytes_per_token('fp8', h):,.0f} tok/s.")
     print(table)
