@@ -135,7 +135,7 @@ class StoreWriter:
             if self._copy_stream is None:
                 self._copy_stream = torch.cuda.Stream(device=hidden.device)
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(hidden.device))
             for t in (hidden, scale):
                 if t is not None:
                     t.record_stream(self._copy_stream)
