@@ -29,6 +29,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy regeneration (default)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="longest regenerated reply (default 512)")
     p.add_argument("--batch-size", type=int, default=16, help="conversations per generation batch / commit")
+    p.add_argument("--max-turns", type=int, default=None, help="keep only the first N user turns of each conversation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overwrite", action="store_true", help="start again instead of resuming")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's remote code")
@@ -44,7 +45,7 @@ def main(args: argparse.Namespace) -> int:
             target=args.target, data=args.data, out=args.out, limit=args.limit, max_len=args.max_len,
             heldout_fraction=args.heldout_fraction, regenerate=args.regenerate, server=args.server,
             model=args.model, concurrency=args.concurrency, timeout=args.timeout, retries=args.retries,
-            temperature=args.temperature, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+            temperature=args.temperature, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, max_turns=args.max_turns,
             seed=args.seed, overwrite=args.overwrite, trust_remote_code=args.trust_remote_code)
     except ValueError as e:
         raise EyasError(str(e)) from e

@@ -6,6 +6,7 @@ skipped, so `bench --prompts sharegpt-heldout` never evaluates on training data.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -50,6 +51,8 @@ class PrepareConfig:
     """Longest regenerated reply."""
     batch_size: int = 16
     """Conversations per generation batch and per commit."""
+    max_turns: int | None = None
+    """Keep only the first N user turns (and their replies) of each conversation (None: all)."""
     seed: int = 0
     """Seed for sampled regeneration."""
     overwrite: bool = False
@@ -68,6 +71,8 @@ class PrepareConfig:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
         if self.max_new_tokens < 1 or self.batch_size < 1 or self.concurrency < 1 or self.retries < 0:
             raise ValueError("--max-new-tokens, --batch-size and --concurrency must be >= 1, --retries >= 0")
+        if self.max_turns is not None and self.max_turns < 1:
+            raise ValueError(f"--max-turns must be >= 1, got {self.max_turns}")
         if self.timeout <= 0:
             raise ValueError(f"--timeout must be > 0, got {self.timeout}")
         if self.server and not self.regenerate:
@@ -82,6 +87,18 @@ class PrepareConfig:
             for k in ("server", "model", "temperature", "max_new_tokens", "seed"):
                 d.pop(k)
         return d
+
+
+def first_turns(c: Conversation, n: int) -> Conversation:
+    """The conversation cut before its (n+1)-th user turn."""
+    users, cut = 0, len(c.messages)
+    for i, m in enumerate(c.messages):
+        if m["role"] == "user":
+            users += 1
+            if users > n:
+                cut = i
+                break
+    return dataclasses.replace(c, messages=tuple(c.messages[:cut]))
 
 
 def _new_state() -> dict:
@@ -177,6 +194,8 @@ def run_prepare(cfg: PrepareConfig, target=None, *, progress: bool = True) -> di
             if is_heldout(rec.split_key, cfg.heldout_fraction):
                 st["heldout"] += 1
                 continue
+            if cfg.max_turns is not None:
+                rec = first_turns(rec, cfg.max_turns)
             chunk.append((pos, rec))
             # never regenerate/tokenize past the limit: the chunk is at most what is still wanted
             want = cfg.batch_size if cfg.limit is None else min(cfg.batch_size, cfg.limit - st["kept"])

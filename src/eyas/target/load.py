@@ -30,14 +30,16 @@ _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "dtype", "torc
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3 default: HF hidden_states indices (2, N//2, N-3), the residual entering those layers."""
-    if num_layers < 6:
-        # Tiny models: keep three distinct, increasing, in-range indices.
-        ids = (1, max(2, num_layers // 2), num_layers - 1) if num_layers >= 3 else None
-        if ids is None or len(set(ids)) < 3:
-            raise EyasError(f"a target with {num_layers} layers is too shallow for three aux layers")
-        return ids
-    return (2, num_layers // 2, num_layers - 3)
+    """EAGLE-3 default: HF hidden_states indices (2, N//2, N-3), the residual entering those layers.
+
+    Targets too shallow for that (N < 7) get (1, N//2, N-1) or (0, N//2, N): three increasing indices."""
+    n = num_layers
+    if n < 3:
+        raise EyasError(f"a target with {n} layers is too shallow for three aux layers")
+    for ids in ((2, n // 2, n - 3), (1, n // 2, n - 1), (0, n // 2, n)):
+        if ids[0] < ids[1] < ids[2]:
+            return ids
+    raise AssertionError(n)
 
 
 def check_aux_layer_ids(ids, num_layers: int) -> tuple[int, int, int]:

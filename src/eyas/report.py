@@ -1,0 +1,151 @@
+"""RUN/report.md and its plots, built only from what the stages wrote (no number is typed in)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def _plots(run: Path, metrics: list[dict], bench: dict) -> dict[str, str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out, made = run / "plots", {}
+    out.mkdir(exist_ok=True)
+    train = [m for m in metrics if m.get("split") == "train"]
+    evals = [m for m in metrics if m.get("split") == "eval"]
+    if train:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot([m["step"] for m in train], [m["loss"] for m in train], label="train loss")
+        if evals:
+            ax.plot([m["step"] for m in evals], [m["loss"] for m in evals], "o-", label="held-out loss")
+        ax.set_xlabel("optimizer step"), ax.set_ylabel("TTT loss"), ax.legend(), ax.grid(alpha=0.3)
+        fig.tight_layout(), fig.savefig(out / "loss.png", dpi=110), plt.close(fig)
+        made["loss"] = "plots/loss.png"
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        K = len(train[-1]["acc_k"])
+        for k in range(K):
+            ax.plot([m["step"] for m in train], [m["acc_k"][k] for m in train], label=f"acc_{k}")
+        ax.set_xlabel("optimizer step"), ax.set_ylabel("top-1 agreement with target (train)")
+        ax.legend(ncol=2, fontsize=8), ax.grid(alpha=0.3)
+        fig.tight_layout(), fig.savefig(out / "acc_k.png", dpi=110), plt.close(fig)
+        made["acc_k"] = "plots/acc_k.png"
+    if bench:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for name, r in bench.items():
+            for m, v in r["methods"].items():
+                acc = v.get("acceptance_by_position") or []
+                if m != "plain" and acc:
+                    ax.plot(range(1, len(acc) + 1), acc, "o-", label=f"{name}: {m}")
+        ax.set_xlabel("draft position"), ax.set_ylabel("acceptance rate"), ax.set_ylim(0, 1)
+        ax.legend(fontsize=7), ax.grid(alpha=0.3)
+        fig.tight_layout(), fig.savefig(out / "acceptance.png", dpi=110), plt.close(fig)
+        made["acceptance"] = "plots/acceptance.png"
+    return made
+
+
+def _fmt(x, nd=3):
+    return "-" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
+
+
+def write_report(run: Path, state: dict, cfg) -> str:
+    """Write RUN/report.md; return the one-screen summary printed at the end of `eyas run`."""
+    stages = state["stages"]
+    metrics = _read_metrics(run / "train" / "metrics.jsonl")
+    bench = {p.stem: json.loads(p.read_text()) for p in sorted((run / "bench").glob("*.json"))}
+    plots = _plots(run, metrics, bench)
+    L = [f"# eyas run report: {cfg.preset}", "",
+         f"Target `{cfg.target}`, data `{cfg.data}`, run directory `{run}`, started {state.get('created')}.", ""]
+    if cfg.preset == "cpu-demo":
+        L += ["This is the CPU demonstration preset: small data and short training. For a real drafter run "
+              "`eyas run --preset gpu` on a CUDA machine.", ""]
+    L += ["## Stages", "", "| stage | seconds |", "|---|---|"]
+    L += [f"| {s} | {v.get('seconds', 0):.0f} |" for s, v in stages.items()]
+    total = sum(v.get("seconds", 0) for v in stages.values())
+    L += [f"| total | {total:.0f} |", ""]
+
+    c = stages.get("prepare", {}).get("summary", {})
+    L += ["## Data", "", f"- conversations read: {c.get('read')}, kept for training: {c.get('kept')}, "
+          f"held out for bench: {c.get('heldout')}",
+          f"- tokens: {c.get('tokens')}, trainable (assistant) tokens: {c.get('trainable_tokens')}, "
+          f"truncated conversations: {c.get('truncated')}"]
+    for what in ("skipped", "dropped"):
+        for reason, n in sorted((c.get(what) or {}).items()):
+            L.append(f"- {what}: {reason}: {n}")
+    regen = {k: v for k, v in c.items() if k not in ("read", "kept", "heldout", "tokens", "trainable_tokens",
+                                                     "truncated", "skipped", "dropped")}
+    if regen:
+        L.append("- regeneration: " + ", ".join(f"{k} {_fmt(v, 1)}" for k, v in regen.items()))
+    L.append("")
+    store = stages.get("capture", {}).get("summary")
+    if store:
+        L += ["## Hidden-state store", "", "```", json.dumps(store, indent=1)[:1500], "```", ""]
+
+    tr = stages.get("train", {}).get("summary", {})
+    ev, trs = tr.get("eval") or {}, tr.get("train") or {}
+    L += ["## Training", "", f"- optimizer steps: {tr.get('step')}, draft vocab coverage of trainable tokens: "
+          f"{_fmt(tr.get('vocab_coverage'))}", "",
+          "| | " + " | ".join(f"step {k}" for k in range(len(ev.get("acc_k", trs.get("acc_k", []))))) + " |",
+          "|---|" + "---|" * len(ev.get("acc_k", trs.get("acc_k", [])))]
+    for name, d in (("train acc_k", trs.get("acc_k")), ("held-out acc_k", ev.get("acc_k")),
+                    ("held-out acc_k given steps <k right", ev.get("cond_acc_k"))):
+        if d:
+            L.append(f"| {name} | " + " | ".join(_fmt(x) for x in d) + " |")
+    L += ["", f"- held-out frequency baseline acc_0 (always the most common draft token): "
+          f"{_fmt(ev.get('baseline_acc_0'))}; predicted chain acceptance tau_est: {_fmt(ev.get('tau_est'), 2)}", ""]
+    for key in ("loss", "acc_k"):
+        if key in plots:
+            L.append(f"![{key}]({plots[key]})")
+    L.append("")
+
+    L += ["## Speculative decoding (held-out prompts, same run, lossless check at temperature 0)", "",
+          "| benchmark | method | tau | tokens/s | speedup vs plain | lossless |", "|---|---|---|---|---|---|"]
+    lines = []
+    for name, r in bench.items():
+        for m, v in r["methods"].items():
+            held = (r.get("lossless") or {}).get(m, {}).get("held") if m != "plain" else None
+            L.append(f"| {name} | {m} | {_fmt(v.get('tau'), 2)} | {_fmt(v.get('tokens_per_s'), 1)} | "
+                     f"{_fmt(v.get('speedup'), 2)} | {'-' if held is None else ('yes' if held else 'NO')} |")
+        by = r["methods"]
+        eagle = next((m for m in by if m.startswith("eagle")), None)
+        if eagle:
+            lines.append(f"{name}: tau {by[eagle]['tau']:.2f} (prompt lookup {by.get('lookup', {}).get('tau', 0):.2f}, "
+                         f"no drafter 1.00), speedup {_fmt(by[eagle].get('speedup'), 2)}x on {r.get('device')}, "
+                         f"lossless {'yes' if (r.get('lossless') or {}).get(eagle, {}).get('held') else 'NO'}")
+    if "acceptance" in plots:
+        L += ["", f"![acceptance by draft position]({plots['acceptance']})"]
+    L.append("")
+
+    ex = stages.get("export", {}).get("summary", {})
+    if ex:
+        readme = Path(ex["path"]) / "README.md"
+        L += ["## Export", "", f"The drafter is at `{ex['path']}` (config.json + model.safetensors).", ""]
+        if readme.exists():
+            text = readme.read_text()
+            L += [text[text.find("## SGLang"):].replace("## ", "### ")]
+    (run / "report.md").write_text("\n".join(L) + "\n")
+
+    S = ["", "=" * 72, f"eyas run ({cfg.preset}) finished: {run}",
+         f"  data: {c.get('kept')} conversations, {c.get('trainable_tokens')} trainable tokens"
+         + (f", store {store.get('bytes_per_token', '?')} B/token" if store else ""),
+         f"  held-out acc_k: {' / '.join(_fmt(x, 2) for x in ev.get('acc_k', []))} "
+         f"(frequency baseline {_fmt(ev.get('baseline_acc_0'), 2)})"]
+    S += [f"  {x}" for x in lines]
+    if ex:
+        S.append(f"  export: {ex['path']}  (serve commands in {run / 'report.md'})")
+    S.append("=" * 72)
+    return "\n".join(S)
