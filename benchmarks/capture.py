@@ -49,6 +49,20 @@ def disk_write_speed(path: Path, nbytes: int, chunk: int = 64 << 20) -> float:
     return nbytes // chunk * chunk / dt
 
 
+def smollm2_shaped(device: str, dtype: torch.dtype):
+    """A random-weight Llama with SmolLM2-135M-Instruct's configuration (throughput does not depend on weights)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eyas.target import target_from_model
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                      rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return target_from_model(model, name="smollm2-135m-shaped (random weights)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m")
@@ -60,11 +74,16 @@ def main() -> int:
     ap.add_argument("--disk-gb", type=float, default=2.0)
     ap.add_argument("--shard-mb", type=float, default=256)
     ap.add_argument("--no-record", action="store_true", help="do not append to BENCHMARKS.md")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="SmolLM2-135M's exact architecture with random weights (same speed, no GGUF to stage)")
     args = ap.parse_args()
 
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     t0 = time.perf_counter()
-    target = load_target(args.target, device=args.device, dtype=dtype)
+    if args.random_weights:
+        target = smollm2_shaped(args.device, dtype)
+    else:
+        target = load_target(args.target, device=args.device, dtype=dtype)
     load_s = time.perf_counter() - t0
     B, T, n = args.batch_size, args.seq, args.batches
     g = torch.Generator().manual_seed(0)

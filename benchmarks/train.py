@@ -138,6 +138,8 @@ def main() -> int:
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
     peak = matmul_rate(device, 8192 if device.type == "cuda" else 1024, 20 if device.type == "cuda" else 3)
