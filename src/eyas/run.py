@@ -26,23 +26,24 @@ PRESETS: dict[str, dict] = {
     # 2 CPU cores, ~20 minutes: short first-turn prompts, replies regenerated greedily by the target,
     # a small draft vocabulary and few TTT steps. A demonstration, not a production drafter.
     "cpu-demo": dict(
-        device="cpu", limit=600, max_len=320, max_turns=1, regenerate=True, max_new_tokens=128,
-        regen_batch=32, capture=True, capture_dtype="bf16", online=False,
-        draft_vocab=8192, ttt_steps=3, epochs=4, steps=None, lr=5e-4, batch_tokens=8192, chunk_size=None,
-        bench=[dict(prompts="sharegpt-heldout", method="chain", k=5, limit=20, max_new_tokens=96)],
+        device="cpu", dtype="bf16", autocast="bf16", limit=500, max_len=320, max_turns=1, regenerate=True,
+        max_new_tokens=128, regen_batch=64, regen_dtype=None, capture=True, capture_dtype="bf16", online=False,
+        draft_vocab=8192, ttt_steps=4, epochs=3, steps=None, lr=1e-3, batch_tokens=2048, chunk_size=None,
+        bench=[dict(prompts="heldout", method="chain", k=5, limit=20, max_turns=1, max_new_tokens=96)],
     ),
     # One H200, ~15 minutes: all of ShareGPT (minus held-out) regenerated, trained online (a bf16 store of
     # this data would not fit the machine's 64 GB disk), benched with chains and the tree on two prompt sets.
     "gpu": dict(
-        device="cuda", limit=None, max_len=1024, max_turns=1, regenerate=True, max_new_tokens=384,
-        regen_batch=256, capture=False, capture_dtype="bf16", online=True,
+        device="cuda", dtype="bf16", autocast="auto", limit=None, max_len=1024, max_turns=1, regenerate=True,
+        max_new_tokens=384,
+        regen_batch=256, regen_dtype=None, capture=False, capture_dtype="bf16", online=True,
         draft_vocab=32000, ttt_steps=7, epochs=2, steps=None, lr=2e-4, batch_tokens=65536, chunk_size=None,
-        bench=[dict(prompts="sharegpt-heldout", method="chain", k=3, limit=50, max_new_tokens=256),
-               dict(prompts="sharegpt-heldout", method="chain", k=5, limit=50, max_new_tokens=256),
-               dict(prompts="sharegpt-heldout", method="tree", k=5, limit=50, max_new_tokens=256),
-               dict(prompts="humaneval", method="chain", k=3, limit=50, max_new_tokens=256),
-               dict(prompts="humaneval", method="chain", k=5, limit=50, max_new_tokens=256),
-               dict(prompts="humaneval", method="tree", k=5, limit=50, max_new_tokens=256)],
+        bench=[dict(prompts="heldout", method="chain", k=3, limit=50, max_turns=2, max_new_tokens=256),
+               dict(prompts="heldout", method="chain", k=5, limit=50, max_turns=2, max_new_tokens=256),
+               dict(prompts="heldout", method="tree", k=5, limit=20, max_turns=2, max_new_tokens=256),
+               dict(prompts="humaneval", method="chain", k=3, limit=50, max_turns=1, max_new_tokens=256),
+               dict(prompts="humaneval", method="chain", k=5, limit=50, max_turns=1, max_new_tokens=256),
+               dict(prompts="humaneval", method="tree", k=5, limit=20, max_turns=1, max_new_tokens=256)],
     ),
 }
 STAGES = ("prepare", "capture", "train", "bench", "export")
@@ -130,7 +131,7 @@ def _verify(stage: str, run: Path, target) -> None:
         for p in (run / "bench").glob("*.json"):
             json.loads(p.read_text())
     elif stage == "export":
-        from eyas.export.importer import load_eagle3_checkpoint
+        from eyas.model.importer import load_eagle3_checkpoint
         load_eagle3_checkpoint(run / "export", target=target)
 
 
@@ -152,7 +153,9 @@ def run_pipeline(cfg: RunConfig) -> dict:
     if cfg.preset == "cpu-demo":
         log("this is a demonstration on the CPU (small data, short training); for a real drafter run "
             "`eyas run --preset gpu` on a CUDA machine", always=True)
-    target = load_target(cfg.target, device=k["device"])
+
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[k["dtype"]]
+    target = load_target(cfg.target, device=k["device"], dtype=dtype)
     progress = not cfg.quiet
     stages = [s for s in STAGES if s != "capture" or k["capture"]]
     for stage in stages:
@@ -190,7 +193,8 @@ def _prepare(cfg, k, run, target, progress, redo=False) -> dict:
 
     pc = PrepareConfig(target=cfg.target, data=cfg.data, out=str(run / "prepared"), limit=k["limit"],
                        max_len=k["max_len"], regenerate=k["regenerate"], max_new_tokens=k["max_new_tokens"],
-                       batch_size=k["regen_batch"], max_turns=k["max_turns"], overwrite=redo)
+                       batch_size=k["regen_batch"], max_turns=k["max_turns"], regen_dtype=k["regen_dtype"],
+                       overwrite=redo)
     return run_prepare(pc, target, progress=progress)["counts"]
 
 
@@ -216,13 +220,14 @@ def _train(cfg, k, run, target, progress, redo=False) -> dict:
     tc = TrainConfig(out=str(out), target=cfg.target, epochs=k["epochs"], steps=k["steps"], lr=k["lr"],
                      ttt_steps=k["ttt_steps"], draft_vocab=k["draft_vocab"], batch_tokens=k["batch_tokens"],
                      chunk_size=k["chunk_size"], max_len=k["max_len"] + k["max_new_tokens"],
-                     device=k["device"], checkpoint_every=50, resume=resume, progress=progress, **src)
+                     device=k["device"], autocast=k["autocast"], checkpoint_every=50, resume=resume,
+                     progress=progress, **src)
     return run_train(tc, target)
 
 
 def _bench(cfg, k, run, target, progress, redo=False) -> dict:
     from eyas.bench.bench import BenchConfig, run_bench
-    from eyas.export.importer import load_any_drafter
+    from eyas.model.importer import load_any_drafter
 
     drafter, meta = load_any_drafter(str(run / "train"), target=target)
     drafter = drafter.to(target.device)
@@ -230,13 +235,20 @@ def _bench(cfg, k, run, target, progress, redo=False) -> dict:
     out.mkdir(exist_ok=True)
     sink = open(run / "logs" / "bench.log", "a")
     try:
-        for i, b in enumerate(k["bench"]):
-            name = f"{b['prompts']}-{b['method']}" + (f"{b['k']}" if b["method"] == "chain" else "")
+        for b in k["bench"]:
+            # "heldout" = the held-out split of the run's own data, which prepare never wrote
+            prompts = b["prompts"]
+            if prompts == "heldout":
+                prompts = "sharegpt-heldout" if cfg.data == "sharegpt" else f"heldout:{cfg.data}"
+            label = "sharegpt-heldout" if prompts == "sharegpt-heldout" else (
+                "heldout" if prompts.startswith("heldout:") else Path(prompts).stem)
+            name = f"{label}-{b['method']}" + (f"{b['k']}" if b["method"] == "chain" else "")
             path = out / f"{name}.json"
             if path.exists() and not redo:
                 results[name] = json.loads(path.read_text())
                 continue
-            bc = BenchConfig(target=cfg.target, prompts=b["prompts"], method=b["method"], k=b["k"], limit=b["limit"],
+            bc = BenchConfig(target=cfg.target, prompts=prompts, method=b["method"], k=b["k"], limit=b["limit"],
+                             max_turns=b.get("max_turns"),
                              max_new_tokens=b["max_new_tokens"], device=k["device"], json_out=str(path),
                              compile=k["device"] == "cuda")
             results[name] = run_bench(bc, target=target, drafter=drafter, drafter_meta=meta,

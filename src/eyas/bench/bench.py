@@ -49,6 +49,8 @@ class BenchConfig:
     """New tokens per turn."""
     limit: int | None = 20
     """Prompt records used (None = all)."""
+    max_turns: int | None = None
+    """Answer only the first N user turns of each record (None = all)."""
     max_seq: int = 2048
     """Target cache slots; longer prompts are left-truncated (counted)."""
     device: str = "cpu"
@@ -75,6 +77,8 @@ class BenchConfig:
             raise EyasError(f"dtype {self.dtype!r}: expected fp32, bf16 or fp16")
         if self.limit is not None and self.limit < 1:
             raise EyasError(f"limit must be >= 1, got {self.limit}")
+        if self.max_turns is not None and self.max_turns < 1:
+            raise EyasError(f"max_turns must be >= 1, got {self.max_turns}")
 
     def spec(self, method: str) -> SpecConfig:
         return SpecConfig(method=method, k=self.k, top_k=self.top_k, depth=self.depth, total_tokens=self.total_tokens,
@@ -85,6 +89,8 @@ def load_bench_prompts(cfg: BenchConfig) -> list[dict]:
     from eyas.data.sources import load_prompts
 
     recs = load_prompts(cfg.prompts, limit=cfg.limit)
+    if cfg.max_turns is not None:
+        recs = [{**r, "turns": r["turns"][:cfg.max_turns]} for r in recs]
     if not recs:
         raise EyasError(f"{cfg.prompts}: no prompts")
     return recs
@@ -126,7 +132,7 @@ def run_bench(cfg: BenchConfig, *, target=None, drafter=None, drafter_meta: dict
         raise EyasError(f"target {cfg.target!r} has no tokenizer; bench needs one to apply the chat template")
     meta = dict(drafter_meta or {})
     if drafter is None and cfg.drafter is not None:
-        from eyas.export.importer import load_any_drafter  # the loader shared with `eyas export`
+        from eyas.model.importer import load_any_drafter  # shared with `eyas export` and `train --init`
         drafter, meta = load_any_drafter(cfg.drafter, target=target)
     if drafter is not None:
         if meta.get("target"):  # refuse a drafter trained for another target

@@ -51,6 +51,9 @@ class PrepareConfig:
     """Longest regenerated reply."""
     batch_size: int = 16
     """Conversations per generation batch and per commit."""
+    regen_dtype: str | None = None
+    """Weights dtype of local regeneration: fp32, bf16 or fp16 (None: the target's). bf16 is ~2x faster on
+    CPUs with AVX512-BF16/AMX; the replies are then the bf16 target's, which is still the target's style."""
     max_turns: int | None = None
     """Keep only the first N user turns (and their replies) of each conversation (None: all)."""
     seed: int = 0
@@ -71,6 +74,8 @@ class PrepareConfig:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
         if self.max_new_tokens < 1 or self.batch_size < 1 or self.concurrency < 1 or self.retries < 0:
             raise ValueError("--max-new-tokens, --batch-size and --concurrency must be >= 1, --retries >= 0")
+        if self.regen_dtype not in (None, "fp32", "bf16", "fp16"):
+            raise ValueError(f"--regen-dtype {self.regen_dtype!r}: expected fp32, bf16 or fp16")
         if self.max_turns is not None and self.max_turns < 1:
             raise ValueError(f"--max-turns must be >= 1, got {self.max_turns}")
         if self.timeout <= 0:
@@ -84,7 +89,7 @@ class PrepareConfig:
         for k in ("out", "overwrite", "concurrency", "timeout", "retries", "batch_size", "trust_remote_code"):
             d.pop(k)
         if not self.regenerate:
-            for k in ("server", "model", "temperature", "max_new_tokens", "seed"):
+            for k in ("server", "model", "temperature", "max_new_tokens", "seed", "regen_dtype"):
                 d.pop(k)
         return d
 

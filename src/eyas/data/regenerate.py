@@ -84,11 +84,14 @@ class LocalBackend:
     """Regenerate with the loaded target, a batch of conversations in lock-step by turn."""
 
     def __init__(self, target, *, max_len: int, max_new_tokens: int, temperature: float, seed: int,
-                 batch_size: int = 16, use_runner: bool = True):
+                 batch_size: int = 16, use_runner: bool = True, dtype: str | None = None):
         self.tok, self.model = target.tokenizer, target.model
         self.eos = list(target.eos_token_ids) if hasattr(target, "eos_token_ids") else [self.tok.eos_token_id]
         self.max_len, self.max_new, self.temperature, self.seed = max_len, max_new_tokens, temperature, seed
         self.stats = RegenStats()
+        import torch
+
+        self.dtype = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
         self.generate = self._pick(batch_size, use_runner)
 
     def _pick(self, batch_size: int, use_runner: bool):
@@ -96,7 +99,8 @@ class LocalBackend:
         if use_runner:
             try:
                 from eyas.target.runner import Runner
-                runner = Runner.from_hf(self.model, max_batch=batch_size, max_seq=self.max_len + self.max_new)
+                runner = Runner.from_hf(self.model, max_batch=batch_size, max_seq=self.max_len + self.max_new,
+                                        dtype=self.dtype)
                 return lambda prompts, seed: runner.generate(prompts, self.max_new, temperature=self.temperature,
                                                              eos_ids=self.eos, seed=seed)
             except (ImportError, EyasError, AttributeError):
@@ -265,4 +269,5 @@ def make_backend(cfg, target):
                              temperature=cfg.temperature, seed=cfg.seed, concurrency=cfg.concurrency,
                              timeout=cfg.timeout, retries=cfg.retries)
     return LocalBackend(target, max_len=cfg.max_len, max_new_tokens=cfg.max_new_tokens,
-                        temperature=cfg.temperature, seed=cfg.seed, batch_size=cfg.batch_size)
+                        temperature=cfg.temperature, seed=cfg.seed, batch_size=cfg.batch_size,
+                        dtype=cfg.regen_dtype)

@@ -299,7 +299,7 @@ def load_prompts(name_or_path: str, *, heldout_fraction: float = 0.05, limit: in
     """Prompt records {"id": str, "turns": [user turn, ...]} for bench.
 
     `sharegpt-heldout`: the user turns of the held-out ShareGPT conversations (the ones
-    `prepare` never writes); `humaneval`: the 164 HumanEval prompts; a .jsonl path: lines with
+    `prepare` never writes); `heldout:DATA`: the same for any conversation source DATA; `humaneval`: the 164 HumanEval prompts; a .jsonl path: lines with
     `prompt` or `turns` (or `messages`); a .json path: ShareGPT user turns.
     """
     skips = skips if skips is not None else SkipLog()
@@ -308,8 +308,9 @@ def load_prompts(name_or_path: str, *, heldout_fraction: float = 0.05, limit: in
     def full() -> bool:
         return limit is not None and len(out) >= limit
 
-    if name_or_path == "sharegpt-heldout":
-        for c in iter_conversations("sharegpt", skips):
+    if name_or_path == "sharegpt-heldout" or name_or_path.startswith("heldout:"):
+        data = "sharegpt" if name_or_path == "sharegpt-heldout" else name_or_path.split(":", 1)[1]
+        for c in iter_conversations(data, skips):
             if is_heldout(c.split_key, heldout_fraction):
                 out.append({"id": c.id, "turns": [m["content"] for m in c.messages if m["role"] == "user"]})
                 if full():

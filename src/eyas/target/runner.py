@@ -336,7 +336,9 @@ class Runner(nn.Module):
             if t + 1 == steps or ((t % 16 == 15) and bool(done.all())):
                 break
             valid[:, T + t] = True
-            lg = step(nxt[:, None], pos, slot, valid[:, None, :])
+            # A CUDA graph needs the full static mask; eagerly, attend only over the slots in use.
+            L = M if dev.type == "cuda" else T + t + 1
+            lg = step(nxt[:, None], pos, slot, valid[:, None, :L])
             nxt = sample(lg[:, -1], temperature, top_p, gen)
             pos += 1
             slot += 1

@@ -176,7 +176,7 @@ def _load_full_state(module: nn.Module, optim, model_state: dict, opt_state: dic
 # ---------------------------------------------------------------------------------------------------- run
 def run_train(cfg: TrainConfig, target=None) -> dict:
     """Train a drafter as configured; returns the final metrics (train + last eval)."""
-    from eyas.model.drafter import DrafterConfig, Eagle3Drafter, load_drafter, save_drafter
+    from eyas.model.drafter import DrafterConfig, Eagle3Drafter, save_drafter
 
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -195,7 +195,9 @@ def run_train(cfg: TrainConfig, target=None) -> dict:
 
     init_drafter, init_vocab = None, None
     if cfg.init:
-        init_drafter, meta = load_drafter(cfg.init)
+        from eyas.model.importer import load_any_drafter  # eyas runs and published EAGLE-3 checkpoints
+
+        init_drafter, meta = load_any_drafter(cfg.init, target=target)
         if meta.get("target") and meta["target"] != target.fingerprint:
             check_same(meta["target"], target.fingerprint, what="target of the --init drafter", where=cfg.init)
         init_vocab = (init_drafter.d2t.clone(), init_drafter.t2d.clone())
@@ -211,6 +213,8 @@ def run_train(cfg: TrainConfig, target=None) -> dict:
         if init_drafter.config != dcfg:
             check_same(init_drafter.config.to_dict(), dcfg.to_dict(), what="drafter config of --init", where=cfg.init)
         drafter.load_state_dict(init_drafter.state_dict())
+    elif cfg.init_from_target:
+        init_head_from_target(drafter, target)
     drafter.to(device)
     ttt = TTTConfig(num_steps=cfg.ttt_steps, decay=cfg.decay, chunk_size=cfg.chunk_size)
     module = TTTModule(drafter, ttt)
@@ -265,7 +269,8 @@ def run_train(cfg: TrainConfig, target=None) -> dict:
     _barrier()
 
     sink = MetricsSink(run, enabled=rank == 0, total_steps=total, start_step=step, progress=cfg.progress)
-    amp = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+    use_bf16 = cfg.autocast == "bf16" or (cfg.autocast == "auto" and device.type == "cuda")
+    amp = (torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 and not cfg.deterministic
            else contextlib.nullcontext())
     last_eval: dict = {}
     train_summary: dict = {}
@@ -350,6 +355,17 @@ def run_train(cfg: TrainConfig, target=None) -> dict:
                                          status="complete"), "result": result})
     _barrier()
     return result
+
+
+@torch.no_grad()
+def init_head_from_target(drafter, target) -> None:
+    """Start the drafter's output side as the target's: final norm and the LM-head rows of the draft vocabulary.
+
+    The drafter's last hidden state then lives in the target's output space from step 0, which is where
+    it has to end up; everything else keeps its random init."""
+    rows = drafter.token_ids.to(target.lm_head.weight.device)
+    drafter.lm_head.weight.copy_(target.lm_head.weight[rows].float())
+    drafter.norm.weight.copy_(target.final_norm.weight.float())
 
 
 def _features(source, idx, target, device, online: bool):

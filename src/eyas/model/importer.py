@@ -1,0 +1,236 @@
+"""Import EAGLE-3 drafters in the published layouts (and eyas's own) as an eyas Eagle3Drafter.
+
+Accepted: `midlayer.*` or `layers.0.*` names (optionally under `model.`), with or without `t2d`
+(rebuilt from d2t) or both maps (full vocab: identities); architectures LlamaForCausalLM or
+LlamaForCausalLMEagle3; aux layer ids as HF indices (top-level, vLLM), as SGLang ids
+(eagle_config, HF - 1), both (must agree) or neither (EAGLE default for the target's depth).
+`embed_tokens` is ignored with a warning: eyas always uses the frozen target embedding.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eyas.errors import EyasError
+from eyas.manifest import check_same
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURES = ("LlamaForCausalLMEagle3", "LlamaForCausalLM", "Eagle3LlamaForCausalLM")
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def _read_config(path: Path) -> dict:
+    p = path / "config.json"
+    if not p.exists():
+        raise EyasError(f"{p}: missing (is {path} an EAGLE-3 checkpoint directory?)")
+    try:
+        return json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise EyasError(f"{p}: not valid JSON ({e})") from e
+
+
+def _read_weights(path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    for name in WEIGHT_FILES:
+        p = path / name
+        if p.exists():
+            if name.endswith(".safetensors"):
+                from safetensors.torch import load_file
+
+                return p, load_file(str(p))
+            return p, torch.load(p, map_location="cpu", weights_only=True)
+    raise EyasError(f"{path}: no weights (expected one of {', '.join(WEIGHT_FILES)})")
+
+
+def resolve_layer_ids(raw: dict, *, num_target_layers: int | None, where: str,
+                      warnings: list[str]) -> tuple[int, int, int]:
+    """HF hidden_states indices from a config's top-level (HF) and/or eagle_config (SGLang, HF-1) ids."""
+    top = raw.get("eagle_aux_hidden_state_layer_ids")
+    sg = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    from_sg = [int(i) + 1 for i in sg] if sg else None
+    if top and from_sg and [int(i) for i in top] != from_sg:
+        raise EyasError(f"{where}: layer ids disagree: top-level (HF/vLLM) {list(top)} vs eagle_config (SGLang, HF-1) "
+                        f"{list(sg)}, which means HF {from_sg}")
+    ids = [int(i) for i in top] if top else from_sg
+    if ids is None:
+        if num_target_layers is None:
+            raise EyasError(f"{where}: no aux layer ids in the config; pass the target so the EAGLE default "
+                            f"(2, N//2, N-3) can be used")
+        from eyas.target import default_aux_layer_ids
+
+        ids = list(default_aux_layer_ids(num_target_layers))
+        msg = f"{where}: no aux layer ids in the config; using the EAGLE default {ids} for {num_target_layers} layers"
+        log.warning(msg)
+        warnings.append(msg)
+    if num_target_layers is not None:
+        from eyas.target import check_aux_layer_ids
+
+        try:
+            check_aux_layer_ids(ids, num_target_layers)
+        except EyasError as e:
+            raise EyasError(f"{where}: {e}") from e
+    if len(ids) != 3:
+        raise EyasError(f"{where}: expected 3 aux layer ids, got {ids}")
+    return tuple(ids)
+
+
+def _rope(raw: dict) -> tuple[float, dict | None]:
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0)
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    return theta, (params if params.get("rope_type", "default") != "default" else None)
+
+
+def drafter_config_from_hf(raw: dict, *, aux_layer_ids, where: str):
+    from eyas.model.drafter import DrafterConfig
+
+    try:
+        h, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+        theta, scaling = _rope(raw)
+        return DrafterConfig(
+            hidden_size=h, target_hidden_size=int(raw.get("target_hidden_size") or h),
+            intermediate_size=int(raw["intermediate_size"]), num_attention_heads=heads,
+            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or h // heads), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta, rope_scaling=scaling,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            vocab_size=int(raw["vocab_size"]), draft_vocab_size=int(raw.get("draft_vocab_size") or raw["vocab_size"]),
+            aux_layer_ids=aux_layer_ids)
+    except KeyError as e:
+        raise EyasError(f"{where}: missing field {e.args[0]!r}") from e
+    except (TypeError, ValueError) as e:
+        raise EyasError(f"{where}: bad drafter config ({e})") from e
+
+
+def canonical_name(name: str) -> str:
+    """Published names -> eyas/export names: strip `model.`, layers.0. -> midlayer."""
+    if name.startswith("model."):
+        name = name[len("model."):]
+    if name.startswith("layers.0."):
+        name = "midlayer." + name[len("layers.0."):]
+    return name
+
+
+def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor | None, *, vocab_size: int, where: str) -> torch.Tensor:
+    """Validate d2t (target_id = i + d2t[i], in range, strictly increasing); returns t2d (given or rebuilt)."""
+    tok = torch.arange(d2t.numel(), dtype=torch.int64) + d2t.to(torch.int64)
+    bad = ((tok < 0) | (tok >= vocab_size)).nonzero().flatten()
+    if bad.numel():
+        i = int(bad[0])
+        raise EyasError(f"{where}: d2t[{i}] = {int(d2t[i])} maps draft id {i} to target id {int(tok[i])}, outside "
+                        f"the target vocab 0..{vocab_size - 1} ({bad.numel()} such entries)")
+    if tok.numel() > 1 and not bool((tok[1:] > tok[:-1]).all()):
+        raise EyasError(f"{where}: d2t does not map draft ids to distinct ascending target ids")
+    rebuilt = torch.zeros(vocab_size, dtype=torch.bool)
+    rebuilt[tok] = True
+    if t2d is not None:
+        if tuple(t2d.shape) != (vocab_size,):
+            raise EyasError(f"{where}: t2d has shape {tuple(t2d.shape)}, expected ({vocab_size},)")
+        if not torch.equal(t2d.to(torch.bool), rebuilt):
+            raise EyasError(f"{where}: t2d does not mark exactly the target ids that d2t maps to")
+    return rebuilt
+
+
+def load_eagle3_checkpoint(path: str | os.PathLike, *, target=None) -> tuple[Any, dict]:
+    """A published / exported EAGLE-3 dir -> (Eagle3Drafter fp32, meta).
+
+    meta: {"format": "eagle3", "source", "aux_layer_ids", "warnings", "target" (fingerprint, if recorded)}.
+    """
+    from eyas.model.drafter import Eagle3Drafter
+
+    path = Path(path)
+    raw = _read_config(path)
+    where = str(path / "config.json")
+    arch = (raw.get("architectures") or ["?"])[0]
+    if arch not in ARCHITECTURES:
+        raise EyasError(f"{where}: architecture {arch!r} is not an EAGLE-3 Llama drafter (expected one of {ARCHITECTURES})")
+    if int(raw.get("num_hidden_layers", 1)) != 1:
+        raise EyasError(f"{where}: num_hidden_layers {raw['num_hidden_layers']}, eyas drafters have exactly 1")
+    warnings: list[str] = []
+    n_layers = target.num_layers if target is not None else None
+    ids = resolve_layer_ids(raw, num_target_layers=n_layers, where=where, warnings=warnings)
+    cfg = drafter_config_from_hf(raw, aux_layer_ids=ids, where=where)
+    if target is not None:
+        if raw.get("eyas_target"):
+            check_same(raw["eyas_target"], target.fingerprint, what="target", where=where)
+        if cfg.vocab_size != target.vocab_size or cfg.target_hidden_size != target.hidden_size:
+            raise EyasError(f"{where}: drafter is for vocab {cfg.vocab_size} / hidden {cfg.target_hidden_size}, the "
+                            f"target has {target.vocab_size} / {target.hidden_size}")
+
+    wpath, tensors = _read_weights(path)
+    state: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        c = canonical_name(name)
+        if "embed_tokens" in c:
+            msg = f"{wpath}: ignoring {name!r} {tuple(t.shape)}: eyas uses the frozen target embedding"
+            log.warning(msg)
+            warnings.append(msg)
+            continue
+        if c in state:
+            raise EyasError(f"{wpath}: {name!r} duplicates another tensor that also maps to {c!r}")
+        state[c] = t
+    drafter = Eagle3Drafter(cfg)
+    want = {k: v for k, v in drafter.state_dict().items() if k not in ("d2t", "t2d")}
+    missing = sorted(set(want) - set(state))
+    extra = sorted(set(state) - set(want) - {"d2t", "t2d"})
+    shape = [f"{k} {tuple(state[k].shape)} (expected {tuple(want[k].shape)})"
+             for k in want if k in state and state[k].shape != want[k].shape]
+    if missing or extra or shape:
+        parts = [f"missing {missing}" if missing else "", f"unexpected {extra}" if extra else "",
+                 f"wrong shape {shape}" if shape else ""]
+        raise EyasError(f"{wpath}: weights do not match config.json: " + "; ".join(p for p in parts if p))
+    not_float = [k for k in want if not state[k].is_floating_point()]
+    if not_float:
+        raise EyasError(f"{wpath}: tensors {not_float} are not floating point")
+
+    d2t, t2d = state.pop("d2t", None), state.pop("t2d", None)
+    if d2t is None:
+        if cfg.draft_vocab_size != cfg.vocab_size:
+            raise EyasError(f"{wpath}: missing 'd2t' (needed: draft vocab {cfg.draft_vocab_size} < vocab {cfg.vocab_size})")
+        d2t = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)
+    if tuple(d2t.shape) != (cfg.draft_vocab_size,) or d2t.is_floating_point():
+        raise EyasError(f"{wpath}: d2t is {d2t.dtype} {tuple(d2t.shape)}, expected integer ({cfg.draft_vocab_size},)")
+    t2d = check_vocab_maps(d2t, t2d, vocab_size=cfg.vocab_size, where=str(wpath))
+    with torch.no_grad():
+        for k, v in want.items():
+            v.copy_(state[k].to(v.dtype))
+    drafter.set_vocab(d2t.to(torch.int64), t2d)
+    meta = {"format": "eagle3", "source": str(path), "aux_layer_ids": list(ids), "warnings": warnings}
+    if raw.get("eyas_target"):
+        meta["target"] = raw["eyas_target"]
+    return drafter, meta
+
+
+def is_eyas_drafter_dir(path: Path) -> bool:
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return "aux_layer_ids" in raw and "architectures" not in raw
+
+
+def load_any_drafter(path: str | os.PathLike, *, target=None) -> tuple[Any, dict]:
+    """eyas run dir (RUN/drafter), eyas drafter dir, or exported/published EAGLE-3 dir -> (drafter, meta).
+
+    With `target`, refuses a drafter whose recorded target fingerprint differs.
+    """
+    from eyas.model.drafter import load_drafter
+
+    p = Path(path)
+    if (p / "drafter" / "config.json").exists():
+        p = p / "drafter"
+    if is_eyas_drafter_dir(p):
+        drafter, meta = load_drafter(p)
+        meta = {"format": "eyas", "source": str(p), "aux_layer_ids": list(drafter.config.aux_layer_ids),
+                "warnings": [], **meta}
+        if target is not None and meta.get("target"):
+            check_same(meta["target"], target.fingerprint, what="target", where=str(p / "config.json"))
+        return drafter, meta
+    return load_eagle3_checkpoint(p, target=target)

@@ -1,0 +1,92 @@
+"""`eyas run`: the whole pipeline on a tiny target, resume by stage, redo of a corrupted stage, refusals."""
+
+import json
+import random
+
+import pytest
+
+from conftest import make_tiny_llama
+from eyas.errors import EyasError
+from eyas.run import RunConfig, run_pipeline
+
+WORDS = "the cat sat on a mat and then it ran to see what was there when all of us left home".split()
+
+
+def _text(rng, n):
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+@pytest.fixture(scope="module")
+def tiny_run_inputs(tmp_path_factory):
+    from test_chat_masks import make_tokenizer
+
+    root = tmp_path_factory.mktemp("run-inputs")
+    tok = make_tokenizer()
+    model = make_tiny_llama(layers=4, hidden=64, vocab=len(tok), max_pos=512)
+    model.save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    rng = random.Random(0)
+    with open(root / "chats.jsonl", "w") as f:
+        for i in range(240):
+            msgs = [{"role": "user", "content": _text(rng, 6)}, {"role": "assistant", "content": _text(rng, 10)}]
+            f.write(json.dumps({"id": f"c{i}", "messages": msgs}) + "\n")
+    return root
+
+
+def _cfg(root, out, **over):
+    knobs = dict(dtype="fp32", autocast="off", limit=40, max_len=64, max_new_tokens=8, regen_batch=8, epochs=1, draft_vocab=64,
+                 batch_tokens=512, bench=[dict(prompts="heldout", method="chain", k=3, limit=2, max_turns=1,
+                                               max_new_tokens=8)])
+    knobs.update(over)
+    return RunConfig(target=str(root / "target"), data=str(root / "chats.jsonl"), preset="cpu-demo",
+                     out=str(out), overrides=knobs, quiet=True)
+
+
+def test_run_end_to_end_resume_and_redo(tiny_run_inputs, tmp_path, capsys):
+    from eyas.model.importer import load_eagle3_checkpoint
+
+    run = tmp_path / "run"
+    state = run_pipeline(_cfg(tiny_run_inputs, run))
+    assert [s for s, v in state["stages"].items() if v["done"]] == ["prepare", "capture", "train", "bench", "export"]
+    assert state["stages"]["prepare"]["summary"]["kept"] == 40
+    bench = json.loads((run / "bench" / "heldout-chain3.json").read_text())
+    assert bench["lossless"]["eagle-chain"]["held"]          # speculative output == plain greedy output
+    assert set(bench["methods"]) == {"plain", "lookup", "eagle-chain"}
+    report = (run / "report.md").read_text()
+    for section in ("## Data", "## Training", "## Speculative decoding", "## Export", "vllm serve", "sglang"):
+        assert section in report
+    assert (run / "plots" / "loss.png").stat().st_size > 0 and (run / "plots" / "acceptance.png").exists()
+    drafter, _ = load_eagle3_checkpoint(run / "export")
+    assert drafter.config.aux_layer_ids == (1, 2, 3)
+
+    # A rerun skips every finished stage after verifying it.
+    log = run / "logs" / "run.log"
+    before = log.read_text()
+    run_pipeline(_cfg(tiny_run_inputs, run))
+    new = log.read_text()[len(before):]
+    for stage in ("prepare", "capture", "train", "bench", "export"):
+        assert f"{stage}: done earlier" in new
+    assert "starting" not in new
+
+    # A corrupted stage output is detected on resume and that stage is redone.
+    shard = next((run / "store").glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-10] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    before = log.read_text()
+    run_pipeline(_cfg(tiny_run_inputs, run))
+    new = log.read_text()[len(before):]
+    assert "capture: its output failed verification on resume" in new and "capture: finished" in new
+    from eyas.store.reader import Store
+    Store(run / "store").verify()
+
+    # Another configuration in the same directory is refused, naming what differs.
+    with pytest.raises(EyasError, match="limit"):
+        run_pipeline(_cfg(tiny_run_inputs, run, limit=41))
+
+
+def test_bad_presets_and_knobs():
+    with pytest.raises(EyasError, match="unknown preset"):
+        RunConfig(preset="turbo")
+    with pytest.raises(EyasError, match="unknown preset knob"):
+        RunConfig(preset="cpu-demo", overrides={"learning_rate": 1})
