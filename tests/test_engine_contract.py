@@ -10,7 +10,9 @@ EAGLE-3 code reads must be one we write or one whose absence we have reviewed.
 
 import ast
 import json
+import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,8 +60,13 @@ def vllm():
     return _source("vllm")
 
 
-@pytest.fixture(scope="module", params=[DRAFT_VOCAB, VOCAB], ids=["draft-vocab", "full-vocab"])
+@pytest.fixture(scope="module", params=[DRAFT_VOCAB, VOCAB, "env"], ids=["draft-vocab", "full-vocab", "EYAS_CHECK_EXPORT"])
 def exported(request, tmp_path_factory):
+    if request.param == "env":  # check a real export, e.g. EYAS_CHECK_EXPORT=runs/cpu-demo/export pytest ...
+        path = os.environ.get("EYAS_CHECK_EXPORT")
+        if not path:
+            pytest.skip("set EYAS_CHECK_EXPORT=DIR to check a real exported drafter against the loaders")
+        return json.loads((Path(path) / "config.json").read_text()), load_file(Path(path) / "model.safetensors")
     target = target_from_model(make_tiny_llama(layers=TARGET_LAYERS), name="tiny")
     cfg = DrafterConfig.from_target(target.config, draft_vocab_size=request.param, aux_layer_ids=target.aux_layer_ids)
     torch.manual_seed(0)
