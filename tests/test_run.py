@@ -34,7 +34,7 @@ def tiny_run_inputs(tmp_path_factory):
 
 
 def _cfg(root, out, **over):
-    knobs = dict(dtype="fp32", autocast="off", limit=40, max_len=64, max_new_tokens=8, regen_batch=8, epochs=1, draft_vocab=64,
+    knobs = dict(dtype="fp32", bench_dtype="fp32", autocast="off", limit=40, max_len=160, max_new_tokens=8, regen_batch=8, epochs=1, draft_vocab=64,
                  batch_tokens=512, bench=[dict(prompts="heldout", method="chain", k=3, limit=2, max_turns=1,
                                                max_new_tokens=8)])
     knobs.update(over)

@@ -26,17 +26,17 @@ PRESETS: dict[str, dict] = {
     # 2 CPU cores, ~20 minutes: short first-turn prompts, replies regenerated greedily by the target,
     # a small draft vocabulary and few TTT steps. A demonstration, not a production drafter.
     "cpu-demo": dict(
-        device="cpu", dtype="bf16", autocast="bf16", limit=500, max_len=320, max_turns=1, regenerate=True,
-        max_new_tokens=128, regen_batch=64, regen_dtype=None, capture=True, capture_dtype="bf16", online=False,
-        draft_vocab=8192, ttt_steps=4, epochs=3, steps=None, lr=1e-3, batch_tokens=2048, chunk_size=None,
-        bench=[dict(prompts="heldout", method="chain", k=5, limit=20, max_turns=1, max_new_tokens=96)],
+        device="cpu", dtype="bf16", bench_dtype="fp32", autocast="bf16", limit=600, max_len=320, max_turns=1, regenerate=True,
+        max_new_tokens=128, regen_batch=256, gen_batch=64, regen_dtype=None, capture=True, capture_dtype="bf16", online=False,
+        draft_vocab=8192, ttt_steps=3, epochs=5, steps=None, lr=2e-3, batch_tokens=2048, chunk_size=None,
+        bench=[dict(prompts="heldout", method="chain", k=5, limit=20, max_turns=1, max_new_tokens=64)],
     ),
     # One H200, ~15 minutes: all of ShareGPT (minus held-out) regenerated, trained online (a bf16 store of
     # this data would not fit the machine's 64 GB disk), benched with chains and the tree on two prompt sets.
     "gpu": dict(
-        device="cuda", dtype="bf16", autocast="auto", limit=None, max_len=1024, max_turns=1, regenerate=True,
+        device="cuda", dtype="bf16", bench_dtype="bf16", autocast="auto", limit=None, max_len=1024, max_turns=1, regenerate=True,
         max_new_tokens=384,
-        regen_batch=256, regen_dtype=None, capture=False, capture_dtype="bf16", online=True,
+        regen_batch=1024, gen_batch=256, regen_dtype=None, capture=False, capture_dtype="bf16", online=True,
         draft_vocab=32000, ttt_steps=7, epochs=2, steps=None, lr=2e-4, batch_tokens=65536, chunk_size=None,
         bench=[dict(prompts="heldout", method="chain", k=3, limit=50, max_turns=2, max_new_tokens=256),
                dict(prompts="heldout", method="chain", k=5, limit=50, max_turns=2, max_new_tokens=256),
@@ -47,6 +47,12 @@ PRESETS: dict[str, dict] = {
     ),
 }
 STAGES = ("prepare", "capture", "train", "bench", "export")
+
+
+def _dtype(name: str):
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[name]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,8 +160,7 @@ def run_pipeline(cfg: RunConfig) -> dict:
         log("this is a demonstration on the CPU (small data, short training); for a real drafter run "
             "`eyas run --preset gpu` on a CUDA machine", always=True)
 
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[k["dtype"]]
-    target = load_target(cfg.target, device=k["device"], dtype=dtype)
+    target = load_target(cfg.target, device=k["device"], dtype=_dtype(k["dtype"]))
     progress = not cfg.quiet
     stages = [s for s in STAGES if s != "capture" or k["capture"]]
     for stage in stages:
@@ -193,7 +198,7 @@ def _prepare(cfg, k, run, target, progress, redo=False) -> dict:
 
     pc = PrepareConfig(target=cfg.target, data=cfg.data, out=str(run / "prepared"), limit=k["limit"],
                        max_len=k["max_len"], regenerate=k["regenerate"], max_new_tokens=k["max_new_tokens"],
-                       batch_size=k["regen_batch"], max_turns=k["max_turns"], regen_dtype=k["regen_dtype"],
+                       batch_size=k["regen_batch"], max_turns=k["max_turns"], regen_dtype=k["regen_dtype"], gen_batch=k["gen_batch"],
                        overwrite=redo)
     return run_prepare(pc, target, progress=progress)["counts"]
 
@@ -229,6 +234,9 @@ def _bench(cfg, k, run, target, progress, redo=False) -> dict:
     from eyas.bench.bench import BenchConfig, run_bench
     from eyas.model.importer import load_any_drafter
 
+    if k["bench_dtype"] != k["dtype"]:  # e.g. an exact fp32 lossless check after bf16 data and training
+        from eyas.target import load_target
+        target = load_target(cfg.target, device=k["device"], dtype=_dtype(k["bench_dtype"]))
     drafter, meta = load_any_drafter(str(run / "train"), target=target)
     drafter = drafter.to(target.device)
     out, results = run / "bench", {}
@@ -248,7 +256,7 @@ def _bench(cfg, k, run, target, progress, redo=False) -> dict:
                 results[name] = json.loads(path.read_text())
                 continue
             bc = BenchConfig(target=cfg.target, prompts=prompts, method=b["method"], k=b["k"], limit=b["limit"],
-                             max_turns=b.get("max_turns"),
+                             max_turns=b.get("max_turns"), max_prompt_tokens=k["max_len"],
                              max_new_tokens=b["max_new_tokens"], device=k["device"], json_out=str(path),
                              compile=k["device"] == "cuda")
             results[name] = run_bench(bc, target=target, drafter=drafter, drafter_meta=meta,

@@ -51,6 +51,9 @@ class BenchConfig:
     """Prompt records used (None = all)."""
     max_turns: int | None = None
     """Answer only the first N user turns of each record (None = all)."""
+    max_prompt_tokens: int | None = None
+    """Skip records whose first prompt (chat template applied) is longer, e.g. to match what a drafter
+    was trained on; skipped records are counted in the report (None = keep all)."""
     max_seq: int = 2048
     """Target cache slots; longer prompts are left-truncated (counted)."""
     device: str = "cpu"
@@ -85,15 +88,30 @@ class BenchConfig:
                           temperature=self.temperature, top_p=self.top_p)
 
 
-def load_bench_prompts(cfg: BenchConfig) -> list[dict]:
+def load_bench_prompts(cfg: BenchConfig, tokenizer=None) -> tuple[list[dict], int]:
+    """Prompt records and how many were skipped for a first prompt over cfg.max_prompt_tokens."""
+    from eyas.data.chat import encode_prompt
     from eyas.data.sources import load_prompts
 
-    recs = load_prompts(cfg.prompts, limit=cfg.limit)
+    filtering = cfg.max_prompt_tokens is not None and tokenizer is not None
+    recs = load_prompts(cfg.prompts, limit=None if filtering else cfg.limit)
+    skipped = 0
+    if filtering:
+        kept = []
+        for r in recs:
+            if len(encode_prompt(tokenizer, [{"role": "user", "content": r["turns"][0]}])) > cfg.max_prompt_tokens:
+                skipped += 1
+                continue
+            kept.append(r)
+            if cfg.limit is not None and len(kept) >= cfg.limit:
+                break
+        recs = kept
     if cfg.max_turns is not None:
         recs = [{**r, "turns": r["turns"][:cfg.max_turns]} for r in recs]
     if not recs:
-        raise EyasError(f"{cfg.prompts}: no prompts")
-    return recs
+        raise EyasError(f"{cfg.prompts}: no prompts" + (f" of at most {cfg.max_prompt_tokens} tokens"
+                                                         if skipped else ""))
+    return recs, skipped
 
 
 def _sync(device):
@@ -141,7 +159,9 @@ def run_bench(cfg: BenchConfig, *, target=None, drafter=None, drafter_meta: dict
         if tuple(drafter.config.aux_layer_ids) != tuple(target.aux_layer_ids) and meta.get("target") is None:
             print(f"note: drafter aux layers {list(drafter.config.aux_layer_ids)} differ from the target default "
                   f"{list(target.aux_layer_ids)}; using the drafter's", file=out)
-    records = records if records is not None else load_bench_prompts(cfg)
+    too_long = 0
+    if records is None:
+        records, too_long = load_bench_prompts(cfg, tok)
     if not records:
         raise EyasError(f"{cfg.prompts}: empty prompt set")
     runner = Runner.from_hf(target.model, max_batch=1, max_seq=cfg.max_seq, device=target.device,
@@ -187,7 +207,7 @@ def run_bench(cfg: BenchConfig, *, target=None, drafter=None, drafter_meta: dict
         print(f"warning: {truncated} prompt(s) longer than {room} tokens were left-truncated", file=out)
     report = {"config": asdict(cfg), "target": target.fingerprint, "drafter": meta.get("source"),
               "device": str(runner.device), "records": len(records), "turns": sum(len(r["turns"]) for r in records),
-              "truncated": truncated, "methods": {m.name: m.report() for m in methods}}
+              "truncated": truncated, "skipped_long_prompts": too_long, "methods": {m.name: m.report() for m in methods}}
     by = {m.name: m for m in methods}
     plain = by.get("plain")
     for m in methods:

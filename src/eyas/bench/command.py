@@ -22,6 +22,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--limit", type=int, default=20, help="number of prompt records (default 20)")
     p.add_argument("--max-turns", type=int, default=None, help="answer only the first N turns of each record")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="skip records whose first prompt is longer (counted in the report)")
     p.add_argument("--max-seq", type=int, default=2048, help="target cache length; longer prompts are left-truncated")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="default: bf16 on CUDA, fp32 on the CPU")
@@ -42,7 +44,7 @@ def main(args: argparse.Namespace) -> int:
     cfg = BenchConfig(target=args.target, drafter=args.drafter, prompts=args.prompts,
                       method="tree" if args.tree else "chain", k=args.chain or 5, top_k=args.top_k,
                       depth=args.depth, total_tokens=args.total_tokens, temperature=args.temperature,
-                      top_p=args.top_p, max_new_tokens=args.max_new_tokens, limit=args.limit, max_turns=args.max_turns,
+                      top_p=args.top_p, max_new_tokens=args.max_new_tokens, limit=args.limit, max_turns=args.max_turns, max_prompt_tokens=args.max_prompt_tokens,
                       max_seq=args.max_seq, device=device, dtype=args.dtype, compile=args.compile,
                       baselines=not args.no_baselines, seed=args.seed, json_out=args.json_out)
     run_bench(cfg)

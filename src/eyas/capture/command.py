@@ -29,12 +29,41 @@ def register(subparsers) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace a store of another configuration")
     p.add_argument("--limit", type=int, default=None, help="capture only the first N samples")
     p.add_argument("--shard-mb", type=float, default=512, help="shard size in MiB")
+    p.add_argument("--target-config", default=None,
+                   help="with --engine: the served target's config.json (its layer count, hidden and vocab size)")
+    from eyas.engines.capture import add_engine_args
+
+    add_engine_args(p)
     p.set_defaults(func=_main)
+
+
+def _engine_main(args) -> int:
+    """`eyas capture --engine sglang|vllm`: the target runs in a server; only its config is read here."""
+    from eyas.engines.capture import config_from_args, run_engine_capture
+    from eyas.target import check_aux_layer_ids, default_aux_layer_ids
+
+    if not args.target_config:
+        raise EyasError("capture --engine needs --target-config CONFIG.json (the served model's config)")
+    try:
+        raw = json.loads(open(args.target_config).read())
+    except (OSError, json.JSONDecodeError) as e:
+        raise EyasError(f"{args.target_config}: cannot read the target config ({e})") from None
+    raw = raw.get("text_config", raw)  # multimodal wrappers keep the language model's fields inside
+    try:
+        n, h, v = int(raw["num_hidden_layers"]), int(raw["hidden_size"]), int(raw["vocab_size"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise EyasError(f"{args.target_config}: missing num_hidden_layers/hidden_size/vocab_size ({e})") from None
+    ids = check_aux_layer_ids(args.layers, n) if args.layers else default_aux_layer_ids(n)
+    m = run_engine_capture(config_from_args(args), aux_layer_ids=ids, hidden_size=h, vocab_size=v)
+    print(json.dumps({k: m.get(k) for k in ("complete", "num_samples", "num_tokens", "num_shards", "dtype")}))
+    return 0 if m.get("complete") else 1
 
 
 def _main(args) -> int:
     from eyas.capture.capture import CaptureConfig, run_capture
 
+    if args.engine:
+        return _engine_main(args)
     device = args.device
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world > 1:

@@ -29,6 +29,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy regeneration (default)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="longest regenerated reply (default 512)")
     p.add_argument("--batch-size", type=int, default=16, help="conversations per generation batch / commit")
+    p.add_argument("--gen-batch", type=int, default=None,
+                   help="rows per local generation forward (default: --batch-size)")
     p.add_argument("--regen-dtype", choices=["fp32", "bf16", "fp16"], default=None,
                    help="weights dtype for local regeneration (default: the target's)")
     p.add_argument("--max-turns", type=int, default=None, help="keep only the first N user turns of each conversation")
@@ -47,7 +49,7 @@ def main(args: argparse.Namespace) -> int:
             target=args.target, data=args.data, out=args.out, limit=args.limit, max_len=args.max_len,
             heldout_fraction=args.heldout_fraction, regenerate=args.regenerate, server=args.server,
             model=args.model, concurrency=args.concurrency, timeout=args.timeout, retries=args.retries,
-            temperature=args.temperature, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, max_turns=args.max_turns, regen_dtype=args.regen_dtype,
+            temperature=args.temperature, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, max_turns=args.max_turns, regen_dtype=args.regen_dtype, gen_batch=args.gen_batch,
             seed=args.seed, overwrite=args.overwrite, trust_remote_code=args.trust_remote_code)
     except ValueError as e:
         raise EyasError(str(e)) from e

@@ -84,7 +84,8 @@ class LocalBackend:
     """Regenerate with the loaded target, a batch of conversations in lock-step by turn."""
 
     def __init__(self, target, *, max_len: int, max_new_tokens: int, temperature: float, seed: int,
-                 batch_size: int = 16, use_runner: bool = True, dtype: str | None = None):
+                 batch_size: int = 16, use_runner: bool = True, dtype: str | None = None,
+                 gen_batch: int | None = None):
         self.tok, self.model = target.tokenizer, target.model
         self.eos = list(target.eos_token_ids) if hasattr(target, "eos_token_ids") else [self.tok.eos_token_id]
         self.max_len, self.max_new, self.temperature, self.seed = max_len, max_new_tokens, temperature, seed
@@ -92,7 +93,7 @@ class LocalBackend:
         import torch
 
         self.dtype = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-        self.generate = self._pick(batch_size, use_runner)
+        self.generate = self._pick(gen_batch or batch_size, use_runner)
 
     def _pick(self, batch_size: int, use_runner: bool):
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else (self.eos[0] if self.eos else 0)
@@ -270,4 +271,4 @@ def make_backend(cfg, target):
                              timeout=cfg.timeout, retries=cfg.retries)
     return LocalBackend(target, max_len=cfg.max_len, max_new_tokens=cfg.max_new_tokens,
                         temperature=cfg.temperature, seed=cfg.seed, batch_size=cfg.batch_size,
-                        dtype=cfg.regen_dtype)
+                        dtype=cfg.regen_dtype, gen_batch=cfg.gen_batch)

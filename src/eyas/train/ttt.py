@@ -86,12 +86,17 @@ def _shift(x: Tensor, s: int) -> Tensor:
 
 
 def _chunk_loss(drafter, hidden, final, w_draft, mask):
-    """Soft CE summed over `mask`, and drafter argmax. hidden (B, c, h), final (B, c, h_t), mask (B, c)."""
-    logp = F.log_softmax(drafter.logits(hidden).float(), dim=-1)                   # (B, c, Vd)
+    """Soft CE summed over `mask`, and the drafter's argmax there (-1 elsewhere).
+
+    hidden (B, c, h), final (B, c, h_t), mask (B, c). Logits are computed only at the counted positions
+    (prompt and padding positions never need them), which saves most of the LM head's cost."""
+    logp = F.log_softmax(drafter.logits(hidden[mask]).float(), dim=-1)             # (N, Vd)
     with torch.no_grad():
-        p = F.softmax(F.linear(final.to(w_draft.dtype), w_draft).float(), dim=-1)  # (B, c, Vd)
-    ce = -(p * logp).sum(-1)                                                      # (B, c)
-    return torch.where(mask, ce, torch.zeros_like(ce)).sum(), logp.argmax(-1)
+        p = F.softmax(F.linear(final[mask].to(w_draft.dtype), w_draft).float(), dim=-1)  # (N, Vd)
+    ce = -(p * logp).sum(-1)                                                      # (N,)
+    pred = torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)       # (B, c)
+    pred[mask] = logp.argmax(-1)
+    return ce.sum(), pred
 
 
 def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, valid: Tensor, aux: Tensor,
