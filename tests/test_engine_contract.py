@@ -60,12 +60,27 @@ def vllm():
     return _source("vllm")
 
 
-@pytest.fixture(scope="module", params=[DRAFT_VOCAB, VOCAB, "env"], ids=["draft-vocab", "full-vocab", "EYAS_CHECK_EXPORT"])
+@pytest.fixture(scope="module", params=[DRAFT_VOCAB, VOCAB, "smollm2"], ids=["draft-vocab", "full-vocab", "smollm2-shaped"])
 def exported(request, tmp_path_factory):
-    if request.param == "env":  # check a real export, e.g. EYAS_CHECK_EXPORT=runs/cpu-demo/export pytest ...
+    if request.param == "smollm2":
+        # A real export (EYAS_CHECK_EXPORT=runs/cpu-demo/export), or one with the embedded default's exact
+        # shapes: SmolLM2-135M (30 layers, h 576, vocab 49152) and the cpu-demo's 8192-token draft vocab.
         path = os.environ.get("EYAS_CHECK_EXPORT")
         if not path:
-            pytest.skip("set EYAS_CHECK_EXPORT=DIR to check a real exported drafter against the loaders")
+            from transformers import LlamaConfig
+
+            tcfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                               num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                               max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+                               tie_word_embeddings=True)
+            cfg = DrafterConfig.from_target(tcfg, draft_vocab_size=8192, aux_layer_ids=(2, 15, 27))
+            torch.manual_seed(0)
+            d = Eagle3Drafter(cfg)
+            ids = torch.randperm(49152)[:8192].sort().values
+            t2d = torch.zeros(49152, dtype=torch.bool)
+            t2d[ids] = True
+            d.set_vocab(ids - torch.arange(8192), t2d)
+            path = export_drafter(d, tmp_path_factory.mktemp("smollm2"))
         return json.loads((Path(path) / "config.json").read_text()), load_file(Path(path) / "model.safetensors")
     target = target_from_model(make_tiny_llama(layers=TARGET_LAYERS), name="tiny")
     cfg = DrafterConfig.from_target(target.config, draft_vocab_size=request.param, aux_layer_ids=target.aux_layer_ids)
