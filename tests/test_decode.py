@@ -90,13 +90,7 @@ def setup():
 
 
 def run_all(runner, drafter, cfg, prompts, eos):
-    dec = SpecDecoder(runner, drafter, cfg)
-    outs, stats = [], None
-    for p in prompts:
-        o, s = dec.generate(p, 24, eos_ids=[eos])
-        outs.append(o)
-        stats = s if stats is None else (stats.add(s) or stats)
-    return outs, stats
+    return run_all_dec(SpecDecoder(runner, drafter, cfg), prompts, eos)
 
 
 def test_reference_hits_eos_and_long_prompts(setup):
