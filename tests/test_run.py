@@ -46,7 +46,12 @@ def test_run_end_to_end_resume_and_redo(tiny_run_inputs, tmp_path, capsys):
     from eyas.model.importer import load_eagle3_checkpoint
 
     run = tmp_path / "run"
-    state = run_pipeline(_cfg(tiny_run_inputs, run))
+    # --until stops after a stage (time slices on a lent GPU); the next invocation picks up from there.
+    cfg = _cfg(tiny_run_inputs, run)
+    state = run_pipeline(RunConfig(**{**cfg.__dict__, "until": "train"}))
+    assert [s for s, v in state["stages"].items() if v["done"]] == ["prepare", "capture", "train"]
+    assert not (run / "report.md").exists() and not (run / "bench").exists()
+    state = run_pipeline(cfg)
     assert [s for s, v in state["stages"].items() if v["done"]] == ["prepare", "capture", "train", "bench", "export"]
     assert state["stages"]["prepare"]["summary"]["kept"] == 40
     bench = json.loads((run / "bench" / "heldout-chain3.json").read_text())
@@ -88,5 +93,7 @@ def test_run_end_to_end_resume_and_redo(tiny_run_inputs, tmp_path, capsys):
 def test_bad_presets_and_knobs():
     with pytest.raises(EyasError, match="unknown preset"):
         RunConfig(preset="turbo")
+    with pytest.raises(EyasError, match="--until"):
+        RunConfig(preset="cpu-demo", until="deploy")
     with pytest.raises(EyasError, match="unknown preset knob"):
         RunConfig(preset="cpu-demo", overrides={"learning_rate": 1})

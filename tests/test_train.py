@@ -166,6 +166,21 @@ def test_resume_equals_uninterrupted(tmp_path, monkeypatch):
     assert full["eval"] == resumed["eval"]
 
 
+def test_loss_on_all_trains_prompt_positions_and_evaluates_on_the_mask(tmp_path):
+    t = tiny_target()
+    store = capture(tmp_path, t, make_samples())
+    a = run_train(cfg(tmp_path, store, "asst", steps=1), target=t)
+    b = run_train(cfg(tmp_path, store, "all", steps=1, loss_on="all"), target=t)
+    # The same first batch: every position the loss mask counts is counted, plus the prompt positions.
+    pa, pb = records(tmp_path / "asst")[0]["positions_k"], records(tmp_path / "all")[0]["positions_k"]
+    assert all(y > x > 0 for x, y in zip(pa, pb))
+    assert records(tmp_path / "asst")[0]["loss"] != records(tmp_path / "all")[0]["loss"]
+    # Evaluation always counts the loss-mask positions only.
+    assert a["eval"]["positions_k"] == b["eval"]["positions_k"]
+    with pytest.raises(ValueError, match="loss_on"):
+        cfg(tmp_path, store, "bad", loss_on="prompt")
+
+
 def test_resume_refuses_other_config_and_fresh_run_refuses_existing(tmp_path):
     t = tiny_target()
     store = capture(tmp_path, t, make_samples(24))

@@ -28,22 +28,21 @@ PRESETS: dict[str, dict] = {
     "cpu-demo": dict(
         device="cpu", dtype="bf16", bench_dtype="fp32", autocast="bf16", limit=800, max_len=320, max_turns=1, regenerate=True,
         max_new_tokens=96, regen_batch=256, gen_batch=64, regen_dtype=None, capture=True, capture_dtype="bf16", online=False,
-        draft_vocab=8192, ttt_steps=3, epochs=4, steps=None, lr=2e-3, batch_tokens=2048, chunk_size=None,
+        draft_vocab=8192, ttt_steps=3, epochs=4, steps=None, lr=2e-3, batch_tokens=2048, chunk_size=None, loss_on="assistant",
         bench=[dict(prompts="heldout", method="chain", k=5, limit=20, max_turns=1, max_new_tokens=64)],
     ),
     # One H200, ~15 minutes: all of ShareGPT (minus held-out) regenerated, trained online (a bf16 store of
     # this data would not fit the machine's 64 GB disk), benched with chains and the tree on two prompt sets.
     "gpu": dict(
-        device="cuda", dtype="bf16", bench_dtype="bf16", autocast="auto", limit=None, max_len=1024, max_turns=1, regenerate=True,
-        max_new_tokens=384,
-        regen_batch=1024, gen_batch=256, regen_dtype=None, capture=False, capture_dtype="bf16", online=True,
-        draft_vocab=32000, ttt_steps=7, epochs=2, steps=None, lr=2e-4, batch_tokens=65536, chunk_size=None,
-        bench=[dict(prompts="heldout", method="chain", k=3, limit=50, max_turns=2, max_new_tokens=256),
-               dict(prompts="heldout", method="chain", k=5, limit=50, max_turns=2, max_new_tokens=256),
-               dict(prompts="heldout", method="tree", k=5, limit=20, max_turns=2, max_new_tokens=256),
-               dict(prompts="humaneval", method="chain", k=3, limit=50, max_turns=1, max_new_tokens=256),
-               dict(prompts="humaneval", method="chain", k=5, limit=50, max_turns=1, max_new_tokens=256),
-               dict(prompts="humaneval", method="tree", k=5, limit=20, max_turns=1, max_new_tokens=256)],
+        device="cuda", dtype="bf16", bench_dtype="bf16", autocast="auto", limit=None, max_len=768, max_turns=1, regenerate=True,
+        max_new_tokens=320, regen_batch=2048, gen_batch=256, regen_dtype=None, capture=False, capture_dtype="bf16", online=True,
+        draft_vocab=32000, ttt_steps=6, epochs=2, steps=None, lr=1e-3, batch_tokens=32768, chunk_size=None, loss_on="assistant",
+        bench=[dict(prompts="heldout", method="chain", k=3, limit=40, max_turns=1, max_new_tokens=256),
+               dict(prompts="heldout", method="chain", k=5, limit=40, max_turns=1, max_new_tokens=256),
+               dict(prompts="heldout", method="tree", k=5, limit=10, max_turns=1, max_new_tokens=128),
+               dict(prompts="humaneval", method="chain", k=3, limit=40, max_turns=1, max_new_tokens=256),
+               dict(prompts="humaneval", method="chain", k=5, limit=40, max_turns=1, max_new_tokens=256),
+               dict(prompts="humaneval", method="tree", k=5, limit=10, max_turns=1, max_new_tokens=128)],
     ),
 }
 STAGES = ("prepare", "capture", "train", "bench", "export")
@@ -71,10 +70,14 @@ class RunConfig:
     """Delete a run directory of another configuration instead of refusing."""
     quiet: bool = False
     """No progress bars; only the final summary."""
+    until: str | None = None
+    """Stop after this stage (e.g. to fit a job into time slices); a rerun without it continues."""
 
     def __post_init__(self):
         if self.preset not in PRESETS:
             raise EyasError(f"unknown preset {self.preset!r}: expected one of {', '.join(PRESETS)}")
+        if self.until is not None and self.until not in STAGES:
+            raise EyasError(f"--until {self.until!r}: expected one of {', '.join(STAGES)}")
         unknown = set(self.overrides) - set(PRESETS[self.preset])
         if unknown:
             raise EyasError(f"unknown preset knob(s) {sorted(unknown)}")
@@ -164,6 +167,8 @@ def run_pipeline(cfg: RunConfig) -> dict:
     progress = not cfg.quiet
     stages = [s for s in STAGES if s != "capture" or k["capture"]]
     for stage in stages:
+        if cfg.until is not None and STAGES.index(stage) > STAGES.index(cfg.until):
+            break
         st = state["stages"].get(stage, {})
         if st.get("done"):
             try:
@@ -174,12 +179,25 @@ def run_pipeline(cfg: RunConfig) -> dict:
                 log(f"{stage}: its output failed verification on resume ({e}); redoing the stage", always=True)
                 st = {"redo": True}
         log(f"{stage}: starting" + (" (resuming)" if (run / _stage_dir(stage)).exists() else ""))
-        t0 = time.time()
-        summary = STAGE_FUNCS[stage](cfg, k, run, target, progress, redo=bool(st.get("redo")))
-        state["stages"][stage] = {"done": True, "seconds": round(time.time() - t0, 1),
+        t0, before = time.time(), st.get("seconds", 0.0) if not st.get("done") else 0.0
+        try:
+            summary = STAGE_FUNCS[stage](cfg, k, run, target, progress, redo=bool(st.get("redo")))
+        except KeyboardInterrupt:  # e.g. `timeout -s INT`: keep the time spent so far, resume on the next run
+            state["stages"][stage] = {"done": False, "redo": bool(st.get("redo")),
+                                      "seconds": round(before + time.time() - t0, 1)}
+            _save_state(run, state)
+            log(f"{stage}: interrupted after {time.time() - t0:.0f} s; rerun the same command to resume", always=True)
+            raise
+        # seconds: this stage's wall time over every invocation that worked on it
+        state["stages"][stage] = {"done": True, "seconds": round(before + time.time() - t0, 1),
                                   "summary": summary}
         _save_state(run, state)
         log(f"{stage}: finished in {time.time() - t0:.0f} s")
+    state["wall_seconds_this_invocation"] = round(time.time() - t_start, 1)
+    if cfg.until is not None and not all(state["stages"].get(s, {}).get("done") for s in stages):
+        _save_state(run, state)
+        log(f"stopped after {cfg.until} (--until); rerun without --until to continue", always=True)
+        return state
     state["wall_seconds_this_invocation"] = round(time.time() - t_start, 1)
     _save_state(run, state)
     from eyas.report import write_report
@@ -225,7 +243,7 @@ def _train(cfg, k, run, target, progress, redo=False) -> dict:
     tc = TrainConfig(out=str(out), target=cfg.target, epochs=k["epochs"], steps=k["steps"], lr=k["lr"],
                      ttt_steps=k["ttt_steps"], draft_vocab=k["draft_vocab"], batch_tokens=k["batch_tokens"],
                      chunk_size=k["chunk_size"], max_len=k["max_len"] + k["max_new_tokens"],
-                     device=k["device"], autocast=k["autocast"], checkpoint_every=50, resume=resume,
+                     device=k["device"], autocast=k["autocast"], loss_on=k["loss_on"], checkpoint_every=50, resume=resume,
                      progress=progress, **src)
     return run_train(tc, target)
 
@@ -305,6 +323,7 @@ def register(subparsers) -> None:
                    help="change one preset knob, e.g. --set limit=100 (repeatable)")
     p.add_argument("--overwrite", action="store_true", help="replace a run directory of another configuration")
     p.add_argument("--quiet", action="store_true", help="no progress bars, only the summary")
+    p.add_argument("--until", choices=STAGES, help="stop after this stage (a rerun without it continues)")
     p.set_defaults(func=_main)
 
 
@@ -314,6 +333,6 @@ def _main(args) -> int:
         import torch
         preset = "gpu" if torch.cuda.is_available() else "cpu-demo"
     cfg = RunConfig(target=args.target, data=args.data, preset=preset, out=args.out or f"runs/{preset}",
-                    overrides=dict(args.overrides), overwrite=args.overwrite, quiet=args.quiet)
+                    overrides=dict(args.overrides), overwrite=args.overwrite, quiet=args.quiet, until=args.until)
     run_pipeline(cfg)
     return 0

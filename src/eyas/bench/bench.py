@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -134,6 +135,9 @@ class _Method:
                 "acceptance_by_position": [round(a, 4) for a in s.acceptance_by_position()]}
 
 
+_RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target model -> {shape: Runner}
+
+
 def run_bench(cfg: BenchConfig, *, target=None, drafter=None, drafter_meta: dict | None = None,
               records: list[dict] | None = None, out=None) -> dict:
     """Run the benchmark; return (and optionally write) the report dict."""
@@ -164,8 +168,14 @@ def run_bench(cfg: BenchConfig, *, target=None, drafter=None, drafter_meta: dict
         records, too_long = load_bench_prompts(cfg, tok)
     if not records:
         raise EyasError(f"{cfg.prompts}: empty prompt set")
-    runner = Runner.from_hf(target.model, max_batch=1, max_seq=cfg.max_seq, device=target.device,
-                            compile=cfg.compile)
+    # One runner per target and shape for the whole process: a fresh runner per benchmark would compile
+    # (and capture CUDA graphs) again each time.
+    key = (cfg.max_seq, str(target.device), cfg.compile)
+    runner = _RUNNERS.get(target.model, {}).get(key)
+    if runner is None:
+        runner = Runner.from_hf(target.model, max_batch=1, max_seq=cfg.max_seq, device=target.device,
+                                compile=cfg.compile)
+        _RUNNERS[target.model] = {key: runner}
     eos = target.eos_token_ids
     room = cfg.max_seq - cfg.max_new_tokens - max(cfg.spec(cfg.method).draft_size, cfg.k) - 2
     if room < 8:

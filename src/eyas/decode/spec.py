@@ -118,12 +118,7 @@ class SpecDecoder:
                 self.drafting = GraphedChainDrafting(drafter, runner.embed, runner.cfg.max_seq, cfg.k)
             else:
                 self.drafting = EagleDrafting(drafter, runner.embed)
-        self._verify_fn = self._verify_forward
-
-    def _verify_forward(self, ids, pos, slots, mask):
-        logits, cap = self.runner.forward(ids, pos, slots, mask, capture=self.aux_ids)
-        aux = torch.cat([cap[i] for i in self.aux_ids], -1) if self.aux_ids else logits[..., :0]
-        return logits, aux
+        self._verify_fn = runner.step_fn(self.aux_ids)  # compiled when the runner is
 
     def _prefill(self, prompt: list[int], chunk: int = 512):
         r, dev = self.runner, self.runner.device

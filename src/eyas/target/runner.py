@@ -131,6 +131,7 @@ class Runner(nn.Module):
         self.register_buffer("sin", torch.zeros(cfg.max_seq, cfg.head_dim, dtype=dtype, device=device), persistent=False)
         self._graphs: dict = {}
         self._compiled = None
+        self._step_fns: dict = {}
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -221,6 +222,20 @@ class Runner(nn.Module):
 
     def _decode(self, input_ids, positions, cache_slots, attn_mask):
         return self.forward(input_ids, positions, cache_slots, attn_mask)[0]
+
+    def step_fn(self, capture: tuple[int, ...] = ()):
+        """(ids, pos, slots, mask) -> (logits (B,S,V), aux (B,S,len(capture)*h)): one verify/decode step that
+        also returns the concatenated hidden states `capture`; torch.compile'd when the runner is. Cached per
+        capture tuple, so every decoder on this runner shares one compiled function (and its CUDA graphs)."""
+        capture = tuple(capture)
+        if capture not in self._step_fns:
+            def step(ids, pos, slots, mask):
+                logits, cap = self.forward(ids, pos, slots, mask, capture=capture)
+                return logits, (torch.cat([cap[i] for i in capture], -1) if capture else logits[..., :0])
+            # dynamic=None: the draft length S varies (prompt lookup, trees), so after the first shape
+            # change dynamo compiles one S-generic version instead of one per S.
+            self._step_fns[capture] = (torch.compile(step, fullgraph=True) if self._compiled is not None else step)
+        return self._step_fns[capture]
 
     def copy_slots(self, src: Tensor, dst: Tensor, row: int = 0) -> None:
         """Move cache entries src[i] -> dst[i] (1-D long tensors) in every layer for one row (tree compaction)."""

@@ -34,6 +34,9 @@ def register(subparsers) -> None:
                    help="bf16 autocast: auto = on CUDA only; bf16 also on the CPU")
     p.add_argument("--init-from-target", action="store_true",
                    help="start the drafter's norm and LM head from the target's (measured: slower to learn, see docs/LOG.md)")
+    p.add_argument("--loss-on", choices=["assistant", "all"], default="assistant",
+                   help="positions that train: the assistant loss mask, or all (prompts too; the labels are the "
+                        "target's own distributions either way)")
     p.add_argument("--warmup-ratio", type=float, default=0.02, help="share of steps in warm-up (default 0.02)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps (default: at the end)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (default auto)")
@@ -54,7 +57,7 @@ def main(args) -> int:
                           steps=args.steps, resume=args.resume, init=args.init, lr=args.lr,
                           batch_tokens=args.batch_tokens, grad_accum=args.grad_accum, max_len=args.max_len,
                           ttt_steps=args.ttt_steps, chunk_size=args.chunk_size, draft_vocab=args.draft_vocab,
-                          intermediate_size=args.intermediate_size, init_from_target=args.init_from_target, autocast=args.autocast, warmup_ratio=args.warmup_ratio,
+                          intermediate_size=args.intermediate_size, init_from_target=args.init_from_target, loss_on=args.loss_on, autocast=args.autocast, warmup_ratio=args.warmup_ratio,
                           checkpoint_every=args.checkpoint_every, device=args.device, seed=args.seed,
                           deterministic=args.deterministic, eval_fraction=args.eval_fraction, fsdp=args.fsdp,
                           progress=not args.no_progress)

@@ -54,6 +54,10 @@ class TrainConfig:
     """Draft vocabulary size (capped at the target vocabulary)."""
     autocast: str = "auto"
     """bf16 autocast: 'auto' (on CUDA only), 'bf16' (also on CPUs with AVX512-BF16/AMX, ~2x faster), 'off'."""
+    loss_on: str = "assistant"
+    """Positions that train the drafter: 'assistant' (the loss mask from prepare) or 'all' (every position,
+    prompts included: the labels are the target's own distributions, so a prompt position is as valid an
+    example of the target's next-token law as a reply position; evaluation always uses the loss mask)."""
     init_from_target: bool = False
     """Without --init: start the drafter's norm and LM head from the target's final norm and LM-head rows."""
     intermediate_size: int | None = None
@@ -87,6 +91,8 @@ class TrainConfig:
             raise ValueError(f"train: --epochs must be >= 1, got {self.epochs}")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"train: --steps must be >= 1, got {self.steps}")
+        if self.loss_on not in ("assistant", "all"):
+            raise ValueError(f"train: loss_on must be assistant or all, got {self.loss_on!r}")
         if self.autocast not in ("auto", "bf16", "off"):
             raise ValueError(f"train: autocast must be auto, bf16 or off, got {self.autocast!r}")
         if not self.lr > 0:

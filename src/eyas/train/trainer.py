@@ -313,7 +313,8 @@ def run_train(cfg: TrainConfig, target=None) -> dict:
             sync = a == len(micro) - 1 or not isinstance(model, nn.parallel.DistributedDataParallel)
             with (contextlib.nullcontext() if sync else model.no_sync()):
                 with amp:
-                    o = TTTOutput(*model(b.input_ids, b.loss_mask, b.valid, b.aux, b.final, embed_w, lm_w))
+                    lmask = b.valid if cfg.loss_on == "all" else b.loss_mask
+                    o = TTTOutput(*model(b.input_ids, lmask, b.valid, b.aux, b.final, embed_w, lm_w))
                 _stop_if_nonfinite(bad, o.loss, b.ids, step + 1, "features" if bad else "loss")
                 (o.loss / len(micro)).backward()
             sums.add(o, b.num_tokens)

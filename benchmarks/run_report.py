@@ -1,0 +1,84 @@
+"""Summarise an `eyas run` directory as a BENCHMARKS.md section: stage wall times, data, held-out acc_k, and
+tau / tokens/s / speedup of every bench with its baselines, all read from what the run measured.
+
+    python benchmarks/run_report.py RUN --command "eyas run --preset gpu ..." [--md OUT.md] [--append BENCHMARKS.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+
+def machine() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()}; torch {torch.__version__}"
+    return f"CPU {platform.processor() or platform.machine()} x{__import__('os').cpu_count()}; torch {torch.__version__}"
+
+
+def section(run: Path, command: str) -> str:
+    state = json.loads((run / "run.json").read_text())
+    st = state["stages"]
+    lines = [f"## eyas run ({state['identity']['preset']} preset), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
+             f"- machine: {machine()}", f"- command: `{command}` (in slices of under 10 minutes; stages resume)",
+             f"- knobs: `{json.dumps({k: v for k, v in state['identity']['knobs'].items() if k != 'bench'})}`", ""]
+    total = sum(v.get("seconds", 0) for v in st.values())
+    lines += ["| stage | wall s | done |", "|---|---|---|"]
+    lines += [f"| {name} | {v.get('seconds', 0):.0f} | {v.get('done', False)} |" for name, v in st.items()]
+    lines += [f"| **all** | **{total:.0f}** | |", ""]
+    prep = st.get("prepare", {}).get("summary")
+    if prep:
+        lines.append(f"- data: kept {prep.get('kept')} conversations, {prep.get('tokens')} tokens "
+                     f"({prep.get('trainable_tokens')} trainable); regenerated {prep.get('generated_tokens')} tokens "
+                     f"at {prep.get('generation_tokens_per_s')} tok/s")
+    tr = st.get("train", {}).get("summary")
+    if tr:
+        ev = tr.get("eval") or {}
+        acc = " / ".join(f"{a:.3f}" for a in ev.get("acc_k", []))
+        lines.append(f"- train: {tr.get('step')} steps; held-out acc_k {acc}; tau_est {ev.get('tau_est', 0):.2f}; "
+                     f"draft-vocab coverage {tr.get('vocab_coverage')}")
+        metrics = run / "train" / "metrics.jsonl"
+        if metrics.exists():
+            rates = [json.loads(x).get("tokens_per_s") for x in metrics.read_text().splitlines() if '"train"' in x]
+            rates = [r for r in rates if r]
+            if rates:
+                lines.append(f"- train throughput (last step's running rate): {rates[-1]:,.0f} tok/s")
+    lines.append("")
+    benches = sorted((run / "bench").glob("*.json")) if (run / "bench").exists() else []
+    if benches:
+        lines += ["| bench | method | tau | tok/s | speedup vs plain | lossless turns | acceptance by position |",
+                  "|---|---|---|---|---|---|---|"]
+        for p in benches:
+            r = json.loads(p.read_text())
+            for name, m in r["methods"].items():
+                ll = (r.get("lossless") or {}).get(name)
+                lossless = f"{ll['identical_turns']}/{ll['turns']}" if ll else "-"
+                acc = " ".join(f"{a:.2f}" for a in m["acceptance_by_position"][:6])
+                lines.append(f"| {p.stem} ({r['records']} prompts) | {name} | {m['tau']:.2f} | {m['tokens_per_s']} | "
+                             f"{m.get('speedup', 1.0)} | {lossless} | {acc} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("run", type=Path)
+    ap.add_argument("--command", required=True)
+    ap.add_argument("--md", type=Path, help="write the section to this file")
+    ap.add_argument("--append", type=Path, help="append the section to this file (e.g. BENCHMARKS.md)")
+    a = ap.parse_args()
+    text = section(a.run, a.command)
+    print(text)
+    if a.md:
+        a.md.write_text(text)
+    if a.append:
+        with open(a.append, "a") as f:
+            f.write("\n" + text)
+
+
+if __name__ == "__main__":
+    main()
