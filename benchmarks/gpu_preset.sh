@@ -42,6 +42,11 @@ run)
 esac
 
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+tests=
+if [ -n "${GPU_TESTS:-}" ]; then  # the GPU tests, alongside the slice (they are small)
+  PYTHONPATH=src:tests:/tmp/site python3 -m pytest -m gpu -q -p no:cacheprovider tests > "${OUT:-/tmp}/gputests.log" 2>&1 &
+  tests=$!
+fi
 args=(run --preset gpu --target $STAGE/smollm2.gguf --out "$RUN" --quiet)
 [ -n "$until" ] && args+=(--until "$until")
 start=$(date +%s)
@@ -54,4 +59,5 @@ if [ -n "${OUT:-}" ]; then
      train/metrics.jsonl train/manifest.json export/config.json 2>/dev/null)
   python3 benchmarks/run_report.py "$RUN" --command "eyas ${args[*]}" --md "$OUT/BENCH.md" || true
 fi
+if [ -n "$tests" ]; then wait $tests; echo "gpu tests: exit $?"; tail -n 5 "${OUT:-/tmp}/gputests.log"; fi
 exit $rc
