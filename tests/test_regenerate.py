@@ -12,7 +12,7 @@ import torch
 from conftest import make_tiny_llama
 from test_chat_masks import make_tokenizer
 
-from eyas.data.chat import encode_prompt
+from eyas.data.chat import encode_prompt, tokenize_conversation
 from eyas.data.regenerate import LocalBackend, ServerBackend
 from eyas.data.sources import Conversation, Skipped
 from eyas.errors import EyasError
@@ -168,3 +168,26 @@ def test_prepare_regenerate_through_server(server, tmp_path):
     s = PreparedData(tmp_path / "p")[0]
     text = tok.decode([i for i, k in zip(s.input_ids, s.loss_mask) if k])
     assert text == "R0:hello there<|im_end|>R1:hello there<|im_end|>"
+
+
+def test_regenerate_limit_keeps_the_dataset_replies_after_n(tmp_path):
+    from eyas.data.prepare import PrepareConfig, run_prepare
+    from eyas.data.prepared import PreparedData
+
+    tok = make_tokenizer()
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"id": c.id, "messages": list(c.messages)}) + "\n" for c in CONVS))
+    model = make_tiny_llama(vocab=len(tok), seed=3)
+    target = target_from_model(model, tok, name="tiny")
+    m = run_prepare(PrepareConfig(data=str(data), out=str(tmp_path / "p"), regenerate=True, regenerate_limit=1,
+                                  batch_size=2, max_new_tokens=6, heldout_fraction=0.0), target, progress=False)
+    got = {s.id: s for s in PreparedData(tmp_path / "p")}
+    assert set(got) == {"a", "b", "c"} and m["counts"]["sent_to_regeneration"] == 1
+    # "a": the target's replies (the backend itself is checked against a naive reference above)
+    ref = LocalBackend(target, max_len=2048, max_new_tokens=6, temperature=0.0, seed=0).regenerate(CONVS[:1])[0]
+    assert got["a"].input_ids == tokenize_conversation(tok, ref.messages).input_ids
+    assert ref.messages != CONVS[0].messages
+    for c in CONVS[1:]:  # "b", "c": the dataset's own replies, untouched
+        assert got[c.id].input_ids == tokenize_conversation(tok, c.messages).input_ids
+    with pytest.raises(ValueError, match="regenerate-limit"):
+        PrepareConfig(data=str(data), out=str(tmp_path / "q"), regenerate_limit=1)

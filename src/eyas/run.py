@@ -26,7 +26,7 @@ PRESETS: dict[str, dict] = {
     # 2 CPU cores, ~20 minutes: short first-turn prompts, replies regenerated greedily by the target,
     # a small draft vocabulary and few TTT steps. A demonstration, not a production drafter.
     "cpu-demo": dict(
-        device="cpu", dtype="bf16", bench_dtype="fp32", autocast="bf16", limit=800, max_len=320, max_turns=1, regenerate=True,
+        device="cpu", dtype="bf16", bench_dtype="fp32", autocast="bf16", limit=800, max_len=320, max_turns=1, regenerate=True, regen_limit=None,
         max_new_tokens=96, regen_batch=256, gen_batch=64, regen_dtype=None, capture=True, capture_dtype="bf16", online=False,
         draft_vocab=8192, ttt_steps=3, epochs=4, steps=None, lr=2e-3, batch_tokens=2048, chunk_size=None, loss_on="assistant",
         bench=[dict(prompts="heldout", method="chain", k=5, limit=20, max_turns=1, max_new_tokens=64)],
@@ -34,7 +34,7 @@ PRESETS: dict[str, dict] = {
     # One H200, ~15 minutes: all of ShareGPT (minus held-out) regenerated, trained online (a bf16 store of
     # this data would not fit the machine's 64 GB disk), benched with chains and the tree on two prompt sets.
     "gpu": dict(
-        device="cuda", dtype="bf16", bench_dtype="bf16", autocast="auto", limit=None, max_len=768, max_turns=1, regenerate=True,
+        device="cuda", dtype="bf16", bench_dtype="bf16", autocast="auto", limit=None, max_len=768, max_turns=1, regenerate=True, regen_limit=None,
         max_new_tokens=320, regen_batch=2048, gen_batch=256, regen_dtype=None, capture=False, capture_dtype="bf16", online=True,
         draft_vocab=32000, ttt_steps=6, epochs=2, steps=None, lr=1e-3, batch_tokens=32768, chunk_size=None, loss_on="assistant",
         bench=[dict(prompts="heldout", method="chain", k=3, limit=40, max_turns=1, max_new_tokens=256),
@@ -215,7 +215,8 @@ def _prepare(cfg, k, run, target, progress, redo=False) -> dict:
     from eyas.data.prepare import PrepareConfig, run_prepare
 
     pc = PrepareConfig(target=cfg.target, data=cfg.data, out=str(run / "prepared"), limit=k["limit"],
-                       max_len=k["max_len"], regenerate=k["regenerate"], max_new_tokens=k["max_new_tokens"],
+                       max_len=k["max_len"], regenerate=k["regenerate"], regenerate_limit=k["regen_limit"],
+                       max_new_tokens=k["max_new_tokens"],
                        batch_size=k["regen_batch"], max_turns=k["max_turns"], regen_dtype=k["regen_dtype"], gen_batch=k["gen_batch"],
                        overwrite=redo)
     return run_prepare(pc, target, progress=progress)["counts"]

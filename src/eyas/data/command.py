@@ -21,6 +21,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=int, default=2048, help="truncate conversations to L tokens (default 2048)")
     p.add_argument("--heldout-fraction", type=float, default=0.05, help="fraction held out for bench (default 0.05)")
     p.add_argument("--regenerate", action="store_true", help="replace assistant turns with the target's own replies")
+    p.add_argument("--regenerate-limit", type=int, default=None,
+                   help="regenerate only the first N conversations; later ones keep the dataset's replies")
     p.add_argument("--server", default=None, help="regenerate through this OpenAI-compatible server URL")
     p.add_argument("--model", default=None, help="model name on the server (default: its first model)")
     p.add_argument("--concurrency", type=int, default=8, help="server requests in flight (default 8)")
@@ -47,7 +49,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         cfg = PrepareConfig(
             target=args.target, data=args.data, out=args.out, limit=args.limit, max_len=args.max_len,
-            heldout_fraction=args.heldout_fraction, regenerate=args.regenerate, server=args.server,
+            heldout_fraction=args.heldout_fraction, regenerate=args.regenerate, regenerate_limit=args.regenerate_limit, server=args.server,
             model=args.model, concurrency=args.concurrency, timeout=args.timeout, retries=args.retries,
             temperature=args.temperature, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, max_turns=args.max_turns, regen_dtype=args.regen_dtype, gen_batch=args.gen_batch,
             seed=args.seed, overwrite=args.overwrite, trust_remote_code=args.trust_remote_code)

@@ -35,6 +35,10 @@ class PrepareConfig:
     """Fraction of conversation ids held out for bench (never written)."""
     regenerate: bool = False
     """Replace the assistant turns with the target's own replies."""
+    regenerate_limit: int | None = None
+    """With --regenerate: regenerate only the first N conversations sent to the target; the later ones keep
+    the dataset's replies (their labels still come from the target at training time), so a fixed generation
+    budget buys more distinct training text (None: regenerate all)."""
     server: str | None = None
     """OpenAI-compatible server URL for regeneration (None: generate locally)."""
     model: str | None = None
@@ -85,6 +89,8 @@ class PrepareConfig:
             raise ValueError(f"--max-turns must be >= 1, got {self.max_turns}")
         if self.timeout <= 0:
             raise ValueError(f"--timeout must be > 0, got {self.timeout}")
+        if self.regenerate_limit is not None and (self.regenerate_limit < 0 or not self.regenerate):
+            raise ValueError("--regenerate-limit must be >= 0 and needs --regenerate")
         if self.server and not self.regenerate:
             raise ValueError("--server is only used with --regenerate")
 
@@ -94,7 +100,7 @@ class PrepareConfig:
         for k in ("out", "overwrite", "concurrency", "timeout", "retries", "batch_size", "gen_batch", "trust_remote_code"):
             d.pop(k)
         if not self.regenerate:
-            for k in ("server", "model", "temperature", "max_new_tokens", "seed", "regen_dtype"):
+            for k in ("server", "model", "temperature", "max_new_tokens", "seed", "regen_dtype", "regenerate_limit"):
                 d.pop(k)
         return d
 
@@ -155,12 +161,14 @@ def run_prepare(cfg: PrepareConfig, target=None, *, progress: bool = True) -> di
     def process(chunk: list[tuple[int, Conversation]]) -> None:
         """(Regenerate,) tokenize and append a chunk of training conversations."""
         convs = [c for _, c in chunk]
-        if backend is not None:
-            results = backend.regenerate(convs)
+        n_regen = 0 if backend is None else len(convs) if cfg.regenerate_limit is None else \
+            max(0, min(len(convs), cfg.regenerate_limit - st.get("sent_to_regeneration", 0)))
+        results = list(convs)
+        if n_regen:
+            results[:n_regen] = backend.regenerate(convs[:n_regen])
+            st["sent_to_regeneration"] = st.get("sent_to_regeneration", 0) + n_regen
             if bar is not None and backend.stats.seconds:
                 bar.set_postfix(gen_tok_s=f"{backend.stats.new_tokens / backend.stats.seconds:.0f}")
-        else:
-            results = convs
         for c, r in zip(convs, results):
             if isinstance(r, Skipped):
                 dropped[r.reason] += 1
