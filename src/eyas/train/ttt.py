@@ -120,8 +120,13 @@ def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, val
 
     with torch.no_grad():
         # About x_{s+1}, per position s: the full-vocab target argmax, and its draft id when in the draft vocab.
-        tgt_id = torch.cat([target_logits_from_final(final[:, i:i + chunk], lm_head_weight).argmax(-1)
-                            for i in range(0, T, chunk)], dim=1)                   # (B, T)
+        # Only positions s with loss_mask[s+1] can ever be counted (as t+k+1 of some step), so the full-vocab
+        # product runs there only; elsewhere tgt_id stays 0 and is never read.
+        need = _shift(lmask, 1)                                                    # (B, T)
+        tgt_id = torch.zeros(B, T, dtype=torch.long, device=dev)                   # (B, T)
+        rows = final[need]                                                         # (N, h_t)
+        tgt_id[need] = torch.cat([target_logits_from_final(rows[i:i + chunk * B], lm_head_weight).argmax(-1)
+                                  for i in range(0, rows.shape[0], chunk * B)]) if rows.numel() else tgt_id[need]
         in_draft = t2d[tgt_id]                                                     # (B, T)
         tgt_draft = torch.searchsorted(token_ids, tgt_id).clamp(max=token_ids.numel() - 1)  # (B, T)
         w_draft = lm_head_weight[token_ids]                                        # (Vd, h_t)
