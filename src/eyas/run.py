@@ -23,12 +23,12 @@ from eyas.manifest import atomic_write_bytes, diff_dicts
 
 # Every knob a preset sets. A user changes a preset by editing a copy of it, or with the flags below.
 PRESETS: dict[str, dict] = {
-    # 2 CPU cores, under 20 minutes: short first-turn prompts; the replies of the first 800 regenerated greedily
+    # 2 CPU cores, under 20 minutes: short first-turn prompts; the replies of the first 900 regenerated greedily
     # by the target, the next ones kept as written (more distinct text for the same budget: the labels come from
     # the target either way); a small draft vocabulary and few TTT steps. A demonstration, not a production drafter.
     "cpu-demo": dict(
-        device="cpu", dtype="bf16", bench_dtype="fp32", autocast="bf16", limit=1500, max_len=320, max_turns=1, regenerate=True, regen_limit=800,
-        max_new_tokens=64, regen_batch=256, gen_batch=32, regen_dtype=None, capture=True, capture_dtype="bf16", online=False,
+        device="cpu", dtype="bf16", bench_dtype="fp32", autocast="bf16", limit=1600, max_len=320, max_turns=1, regenerate=True, regen_limit=900,
+        max_new_tokens=96, regen_batch=256, gen_batch=32, regen_dtype=None, capture=True, capture_dtype="bf16", online=False,
         draft_vocab=8192, ttt_steps=3, epochs=2, steps=None, lr=3e-3, batch_tokens=2048, chunk_size=None, loss_on="assistant",
         bench=[dict(prompts="heldout", method="chain", k=5, limit=20, max_turns=1, max_new_tokens=64)],
     ),
