@@ -16,8 +16,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import sdpa_kernel
 
 from eyas.errors import EyasError
+from eyas.sdpa import INFERENCE_SDPA
 
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -167,7 +169,11 @@ class Attention(nn.Module):
         rep = self.nh // self.nkv
         kr = k.repeat_interleave(rep, dim=1) if rep > 1 else k            # (B, nh, L, hd)
         vr = v.repeat_interleave(rep, dim=1) if rep > 1 else v            # (B, nh, L, hd)
-        y = F.scaled_dot_product_attention(q, kr, vr, attn_mask=attn_mask.unsqueeze(1))  # (B, nh, S, hd)
+        if torch.is_grad_enabled():  # training: the default backend choice
+            y = F.scaled_dot_product_attention(q, kr, vr, attn_mask=attn_mask.unsqueeze(1))  # (B, nh, S, hd)
+        else:
+            with sdpa_kernel(INFERENCE_SDPA):
+                y = F.scaled_dot_product_attention(q, kr, vr, attn_mask=attn_mask.unsqueeze(1))  # (B, nh, S, hd)
         y = y.transpose(1, 2).reshape(B, S, self.nh * self.hd)            # (B, S, nh*hd)
         return self.o_proj(y), (k, v)
 

@@ -21,8 +21,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import sdpa_kernel
 
 from eyas.errors import EyasError
+from eyas.sdpa import INFERENCE_SDPA
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,7 +118,8 @@ class Layer(nn.Module):
             att = torch.softmax(att.float(), dim=-1).to(qg.dtype)
             o = torch.matmul(att, vc[:, :, :L])  # (B,KV,rep*S,D)
         else:
-            o = F.scaled_dot_product_attention(qg, kc[:, :, :L], vc[:, :, :L], attn_mask=bias)  # (B,KV,rep*S,D)
+            with sdpa_kernel(INFERENCE_SDPA):  # no cuDNN: a new plan per prompt length
+                o = F.scaled_dot_product_attention(qg, kc[:, :, :L], vc[:, :, :L], attn_mask=bias)  # (B,KV,rep*S,D)
         o = o.reshape(B, H, S, D).transpose(1, 2).reshape(B, S, H * D)  # (B,S,H*D)
         x = x + self.wo(o)
         gate, up = self.w13(rms_norm(x, self.mlp_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
