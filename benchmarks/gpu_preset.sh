@@ -57,7 +57,7 @@ tail -n 25 "$RUN/logs/run.log"
 if [ -n "${OUT:-}" ]; then
   (cd "$RUN" && tar czf "$OUT/run.tgz" --ignore-failed-read report.md run.json logs bench plots \
      train/metrics.jsonl train/manifest.json export/config.json 2>/dev/null)
-  python3 benchmarks/run_report.py "$RUN" --command "eyas ${args[*]}" --md "$OUT/BENCH.md" || true
+  python3 benchmarks/run_report.py "$RUN" --command "eyas ${args[*]}, in slices of under 10 minutes (stages resume)" --md "$OUT/BENCH.md" || true
 fi
 if [ -n "$tests" ]; then wait $tests; echo "gpu tests: exit $?"; tail -n 5 "${OUT:-/tmp}/gputests.log"; fi
 exit $rc

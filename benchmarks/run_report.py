@@ -25,7 +25,7 @@ def section(run: Path, command: str) -> str:
     state = json.loads((run / "run.json").read_text())
     st = state["stages"]
     lines = [f"## eyas run ({state['identity']['preset']} preset), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
-             f"- machine: {machine()}", f"- command: `{command}` (in slices of under 10 minutes; stages resume)",
+             f"- machine: {machine()}", f"- command: `{command}`",
              f"- knobs: `{json.dumps({k: v for k, v in state['identity']['knobs'].items() if k != 'bench'})}`", ""]
     total = sum(v.get("seconds", 0) for v in st.values())
     lines += ["| stage | wall s | done |", "|---|---|---|"]

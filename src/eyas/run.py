@@ -32,8 +32,9 @@ PRESETS: dict[str, dict] = {
         draft_vocab=8192, ttt_steps=3, epochs=2, steps=None, lr=3e-3, batch_tokens=2048, chunk_size=None, loss_on="assistant",
         bench=[dict(prompts="heldout", method="chain", k=5, limit=20, max_turns=1, max_new_tokens=64)],
     ),
-    # One H200, ~15 minutes: all of ShareGPT (minus held-out) regenerated, trained online (a bf16 store of
-    # this data would not fit the machine's 64 GB disk), benched with chains and the tree on two prompt sets.
+    # One H200 (measured 17 minutes, BENCHMARKS.md): all of ShareGPT (minus held-out) regenerated, trained
+    # online (no store: the 135M target's forward is cheap inside a step, and with longer limits or all turns a
+    # bf16 store would outgrow the 64 GB disk), benched with chains and the tree on two prompt sets.
     "gpu": dict(
         device="cuda", dtype="bf16", bench_dtype="bf16", autocast="auto", limit=None, max_len=768, max_turns=1, regenerate=True, regen_limit=None,
         max_new_tokens=320, regen_batch=2048, gen_batch=256, regen_dtype=None, capture=False, capture_dtype="bf16", online=True,
