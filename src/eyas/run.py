@@ -196,12 +196,10 @@ def run_pipeline(cfg: RunConfig) -> dict:
         _save_state(run, state)
         log(f"{stage}: finished in {time.time() - t0:.0f} s")
     state["wall_seconds_this_invocation"] = round(time.time() - t_start, 1)
+    _save_state(run, state)
     if cfg.until is not None and not all(state["stages"].get(s, {}).get("done") for s in stages):
-        _save_state(run, state)
         log(f"stopped after {cfg.until} (--until); rerun without --until to continue", always=True)
         return state
-    state["wall_seconds_this_invocation"] = round(time.time() - t_start, 1)
-    _save_state(run, state)
     from eyas.report import write_report
     summary = write_report(run, state, cfg)
     log("report: " + str(run / "report.md"), always=True)
