@@ -1,22 +1,22 @@
-"""`eyas engine launch-args` for SmolLM2 (30 layers) and a DeepSeek-V3-shaped config (61 layers)."""
+"""`eyas engine launch-args` for SmolLM2 (30 layers) and a DeepSeek-V3-shaped config (61 layers).
+
+Every command runs through `eyas.cli.main`, the parser a user gets, never a hand-built one."""
 
 import argparse
 import json
 
 import pytest
 
-from eyas.engines import command
-from eyas.errors import EyasError
+from eyas import __version__
+from eyas.cli import build_parser, main
 
 
-def run(capsys, tmp_path, cfg, *extra):
+def run(capsys, tmp_path, cfg, *extra, rc=0):
     p = tmp_path / "config.json"
     p.write_text(json.dumps(cfg))
-    ap = argparse.ArgumentParser()
-    command.register(ap.add_subparsers())
-    a = ap.parse_args(["engine", "launch-args", *extra[:1], "--target-config", str(p), *extra[1:]])
-    assert a.func(a) == 0
-    return capsys.readouterr().out.replace("\\\n", " ").split()
+    assert main(["engine", "launch-args", *extra[:1], "--target-config", str(p), *extra[1:]]) == rc
+    cap = capsys.readouterr()
+    return (cap.out if rc == 0 else cap.err).replace("\\\n", " ").split()
 
 
 def flag(out, name, k=1):
@@ -56,5 +56,29 @@ def test_deepseek_vllm(capsys, tmp_path):
 
 
 def test_old_sglang_refused(capsys, tmp_path):
-    with pytest.raises(EyasError, match="no --forward-hooks"):
-        run(capsys, tmp_path, SMOL, "sglang", "--version", "0.5.4")
+    err = " ".join(run(capsys, tmp_path, SMOL, "sglang", "--version", "0.5.4", rc=2))
+    assert "no --forward-hooks" in err and __version__ not in err.split()
+
+
+def test_subcommand_version_is_the_engine_version_not_eyas(capsys, tmp_path):
+    out = run(capsys, tmp_path, SMOL, "sglang", "--version", "0.5.14")
+    assert out[:3] == ["python", "-m", "sglang.launch_server"] and "--enable-return-aux-hidden-states" not in out
+    assert main(["--version"]) == 0 and capsys.readouterr().out.strip() == __version__
+
+
+def _dests(parser):
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            yield (), a.dest
+            for name, sub in a.choices.items():
+                for path, dest in _dests(sub):
+                    yield (name, *path), dest
+        elif a.dest != "help":
+            yield (), a.dest
+
+
+def test_no_subcommand_option_shadows_a_top_level_one():
+    """argparse copies a subcommand's values over same-named top-level ones (the old --version bug)."""
+    top = {d for path, d in _dests(build_parser()) if not path}
+    clash = [(" ".join(path), d) for path, d in _dests(build_parser()) if path and d in top]
+    assert clash == []

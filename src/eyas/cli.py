@@ -31,7 +31,9 @@ def _not_implemented(name: str):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eyas", description="Train EAGLE-3 speculative-decoding drafters.")
-    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    # dest is not "version": a subcommand may have its own --version (engine launch-args: the engine's), and
+    # argparse copies sub-namespace values over same-named top-level ones.
+    parser.add_argument("--version", dest="show_version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module in STAGE_MODULES:
         try:
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.version:
+    if args.show_version:
         from eyas import __version__
         print(__version__)
         return 0

@@ -11,7 +11,7 @@ def _launch(a) -> int:
     from eyas.engines import launch_args as la
     ids = [int(x) for x in a.aux_layer_ids.split(",")] if a.aux_layer_ids else None
     if a.engine == "sglang":
-        args = la.sglang_args(a.target_config, a.version, model=a.model, store=a.store, data=a.data,
+        args = la.sglang_args(a.target_config, a.engine_version, model=a.model, store=a.store, data=a.data,
                               aux_layer_ids=ids, tp=a.tp, attn_dp=a.attn_dp)
     else:
         args = la.vllm_args(a.target_config, model=a.model, out_dir=a.vllm_dir, aux_layer_ids=ids, tp=a.tp)
@@ -70,7 +70,7 @@ def register(subparsers) -> None:
     la = sub.add_parser("launch-args", help="print the server command for capture")
     la.add_argument("engine", choices=["sglang", "vllm"])
     la.add_argument("--target-config", required=True, help="the target's HF config.json")
-    la.add_argument("--version", default="0.5.23", help="SGLang version")
+    la.add_argument("--version", dest="engine_version", default="0.5.23", help="SGLang version")
     la.add_argument("--model", default="MODEL")
     la.add_argument("--store", default="STORE")
     la.add_argument("--data", default="PREPARED")
