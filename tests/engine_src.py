@@ -60,3 +60,12 @@ def extract_models(whl: Path, dest: Path) -> Path:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_bytes(z.read(member))
     return dest / "sglang"
+
+
+def read_member(whl: Path, member: str) -> str | None:
+    """The text of one file of the wheel, or None when this version has no such file."""
+    with zipfile.ZipFile(whl) as z:
+        try:
+            return z.read(member).decode()
+        except KeyError:
+            return None

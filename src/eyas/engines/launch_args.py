@@ -1,11 +1,12 @@
 """Server flags for capture through SGLang or vLLM, per target config and engine version.
 
-Flag names were checked against the SGLang wheels 0.5.14 and 0.5.23 (server_args.py /
-arg_groups/fields/*.py) and vLLM's extract_hidden_states example + connector source:
-  --disable-radix-cache, --chunked-prefill-size -1, --cuda-graph-backend-decode disabled,
-  --cuda-graph-backend-prefill disabled, --forward-hooks JSON (list of {name, target_modules,
-  hook_factory, config}), and from 0.5.23 --enable-return-aux-hidden-states with
-  --speculative-algorithm EAGLE3 --return-aux-hidden-state-layer-ids IDS.
+Every SGLang flag emitted for a version is checked to be declared in that version's wheel
+(server_args.py / arg_groups/**, tests/test_engine_sglang_versions.py), from 0.5.10 to 0.5.23:
+  --disable-radix-cache, --chunked-prefill-size -1, CUDA graphs off (--disable-cuda-graph before
+  0.5.14, --cuda-graph-backend-{decode,prefill} disabled from 0.5.14), --forward-hooks JSON (list of
+  {name, target_modules, hook_factory, config}), and from 0.5.23 --enable-return-aux-hidden-states
+  with --speculative-algorithm EAGLE3 --return-aux-hidden-state-layer-ids IDS.
+vLLM flags come from its extract_hidden_states example and connector source.
 """
 
 from __future__ import annotations
@@ -16,8 +17,12 @@ from pathlib import Path
 
 from eyas.errors import EyasError
 
+# Read from the wheels (tests/engine_sglang_layouts.py records each release; the tests check it):
+FIRST_HOOKS_VERSION = (0, 5, 6)       # --forward-hooks and model_executor/hook_manager.py
+FIRST_RIDS_VERSION = (0, 5, 10)       # ForwardBatch.rids: the hook attributes rows to requests by it
+FIRST_SUPPORTED = max(FIRST_HOOKS_VERSION, FIRST_RIDS_VERSION)
+FIRST_GRAPH_BACKEND_VERSION = (0, 5, 14)  # --cuda-graph-backend-{decode,prefill}; before: --disable-cuda-graph
 FIRST_AUX_FLAG_VERSION = (0, 5, 23)   # --enable-return-aux-hidden-states
-FIRST_HOOKS_VERSION = (0, 5, 14)      # --forward-hooks checked present from here (absent in 0.5.4)
 HOOK_FACTORY = "eyas.engines.sglang_hook:make_capture_hook"
 AUX_ENABLE_FACTORY = "eyas.engines.sglang_hook:make_aux_enable_hook"
 DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM",
@@ -98,13 +103,27 @@ def hook_spec(store: str, data: str, hf_ids, *, num_layers: int, aux_flag: bool,
     return spec
 
 
+def _dotted(v) -> str:
+    return ".".join(map(str, v))
+
+
+def check_sglang_version(version: str) -> None:
+    """Refuse SGLang releases the capture hook cannot work in, saying what they lack."""
+    v = parse_version(version)
+    if v < FIRST_HOOKS_VERSION:
+        raise EyasError(f"SGLang {version} has no --forward-hooks (added in {_dotted(FIRST_HOOKS_VERSION)}) and "
+                        f"no ForwardBatch.rids; eyas capture needs SGLang >= {_dotted(FIRST_SUPPORTED)}")
+    if v < FIRST_RIDS_VERSION:
+        raise EyasError(f"SGLang {version} has --forward-hooks but its ForwardBatch carries no rids (added in "
+                        f"{_dotted(FIRST_RIDS_VERSION)}), so the hook cannot tell requests apart; "
+                        f"eyas capture needs SGLang >= {_dotted(FIRST_SUPPORTED)}")
+
+
 def sglang_args(target_config, version: str, *, model: str = "MODEL", store: str = "STORE",
                 data: str = "PREPARED", aux_layer_ids=None, tp: int = 1, attn_dp: int = 1) -> list[str]:
     info = read_target_config(target_config) if not isinstance(target_config, dict) else target_config
     v = parse_version(version)
-    if v < FIRST_HOOKS_VERSION:
-        raise EyasError(f"SGLang {version} has no --forward-hooks (checked from {'.'.join(map(str, FIRST_HOOKS_VERSION))}); "
-                        f"use `eyas engine patch sglang --apply` and the printed flags of 0.5.14")
+    check_sglang_version(version)
     n = info["num_layers"]
     hf = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_ids(n)
     if max(hf) >= n:
@@ -114,8 +133,11 @@ def sglang_args(target_config, version: str, *, model: str = "MODEL", store: str
     args = ["python", "-m", "sglang.launch_server", "--model-path", model, "--tp-size", str(tp)]
     if attn_dp > 1:
         args += ["--dp-size", str(attn_dp), "--enable-dp-attention"]
-    args += ["--disable-radix-cache", "--chunked-prefill-size", "-1",
-             "--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
+    args += ["--disable-radix-cache", "--chunked-prefill-size", "-1"]
+    if v >= FIRST_GRAPH_BACKEND_VERSION:
+        args += ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
+    else:
+        args += ["--disable-cuda-graph"]
     if aux_flag:
         args += ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
                  "--return-aux-hidden-state-layer-ids", *map(str, sg)]

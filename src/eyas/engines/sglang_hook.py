@@ -29,10 +29,38 @@ def events_name(rank: int) -> str:
     return f"engine-events-r{rank:03d}.jsonl"
 
 
+RUNTIME_CONTEXT = "sglang.srt.runtime_context"      # get_parallel().attn_tp_rank ... from 0.5.14 (only way from 0.5.21)
+DP_ATTENTION = "sglang.srt.layers.dp_attention"     # get_attention_tp_rank() ... up to 0.5.15 (tp) / 0.5.20 (dp)
+
+
+def _optional_module(name: str):
+    import importlib  # noqa: PLC0415
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name != name:
+            raise                                   # the module exists but one of its imports is broken
+        return None
+
+
 def sglang_ranks() -> tuple[int, int, int]:
-    """(attention TP rank, attention DP rank, attention DP size) from SGLang's dp_attention module."""
-    from sglang.srt.layers import dp_attention as d  # noqa: PLC0415 - only inside the server
-    return d.get_attention_tp_rank(), d.get_attention_dp_rank(), d.get_attention_dp_size()
+    """(attention TP rank, attention DP rank, attention DP size) of this SGLang process.
+
+    SGLang 0.5.14+ has runtime_context.get_parallel() with attn_tp_rank / attn_dp_rank / attn_dp_size;
+    its dp_attention.get_attention_* functions lost get_attention_tp_rank in 0.5.16 and the rest in
+    0.5.21. Before 0.5.14 the functions are the only source. So: the context when it exists, else the
+    functions (tests/engine_sglang_layouts.py records each version's layout, checked against the wheels).
+    """
+    rc = _optional_module(RUNTIME_CONTEXT)
+    if rc is not None and hasattr(rc, "get_parallel"):
+        p = rc.get_parallel()
+        return int(p.attn_tp_rank), int(p.attn_dp_rank), int(p.attn_dp_size)
+    d = _optional_module(DP_ATTENTION)
+    names = ("get_attention_tp_rank", "get_attention_dp_rank", "get_attention_dp_size")
+    if d is None or not all(hasattr(d, n) for n in names):
+        raise RuntimeError(f"eyas capture hook: this SGLang has neither {RUNTIME_CONTEXT}.get_parallel nor "
+                           f"{DP_ATTENTION}.{{{','.join(names)}}}; cannot tell which rank writes")
+    return tuple(int(getattr(d, n)()) for n in names)  # type: ignore[return-value]
 
 
 def unpack_aux(aux, n: int, h: int, num_aux: int) -> torch.Tensor | None:
@@ -57,8 +85,10 @@ def batch_view(args: tuple, num_aux: int = 3):
     aux = args[4] if len(args) > 4 else None
     mode = getattr(getattr(fb, "forward_mode", None), "name", str(getattr(fb, "forward_mode", "")))
     rids = list(getattr(fb, "rids", None) or [])
-    ext = getattr(fb, "extend_seq_lens_cpu", None)
+    ext = getattr(fb, "extend_seq_lens_cpu", None)    # list[int], or a CPU tensor on some paths (0.5.10+)
     pre = getattr(fb, "extend_prefix_lens_cpu", None)
+    ext = None if ext is None else [int(x) for x in ext]
+    pre = None if pre is None else [int(x) for x in pre]
     aux = unpack_aux(aux, hidden.shape[0], hidden.shape[-1], num_aux)
     return mode, rids, ext, pre, input_ids, hidden, aux
 
