@@ -116,3 +116,59 @@ def stub_package(root: Path, layout: dict, ranks: tuple[int, int, int]) -> Path:
                 return ParallelContext()
             """))
     return root
+
+
+def _call_name(node) -> str | None:
+    f = node.func if isinstance(node, ast.Call) else None
+    return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+
+
+def model_classes(whl: Path) -> dict[str, ast.ClassDef]:
+    """Every class of sglang/srt/models/*.py; a name an EntryClass lists wins over other same-named classes."""
+    import zipfile
+    classes, entries = {}, {}
+    with zipfile.ZipFile(whl) as z:
+        for n in z.namelist():
+            if n.startswith("sglang/srt/models/") and n.endswith(".py"):
+                tree = ast.parse(z.read(n).decode("utf-8-sig"))
+                listed = {e.id for a in tree.body if isinstance(a, ast.Assign)
+                          and any(isinstance(t, ast.Name) and t.id == "EntryClass" for t in a.targets)
+                          for e in ast.walk(a.value) if isinstance(e, ast.Name)}
+                for c in tree.body:
+                    if isinstance(c, ast.ClassDef) and (c.name not in classes or c.name in listed):
+                        if c.name not in entries:
+                            classes[c.name] = c
+                        if c.name in listed:
+                            entries[c.name] = c
+    return {**classes, **entries}
+
+
+def init_attrs(classes: dict, cls: str, depth: int = 0) -> dict[str, str]:
+    """self.<attr> = <Ctor>(...) assignments of the class's __init__, its bases' first: attr -> Ctor."""
+    node = classes.get(cls)
+    if node is None or depth > 5:
+        return {}
+    attrs: dict[str, str] = {}
+    for base in node.bases:
+        if isinstance(base, ast.Name) and base.id != cls:
+            attrs.update(init_attrs(classes, base.id, depth + 1))
+    for f in node.body:
+        if isinstance(f, ast.FunctionDef) and f.name == "__init__":
+            for s in ast.walk(f):
+                if isinstance(s, ast.Assign) and isinstance(s.value, ast.Call):
+                    for t in s.targets:
+                        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                            attrs[t.attr] = _call_name(s.value) or ""
+    return attrs
+
+
+def logits_processor_names(classes: dict, cls: str, prefix: str = "", depth: int = 0) -> list[str]:
+    """Names in model.named_modules() of every LogitsProcessor the class builds in __init__ (own or
+    inherited, following sub-modules that are model classes), as hook_manager would see them."""
+    out = []
+    for attr, made in init_attrs(classes, cls).items():
+        if made == "LogitsProcessor":
+            out.append(prefix + attr)
+        elif made in classes and depth < 3:
+            out += logits_processor_names(classes, made, f"{prefix}{attr}.", depth + 1)
+    return sorted(set(out))

@@ -12,7 +12,7 @@ def _launch(a) -> int:
     ids = [int(x) for x in a.aux_layer_ids.split(",")] if a.aux_layer_ids else None
     if a.engine == "sglang":
         args = la.sglang_args(a.target_config, a.engine_version, model=a.model, store=a.store, data=a.data,
-                              aux_layer_ids=ids, tp=a.tp, attn_dp=a.attn_dp)
+                              aux_layer_ids=ids, tp=a.tp, attn_dp=a.attn_dp, lm_head=a.lm_head_module or None)
     else:
         args = la.vllm_args(a.target_config, model=a.model, out_dir=a.vllm_dir, aux_layer_ids=ids, tp=a.tp)
     print(la.format_command(args))
@@ -78,6 +78,8 @@ def register(subparsers) -> None:
     la.add_argument("--aux-layer-ids", default="", help="HF ids a,b,c (default 2,N//2,N-3)")
     la.add_argument("--tp", type=int, default=1)
     la.add_argument("--attn-dp", type=int, default=1)
+    la.add_argument("--lm-head-module", default="",
+                    help="SGLang module name of the target's LogitsProcessor (default: known per architecture)")
     la.set_defaults(func=_launch)
     pa = sub.add_parser("patch", help="AST-patch SGLang model files to call the eyas hook")
     pa.add_argument("engine", choices=["sglang"])

@@ -25,6 +25,13 @@ FIRST_GRAPH_BACKEND_VERSION = (0, 5, 14)  # --cuda-graph-backend-{decode,prefill
 FIRST_AUX_FLAG_VERSION = (0, 5, 23)   # --enable-return-aux-hidden-states
 HOOK_FACTORY = "eyas.engines.sglang_hook:make_capture_hook"
 AUX_ENABLE_FACTORY = "eyas.engines.sglang_hook:make_aux_enable_hook"
+# Where SGLang keeps the target's LogitsProcessor, as a name in model.named_modules(), when it is not the
+# root's `logits_processor`: multimodal wrappers hold the language model in an attribute. hook_manager
+# matches target_modules against those names with fnmatch, so the name must be exact; a miss only logs
+# "No modules matched". Checked against the wheels' model sources (tests/test_engine_lm_head.py).
+LM_HEAD_MODULES = {
+    "KimiK25ForConditionalGeneration": "language_model.logits_processor",   # wraps DeepseekV3ForCausalLM
+}
 DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM",
                   "KimiK25ForConditionalGeneration")
 
@@ -56,7 +63,22 @@ def read_target_config(path) -> dict:
         raise EyasError(f"{p}: no num_hidden_layers (not a HF causal-LM config.json?)")
     arch = (cfg.get("architectures") or text.get("architectures") or ["?"])[0]
     return {"num_layers": int(text["num_hidden_layers"]), "hidden_size": int(text["hidden_size"]),
-            "architecture": arch, "model_type": text.get("model_type", cfg.get("model_type"))}
+            "architecture": arch, "model_type": text.get("model_type", cfg.get("model_type")),
+            "wrapper": "text_config" in cfg}
+
+
+def lm_head_module(info: dict, override: str | None = None) -> str:
+    """The SGLang module name of the target's LogitsProcessor (the capture hook's target_modules entry)."""
+    if override:
+        return override
+    arch = info["architecture"]
+    if arch in LM_HEAD_MODULES:
+        return LM_HEAD_MODULES[arch]
+    if info.get("wrapper") or not arch.endswith("ForCausalLM"):
+        raise EyasError(f"architecture {arch}: eyas does not know where SGLang keeps its LogitsProcessor; pass "
+                        f"--lm-head-module NAME (its name in model.named_modules(), e.g. "
+                        f"language_model.logits_processor)")
+    return "logits_processor"
 
 
 def is_deepseek(arch: str, model_type: str | None = None) -> bool:
@@ -90,10 +112,11 @@ def sglang_capture_ids(sglang_ids, arch: str, model_type: str | None = None) -> 
     return [i + 1 for i in ids]
 
 
-def hook_spec(store: str, data: str, hf_ids, *, num_layers: int, aux_flag: bool, sglang_ids) -> list[dict]:
+def hook_spec(store: str, data: str, hf_ids, *, num_layers: int, aux_flag: bool, sglang_ids,
+              lm_head: str = "logits_processor") -> list[dict]:
     """The --forward-hooks JSON (format of sglang/srt/model_executor/hook_manager.py)."""
     cfg = {"store": store, "data": data, "aux_layer_ids": list(hf_ids), "num_layers": num_layers}
-    spec = [{"name": "eyas_capture", "target_modules": ["logits_processor"],
+    spec = [{"name": "eyas_capture", "target_modules": [lm_head],
              "hook_factory": HOOK_FACTORY, "config": cfg}]
     if not aux_flag:
         # No --enable-return-aux-hidden-states: a hook on the root module (name "") switches aux capture
@@ -120,10 +143,12 @@ def check_sglang_version(version: str) -> None:
 
 
 def sglang_args(target_config, version: str, *, model: str = "MODEL", store: str = "STORE",
-                data: str = "PREPARED", aux_layer_ids=None, tp: int = 1, attn_dp: int = 1) -> list[str]:
+                data: str = "PREPARED", aux_layer_ids=None, tp: int = 1, attn_dp: int = 1,
+                lm_head: str | None = None) -> list[str]:
     info = read_target_config(target_config) if not isinstance(target_config, dict) else target_config
     v = parse_version(version)
     check_sglang_version(version)
+    head = lm_head_module(info, lm_head)
     n = info["num_layers"]
     hf = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_ids(n)
     if max(hf) >= n:
@@ -142,7 +167,7 @@ def sglang_args(target_config, version: str, *, model: str = "MODEL", store: str
         args += ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
                  "--return-aux-hidden-state-layer-ids", *map(str, sg)]
     args += ["--forward-hooks", json.dumps(hook_spec(store, data, hf, num_layers=n, aux_flag=aux_flag,
-                                                     sglang_ids=sg), separators=(",", ":"))]
+                                                     sglang_ids=sg, lm_head=head), separators=(",", ":"))]
     return args
 
 
