@@ -74,8 +74,10 @@ def _sglang_round(cfg, out: Path, todo: dict, attempt: int, kw) -> dict:
 
 
 def _vllm_round(cfg, todo: dict, masks: dict, header: dict, attempt: int, kw) -> dict:
+    from eyas.engines.final_norm import load_final_norm  # noqa: PLC0415
     from eyas.engines.vllm_ingest import ingest_dir  # noqa: PLC0415
     from eyas.store.writer import StoreWriter  # noqa: PLC0415
+    norm = load_final_norm(cfg.target_config)              # before any request: fail fast on a bad target
     resp = send_all(cfg, todo, attempt=attempt, **kw)
     failures = {k: v for k, v in resp.items() if isinstance(v, str)}
     names = {}
@@ -85,7 +87,7 @@ def _vllm_round(cfg, todo: dict, masks: dict, header: dict, attempt: int, kw) ->
             names[k] = path
     w = StoreWriter(cfg.out, header=header, setup=False)
     ok = {k: todo[k] for k in todo if k not in failures}
-    _, rejected = ingest_dir(cfg.vllm_dir, w, ok, masks, names=names)
+    _, rejected = ingest_dir(cfg.vllm_dir, w, ok, masks, final_norm=norm, names=names)
     w.close()
     failures.update({r.sample_id: r.reason for r in rejected})
     return failures
@@ -106,7 +108,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args) -> EngineCaptureConfig:
     try:
         return EngineCaptureConfig(engine=args.engine, url=args.url, data=args.data, out=args.out,
-                                   vllm_dir=args.vllm_dir, concurrency=args.concurrency,
+                                   vllm_dir=args.vllm_dir, target_config=getattr(args, "target_config", None) or "",
+                                   concurrency=args.concurrency,
                                    timeout_s=args.request_timeout, retries=args.retries,
                                    dtype=getattr(args, "dtype", "bf16"))
     except ValueError as e:

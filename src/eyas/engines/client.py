@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from eyas.engines.launch_args import VLLM_SERVED_NAME
 from eyas.engines.records import ATTEMPT_SEP
 
 FAILURES = "engine-failures.jsonl"
@@ -26,6 +27,7 @@ class EngineCaptureConfig:
     data: str                # prepared data directory
     out: str                 # store directory
     vllm_dir: str = ""       # vLLM's shared_storage_path (vllm only)
+    target_config: str = ""  # the served target's config.json; vllm: its final norm is read from beside it
     concurrency: int = 16    # requests in flight
     timeout_s: float = 600.0  # per request
     retries: int = 3         # extra attempts per sample
@@ -39,13 +41,16 @@ class EngineCaptureConfig:
             raise ValueError("concurrency >= 1, retries >= 0 and timeout_s > 0 are required")
         if self.engine == "vllm" and not self.vllm_dir:
             raise ValueError("vllm needs vllm_dir (the connector's shared_storage_path)")
+        if self.engine == "vllm" and not self.target_config:
+            raise ValueError("vllm needs target_config: its last slot is pre-norm, and the target's final norm "
+                             "(read from the checkpoint beside config.json) turns it into the final state")
 
 
 def request_body(engine: str, rid: str, ids: list[int]) -> tuple[str, dict]:
     if engine == "sglang":
         return "/generate", {"rid": rid, "input_ids": list(ids),
                              "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
-    return "/v1/completions", {"model": "default", "prompt": list(ids), "max_tokens": 1, "temperature": 0.0,
+    return "/v1/completions", {"model": VLLM_SERVED_NAME, "prompt": list(ids), "max_tokens": 1, "temperature": 0.0,
                                "request_id": rid}
 
 

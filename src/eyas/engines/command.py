@@ -49,14 +49,16 @@ def _crosscheck(a) -> int:
 
 def _ingest(a) -> int:
     from eyas.engines.capture import _load
+    from eyas.engines.final_norm import load_final_norm
     from eyas.engines.vllm_ingest import ingest_dir
     from eyas.store.writer import StoreWriter
     from eyas.manifest import read_manifest
+    norm = load_final_norm(a.target_config, a.target_weights or None)
     prep, ids, masks = _load(a.data)
     header = {k: v for k, v in read_manifest(a.out).items()
               if k in ("target", "layers", "dtype", "hidden_size", "vocab_size", "data", "config")}
     w = StoreWriter(a.out, header=header, setup=False)
-    written, rejected = ingest_dir(a.vllm_dir, w, ids, masks)
+    written, rejected = ingest_dir(a.vllm_dir, w, ids, masks, final_norm=norm)
     w.close()
     m = w.finalize(set(ids))
     print(json.dumps({"written": len(written), "rejected": {r.sample_id: r.reason for r in rejected},
@@ -99,4 +101,7 @@ def register(subparsers) -> None:
     iv.add_argument("--vllm-dir", required=True)
     iv.add_argument("--data", required=True)
     iv.add_argument("--out", required=True, help="store created by run_engine_capture / capture --engine")
+    iv.add_argument("--target-config", required=True,
+                    help="the served target's config.json (vLLM's last slot is pre-norm; eyas applies its final norm)")
+    iv.add_argument("--target-weights", default="", help="dir of its safetensors (default: beside --target-config)")
     iv.set_defaults(func=_ingest)

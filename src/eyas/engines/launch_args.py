@@ -32,6 +32,9 @@ AUX_ENABLE_FACTORY = "eyas.engines.sglang_hook:make_aux_enable_hook"
 LM_HEAD_MODULES = {
     "KimiK25ForConditionalGeneration": "language_model.logits_processor",   # wraps DeepseekV3ForCausalLM
 }
+# vLLM answers a completion only for a model name it serves (default: the --model path); launch-args
+# serves the target under this name and the capture client asks for it (client.request_body).
+VLLM_SERVED_NAME = "eyas-target"
 DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM",
                   "KimiK25ForConditionalGeneration")
 
@@ -185,7 +188,8 @@ def vllm_args(target_config, *, model: str = "MODEL", out_dir: str = "VLLM_OUT",
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [*hf, n]}}}
     kv = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
           "kv_connector_extra_config": {"shared_storage_path": out_dir}}
-    return ["vllm", "serve", model, "--tensor-parallel-size", str(tp), "--no-enable-prefix-caching",
+    return ["vllm", "serve", model, "--served-model-name", VLLM_SERVED_NAME,
+            "--tensor-parallel-size", str(tp), "--no-enable-prefix-caching",
             "--no-enable-chunked-prefill", "--enforce-eager",
             "--speculative-config", json.dumps(spec, separators=(",", ":")),
             "--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]

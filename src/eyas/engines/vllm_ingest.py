@@ -1,23 +1,32 @@
 """Ingest the files of vLLM's `extract_hidden_states` speculative method into an eyas store.
 
-Format (vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py): one
-safetensors file per request, `{shared_storage_path}/{req_id}.safetensors` (path also returned as
-kv_transfer_params["hidden_states_path"]), written by TP rank 0 only, with
+Format (vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py, 0.25.0 and
+0.33.0): one safetensors file per request, `{shared_storage_path}/{req_id}.safetensors` (path also
+returned as kv_transfer_params["hidden_states_path"]), written by TP rank 0 only, with
   token_ids      int64 (T,)                 the prompt token ids
   hidden_states  (T, n_layers, H) model dtype  one slot per id of eagle_aux_hidden_state_layer_ids
 and a companion `.lock` file held (flock LOCK_EX) until the write finished. eyas launches vLLM with
-ids [a, b, c, N] (launch_args.vllm_args): slots 0..2 = aux, slot 3 = final.
+ids [a, b, c, N] (launch_args.vllm_args): slots 0..2 = aux, slot 3 = the residual stream after the last
+layer, BEFORE the final norm; the ingester applies the target's norm (final_norm.py) so that the store
+holds the final-norm output like every other capture path.
+
+req_id is vLLM's internal id, not the one eyas sends: the completions endpoint makes it
+`cmpl-{request_id}-{prompt index}` and the engine appends `-{8 hex}` (input_processor.assign_request_id,
+unless VLLM_DISABLE_REQUEST_ID_RANDOMIZATION). eyas's request_id is `{sample id}#a{attempt}`, so
+`cmpl-{sample id}#a{attempt}-{index}[-{8 hex}].safetensors` names the sample.
 """
 
 from __future__ import annotations
 
 import fcntl
+import re
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-from eyas.engines.records import Record, verify_states
+from eyas.engines.final_norm import FinalNorm
+from eyas.engines.records import ATTEMPT_SEP, Record, verify_states
 from eyas.errors import EyasError
 
 
@@ -35,7 +44,23 @@ def read_vllm_file(path) -> dict[str, torch.Tensor]:
         raise EyasError(f"{p}: unreadable vLLM hidden-states file ({e})") from e
 
 
-def to_record(sample_id: str, sent_ids, tensors: dict, *, num_layers: int = 4, where: str = "") -> Record:
+VLLM_NAME = re.compile(rf"^cmpl-(?P<sid>.+){re.escape(ATTEMPT_SEP)}(?P<attempt>\d+)-\d+(?:-[0-9a-f]{{8}})?\.safetensors$")
+
+
+def find_files(vllm_dir, sample_ids) -> dict[str, list[Path]]:
+    """sample id -> its vLLM files, newest attempt first (`{sample id}.safetensors` also counts)."""
+    found: dict[str, list[tuple[int, Path]]] = {}
+    wanted = set(sample_ids)
+    for p in Path(vllm_dir).glob("*.safetensors"):
+        m = VLLM_NAME.match(p.name)
+        sid, attempt = (m["sid"], int(m["attempt"])) if m else (p.name[: -len(".safetensors")], -1)
+        if sid in wanted:
+            found.setdefault(sid, []).append((attempt, p))
+    return {sid: [p for _, p in sorted(v, key=lambda t: (-t[0], t[1].name))] for sid, v in found.items()}
+
+
+def to_record(sample_id: str, sent_ids, tensors: dict, *, final_norm: FinalNorm, num_layers: int = 4,
+              where: str = "") -> Record:
     """Verify one vLLM file against the sent sample -> Record (ok with aux/final, or rejected with reason)."""
     if "token_ids" not in tensors or "hidden_states" not in tensors:
         return Record(sample_id, sample_id, False, f"{where}: keys {sorted(tensors)}, expected token_ids, hidden_states")
@@ -44,31 +69,42 @@ def to_record(sample_id: str, sent_ids, tensors: dict, *, num_layers: int = 4, w
         return Record(sample_id, sample_id, False,
                       f"{where}: hidden_states {tuple(hs.shape)}, expected (T, {num_layers}, H) "
                       f"(were the layer ids launched as [aux x3, N]?)")
-    aux, final = hs[:, :3], hs[:, 3]                            # (T, 3, H), (T, H)
+    if hs.shape[-1] != final_norm.weight.shape[0]:
+        return Record(sample_id, sample_id, False, f"{where}: hidden size {hs.shape[-1]} != the target's "
+                      f"final norm {final_norm.weight.shape[0]} (another model?)")
+    aux, final = hs[:, :3], final_norm(hs[:, 3])               # (T, 3, H), (T, H) pre-norm -> final-norm
     why = verify_states(sample_id, sent_ids, ids, aux, final)
     if why:
         return Record(sample_id, sample_id, False, f"{where}: {why}")
     return Record(sample_id, sample_id, True, input_ids=ids, aux=aux, final=final)
 
 
-def ingest_dir(vllm_dir, writer, expected: dict, loss_masks: dict, *, names: dict | None = None,
-               num_layers: int = 4) -> tuple[list[str], list[Record]]:
+def ingest_dir(vllm_dir, writer, expected: dict, loss_masks: dict, *, final_norm: FinalNorm,
+               names: dict | None = None, num_layers: int = 4) -> tuple[list[str], list[Record]]:
     """Write every verified file of `vllm_dir` into `writer` (a StoreWriter-like .add_sample).
 
-    names: sample id -> file path (from the client); default `{sample_id}.safetensors`.
+    names: sample id -> file path (kv_transfer_params["hidden_states_path"] from the response), tried
+    first; then the sample's files found by name (find_files), newest attempt first.
     Samples already committed (writer.committed_ids) are skipped: nothing is written twice.
-    Returns (written ids, rejected records); missing files are rejected as 'no file'.
+    Returns (written ids, rejected records); a sample with no file is rejected as 'no file'.
     """
     done = set(getattr(writer, "committed_ids", ()))
+    on_disk = find_files(vllm_dir, expected)
     written, rejected = [], []
     for sid, sent in expected.items():
         if sid in done:
             continue
-        path = Path(names[sid]) if names and sid in names else Path(vllm_dir) / f"{sid}.safetensors"
-        if not path.exists():
-            rejected.append(Record(sid, sid, False, f"{path}: no file"))
+        paths = ([Path(names[sid])] if names and sid in names else []) + on_disk.get(sid, [])
+        paths = [p for k, p in enumerate(paths) if p.exists() and p not in paths[:k]]
+        if not paths:
+            rejected.append(Record(sid, sid, False, f"{vllm_dir}: no file for {sid} "
+                                   f"(looked for cmpl-{sid}{ATTEMPT_SEP}K-I-XXXXXXXX.safetensors)"))
             continue
-        rec = to_record(sid, sent, read_vllm_file(path), num_layers=num_layers, where=str(path))
+        for p in paths:
+            rec = to_record(sid, sent, read_vllm_file(p), final_norm=final_norm, num_layers=num_layers,
+                            where=str(p))
+            if rec.ok:
+                break
         if not rec.ok:
             rejected.append(rec)
             continue
