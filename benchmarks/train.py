@@ -1,11 +1,12 @@
 """Drafter training throughput: tokens/s, MFU against the card's measured bf16 matmul rate, peak memory.
 
-    PYTHONPATH=src python benchmarks/train.py                                   # GPU: SmolLM2 + 8B shapes
+    PYTHONPATH=src python benchmarks/train.py --batch-tokens 32768 --online     # GPU: SmolLM2 + 8B shapes
     PYTHONPATH=src python benchmarks/train.py --device cpu --shapes tiny --seqs 128 --steps 2   # smoke test
     torchrun --nproc_per_node 2 benchmarks/train.py --shapes llama8b --seqs 2048 # DDP scaling (NCCL)
 
 Each row times full optimizer steps of the trainer's own pieces (TTTModule = drafter + TTT loss, bf16 autocast,
-AdamW, grad clip) on random features: one sequence of `seq` tokens per rank and step, all tokens trainable.
+AdamW, grad clip): per rank and step, batch_tokens // seq packed rows of `seq` tokens holding random samples of
+128..seq tokens, all trainable; random features, or (--online) a SmolLM2-shaped target's forward on the samples.
 MFU counts useful FLOPs only: 3x the forward matmuls of the trained parts (fc once per token; per TTT step the
 q/k/v/o, MLP and lm_head matmuls plus causal attention over t/2 + k keys) and 1x the frozen target logits
 (full vocab once per token for the argmax, draft vocab once per step for the soft targets).
@@ -66,7 +67,24 @@ def useful_flops(c: DrafterConfig, T: int, K: int) -> float:
     return 3 * trained + frozen
 
 
-def bench(shape: str, T: int, K: int, steps: int, chunk: int | None, device: torch.device, ddp: bool) -> dict:
+def smollm2_target(device: torch.device):
+    """A SmolLM2-135M-shaped Llama with random weights (bf16) wrapped as an eyas target, for --online rows."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eyas.target import target_from_model
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                      tie_word_embeddings=True, rope_theta=100000.0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16).eval()
+    return target_from_model(model)
+
+
+def bench(shape: str, T: int, K: int, steps: int, chunk: int | None, device: torch.device, ddp: bool, *,
+          rows: int = 1, attention: str = "auto", compile_layer: bool = False, online: bool = False) -> dict:
+    from eyas.train.data import Batch, pack, target_features
+
     h, nh, nkv, hd, inter, V, Vd = SHAPES[shape]
     cfg = DrafterConfig(hidden_size=h, target_hidden_size=h, intermediate_size=inter, num_attention_heads=nh,
                         num_key_value_heads=nkv, head_dim=hd, rms_norm_eps=1e-5, rope_theta=500000.0,
@@ -74,25 +92,44 @@ def bench(shape: str, T: int, K: int, steps: int, chunk: int | None, device: tor
                         aux_layer_ids=(2, 16, 29))
     torch.manual_seed(0)
     drafter = Eagle3Drafter(cfg).to(device)
-    module = TTTModule(drafter, TTTConfig(num_steps=K, chunk_size=chunk))
+    if compile_layer:
+        drafter.midlayer.compile(dynamic=False)
+    module = TTTModule(drafter, TTTConfig(num_steps=K, chunk_size=chunk, attention=attention))
     model = module
     if ddp:
         model = torch.nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda"
                                                           else None)
     fdt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target = smollm2_target(device) if online else None
     embed = (torch.randn(V, h, device=device) * 0.02).to(fdt)
     lm = (torch.randn(V, h, device=device) * 0.02).to(fdt)
-    ids = torch.randint(0, V, (1, T), device=device)
-    ones = torch.ones(1, T, dtype=torch.bool, device=device)
-    aux = torch.randn(1, T, 3 * h, device=device).to(fdt)
-    final = torch.randn(1, T, h, device=device).to(fdt)
+    # rows packed rows of T tokens, each holding samples of 128..T tokens (a realistic mix), all trainable
+    g = torch.Generator().manual_seed(1)
+    lengths = []
+    while True:
+        n = int(torch.randint(128, T + 1, (1,), generator=g))
+        if pack_rows_fit(lengths + [n], rows, T):
+            lengths.append(n)
+        else:
+            break
+    B, L = len(lengths), max(lengths)
+    valid = (torch.arange(L)[None] < torch.tensor(lengths)[:, None]).to(device)              # (B, L)
+    padded = Batch([str(i) for i in range(B)], torch.randint(0, V, (B, L), device=device) * valid, valid, valid)
+    if not online:
+        padded.aux = torch.randn(B, L, 3 * h, device=device).to(fdt)
+        padded.final = torch.randn(B, L, h, device=device).to(fdt)
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), foreach=device.type == "cuda")
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
 
     def step():
+        b = padded
+        if online:
+            b = target_features(target, Batch(b.ids, b.input_ids, b.loss_mask, b.valid), sub_tokens=rows * T)
+        b = pack(b, rows, T) if rows > 1 or attention != "dense" else b
         with amp:
-            loss = model(ids, ones, ones, aux, final, embed, lm)[0]
+            loss = model(b.input_ids, b.loss_mask, b.valid, b.aux, b.final, embed, lm, b.segment_ids,
+                         b.position_ids)[0]
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
@@ -101,8 +138,9 @@ def bench(shape: str, T: int, K: int, steps: int, chunk: int | None, device: tor
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    tokens = sum(lengths)
     try:
-        for _ in range(2):
+        for _ in range(3):
             step()
         sync(device)
         t0 = time.perf_counter()
@@ -111,10 +149,17 @@ def bench(shape: str, T: int, K: int, steps: int, chunk: int | None, device: tor
         sync(device)
         dt = (time.perf_counter() - t0) / steps
     except torch.OutOfMemoryError:
-        return {"shape": shape, "seq": T, "error": "out of memory"}
+        return {"shape": shape, "seq": T, "rows": rows, "error": "out of memory"}
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-    return {"shape": shape, "seq": T, "chunk": chunk, "ms_step": dt * 1e3, "tok_s": T / dt,
-            "flops_step": useful_flops(cfg, T, K), "peak_gib": peak}
+    flops = sum(useful_flops(cfg, n, K) for n in lengths) + (2 * 135e6 * tokens if online else 0)
+    return {"shape": shape, "seq": T, "rows": rows, "tokens": tokens, "attention": attention, "compile": compile_layer,
+            "online": online, "chunk": chunk, "ms_step": dt * 1e3, "tok_s": tokens / dt, "flops_step": flops,
+            "peak_gib": peak}
+
+
+def pack_rows_fit(lengths, rows, T) -> bool:
+    from eyas.train.data import pack_rows
+    return pack_rows(lengths, rows, T) is not None
 
 
 def main() -> int:
@@ -124,7 +169,12 @@ def main() -> int:
     ap.add_argument("--seqs", default="2048,8192")
     ap.add_argument("--ttt-steps", type=int, default=7)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per row (after 2 warm-up steps)")
-    ap.add_argument("--chunk-size", type=int, default=0, help="TTT logits chunk (0: none)")
+    ap.add_argument("--chunk-size", type=int, default=0, help="rows per fused LM-head/loss chunk (0: default)")
+    ap.add_argument("--batch-tokens", type=int, default=0, help="tokens per step: batch_tokens // seq packed rows "
+                                                                  "(0: one row)")
+    ap.add_argument("--attention", default="dense,flex", help="comma list of TTT attention paths to time")
+    ap.add_argument("--compile", default="0", help="comma list of 0/1: torch.compile the decoder layer")
+    ap.add_argument("--online", action="store_true", help="include a SmolLM2-shaped target forward (random weights)")
     ap.add_argument("--no-record", action="store_true", help="do not append to BENCHMARKS.md")
     args = ap.parse_args()
 
@@ -146,26 +196,33 @@ def main() -> int:
     rows = []
     for shape in args.shapes.split(","):
         for T in (int(s) for s in args.seqs.split(",")):
-            r = bench(shape, T, args.ttt_steps, args.steps, args.chunk_size or None, device, world > 1)
-            rows.append(r)
-            if rank == 0:
-                print(r, flush=True)
+            for attention in args.attention.split(","):
+                for comp in (c == "1" for c in args.compile.split(",")):
+                    r = bench(shape, T, args.ttt_steps, args.steps, args.chunk_size or None, device, world > 1,
+                              rows=max(1, args.batch_tokens // T), attention=attention, compile_layer=comp,
+                              online=args.online and shape == "smollm2")
+                    rows.append(r)
+                    if rank == 0:
+                        print(r, flush=True)
     if rank != 0:
         return 0
     what = "bf16" if device.type == "cuda" else "fp32"
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    lines = [f"| drafter | seq | ranks | chunk | ms/step | tokens/s (all ranks) | TFLOP/step | MFU | peak GiB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| drafter | row len x rows | tokens | ranks | attention | compiled | online target | ms/step "
+             "| tokens/s (all ranks) | TFLOP/step | MFU | peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['shape']} | {r['seq']} | {world} | | {r['error']} | | | | |")
+            lines.append(f"| {r['shape']} | {r['seq']} x {r['rows']} | | {world} | | | | {r['error']} | | | | |")
             continue
         mfu = r["flops_step"] / (r["ms_step"] / 1e3) / peak
-        lines.append(f"| {r['shape']} | {r['seq']} | {world} | {r['chunk'] or '-'} | {r['ms_step']:.1f} | "
+        lines.append(f"| {r['shape']} | {r['seq']} x {r['rows']} | {r['tokens']} | {world} | {r['attention']} | "
+                     f"{'yes' if r['compile'] else 'no'} | {'yes' if r['online'] else 'no'} | {r['ms_step']:.1f} | "
                      f"{r['tok_s'] * world:,.0f} | {r['flops_step'] / 1e12:.2f} | {mfu:.1%} | {r['peak_gib']:.1f} |")
     table = "\n".join(lines)
     note = (f"Measured {what} matmul rate: {peak / 1e12:.1f} TFLOP/s per device; MFU = useful "
-            f"FLOPs / time / that rate. K = {args.ttt_steps} TTT steps, one sequence per rank and step, random features.")
+            f"FLOPs / time / that rate. K = {args.ttt_steps} TTT steps; per rank and step, packed rows of random "
+            f"samples of 128..row-len tokens, all trainable; random features unless the online target runs.")
     print(table)
     print(note)
     if not args.no_record:

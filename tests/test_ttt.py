@@ -145,6 +145,12 @@ def make_case(seed=0, B=2, T=9, h=32, V=40, Vd=24, std=0.3):
     return d, dict(input_ids=ids, loss_mask=loss_mask, valid=valid, aux=aux, final=final, E=E, W=W)
 
 
+def ttt_inputs(c):
+    """The keyword arguments of ttt_forward for a case from make_case."""
+    return dict(input_ids=c["input_ids"], loss_mask=c["loss_mask"], valid=c["valid"], aux=c["aux"], final=c["final"],
+                embed=torch.nn.Embedding.from_pretrained(c["E"]), lm_head_weight=c["W"])
+
+
 def run_fast(d, c, K, chunk_size=None, reduction="mean"):
     d.zero_grad()
     out = ttt_forward(d, input_ids=c["input_ids"], loss_mask=c["loss_mask"], valid=c["valid"], aux=c["aux"],

@@ -6,6 +6,7 @@ NOT part of the drafter: the caller applies the frozen target embedding and pass
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -22,6 +23,21 @@ from eyas.errors import EyasError
 from eyas.sdpa import INFERENCE_SDPA
 
 ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_attend(q: Tensor, k: Tensor, v: Tensor, block_mask) -> Tensor:
+    """flex_attention with a BlockMask (GQA aware): compiled on CUDA, eager elsewhere (forward only on the CPU)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fn = _compiled_flex() if q.is_cuda else flex_attention
+    return fn(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,6 +182,9 @@ class Attention(nn.Module):
         if kv_cache is not None:
             k = torch.cat([kv_cache[0], k], dim=2)                        # (B, nkv, L, hd)
             v = torch.cat([kv_cache[1], v], dim=2)                        # (B, nkv, L, hd)
+        if not isinstance(attn_mask, Tensor):  # a flex-attention BlockMask (training on the GPU, eyas.train.ttt)
+            y = flex_attend(q, k.to(q.dtype), v.to(q.dtype), attn_mask)  # (B, nh, S, hd)
+            return self.o_proj(y.transpose(1, 2).reshape(B, S, self.nh * self.hd)), (k, v)
         rep = self.nh // self.nkv
         kr = k.repeat_interleave(rep, dim=1) if rep > 1 else k            # (B, nh, L, hd)
         vr = v.repeat_interleave(rep, dim=1) if rep > 1 else v            # (B, nh, L, hd)

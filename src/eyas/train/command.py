@@ -27,8 +27,13 @@ def register(subparsers) -> None:
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
     p.add_argument("--max-len", type=int, default=2048, help="truncate samples to this length (default 2048)")
     p.add_argument("--ttt-steps", type=int, default=7, help="unrolled draft steps K (default 7)")
-    p.add_argument("--chunk-size", type=int, help="positions per logits chunk in the loss (saves memory)")
+    p.add_argument("--chunk-size", type=int, help="rows per chunk of the fused LM head + loss (default 4096)")
     p.add_argument("--draft-vocab", type=int, default=32000, help="draft vocabulary size (default 32000)")
+    p.add_argument("--attention", choices=["auto", "dense", "flex"], default="auto",
+                   help="TTT attention: flex (block-sparse, CUDA), dense (explicit mask); auto = flex on CUDA")
+    p.add_argument("--compile", action="store_true", help="torch.compile the drafter's decoder layer")
+    p.add_argument("--pack", choices=["auto", "on", "off"], default="auto",
+                   help="pack samples into rows of --max-len tokens (fixed shapes); auto = on with CUDA")
     p.add_argument("--intermediate-size", type=int, help="drafter MLP width (default: the target's)")
     p.add_argument("--autocast", choices=["auto", "bf16", "off"], default="auto",
                    help="bf16 autocast: auto = on CUDA only; bf16 also on the CPU")
@@ -57,6 +62,7 @@ def main(args) -> int:
                           steps=args.steps, resume=args.resume, init=args.init, lr=args.lr,
                           batch_tokens=args.batch_tokens, grad_accum=args.grad_accum, max_len=args.max_len,
                           ttt_steps=args.ttt_steps, chunk_size=args.chunk_size, draft_vocab=args.draft_vocab,
+                          attention=args.attention, pack=args.pack, compile=args.compile,
                           intermediate_size=args.intermediate_size, init_from_target=args.init_from_target, loss_on=args.loss_on, autocast=args.autocast, warmup_ratio=args.warmup_ratio,
                           checkpoint_every=args.checkpoint_every, device=args.device, seed=args.seed,
                           deterministic=args.deterministic, eval_fraction=args.eval_fraction, fsdp=args.fsdp,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 # Fields that may change between a run and its --resume (they do not change the loss curve).
-RESUME_FREE = ("resume", "progress", "checkpoint_every", "keep_checkpoints", "target", "device")
+RESUME_FREE = ("resume", "progress", "checkpoint_every", "keep_checkpoints", "target", "device", "compile")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +50,13 @@ class TrainConfig:
     """Loss weight of step k is decay**k."""
     chunk_size: int | None = None
     """Positions per logits chunk in the TTT loss (None: whole sequence; set it on long sequences on GPU)."""
+    attention: str = "auto"
+    """TTT attention: 'flex' (block-sparse flex_attention, CUDA), 'dense' (explicit mask) or 'auto' (flex on CUDA)."""
+    pack: str = "auto"
+    """Pack samples into rows of max_len tokens (batch_tokens // max_len rows per micro-batch, a fixed shape):
+    'on', 'off' or 'auto' (on with CUDA)."""
+    compile: bool = False
+    """torch.compile the drafter's decoder layer (fixed shapes with packing: one graph per TTT step)."""
     draft_vocab: int = 32000
     """Draft vocabulary size (capped at the target vocabulary)."""
     autocast: str = "auto"
@@ -93,6 +100,10 @@ class TrainConfig:
             raise ValueError(f"train: --steps must be >= 1, got {self.steps}")
         if self.loss_on not in ("assistant", "all"):
             raise ValueError(f"train: loss_on must be assistant or all, got {self.loss_on!r}")
+        if self.attention not in ("auto", "dense", "flex"):
+            raise ValueError(f"train: attention must be auto, dense or flex, got {self.attention!r}")
+        if self.pack not in ("auto", "on", "off"):
+            raise ValueError(f"train: pack must be auto, on or off, got {self.pack!r}")
         if self.autocast not in ("auto", "bf16", "off"):
             raise ValueError(f"train: autocast must be auto, bf16 or off, got {self.autocast!r}")
         if not self.lr > 0:
@@ -117,6 +128,10 @@ class TrainConfig:
             raise ValueError(f"train: intermediate_size must be >= 1, got {self.intermediate_size}")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError(f"train: chunk_size must be >= 1, got {self.chunk_size}")
+
+    def packs(self, device) -> bool:
+        """Whether micro-batches are packed rows on this device."""
+        return self.pack == "on" or (self.pack == "auto" and getattr(device, "type", str(device)) == "cuda")
 
     @property
     def online(self) -> bool:

@@ -48,6 +48,10 @@ class Batch:
     """(B, T, 3h_t) concat(low, mid, high); None until the online target fills it."""
     final: Tensor | None = None
     """(B, T, h_t) the target's final-norm output."""
+    segment_ids: Tensor | None = None
+    """Packed rows only: (B, T) int, 1.. per sample in the row, 0 on padding."""
+    position_ids: Tensor | None = None
+    """Packed rows only: (B, T) RoPE position of each token within its sample."""
 
     @property
     def num_tokens(self) -> int:
@@ -55,8 +59,9 @@ class Batch:
 
     def to(self, device, dtype: torch.dtype | None = None) -> "Batch":
         f = (lambda t: None if t is None else t.to(device, dtype=dtype or t.dtype, non_blocking=True))
+        g = (lambda t: None if t is None else t.to(device))
         return Batch(self.ids, self.input_ids.to(device), self.loss_mask.to(device), self.valid.to(device),
-                     f(self.aux), f(self.final))
+                     f(self.aux), f(self.final), g(self.segment_ids), g(self.position_ids))
 
 
 # ------------------------------------------------------------------------------------------------ sources
@@ -128,24 +133,90 @@ def _pad(ids: list[str], toks: list[tuple[Tensor, Tensor]], max_len: int) -> Bat
 
 
 @torch.no_grad()
-def target_features(target, batch: Batch) -> Batch:
+def target_features(target, batch: Batch, sub_tokens: int | None = None) -> Batch:
     """Online: run the target's decoder stack on the batch; fill aux (B,T,3h) and final (B,T,h) in place.
 
     Forward pre-hooks on layers[i] give hidden_states[i] (the residual entering layer i); the decoder stack's
     last_hidden_state is the final-norm output. No lm_head call, so no (T, V) logits; nothing is stored.
+    With sub_tokens, rows run in length-sorted groups of at most that many padded tokens (each group cut to
+    its own longest row), so short rows do not pay for the longest one.
     """
     from eyas.capture.hooks import LayerInputs, decoder_stack
 
     base = decoder_stack(target.model)
     n = len(base.layers)
     dev = target.device
-    with LayerInputs(base.layers, target.aux_layer_ids) as cap:
-        final = base(input_ids=batch.input_ids.to(dev), attention_mask=batch.valid.to(dev).long(),
-                     use_cache=False).last_hidden_state                        # (B, T, h)
-    aux = [final if i == n else cap.states[i] for i in target.aux_layer_ids]
-    batch.aux = torch.cat(aux, dim=-1)                                         # (B, T, 3h) low|mid|high
-    batch.final = final
+    lengths = batch.valid.sum(-1).tolist()
+    order = sorted(range(len(lengths)), key=lambda r: lengths[r])
+    groups = group(order, lengths, sub_tokens) if sub_tokens else [list(range(len(lengths)))]
+    B, T = batch.input_ids.shape
+    for rows in groups:
+        Tg = max(1, max(lengths[r] for r in rows)) if sub_tokens else T
+        ri = torch.tensor(rows, device=batch.input_ids.device)
+        with LayerInputs(base.layers, target.aux_layer_ids) as cap:
+            final = base(input_ids=batch.input_ids[ri, :Tg].to(dev), attention_mask=batch.valid[ri, :Tg].to(dev).long(),
+                         use_cache=False).last_hidden_state                    # (b, Tg, h)
+        aux = torch.cat([final if i == n else cap.states[i] for i in target.aux_layer_ids], dim=-1)  # (b, Tg, 3h)
+        if not sub_tokens:
+            batch.aux, batch.final = aux, final                                # (B, T, 3h) low|mid|high, (B, T, h)
+            break
+        if batch.aux is None:
+            batch.aux = aux.new_zeros(B, T, aux.shape[-1])                     # (B, T, 3h)
+            batch.final = final.new_zeros(B, T, final.shape[-1])               # (B, T, h)
+        ri = ri.to(dev)
+        batch.aux[ri, :Tg] = aux
+        batch.final[ri, :Tg] = final
     return batch
+
+
+def pack_rows(lengths: list[int], rows: int, row_len: int) -> list[list[int]] | None:
+    """First-fit placement of samples (in order) into `rows` rows of `row_len` tokens: for each row the positions
+    (into `lengths`) of its samples, or None when they do not fit."""
+    out, free = [[] for _ in range(rows)], [row_len] * rows
+    for j, n in enumerate(lengths):
+        r = next((r for r in range(rows) if free[r] >= n), None)
+        if r is None:
+            return None
+        out[r].append(j)
+        free[r] -= n
+    return out
+
+
+def pack(batch: Batch, rows: int, row_len: int) -> Batch:
+    """A right-padded per-sample batch (features filled or not) -> `rows` packed rows of exactly `row_len` tokens,
+    with segment and position ids. The placement is pack_rows' first fit, so it is a function of the batch."""
+    lengths = batch.valid.sum(-1).tolist()
+    plan = pack_rows(lengths, rows, row_len)
+    if plan is None:
+        raise ValueError(f"pack: samples of lengths {lengths} do not fit {rows} rows of {row_len} tokens")
+    src_b, src_t, dst_b, dst_t, seg, pos = [], [], [], [], [], []
+    for r, members in enumerate(plan):
+        at = 0
+        for s, j in enumerate(members, start=1):
+            n = lengths[j]
+            src_b += [j] * n
+            src_t += range(n)
+            dst_b += [r] * n
+            dst_t += range(at, at + n)
+            seg += [s] * n
+            pos += range(n)
+            at += n
+    dev = batch.input_ids.device
+    sb, st, db, dt = (torch.tensor(x, dtype=torch.long, device=dev) for x in (src_b, src_t, dst_b, dst_t))
+
+    def move(x: Tensor | None, fill=0) -> Tensor | None:
+        if x is None:
+            return None
+        y = torch.full((rows, row_len, *x.shape[2:]), fill, dtype=x.dtype, device=x.device)  # (R, L, ...)
+        y[db, dt] = x[sb, st]
+        return y
+    out = Batch(batch.ids, move(batch.input_ids), move(batch.loss_mask, False), move(batch.valid, False),
+                move(batch.aux), move(batch.final))
+    out.segment_ids = torch.zeros(rows, row_len, dtype=torch.long, device=dev)            # (R, L)
+    out.segment_ids[db, dt] = torch.tensor(seg, dtype=torch.long, device=dev)
+    out.position_ids = torch.zeros(rows, row_len, dtype=torch.long, device=dev)           # (R, L)
+    out.position_ids[db, dt] = torch.tensor(pos, dtype=torch.long, device=dev)
+    return out
 
 
 def nonfinite_rows(batch: Batch) -> list[str]:
@@ -183,12 +254,42 @@ def group(indices: list[int], lengths: list[int], batch_tokens: int) -> list[lis
     return out
 
 
+def group_packed(indices: list[int], lengths: list[int], rows: int, row_len: int, lookahead: int = 16
+                 ) -> list[list[int]]:
+    """Micro-batches whose samples first-fit into `rows` rows of `row_len` tokens, in about the given order: a
+    sample that does not fit waits (up to `lookahead` of them) while later ones fill the gaps."""
+    fits = lambda b: pack_rows([lengths[j] for j in b], rows, row_len) is not None  # noqa: E731
+    out, cur, waiting = [], [], []
+    for i in indices:
+        if lengths[i] > row_len:
+            raise ValueError(f"group_packed: sample {i} has {lengths[i]} tokens, more than a row ({row_len})")
+        if fits(cur + [i]):
+            cur.append(i)
+            continue
+        waiting.append(i)
+        while len(waiting) >= lookahead or (not cur and waiting):
+            out.append(cur) if cur else None
+            cur, pend, waiting = [], waiting, []
+            for j in pend:
+                (cur if fits(cur + [j]) else waiting).append(j)
+    while cur or waiting:
+        out.append(cur) if cur else None
+        cur, pend, waiting = [], waiting, []
+        for j in pend:
+            (cur if fits(cur + [j]) else waiting).append(j)
+    return out
+
+
 def epoch_batches(indices: list[int], lengths: list[int], *, batch_tokens: int, seed: int, epoch: int,
-                  bucket: int = 64) -> list[list[int]]:
+                  bucket: int = 64, packed: tuple[int, int] | None = None) -> list[list[int]]:
     """The epoch's micro-batches: shuffle (seed, epoch), sort windows of `bucket` samples by length (less
-    padding), group to the token budget, shuffle the batch order. Same on every rank."""
+    padding), group to the token budget, shuffle the batch order. Same on every rank. With packed=(rows,
+    row_len), the shuffled samples are grouped by first fit into packed rows instead (no sorting needed)."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     perm = [indices[j] for j in torch.randperm(len(indices), generator=g).tolist()]
+    if packed is not None:
+        batches = group_packed(perm, lengths, *packed)
+        return [batches[j] for j in torch.randperm(len(batches), generator=g).tolist()]
     ordered = []
     for s in range(0, len(perm), bucket):
         ordered += sorted(perm[s:s + bucket], key=lambda i: lengths[i])

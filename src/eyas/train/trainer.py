@@ -29,8 +29,8 @@ from eyas.errors import EyasError
 from eyas.manifest import MANIFEST, atomic_write_bytes, check_same, read_manifest, write_manifest
 from eyas.train import checkpoint as ckpt
 from eyas.train.config import TrainConfig
-from eyas.train.data import (PreparedSource, StoreSource, epoch_batches, group, nonfinite_rows, rank_batches,
-                             split_indices, target_features)
+from eyas.train.data import (PreparedSource, StoreSource, epoch_batches, group, group_packed, nonfinite_rows, pack,
+                             rank_batches, split_indices, target_features)
 from eyas.train.metrics import MetricsSink, Sums, frequency_baseline, truncate_metrics
 from eyas.train.ttt import TTTConfig, TTTOutput, ttt_forward
 
@@ -44,9 +44,11 @@ class TTTModule(nn.Module):
         super().__init__()
         self.drafter, self.ttt = drafter, ttt
 
-    def forward(self, input_ids, loss_mask, valid, aux, final, embed_weight, lm_head_weight):
+    def forward(self, input_ids, loss_mask, valid, aux, final, embed_weight, lm_head_weight, segment_ids=None,
+                position_ids=None):
         o = ttt_forward(self.drafter, input_ids=input_ids, loss_mask=loss_mask, valid=valid, aux=aux, final=final,
-                        embed=embed_weight, lm_head_weight=lm_head_weight, cfg=self.ttt)
+                        embed=embed_weight, lm_head_weight=lm_head_weight, cfg=self.ttt, segment_ids=segment_ids,
+                        position_ids=position_ids)
         return o.loss, o.loss_k, o.count_k, o.correct_k, o.cond_count_k, o.cond_correct_k
 
 
@@ -216,7 +218,11 @@ def run_train(cfg: TrainConfig, target=None) -> dict:
     elif cfg.init_from_target:
         init_head_from_target(drafter, target)
     drafter.to(device)
-    ttt = TTTConfig(num_steps=cfg.ttt_steps, decay=cfg.decay, chunk_size=cfg.chunk_size)
+    if cfg.compile:
+        drafter.midlayer.compile(dynamic=False)  # in place: the state-dict keys stay the export keys
+    ttt = TTTConfig(num_steps=cfg.ttt_steps, decay=cfg.decay, chunk_size=cfg.chunk_size, attention=cfg.attention)
+    # packed rows: (rows, row_len) of every micro-batch, a fixed shape
+    packed = (max(1, cfg.batch_tokens // cfg.max_len), cfg.max_len) if cfg.packs(device) else None
     module = TTTModule(drafter, ttt)
     if cfg.fsdp:
         if world < 2:
@@ -239,7 +245,8 @@ def run_train(cfg: TrainConfig, target=None) -> dict:
 
     # --- the plan: steps per epoch are fixed by (seed, epoch, lengths)
     def plan(epoch: int):
-        mb = epoch_batches(train_idx, source.lengths, batch_tokens=cfg.batch_tokens, seed=cfg.seed, epoch=epoch)
+        mb = epoch_batches(train_idx, source.lengths, batch_tokens=cfg.batch_tokens, seed=cfg.seed, epoch=epoch,
+                           packed=packed)
         return rank_batches(mb, rank=rank, world_size=world, grad_accum=cfg.grad_accum)
     if not plan(0):
         raise EyasError(f"{source.where}: {len(train_idx)} training samples make fewer micro-batches than one step "
@@ -287,15 +294,18 @@ def run_train(cfg: TrainConfig, target=None) -> dict:
             return {}
         model.eval()
         sums = Sums(cfg.ttt_steps, device)
-        batches = group(sorted(eval_idx, key=lambda i: source.lengths[i]), source.lengths, cfg.batch_tokens)
+        by_len = sorted(eval_idx, key=lambda i: source.lengths[i])
+        batches = (group_packed(by_len, source.lengths, *packed) if packed
+                   else group(by_len, source.lengths, cfg.batch_tokens))
         # FSDP2 forwards are collective: every rank runs the same number (extra ones are discarded).
         rounds = math.ceil(len(batches) / world) if cfg.fsdp else len(batches[rank::world])
         with torch.no_grad():
             for j in range(rounds):
                 k = j * world + rank
-                b = _features(source, batches[k % len(batches)], target, device, cfg.online)
+                b = _features(source, batches[k % len(batches)], target, device, cfg, packed)
                 with amp:  # DDP: the plain module (ranks may run different numbers of eval batches)
-                    o = TTTOutput(*module(b.input_ids, b.loss_mask, b.valid, b.aux, b.final, embed_w, lm_w))
+                    o = TTTOutput(*module(b.input_ids, b.loss_mask, b.valid, b.aux, b.final, embed_w, lm_w,
+                                          b.segment_ids, b.position_ids))
                     base = frequency_baseline(b.input_ids, b.loss_mask, b.valid, b.final, lm_w, t2d, top_id)
                 if k < len(batches):
                     sums.add(o, b.num_tokens, base)
@@ -308,13 +318,14 @@ def run_train(cfg: TrainConfig, target=None) -> dict:
         micro = steps_plan[pos]
         sums = Sums(cfg.ttt_steps, device)
         for a, idx in enumerate(micro):
-            b = _features(source, idx, target, device, cfg.online)
+            b = _features(source, idx, target, device, cfg, packed)
             bad = nonfinite_rows(b)
             sync = a == len(micro) - 1 or not isinstance(model, nn.parallel.DistributedDataParallel)
             with (contextlib.nullcontext() if sync else model.no_sync()):
                 with amp:
                     lmask = b.valid if cfg.loss_on == "all" else b.loss_mask
-                    o = TTTOutput(*model(b.input_ids, lmask, b.valid, b.aux, b.final, embed_w, lm_w))
+                    o = TTTOutput(*model(b.input_ids, lmask, b.valid, b.aux, b.final, embed_w, lm_w, b.segment_ids,
+                                         b.position_ids))
                 _stop_if_nonfinite(bad, o.loss, b.ids, step + 1, "features" if bad else "loss")
                 (o.loss / len(micro)).backward()
             sums.add(o, b.num_tokens)
@@ -369,11 +380,11 @@ def init_head_from_target(drafter, target) -> None:
     drafter.norm.weight.copy_(target.final_norm.weight.float())
 
 
-def _features(source, idx, target, device, online: bool):
-    b = source.collate(idx)
-    if online:
-        return target_features(target, b.to(device))
-    return b.to(device)
+def _features(source, idx, target, device, cfg: TrainConfig, packed: tuple[int, int] | None):
+    b = source.collate(idx).to(device)
+    if cfg.online:
+        b = target_features(target, b, sub_tokens=cfg.batch_tokens if packed else None)
+    return pack(b, *packed) if packed else b
 
 
 def _stop_if_nonfinite(bad_ids: list[str], value: torch.Tensor, ids: list[str], step: int, what: str) -> None:

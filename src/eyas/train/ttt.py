@@ -10,9 +10,11 @@ Alignment (EAGLE3.md section 3, worked out with indices in docs/ttt.md). At step
                 lies in the draft vocab
   attends to    step-0 keys at j <= t (j valid or j == t) + keys of steps 1..k at position t (diagonal)
 
-Fast path: step k runs all T positions in one `drafter.layer` call with the keys of steps 0..k-1 as the
-cache and a (T, (k+1)T) mask sliced from one built up front; logits and loss are computed per step (and per
-position chunk when `chunk_size` is set, with activation checkpointing so only one chunk of logits lives).
+Fast path: step k runs all T positions in one `drafter.layer` call with the keys of steps 0..k-1 as the cache.
+The attention rule is either a dense (B, T, (k+1)T) bool mask (`dense_masks`, the reference; CPU) or a flex-attention
+BlockMask (`flex_mask`; CUDA) that computes only the causal step-0 blocks and the k diagonal blocks. Logits and
+the soft cross-entropy run fused, in row chunks, at the counted positions only (eyas.train.soft_ce). Packed rows
+(several samples per row) carry segment ids: attention and counting never cross a sample boundary.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
+
+from eyas.train.soft_ce import fused_soft_ce
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,7 +35,9 @@ class TTTConfig:
     decay: float = 0.8
     """Loss weight of step k is decay**k."""
     chunk_size: int | None = None
-    """Positions (along T) per logits/loss chunk; None computes one step's logits at once."""
+    """Rows per chunk of the fused LM head + soft cross-entropy (None: 4096)."""
+    attention: str = "auto"
+    """'dense' (explicit mask, SDPA), 'flex' (BlockMask, flex_attention; CUDA for training) or 'auto' (flex on CUDA)."""
     reduction: str = "mean"
     """'mean': loss_k is the mean over step k's counted positions; 'sum': the plain sum (for the caller to divide)."""
 
@@ -43,6 +48,8 @@ class TTTConfig:
             raise ValueError(f"ttt: decay must be in (0, 1], got {self.decay}")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError(f"ttt: chunk_size must be >= 1 or None, got {self.chunk_size}")
+        if self.attention not in ("auto", "dense", "flex"):
+            raise ValueError(f"ttt: attention must be auto, dense or flex, got {self.attention!r}")
         if self.reduction not in ("mean", "sum"):
             raise ValueError(f"ttt: reduction must be 'mean' or 'sum', got {self.reduction!r}")
 
@@ -85,38 +92,54 @@ def _shift(x: Tensor, s: int) -> Tensor:
     return torch.cat([x[:, s:], pad], dim=1)[:, : x.shape[1]]                  # (B, T, ...)
 
 
-def _chunk_loss(drafter, hidden, final, w_draft, mask):
-    """Soft CE summed over `mask`, and the drafter's argmax there (-1 elsewhere).
+def dense_masks(seg: Tensor, K: int) -> Tensor:
+    """The reference mask for every step at once: [step-0 causal within the segment | I | I | ...], (B, T, K*T).
 
-    hidden (B, c, h), final (B, c, h_t), mask (B, c). Logits are computed only at the counted positions
-    (prompt and padding positions never need them), which saves most of the LM head's cost."""
-    logp = F.log_softmax(drafter.logits(hidden[mask]).float(), dim=-1)             # (N, Vd)
-    with torch.no_grad():
-        p = F.softmax(F.linear(final[mask].to(w_draft.dtype), w_draft).float(), dim=-1)  # (N, Vd)
-    ce = -(p * logp).sum(-1)                                                      # (N,)
-    pred = torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)       # (B, c)
-    pred[mask] = logp.argmax(-1)
-    return ce.sum(), pred
+    seg (B, T) int segment ids (0 = padding); a padding query attends only to itself."""
+    B, T = seg.shape
+    eye = torch.eye(T, dtype=torch.bool, device=seg.device)                      # (T, T)
+    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] > 0)          # (B, T, T)
+    ctx = torch.tril(torch.ones(T, T, dtype=torch.bool, device=seg.device)) & (same | eye)  # (B, T, T)
+    return torch.cat([ctx] + [eye.expand(B, T, T)] * (K - 1), dim=-1)           # (B, T, K*T)
+
+
+def flex_mask(seg: Tensor, k: int):
+    """Step k's BlockMask over the keys [step 0 | step 1 | ... | step k], each T long: the same rule as
+    dense_masks, but only the causal blocks and the k diagonal blocks are ever computed."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, T = seg.shape
+
+    def rule(b, h, q, kv):
+        j = kv % T
+        step0 = (kv < T) & (j <= q) & (((seg[b, j] == seg[b, q]) & (seg[b, j] > 0)) | (j == q))
+        return step0 | ((kv >= T) & (j == q))
+    return create_block_mask(rule, B, None, T, (k + 1) * T, device=seg.device, _compile=seg.is_cuda)
 
 
 def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, valid: Tensor, aux: Tensor,
-                final: Tensor, embed: nn.Module | Tensor, lm_head_weight: Tensor,
-                cfg: TTTConfig = TTTConfig()) -> TTTOutput:
+                final: Tensor, embed: nn.Module | Tensor, lm_head_weight: Tensor, cfg: TTTConfig = TTTConfig(),
+                segment_ids: Tensor | None = None, position_ids: Tensor | None = None) -> TTTOutput:
     """TTT loss and metrics for one batch.
 
     input_ids, loss_mask, valid: (B, T) (valid False on padding); aux (B, T, 3h_t) concat(low, mid, high);
     final (B, T, h_t) the target's final-norm output; embed: the frozen target nn.Embedding (or its weight);
-    lm_head_weight (V, h_t) the target's lm_head weight.
+    lm_head_weight (V, h_t) the target's lm_head weight. Packed rows (several samples per row) pass
+    segment_ids (B, T) int (one id per sample, 0 on padding) and position_ids (B, T) (RoPE position within the
+    sample); by default each row is one sample (segment = valid) at positions 0..T-1.
     """
     B, T = input_ids.shape
     if loss_mask.shape != (B, T) or valid.shape != (B, T) or aux.shape[:2] != (B, T) or final.shape[:2] != (B, T):
         raise ValueError(f"ttt: shape mismatch: input_ids {tuple(input_ids.shape)}, loss_mask {tuple(loss_mask.shape)}, "
                          f"valid {tuple(valid.shape)}, aux {tuple(aux.shape)}, final {tuple(final.shape)}")
     K, dev = cfg.num_steps, input_ids.device
-    chunk = cfg.chunk_size or T
+    use_flex = cfg.attention == "flex" or (cfg.attention == "auto" and input_ids.is_cuda)
     token_ids, t2d = drafter.token_ids, drafter.t2d
     valid = valid.bool()
+    seg = valid.long() if segment_ids is None else torch.where(valid, segment_ids, 0)   # (B, T)
+    positions = torch.arange(T, device=dev).expand(B, T) if position_ids is None else position_ids  # (B, T)
     lmask = loss_mask.bool() & valid
+    holes = (~valid).long().cumsum(-1)                                           # (B, T) invalid tokens up to t
 
     with torch.no_grad():
         # About x_{s+1}, per position s: the full-vocab target argmax, and its draft id when in the draft vocab.
@@ -124,45 +147,35 @@ def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, val
         # product runs there only; elsewhere tgt_id stays 0 and is never read.
         need = _shift(lmask, 1)                                                    # (B, T)
         tgt_id = torch.zeros(B, T, dtype=torch.long, device=dev)                   # (B, T)
-        rows = final[need]                                                         # (N, h_t)
-        tgt_id[need] = torch.cat([target_logits_from_final(rows[i:i + chunk * B], lm_head_weight).argmax(-1)
-                                  for i in range(0, rows.shape[0], chunk * B)]) if rows.numel() else tgt_id[need]
+        rows, step = final[need], cfg.chunk_size or 4096                           # (N, h_t)
+        if rows.numel():
+            tgt_id[need] = torch.cat([target_logits_from_final(rows[i:i + step], lm_head_weight).argmax(-1)
+                                      for i in range(0, rows.shape[0], step)])
         in_draft = t2d[tgt_id]                                                     # (B, T)
         tgt_draft = torch.searchsorted(token_ids, tgt_id).clamp(max=token_ids.numel() - 1)  # (B, T)
         w_draft = lm_head_weight[token_ids]                                        # (Vd, h_t)
         embeds = embed(input_ids) if isinstance(embed, nn.Module) else F.embedding(input_ids, embed)  # (B, T, h)
-        # Attention mask for all steps, built once: [step-0 causal | I | I | ...], (B, T, K*T).
-        eye = torch.eye(T, dtype=torch.bool, device=dev)
-        ctx = torch.tril(torch.ones(T, T, dtype=torch.bool, device=dev)) & (valid[:, None, :] | eye)  # (B, T, T)
-        full_mask = torch.cat([ctx] + [eye.expand(B, T, T)] * (K - 1), dim=-1)    # (B, T, K*T)
+        full_mask = None if use_flex else dense_masks(seg, K)                      # (B, T, K*T)
 
     hidden = drafter.fuse(aux)                                                     # (B, T, h) = g
-    positions = torch.arange(T, device=dev).expand(B, T)                           # (B, T)
     cache = None
-    run = valid & _shift(valid, 1)            # valid[t..t+k+2] all True, built up per step
     prev_right = torch.ones(B, T, dtype=torch.bool, device=dev)
-    weights = torch.tensor([cfg.decay ** k for k in range(K)], device=dev)
     total, losses, counts, corrects, ccounts, ccorrects = 0.0, [], [], [], [], []
     for k in range(K):
         emb_k = _shift(embeds, k + 1)                                              # (B, T, h) embed(x_{t+k+1})
-        mask_k = full_mask[:, :, : (k + 1) * T].contiguous()                      # (B, T, (k+1)T)
+        mask_k = flex_mask(seg, k) if use_flex else full_mask[:, :, : (k + 1) * T]  # (B, T, (k+1)T)
         out, cache = drafter.layer(hidden, emb_k, positions + k, mask_k, cache)
-        run = run & _shift(valid, k + 2)
-        m = run & _shift(lmask, k + 2) & _shift(in_draft, k + 1)                   # (B, T) counted positions
-        fin_k, tgt_k = _shift(final, k + 1), _shift(tgt_draft, k + 1)              # target at t+k+1
-        loss_sum, preds = 0.0, []
-        for i in range(0, T, chunk):
-            args = (out[:, i:i + chunk], fin_k[:, i:i + chunk], w_draft, m[:, i:i + chunk])
-            if cfg.chunk_size is not None and torch.is_grad_enabled():
-                ls, pr = checkpoint(_chunk_loss, drafter, *args, use_reentrant=False)
-            else:
-                ls, pr = _chunk_loss(drafter, *args)
-            loss_sum, preds = loss_sum + ls, preds + [pr]
-        pred = torch.cat(preds, dim=1)                                             # (B, T)
+        # counted: x_t .. x_{t+k+2} valid and in one sample, loss on x_{t+k+2}, target in the draft vocab
+        m = ((seg > 0) & (seg == _shift(seg, k + 2)) & (holes == _shift(holes, k + 2))
+             & _shift(lmask, k + 2) & _shift(in_draft, k + 1))                     # (B, T)
+        ls, pr = fused_soft_ce(drafter.norm(out[m]), drafter.lm_head.weight, _shift(final, k + 1)[m], w_draft,
+                               chunk=cfg.chunk_size or 4096)
+        pred = torch.full((B, T), -1, dtype=torch.long, device=dev)                # (B, T)
+        pred[m] = pr
         count = m.sum()
-        loss_k = loss_sum / count.clamp(min=1) if cfg.reduction == "mean" else loss_sum
-        total = total + weights[k] * loss_k
-        right = (pred == tgt_k) & m
+        loss_k = ls / count.clamp(min=1) if cfg.reduction == "mean" else ls
+        total = total + cfg.decay ** k * loss_k
+        right = (pred == _shift(tgt_draft, k + 1)) & m
         cond = m & prev_right
         prev_right = prev_right & right
         losses.append(loss_k.detach())

@@ -1,0 +1,78 @@
+"""The drafter's LM head fused with the soft cross-entropy against the target, in row chunks.
+
+For N counted positions, drafter hidden x (N, h) (already normed), drafter head W (Vd, h), and the target's
+soft labels p = softmax(f @ Wt^T) from its final states f (N, h_t) and draft-vocab head rows Wt (Vd, h_t):
+
+    z = x @ W^T                  loss = sum_n  logsumexp(z_n) - <p_n, z_n>      (= -sum p log softmax z)
+    dloss/dz = softmax(z) - p    dx = dz @ W,  dW = dz^T @ x
+
+The (N, Vd) logits, soft labels and their gradient exist one chunk of rows at a time, and the gradients
+are computed in the forward pass (as Liger's fused linear cross-entropy does), so nothing of size
+N x Vd is kept for the backward. The naive reference is `soft_ce_reference` (tests/test_soft_ce.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+class _FusedSoftCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, f, wt, chunk: int, dtype: torch.dtype):
+        N = x.shape[0]
+        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        loss = torch.zeros((), dtype=torch.float32, device=x.device)
+        pred = torch.empty(N, dtype=torch.long, device=x.device)                 # (N,)
+        gx = torch.empty(x.shape, dtype=dtype, device=x.device) if need_grad else None  # (N, h)
+        gw = torch.zeros(w.shape, dtype=torch.float32, device=x.device) if need_grad else None  # (Vd, h)
+        with torch.autocast(x.device.type, enabled=False):
+            wc, wtc = w.to(dtype), wt.to(dtype)
+            for i in range(0, N, chunk):
+                xc = x[i:i + chunk].to(dtype)                                    # (c, h)
+                z = (xc @ wc.T).float()                                          # (c, Vd)
+                lse = torch.logsumexp(z, dim=-1)                                 # (c,)
+                p = torch.softmax((f[i:i + chunk].to(dtype) @ wtc.T).float(), dim=-1)  # (c, Vd)
+                loss += (lse - (p * z).sum(-1)).sum()
+                pred[i:i + chunk] = z.argmax(-1)
+                if need_grad:
+                    dz = (torch.exp(z - lse[:, None]) - p).to(dtype)             # (c, Vd) softmax(z) - p
+                    gx[i:i + chunk] = dz @ wc                                    # (c, h)
+                    gw += (dz.T @ xc).float()                                    # (Vd, h)
+        ctx.save_for_backward(gx, gw)
+        ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
+        ctx.mark_non_differentiable(pred)
+        return loss, pred
+
+    @staticmethod
+    def backward(ctx, g_loss, g_pred):
+        gx, gw = ctx.saved_tensors
+        dx = (gx * g_loss).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        dw = (gw * g_loss).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None, None, None
+
+
+def fused_soft_ce(x: Tensor, w: Tensor, f: Tensor, wt: Tensor, *, chunk: int = 4096) -> tuple[Tensor, Tensor]:
+    """(sum over rows of soft CE, drafter argmax per row). x (N, h) normed drafter states, w (Vd, h) the drafter's
+    lm_head weight, f (N, h_t) the target's final states, wt (Vd, h_t) the target's lm_head rows of the draft vocab.
+
+    Matmuls run in the autocast dtype when autocast is on (else x's dtype); logsumexp/softmax in fp32."""
+    if x.shape[0] != f.shape[0]:
+        raise ValueError(f"fused_soft_ce: {x.shape[0]} drafter rows but {f.shape[0]} target rows")
+    if x.shape[0] == 0:
+        return (x.sum() + w.sum()) * 0.0, torch.empty(0, dtype=torch.long, device=x.device)
+    return _FusedSoftCE.apply(x, w, f.detach(), wt.detach(), int(chunk), _compute_dtype(x))
+
+
+def soft_ce_reference(x: Tensor, w: Tensor, f: Tensor, wt: Tensor) -> tuple[Tensor, Tensor]:
+    """The plain autograd version: -sum p * log_softmax(x @ w^T), p = softmax(f @ wt^T)."""
+    logp = F.log_softmax((x @ w.T).float(), dim=-1)                              # (N, Vd)
+    with torch.no_grad():
+        p = F.softmax((f @ wt.T).float(), dim=-1)                                # (N, Vd)
+    return -(p * logp).sum(), logp.argmax(-1)
