@@ -98,6 +98,7 @@ Exported by eyas. One Llama decoder layer; hidden {cfg.hidden_size}, draft vocab
 {cfg.vocab_size}, aux layers (HF hidden_states indices) {hf_ids}; SGLang's eagle_config holds
 {sglang_layer_ids(hf_ids)} (it adds 1). No embed_tokens: both engines use the target's embedding.
 Checked against the weight loaders of {pins} (eyas tests/test_engine_contract.py).
+Paths below are absolute, resolved when eyas exported this directory; a hub id stays as it is.
 
 ## SGLang
 
@@ -114,6 +115,21 @@ python -m sglang.launch_server --model-path {target} \\
 vllm serve {target} --speculative-config '{vllm_spec}'
 ```
 """
+
+
+def engine_model_path(ref: str, *, resolve_embedded: bool) -> str:
+    """The target as an engine's --model-path takes it: an absolute directory for a local path (or, once
+    eyas has its HF copy, an embedded name), otherwise the reference unchanged (a hub id)."""
+    p = Path(ref).expanduser()
+    if p.exists():
+        return str(p.resolve())
+    from eyas.target.load import EMBEDDED, resolve
+    if resolve_embedded and ref in EMBEDDED:
+        try:
+            return str(Path(resolve(ref)[0]).resolve())
+        except EyasError:
+            return ref
+    return ref
 
 
 def resolve_drafter_dir(path: str | os.PathLike) -> Path:
@@ -164,7 +180,10 @@ def export_drafter(drafter, out_dir: str | os.PathLike, *, meta: dict | None = N
     if trained_on:
         config["eyas_target"] = trained_on   # informational; neither engine reads it
     atomic_write_bytes(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
-    atomic_write_bytes(out / "README.md", readme_text(cfg, target=target_ref, out_dir=str(out), engines=ENGINE_VERSIONS,
+    # Absolute paths: the README's commands are run from wherever the engine is, not from this directory.
+    engine_target = engine_model_path(target_ref, resolve_embedded=target is not None)
+    atomic_write_bytes(out / "README.md", readme_text(cfg, target=engine_target, out_dir=str(out.resolve()),
+                                                      engines=ENGINE_VERSIONS,
                                                       num_speculative_tokens=num_speculative_tokens).encode())
     return out
 
