@@ -26,6 +26,26 @@ class StoredSample:
     final: torch.Tensor       # (T, h) final-norm output; target logits = lm_head(final)
 
 
+def _check_header(m: dict, path: Path) -> None:
+    """The manifest fields the reader relies on, with a message instead of a KeyError later."""
+    def bad(what: str):
+        raise EyasError(f"{path / 'manifest.json'}: {what}")
+
+    if m.get("dtype") not in fmt.DTYPES:
+        bad(f"dtype {m.get('dtype')!r}, expected one of {sorted(fmt.DTYPES)}")
+    h = m.get("hidden_size")
+    if not isinstance(h, int) or isinstance(h, bool) or h <= 0:
+        bad(f"hidden_size {h!r}, expected a positive integer")
+    aux = m["layers"].get("aux")
+    if not (isinstance(aux, list) and len(aux) == 3 and all(isinstance(i, int) for i in aux)):
+        bad(f"layers.aux {aux!r}, expected three layer ids")
+    if not isinstance(m.get("target"), dict):
+        bad(f"target {m.get('target')!r}, expected a fingerprint object")
+    shards = m.get("shards")
+    if not isinstance(shards, list) or not all(isinstance(s, dict) and isinstance(s.get("file"), str) for s in shards):
+        bad("'shards' is not a list of shard entries")
+
+
 class Store:
     """A store directory. `target` (a Target or a fingerprint dict) makes it refuse another target's store."""
 
@@ -35,8 +55,10 @@ class Store:
         m = self.manifest
         if m.get("format") != fmt.FORMAT:
             raise EyasError(f"{self.path}: store format {m.get('format')!r}, this eyas reads {fmt.FORMAT!r}")
-        if m.get("layers", {}).get("convention") != fmt.LAYER_CONVENTION:
-            raise EyasError(f"{self.path}: layer convention {m.get('layers')!r}, expected {fmt.LAYER_CONVENTION!r}")
+        layers = m.get("layers")
+        if not isinstance(layers, dict) or layers.get("convention") != fmt.LAYER_CONVENTION:
+            raise EyasError(f"{self.path}: layer convention {layers!r}, expected {fmt.LAYER_CONVENTION!r}")
+        _check_header(m, self.path)
         if target is not None:
             fp = target if isinstance(target, dict) else target.fingerprint
             check_same(fp, m["target"], what="target", where=str(self.path))

@@ -36,6 +36,29 @@ def _write_file(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+_RECORD_FIELDS = {"file": str, "rank": int, "samples": int, "tokens": int, "loss_tokens": int, "bytes": int,
+                  "sha256": str, "ids": list}
+
+
+def _check_record(rec, p: Path) -> dict:
+    """A sidecar must describe its own shard (no other file, no path outside the store) with typed fields."""
+    if not isinstance(rec, dict):
+        raise EyasError(f"{p}: shard record is not a JSON object")
+    for k, t in _RECORD_FIELDS.items():
+        v = rec.get(k)
+        if not isinstance(v, t) or (t is int and (isinstance(v, bool) or v < 0)):
+            raise EyasError(f"{p}: shard record field {k!r} is {v!r}, expected a {t.__name__}")
+    shard = p.name[: -len(".json")] + ".safetensors"
+    if rec["file"] != shard:
+        raise EyasError(f"{p}: shard record names {rec['file']!r}, expected its own shard {shard!r}")
+    if rec["rank"] != int(fmt.SIDECAR_RE.match(p.name).group(1)):
+        raise EyasError(f"{p}: shard record says rank {rec['rank']}, its name says otherwise")
+    if len(rec["ids"]) != rec["samples"] or not all(isinstance(i, str) for i in rec["ids"]):
+        raise EyasError(f"{p}: shard record lists {len(rec['ids'])} ids for {rec['samples']} samples "
+                        f"(ids must be strings)")
+    return rec
+
+
 def read_sidecars(path: Path) -> list[dict]:
     """All committed shard records of a store, sorted by shard name."""
     out = []
@@ -44,9 +67,9 @@ def read_sidecars(path: Path) -> list[dict]:
             continue
         try:
             rec = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise EyasError(f"{p}: unreadable shard record ({e})") from e
-        out.append(rec)
+        out.append(_check_record(rec, p))
     return out
 
 
