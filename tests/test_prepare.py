@@ -14,9 +14,9 @@ import pytest
 from conftest import make_tiny_llama
 from test_chat_masks import make_tokenizer
 
-from eyas.data.chat import tokenize_conversation
+from eyas.data.chat import first_turn_framing, tokenize_conversation
 from eyas.data.prepare import PrepareConfig, run_prepare
-from eyas.data.prepared import PROGRESS, SAMPLES, PreparedData
+from eyas.data.prepared import PROGRESS, SAMPLES, SKIPS, PreparedData
 from eyas.data.sources import SkipLog, iter_conversations
 from eyas.data.split import is_heldout
 from eyas.errors import EyasError
@@ -86,8 +86,10 @@ def test_limit_takes_a_prefix_and_drops_untrainable(tmp_path, tok):
     assert part["counts"]["kept"] == 37
     a, b = list(PreparedData(tmp_path / "a")), list(PreparedData(tmp_path / "b"))
     assert b == a[:37]
-    # a max-len shorter than the system + first user turn leaves nothing trainable: dropped and counted
-    m = run_prepare(PrepareConfig(data=str(data), out=str(tmp_path / "c"), max_len=8), target, progress=False)
+    # a max-len that holds the template's framing but not the first user turns leaves nothing trainable:
+    # dropped and counted
+    m = run_prepare(PrepareConfig(data=str(data), out=str(tmp_path / "c"), max_len=first_turn_framing(tok) + 2),
+                    target, progress=False)
     assert m["counts"]["kept"] == 0 and m["counts"]["dropped"]["no trainable tokens"] == full["counts"]["kept"]
 
 
@@ -130,6 +132,7 @@ def test_uncommitted_tail_is_discarded_on_resume(tmp_path, tok):
     (out / SAMPLES).write_bytes(committed + lines[5][:17])
     consumed = next(i for i, c in enumerate(iter_conversations(str(data))) if c.id == json.loads(lines[4])["id"]) + 1
     state = {"read": consumed, "skipped": {}, "heldout": consumed - 5, "dropped": {}, "truncated": 0, "kept": 5,
+             "conversations": 5,
              "tokens": sum(len(json.loads(x)["input_ids"]) for x in lines[:5]),
              "trainable_tokens": sum(e - s for x in lines[:5] for s, e in json.loads(x)["trainable"])}
     ident = {"config": cfg.identity(), "target": target.fingerprint}
@@ -138,6 +141,93 @@ def test_uncommitted_tail_is_discarded_on_resume(tmp_path, tok):
     m = run_prepare(cfg, target, progress=False)
     assert (out / SAMPLES).read_bytes() == (tmp_path / "ref" / SAMPLES).read_bytes()
     assert m["counts"] == ref["counts"]
+
+
+def test_bad_input_is_one_clear_error(tmp_path, tok, capsys):
+    from eyas.cli import main
+
+    data = str(write_data(tmp_path / "d.jsonl", 5))
+    out = str(tmp_path / "p")
+    for kw, msg in [(dict(samples_per_prompt=0), "--samples-per-prompt must be >= 1, got 0"),
+                    (dict(samples_per_prompt=2), "needs --regenerate"),
+                    (dict(samples_per_prompt=2, regenerate=True), "needs --regen-temperature > 0"),
+                    (dict(self_prompts=-1), "--self-prompts must be >= 0"),
+                    (dict(self_prompts=2, regenerate=True, server="http://x"), "needs local generation"),
+                    (dict(self_prompts=2, self_prompt_temperature=0.0), "--self-prompt-temperature must be > 0")]:
+        with pytest.raises(ValueError, match=msg):
+            PrepareConfig(data=data, out=out, **kw)
+    assert main(["prepare", "--data", data, "--out", out, "--regenerate", "--samples-per-prompt", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["eyas prepare: error: --samples-per-prompt must be >= 1, got 0"]
+    # max_len shorter than the template's framing of a first turn (82 tokens here: the default system prompt)
+    n = first_turn_framing(tok)
+    with pytest.raises(EyasError, match=rf"--max-len 50 is too short for target tiny: .* {n} tokens .* >= {n + 2}$"):
+        run_prepare(PrepareConfig(data=data, out=out, max_len=50), tiny_target(tok), progress=False)
+
+
+def test_skipped_records_are_one_summary_line_with_details_in_a_log(tmp_path, tok, capsys):
+    data = write_data(tmp_path / "d.jsonl", 60, bad_every=10)
+    with open(data, "a") as f:
+        f.write(json.dumps({"id": "r", "messages": [{"role": "bot", "content": "x"}]}) + "\n")
+        for i in range(4):
+            f.write(json.dumps({"id": f"e{i}", "messages": [{"role": "user", "content": " "},
+                                                            {"role": "assistant", "content": "y"}]}) + "\n")
+    m = run_prepare(PrepareConfig(data=str(data), out=str(tmp_path / "p"), heldout_fraction=0.0), tiny_target(tok),
+                    progress=False)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"eyas prepare: skipped 11 of 65 records (empty turn 4, malformed JSON 6, unknown role 1); "
+                   f"details in {tmp_path / 'p' / SKIPS}"]
+    log = [json.loads(x) for x in (tmp_path / "p" / SKIPS).read_text().splitlines()]
+    assert [x["where"] for x in log if x["reason"] == "malformed JSON"] == [f"{data} line {i}" for i in range(4, 60, 10)]
+    assert [x["where"] for x in log if x["reason"] == "empty turn"] == [f"{data} line {62 + i} (id e{i})" for i in range(4)]
+    assert len(log) == 11 and m["files"][SKIPS]["bytes"] == (tmp_path / "p" / SKIPS).stat().st_size
+
+
+@pytest.mark.parametrize("crash_at", [2, -1])  # a commit in the dataset pass, the last one (self-prompts)
+def test_crash_then_resume_with_sampled_regeneration_and_self_prompts(tmp_path, tok, monkeypatch, crash_at):
+    from eyas.data.prepared import PreparedWriter
+
+    data = write_data(tmp_path / "d.jsonl", 14, bad_every=5)
+    target = tiny_target(tok)
+
+    def cfg(out):
+        return PrepareConfig(data=str(data), out=str(tmp_path / out), regenerate=True, samples_per_prompt=2,
+                             regen_temperature=1.0, self_prompts=5, max_turns=2, batch_size=3, gen_batch=4,
+                             max_len=200, max_new_tokens=6, heldout_fraction=0.2)
+
+    real, calls = PreparedWriter.commit, []
+
+    def counting(self, consumed, state):
+        calls.append(state["self_prompts_done"])
+        real(self, consumed, state)
+
+    monkeypatch.setattr(PreparedWriter, "commit", counting)
+    ref = run_prepare(cfg("ref"), target, progress=False)
+    crash_at = crash_at % len(calls) + 1 if crash_at < 0 else crash_at
+    assert calls[crash_at - 1] == (5 if crash_at == len(calls) else 0)
+    calls.clear()
+
+    def crashing(self, consumed, state):
+        calls.append(consumed)
+        if len(calls) == crash_at:  # the chunk is written but not committed: a kill right before the commit
+            self._f.flush()
+            self._log.flush()
+            raise RuntimeError("killed")
+        real(self, consumed, state)
+
+    monkeypatch.setattr(PreparedWriter, "commit", crashing)
+    with pytest.raises(RuntimeError, match="killed"):
+        run_prepare(cfg("p"), target, progress=False)
+    monkeypatch.setattr(PreparedWriter, "commit", real)
+    assert (tmp_path / "p" / PROGRESS).exists()
+    m = run_prepare(cfg("p"), target, progress=False)
+    for name in (SAMPLES, SKIPS):
+        assert (tmp_path / "p" / name).read_bytes() == (tmp_path / "ref" / name).read_bytes()
+    speed = "generation_tokens_per_s"
+    assert {k: v for k, v in m["counts"].items() if k != speed} == {k: v for k, v in ref["counts"].items() if k != speed}
+    ids = [s.id for s in PreparedData(tmp_path / "p")]
+    assert any("#s2" in i for i in ids) and any(i.startswith("magpie-") for i in ids)
+    assert len(ids) == len(set(ids)) == ref["counts"]["kept"]
 
 
 CHILD = """

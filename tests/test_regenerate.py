@@ -29,22 +29,35 @@ CONVS = [conv("a", "hello there", "old reply", "and paris?", "old 2"),
          conv("c", "def main(): return 42", "y", "more", "z", "again", "w")]
 
 
-def greedy_reference(model, tok, eos, c, max_new):
-    """One conversation at a time, one token at a time, full forward each step."""
+def reference(model, tok, eos, c, *, max_new, max_len):
+    """The naive reference: one conversation, one turn, one token at a time, a full forward per token.
+
+    The rules of LocalBackend: a turn whose prompt already fills max_len ends the conversation before it;
+    a reply stops at eos, max_new tokens or max_len; a reply cut by max_len ends the conversation after it;
+    an empty reply ends it before it. Returns the messages kept, or None when no reply is left."""
     msgs = list(c.messages)
-    for i, m in enumerate(msgs):
-        if m["role"] != "assistant":
-            continue
+    for i in [i for i, m in enumerate(c.messages) if m["role"] == "assistant"]:
         ids = encode_prompt(tok, msgs[:i])
+        if len(ids) >= max_len:
+            msgs = msgs[:i]
+            break
         new = []
-        for _ in range(max_new):
+        while len(new) < min(max_new, max_len - len(ids)):
             with torch.no_grad():
                 nxt = int(model(torch.tensor([ids + new])).logits[0, -1].argmax())
             new.append(nxt)
             if nxt in eos:
                 break
-        msgs[i] = {"role": "assistant", "content": tok.decode(new, skip_special_tokens=True)}
-    return msgs
+        text = tok.decode(new, skip_special_tokens=True)
+        if not text.strip():
+            msgs = msgs[:i]
+            break
+        msgs[i] = {"role": "assistant", "content": text}
+        if new[-1] not in eos and len(new) == max_len - len(ids):
+            msgs = msgs[: i + 1]
+            break
+    last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=-1)
+    return msgs[: last + 1] if last >= 0 else None
 
 
 @pytest.mark.parametrize("use_runner", [True, False])
@@ -52,19 +65,19 @@ def test_local_greedy_matches_reference(use_runner):
     tok = make_tokenizer()
     model = make_tiny_llama(vocab=len(tok), seed=3)
     target = target_from_model(model, tok, name="tiny")
+    # max_len 100: "a" and "c" run out of room (a reply cut by the budget, a later prompt too long)
     be = LocalBackend(target, max_len=100, max_new_tokens=12, temperature=0.0, seed=0, batch_size=3,
-                      use_runner=use_runner)
+                      use_runner=use_runner, gen_batch=2)
     out = be.regenerate(CONVS)
     for c, o in zip(CONVS, out):
-        ref = greedy_reference(model, tok, set(be.eos), c, 12)
-        if isinstance(o, Skipped):  # an empty reply (eos first) stops the conversation there
-            assert o.reason == "empty regenerated reply"
+        ref = reference(model, tok, set(be.eos), c, max_new=12, max_len=100)
+        if ref is None:
+            assert isinstance(o, Skipped) and o.reason in ("empty regenerated reply", "prompt longer than max-len")
             continue
-        assert [m["role"] for m in o.messages] == [m["role"] for m in ref][: len(o.messages)]
-        assert list(o.messages) == ref[: len(o.messages)]
-        assert [m for m in o.messages if m["role"] == "user"] == [m for m in c.messages if m["role"] == "user"][: len(
-            [m for m in o.messages if m["role"] == "user"])]
-    assert be.stats.turns >= 3
+        assert list(o.messages) == ref
+        assert [m["content"] for m in o.messages if m["role"] == "user"] == \
+            [m["content"] for m in c.messages if m["role"] == "user"][: len(ref) // 2]
+    assert be.stats.turns >= 3 and be.stats.budget_cut + be.stats.cut >= 1
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -97,7 +110,8 @@ class Handler(BaseHTTPRequestHandler):
         if action == "sleep":
             time.sleep(1.0)
         n_asst = sum(m["role"] == "assistant" for m in req["messages"])
-        body = json.dumps({"choices": [{"message": {"role": "assistant", "content": f"R{n_asst}:{key}"},
+        text = "  " if action == "empty" else f"R{n_asst}:{key}"
+        body = json.dumps({"choices": [{"message": {"role": "assistant", "content": text},
                                         "finish_reason": "stop"}],
                            "usage": {"completion_tokens": 3}}).encode()
         try:
@@ -191,3 +205,186 @@ def test_regenerate_limit_keeps_the_dataset_replies_after_n(tmp_path):
         assert got[c.id].input_ids == tokenize_conversation(tok, c.messages).input_ids
     with pytest.raises(ValueError, match="regenerate-limit"):
         PrepareConfig(data=str(data), out=str(tmp_path / "q"), regenerate_limit=1)
+
+
+# --------------------------------------------------------------------------- prepare: multi-turn, samples, magpie
+
+def write_jsonl(path, convs):
+    path.write_text("".join(json.dumps({"id": c.id, "messages": list(c.messages)}) + "\n" for c in convs))
+    return str(path)
+
+
+MULTI = [conv("m0", "hello there", "x", "and paris?", "y", "more please", "z", "and more", "w"),
+         conv("m1", "the quick brown fox jumps over the lazy dog " * 3, "x"),
+         conv("m2", "def main(): return 42", "y", "more", "z"),
+         conv("m3", "hi", "x", "capital of france", "y", "code", "z"),
+         conv("m4", "speculative decoding drafts tokens; the target verifies them " * 2, "x", "why", "y"),
+         conv("m5", "numbers 1234567890", "x", "again", "y", "again", "z"),
+         conv("m6", "ok", "x")]
+
+
+def masked_runs(tok, s):
+    runs, cur = [], []
+    for i, m in zip(s.input_ids, s.loss_mask):
+        if m:
+            cur.append(i)
+        elif cur:
+            runs.append(tok.decode(cur))
+            cur = []
+    return runs + ([tok.decode(cur)] if cur else [])
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tok = make_tokenizer()
+    model = make_tiny_llama(vocab=len(tok), seed=5)
+    return tok, model, target_from_model(model, tok, name="tiny")
+
+
+def test_prepare_multi_turn_regeneration_equals_naive_reference(tmp_path, tiny):
+    from eyas.data.prepare import PrepareConfig, first_turns, run_prepare
+    from eyas.data.prepared import PreparedData
+
+    tok, model, target = tiny
+    data = write_jsonl(tmp_path / "d.jsonl", MULTI)
+    # 4 conversations per chunk, 2 rows per forward: turn j of a chunk is one sorted, batched pass
+    m = run_prepare(PrepareConfig(data=data, out=str(tmp_path / "p"), regenerate=True, max_turns=3, max_len=160,
+                                  max_new_tokens=10, batch_size=4, gen_batch=2, heldout_fraction=0.0),
+                    target, progress=False)
+    got = {s.id: s for s in PreparedData(tmp_path / "p")}
+    eos = set(target.eos_token_ids)
+    multi_turn = 0
+    for c in MULTI:
+        ref = reference(model, tok, eos, first_turns(c, 3), max_new=10, max_len=160)
+        if ref is None:
+            assert c.id not in got
+            continue
+        t = tokenize_conversation(tok, ref, max_len=160)
+        assert got[c.id].input_ids == t.input_ids and got[c.id].loss_mask == t.loss_mask  # token for token
+        replies = [x["content"] + "<|im_end|>" for x in ref if x["role"] == "assistant"]
+        if not t.truncated:  # the loss mask covers exactly the regenerated replies (and their end of turn)
+            assert masked_runs(tok, got[c.id]) == replies
+            multi_turn += len(replies) > 1
+    assert multi_turn >= 2 and m["counts"]["regenerated_turns"] > len(MULTI)
+    assert m["counts"]["empty_replies"] == 0 and m["counts"]["kept"] == m["counts"]["conversations"] == len(got)
+
+
+def test_sampled_replies_are_reproducible_and_differ(tmp_path, tiny):
+    from eyas.data.prepare import PrepareConfig, run_prepare
+    from eyas.data.prepared import SAMPLES, PreparedData
+    from eyas.data.split import is_heldout, split_key
+    from eyas.train.data import is_eval
+
+    tok, model, target = tiny
+    data = write_jsonl(tmp_path / "d.jsonl", MULTI)
+
+    def run(out, seed):
+        return run_prepare(PrepareConfig(data=data, out=str(tmp_path / out), regenerate=True, max_len=160,
+                                         max_new_tokens=8, samples_per_prompt=3, regen_temperature=1.0, seed=seed,
+                                         batch_size=3, gen_batch=4, heldout_fraction=0.0), target, progress=False)
+
+    m = run("a", 0)
+    run("b", 0)
+    run("c", 1)
+    a = (tmp_path / "a" / SAMPLES).read_bytes()
+    assert a == (tmp_path / "b" / SAMPLES).read_bytes()  # same seed: the same samples
+    assert a != (tmp_path / "c" / SAMPLES).read_bytes()  # another seed: other samples
+    samples = list(PreparedData(tmp_path / "a"))
+    by_conv: dict = {}
+    for s in samples:
+        base, k = s.id.split("#s")
+        by_conv.setdefault(base, []).append((int(k), s.input_ids))
+    assert set(by_conv) == {c.id for c in MULTI} - {"m1"}  # m1's first prompt is longer than max-len
+    for base, group in by_conv.items():
+        ks = [k for k, _ in group]
+        assert ks == sorted(ks) and set(ks) <= {1, 2, 3}  # written together, in sample order
+        assert len({tuple(ids) for _, ids in group}) == len(group)  # the samples differ
+    assert m["counts"]["kept"] == len(samples) > 2 * len(by_conv) and m["counts"]["conversations"] == len(by_conv)
+    # every sample of a conversation falls on its side of both splits
+    for cid in [f"c{i}" for i in range(300)] + ["abcdefg_3"]:
+        ids = [f"{cid}#s{k}" for k in range(1, 4)]
+        assert {split_key(i, sharegpt=True) for i in ids} == {split_key(cid, sharegpt=True)}
+        assert {is_eval(i, 0.3) for i in ids} == {is_eval(cid, 0.3)}
+        assert {is_heldout(split_key(i), 0.3) for i in ids} == {is_heldout(cid, 0.3)}
+
+
+def test_self_prompts_make_well_formed_conversations(tmp_path, tiny):
+    from eyas.data.chat import user_header
+    from eyas.data.prepare import PrepareConfig, run_prepare
+    from eyas.data.prepared import PreparedData
+
+    tok, model, target = tiny
+    data = write_jsonl(tmp_path / "d.jsonl", MULTI[2:4])
+    cfg = PrepareConfig(data=data, out=str(tmp_path / "p"), self_prompts=6, max_len=160, max_new_tokens=12,
+                        batch_size=4, heldout_fraction=0.0, seed=7)
+    m = run_prepare(cfg, target, progress=False)
+    got = {s.id: s for s in PreparedData(tmp_path / "p")}
+    assert {"m2", "m3"} <= set(got)  # the dataset's own replies (no --regenerate), then the self-prompts
+    # the same calls, one by one: the target's user turns from the header, then greedy replies (naive reference)
+    be = LocalBackend(target, max_len=160, max_new_tokens=12, temperature=0.0, seed=7, batch_size=4)
+    prompts = be.self_prompts(0, 4, 1.0) + be.self_prompts(4, 2, 1.0)
+    header = user_header(tok)
+    assert tok.decode(header).endswith("<|im_start|>user\n")
+    n_magpie = 0
+    for j, p in enumerate(prompts):
+        assert p.id == f"magpie-{j}"
+        if isinstance(p, Skipped):
+            assert p.reason == "empty self-prompt" and p.id not in got
+            continue
+        user = p.messages[0]["content"]
+        assert [x["role"] for x in p.messages] == ["user", "assistant"] and user == user.strip() and user
+        assert not any(sp in user for sp in ("<|im_end|>", "<|im_start|>", "<|endoftext|>"))
+        ref = reference(model, tok, set(be.eos), p, max_new=12, max_len=160)
+        if ref is None:
+            assert p.id not in got
+            continue
+        t = tokenize_conversation(tok, ref, max_len=160)
+        s = got[p.id]
+        assert s.input_ids == t.input_ids and s.loss_mask == t.loss_mask
+        assert s.input_ids[: len(header)] == header and not any(s.loss_mask[: len(header)])
+        n_magpie += 1
+    assert n_magpie >= 3 and m["counts"]["self_prompts_written"] == 6 and m["counts"]["self_prompts_done"] == 6
+    assert len({got[f"magpie-{j}"].input_ids[len(header):][:5].__repr__() for j in range(6)
+                if f"magpie-{j}" in got}) == n_magpie  # sampled: the prompts differ
+
+
+def test_empty_local_replies_are_counted_and_never_trained(tmp_path, capsys):
+    from eyas.data.prepare import PrepareConfig, run_prepare
+    from eyas.data.prepared import SKIPS
+
+    tok = make_tokenizer()
+    model = make_tiny_llama(vocab=len(tok), seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # all logits tie: argmax is id 0, <|endoftext|>, an end of turn
+    target = target_from_model(model, tok, name="tiny")
+    convs = [c for c in MULTI if c.id != "m1"]  # m1's prompt is longer than max-len
+    data = write_jsonl(tmp_path / "d.jsonl", convs)
+    m = run_prepare(PrepareConfig(data=data, out=str(tmp_path / "p"), regenerate=True, max_len=160,
+                                  heldout_fraction=0.0), target, progress=False)
+    c = m["counts"]
+    assert c["kept"] == 0 and c["empty_replies"] == c["regenerated_turns"] == len(convs) == 6
+    assert c["dropped"] == {"empty regenerated reply": 6}
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "6 regenerated replies were empty" in err[0] and "dropped 6 samples" in err[0]
+    log = [json.loads(x) for x in (tmp_path / "p" / SKIPS).read_text().splitlines()]
+    assert [x["reason"] for x in log] == ["empty regenerated reply"] * 6 and "d.jsonl line 1" in log[0]["where"]
+
+
+def test_server_empty_replies_cut_the_conversation(server, tmp_path, capsys):
+    from eyas.data.prepare import PrepareConfig, run_prepare
+    from eyas.data.prepared import SKIPS, PreparedData
+
+    tok = make_tokenizer()
+    data = write_jsonl(tmp_path / "d.jsonl", CONVS)
+    target = target_from_model(make_tiny_llama(vocab=len(tok)), tok, name="tiny")
+    Handler.plan = {"hello there": ["ok", "empty"], "the quick brown fox": ["empty"]}
+    m = run_prepare(PrepareConfig(data=data, out=str(tmp_path / "p"), regenerate=True, server=server,
+                                  heldout_fraction=0.0, retries=0), target, progress=False)
+    c = m["counts"]
+    assert c["empty_replies"] == 2 and c["dropped"] == {"empty regenerated reply": 1} and c["kept"] == 2
+    got = {s.id: s for s in PreparedData(tmp_path / "p")}
+    assert masked_runs(tok, got["a"]) == ["R0:hello there<|im_end|>"]  # cut before its empty second reply
+    assert "b" not in got
+    reasons = sorted(json.loads(x)["reason"] for x in (tmp_path / "p" / SKIPS).read_text().splitlines())
+    assert reasons == ["cut at an empty regenerated reply", "empty regenerated reply"]
+    assert "2 regenerated replies were empty" in capsys.readouterr().err

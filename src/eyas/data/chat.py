@@ -121,3 +121,29 @@ def encode_prompt(tokenizer, messages: Sequence[dict]) -> list[int]:
     """Token ids of messages + the generation prompt (what the model continues from)."""
     text = render(tokenizer, messages, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+_PROBE = "EYASPROBEUSERTURN"
+
+
+def _probe_split(tokenizer) -> tuple[str, str]:
+    """The rendering of one user turn + the generation prompt, split around the user's text."""
+    text = render(tokenizer, [{"role": "user", "content": _PROBE}], add_generation_prompt=True)
+    if text.count(_PROBE) != 1:
+        raise TemplateError("chat template does not render a user turn's text verbatim")
+    before, after = text.split(_PROBE)
+    return before, after
+
+
+def user_header(tokenizer) -> list[int]:
+    """Token ids the template puts before the text of a first user turn (BOS, a default system prompt,
+    the user header): what a Magpie-style self-prompt continues from."""
+    before, _ = _probe_split(tokenizer)
+    return list(tokenizer(before, add_special_tokens=False)["input_ids"])
+
+
+def first_turn_framing(tokenizer) -> int:
+    """Tokens the template adds around a first user turn up to the reply (headers, a default system prompt,
+    the end of the user turn and the assistant header)."""
+    before, after = _probe_split(tokenizer)
+    return sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in (before, after) if t)

@@ -1,7 +1,11 @@
 """The prepare stage: conversations -> (regenerated) -> chat-template tokens + loss masks on disk.
 
 Only the TRAIN split is written; held-out conversations (eyas.data.split) are counted and
-skipped, so `bench --prompts sharegpt-heldout` never evaluates on training data.
+skipped, so `bench --prompts sharegpt-heldout` never evaluates on training data. With
+--regenerate every assistant turn (up to --max-turns, within --max-len tokens) is the target's own
+reply, optionally N sampled reply sets per conversation (`<id>#s1..#sN`); --self-prompts adds
+conversations whose user turn the target wrote itself (`magpie-<n>`). Skipped records and dropped
+samples go to DIR/skipped.jsonl and one summary line on stderr.
 """
 
 from __future__ import annotations
@@ -11,9 +15,10 @@ import sys
 from collections import Counter
 from dataclasses import asdict, dataclass
 
-from eyas.data.chat import TemplateError, check_chat_template, tokenize_conversation
-from eyas.data.prepared import PreparedWriter, Sample
-from eyas.data.sources import Conversation, SkipLog, Skipped, iter_records, resolve_data
+from eyas.data.chat import TemplateError, check_chat_template, first_turn_framing, tokenize_conversation
+from eyas.data.prepared import SKIPS, PreparedWriter, Sample
+from eyas.data.sources import Conversation, Skipped, iter_records, resolve_data
+from eyas.data.split import sample_id
 from eyas.errors import EyasError
 
 
@@ -49,8 +54,16 @@ class PrepareConfig:
     """Seconds per server request."""
     retries: int = 3
     """Retries per server request (exponential backoff)."""
-    temperature: float = 0.0
-    """0: greedy regeneration; > 0: sampled."""
+    regen_temperature: float = 0.0
+    """Temperature of regenerated replies: 0 greedy, > 0 sampled."""
+    samples_per_prompt: int = 1
+    """With --regenerate: N regenerated reply sets per conversation (ids `<id>#s1..#sN`, sampled at
+    regen_temperature > 0); every sample stays on its conversation's side of each split."""
+    self_prompts: int = 0
+    """Also write N Magpie-style conversations `magpie-<n>`: the user turn sampled by the target from the chat
+    template's user header (at self_prompt_temperature), the reply greedy. Local generation only."""
+    self_prompt_temperature: float = 1.0
+    """Temperature of the self-written user turns (> 0)."""
     max_new_tokens: int = 512
     """Longest regenerated reply."""
     batch_size: int = 16
@@ -77,8 +90,21 @@ class PrepareConfig:
             raise ValueError(f"--max-len must be >= 2, got {self.max_len}")
         if not 0.0 <= self.heldout_fraction < 1.0:
             raise ValueError(f"--heldout-fraction must be in [0, 1), got {self.heldout_fraction}")
-        if self.temperature < 0:
-            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.regen_temperature < 0:
+            raise ValueError(f"--regen-temperature must be >= 0, got {self.regen_temperature}")
+        if self.samples_per_prompt < 1:
+            raise ValueError(f"--samples-per-prompt must be >= 1, got {self.samples_per_prompt}")
+        if self.samples_per_prompt > 1 and not self.regenerate:
+            raise ValueError("--samples-per-prompt > 1 needs --regenerate (the dataset has one reply per turn)")
+        if self.samples_per_prompt > 1 and self.regen_temperature == 0:
+            raise ValueError(f"--samples-per-prompt {self.samples_per_prompt} needs --regen-temperature > 0 "
+                             "(greedy samples would all be the same)")
+        if self.self_prompts < 0:
+            raise ValueError(f"--self-prompts must be >= 0, got {self.self_prompts}")
+        if self.self_prompts and self.server:
+            raise ValueError("--self-prompts needs local generation (it continues raw template text), not --server")
+        if self.self_prompt_temperature <= 0:
+            raise ValueError(f"--self-prompt-temperature must be > 0, got {self.self_prompt_temperature}")
         if self.max_new_tokens < 1 or self.batch_size < 1 or self.concurrency < 1 or self.retries < 0:
             raise ValueError("--max-new-tokens, --batch-size and --concurrency must be >= 1, --retries >= 0")
         if self.gen_batch is not None and self.gen_batch < 1:
@@ -99,9 +125,18 @@ class PrepareConfig:
         d = asdict(self)
         for k in ("out", "overwrite", "concurrency", "timeout", "retries", "batch_size", "gen_batch", "trust_remote_code"):
             d.pop(k)
+        d["temperature"] = d.pop("regen_temperature")  # its name in manifests written before the rename
+        if self.samples_per_prompt == 1:  # defaults of later knobs: older prepared directories still match
+            d.pop("samples_per_prompt")
+        if not self.self_prompts:
+            d.pop("self_prompts")
+            d.pop("self_prompt_temperature")
         if not self.regenerate:
-            for k in ("server", "model", "temperature", "max_new_tokens", "seed", "regen_dtype", "regenerate_limit"):
+            for k in ("server", "model", "temperature", "regenerate_limit"):
                 d.pop(k)
+            if not self.self_prompts:
+                for k in ("max_new_tokens", "seed", "regen_dtype"):
+                    d.pop(k)
         return d
 
 
@@ -117,9 +152,34 @@ def first_turns(c: Conversation, n: int) -> Conversation:
     return dataclasses.replace(c, messages=tuple(c.messages[:cut]))
 
 
+def samples_of(c: Conversation, n: int) -> list[Conversation]:
+    """n copies of a conversation to regenerate, with ids `<id>#s1..#sn` (the conversation itself when n == 1)."""
+    return [c] if n == 1 else [dataclasses.replace(c, id=sample_id(c.id, k)) for k in range(1, n + 1)]
+
+
+def check_max_len(tokenizer, max_len: int, where: str) -> None:
+    """Refuse a max_len that cannot hold the template's framing of a first turn plus one user and one reply token."""
+    try:
+        framing = first_turn_framing(tokenizer)
+    except TemplateError as e:
+        raise EyasError(f"{where}: {e}") from e
+    if max_len < framing + 2:
+        raise EyasError(f"--max-len {max_len} is too short for {where}: its chat template frames a first turn with "
+                        f"{framing} tokens (system prompt and user/assistant headers), so no reply token would fit; "
+                        f"use --max-len >= {framing + 2}")
+
+
 def _new_state() -> dict:
-    return {"read": 0, "skipped": {}, "heldout": 0, "dropped": {}, "truncated": 0, "kept": 0,
-            "tokens": 0, "trainable_tokens": 0}
+    return {"read": 0, "skipped": {}, "heldout": 0, "dropped": {}, "truncated": 0, "kept": 0, "conversations": 0,
+            "tokens": 0, "trainable_tokens": 0, "sent_to_regeneration": 0, "self_prompts_done": 0, "regen": {}}
+
+
+def _load_state(old: dict | None) -> dict:
+    st = _new_state()
+    if old:
+        st["conversations"] = old.get("kept", 0)  # states written before samples were counted apart
+        st.update(old)
+    return st
 
 
 def run_prepare(cfg: PrepareConfig, target=None, *, progress: bool = True) -> dict:
@@ -131,71 +191,84 @@ def run_prepare(cfg: PrepareConfig, target=None, *, progress: bool = True) -> di
         from eyas.target import load_target
 
         target = load_target(cfg.target, trust_remote_code=cfg.trust_remote_code)
-    check_chat_template(target.tokenizer, f"target {cfg.target}")
+    name = f"target {getattr(target, 'name', cfg.target)}"
+    check_chat_template(target.tokenizer, name)
     tok = target.tokenizer
+    check_max_len(tok, cfg.max_len, name)
     writer = PreparedWriter(cfg.out, identity={"config": cfg.identity(), "target": target.fingerprint},
                             overwrite=cfg.overwrite)
     if writer.complete:
         print(f"eyas prepare: {cfg.out} is already complete", file=sys.stderr)
         return writer.manifest
-    st = writer.state or _new_state()
+    st = _load_state(writer.state)
     skipped, dropped = Counter(st["skipped"]), Counter(st["dropped"])
-    skips = SkipLog()
     backend = None
-    if cfg.regenerate:
-        from eyas.data.regenerate import make_backend
+    if cfg.regenerate or cfg.self_prompts:
+        from eyas.data.regenerate import RegenStats, make_backend
 
         backend = make_backend(cfg, target)
+        backend.stats = RegenStats(**st["regen"])
 
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.limit, initial=st["kept"], unit="conv", desc="prepare", file=sys.stderr,
+        total = None if cfg.limit is None else cfg.limit + cfg.self_prompts
+        bar = tqdm(total=total, initial=st["conversations"], unit="conv", desc="prepare", file=sys.stderr,
                    dynamic_ncols=True, disable=None)
 
-    def drop(reason: str, c: Conversation, detail: str) -> None:
-        dropped[reason] += 1
-        skips.add(Skipped(reason, c.where, detail))
+    def drop(r: Skipped, counter: Counter = dropped) -> None:
+        counter[r.reason] += 1
+        writer.log(r.reason, r.where, r.detail)
 
-    def process(chunk: list[tuple[int, Conversation]]) -> None:
-        """(Regenerate,) tokenize and append a chunk of training conversations."""
-        convs = [c for _, c in chunk]
-        n_regen = 0 if backend is None else len(convs) if cfg.regenerate_limit is None else \
-            max(0, min(len(convs), cfg.regenerate_limit - st.get("sent_to_regeneration", 0)))
-        results = list(convs)
-        if n_regen:
-            results[:n_regen] = backend.regenerate(convs[:n_regen])
-            st["sent_to_regeneration"] = st.get("sent_to_regeneration", 0) + n_regen
+    def process(convs: list[Conversation], n_regen: int, n_samples: int, temperature: float | None = None) -> None:
+        """(Regenerate,) tokenize and append conversations; the first n_regen go to the target."""
+        todo = [(k, s) for k, c in enumerate(convs[:n_regen]) for s in samples_of(c, n_samples)]
+        results = backend.regenerate([s for _, s in todo], temperature=temperature) if todo else []
+        items = list(zip([k for k, _ in todo], results)) + list(enumerate(convs))[n_regen:]
+        if todo:
+            for note in backend.notes:
+                writer.log(note.reason, note.where, note.detail)
+            backend.notes.clear()
             if bar is not None and backend.stats.seconds:
                 bar.set_postfix(gen_tok_s=f"{backend.stats.new_tokens / backend.stats.seconds:.0f}")
-        for c, r in zip(convs, results):
+        kept = set()
+        for k, r in items:
             if isinstance(r, Skipped):
-                dropped[r.reason] += 1
-                skips.add(r)
+                drop(r)
                 continue
             try:
                 t = tokenize_conversation(tok, r.messages, max_len=cfg.max_len)
             except TemplateError as e:
-                drop("chat template error", c, str(e))
+                drop(Skipped("chat template error", r.where, f"{r.id}: {e}"))
                 continue
             if not any(t.loss_mask):
-                drop("no trainable tokens", c, "no assistant token within max-len")
+                drop(Skipped("no trainable tokens", r.where, f"{r.id}: no assistant token within max-len"))
                 continue
-            writer.add(Sample(c.id, t.input_ids, t.loss_mask))
+            writer.add(Sample(r.id, t.input_ids, t.loss_mask))
+            kept.add(k)
             st["kept"] += 1
             st["truncated"] += t.truncated
             st["tokens"] += len(t.input_ids)
             st["trainable_tokens"] += sum(t.loss_mask)
-            if bar is not None:
-                bar.update(1)
+        st["conversations"] += len(kept)
+        if bar is not None:
+            bar.update(len(kept))
+
+    def process_source(convs: list[Conversation]) -> None:
+        n_regen = 0 if not cfg.regenerate else len(convs) if cfg.regenerate_limit is None else \
+            max(0, min(len(convs), cfg.regenerate_limit - st["sent_to_regeneration"]))
+        process(convs, n_regen, cfg.samples_per_prompt)
+        st["sent_to_regeneration"] += n_regen
 
     def commit(consumed: int) -> None:
         st["skipped"], st["dropped"] = dict(skipped), dict(dropped)
+        if backend is not None:
+            st["regen"] = dataclasses.asdict(backend.stats)
         writer.commit(consumed, st)
 
-    chunk: list[tuple[int, Conversation]] = []
-    done = cfg.limit is not None and st["kept"] >= cfg.limit
+    chunk: list[Conversation] = []
+    done = cfg.limit is not None and st["conversations"] >= cfg.limit
     seen = writer.consumed  # source records consumed so far
     try:
         for pos, rec in enumerate(iter_records(cfg.data)):
@@ -206,48 +279,85 @@ def run_prepare(cfg: PrepareConfig, target=None, *, progress: bool = True) -> di
             seen = pos + 1
             st["read"] += 1
             if isinstance(rec, Skipped):
-                skipped[rec.reason] += 1
-                skips.add(rec)
+                drop(rec, skipped)
                 continue
             if is_heldout(rec.split_key, cfg.heldout_fraction):
                 st["heldout"] += 1
                 continue
             if cfg.max_turns is not None:
                 rec = first_turns(rec, cfg.max_turns)
-            chunk.append((pos, rec))
+            chunk.append(rec)
             # never regenerate/tokenize past the limit: the chunk is at most what is still wanted
-            want = cfg.batch_size if cfg.limit is None else min(cfg.batch_size, cfg.limit - st["kept"])
+            want = cfg.batch_size if cfg.limit is None else min(cfg.batch_size, cfg.limit - st["conversations"])
             if len(chunk) >= want:
-                process(chunk)
+                process_source(chunk)
                 chunk = []
-                done = cfg.limit is not None and st["kept"] >= cfg.limit
+                done = cfg.limit is not None and st["conversations"] >= cfg.limit
                 commit(seen)
         if chunk:
-            process(chunk)
+            process_source(chunk)
         commit(seen)
+        while st["self_prompts_done"] < cfg.self_prompts:  # Magpie: after the dataset, in chunks of batch_size
+            start = st["self_prompts_done"]
+            n = min(cfg.batch_size, cfg.self_prompts - start)
+            prompts = backend.self_prompts(start, n, cfg.self_prompt_temperature)
+            for p in prompts:
+                if isinstance(p, Skipped):
+                    drop(p)
+            convs = [p for p in prompts if not isinstance(p, Skipped)]
+            process(convs, len(convs), 1, temperature=0.0)
+            st["self_prompts_done"] += n
+            commit(seen)
     finally:
         if bar is not None:
             bar.close()
-    counts = {**st, "skipped": dict(skipped), "dropped": dict(dropped)}
+    counts = {k: v for k, v in st.items() if k not in ("regen", "skipped", "dropped")}
+    counts.update(skipped=dict(skipped), dropped=dict(dropped))
     if backend is not None:
         counts.update(backend.stats.as_dict())
     manifest = {"config": asdict(cfg), "target": target.fingerprint, "counts": counts,
                 "heldout_fraction": cfg.heldout_fraction,
                 "format": {"file": "samples.jsonl",
-                           "record": "{id, input_ids, trainable: [[start, end), ...] token ranges with loss_mask 1}"}}
-    return writer.finish(manifest)
+                           "record": "{id, input_ids, trainable: [[start, end), ...] token ranges with loss_mask 1}",
+                           "skipped": f"{SKIPS}: {{reason, where, detail}} per skipped record / dropped sample"}}
+    manifest = writer.finish(manifest)
+    line = problem_summary(counts, writer.dir / SKIPS)
+    if line:
+        print(line, file=sys.stderr)
+    return manifest
+
+
+def _by_reason(c: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(c.items()))
+
+
+def problem_summary(counts: dict, log) -> str | None:
+    """One line for stderr: skipped records, dropped samples and empty replies by reason (details in `log`)."""
+    parts = []
+    if counts["skipped"]:
+        parts.append(f"skipped {sum(counts['skipped'].values())} of {counts['read']} records "
+                     f"({_by_reason(counts['skipped'])})")
+    if counts["dropped"]:
+        parts.append(f"dropped {sum(counts['dropped'].values())} samples ({_by_reason(counts['dropped'])})")
+    if counts.get("empty_replies"):
+        parts.append(f"{counts['empty_replies']} regenerated replies were empty (not trained on: each conversation "
+                     "is cut before its empty reply)")
+    return f"eyas prepare: {'; '.join(parts)}; details in {log}" if parts else None
 
 
 def format_counts(counts: dict) -> str:
     """One readable block for the CLI."""
-    lines = [f"read {counts['read']}  kept {counts['kept']}  held out {counts['heldout']}  "
-             f"truncated {counts['truncated']}",
+    lines = [f"read {counts['read']}  kept {counts['kept']} samples of {counts.get('conversations', counts['kept'])} "
+             f"conversations  held out {counts['heldout']}  truncated {counts['truncated']}",
              f"tokens {counts['tokens']}  trainable tokens {counts['trainable_tokens']}"]
     for name in ("skipped", "dropped"):
         if counts[name]:
-            lines.append(f"{name}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts[name].items())))
+            lines.append(f"{name}: " + _by_reason(counts[name]))
     if "regenerated_turns" in counts:
         lines.append(f"regenerated turns {counts['regenerated_turns']}  cut at max-new-tokens "
-                     f"{counts['replies_cut_at_max_new_tokens']}  generated tokens {counts['generated_tokens']}"
+                     f"{counts['replies_cut_at_max_new_tokens']}  cut at max-len {counts['replies_cut_at_max_len']}  "
+                     f"empty {counts['empty_replies']}  generated tokens {counts['generated_tokens']}"
                      f"  ({counts['generation_tokens_per_s']} tok/s)")
+    if counts.get("self_prompts_written"):
+        lines.append(f"self-prompts written {counts['self_prompts_written']}  cut {counts['self_prompts_cut']}")
     return "\n".join(lines)

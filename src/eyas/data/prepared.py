@@ -3,14 +3,16 @@
     DIR/samples.jsonl   one line per kept training conversation:
                         {"id": str, "input_ids": [int, ...], "trainable": [[start, end], ...]}
                         `trainable` lists the half-open token ranges whose loss_mask is 1.
-    DIR/progress.json   while writing: the committed byte length of samples.jsonl, how many
-                        source records were consumed, the counts so far, and the config/target.
+    DIR/skipped.jsonl   one line per skipped record or dropped sample: {"reason", "where", "detail"}
+                        (the run prints one summary line with the counts per reason).
+    DIR/progress.json   while writing: the committed byte lengths of samples.jsonl and skipped.jsonl,
+                        how many source records were consumed, the counts so far, and the config/target.
     DIR/manifest.json   written last (kind "prepared"): schema, target fingerprint, counts,
                         resolved config, size and sha256 of samples.jsonl.
 
-Crash safety: samples are appended, then flushed and fsynced, then progress.json is replaced
-atomically. A rerun truncates samples.jsonl back to the committed length and continues from
-the committed source position, so a kill at any point loses and duplicates nothing.
+Crash safety: samples (and skip details) are appended, then flushed and fsynced, then progress.json
+is replaced atomically. A rerun truncates both files back to their committed lengths and continues
+from the committed source position, so a kill at any point loses and duplicates nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from eyas.errors import EyasError
 from eyas.manifest import MANIFEST, atomic_write_bytes, check_same, fsync_dir, read_manifest, sha256_file, write_manifest
 
 SAMPLES = "samples.jsonl"
+SKIPS = "skipped.jsonl"
 PROGRESS = "progress.json"
 KIND = "prepared"
 
@@ -91,14 +94,14 @@ class PreparedWriter:
         self.dir.mkdir(parents=True, exist_ok=True)
         samples, progress, manifest = self.dir / SAMPLES, self.dir / PROGRESS, self.dir / MANIFEST
         if overwrite:
-            for p in (manifest, progress, samples):
+            for p in (manifest, progress, samples, self.dir / SKIPS):
                 p.unlink(missing_ok=True)
         if manifest.exists():
             m = read_manifest(self.dir, kind=KIND)
             self._check_identity(m.get("identity", {}), "an existing prepared directory")
             self.complete, self.manifest = True, m
             return
-        committed = 0
+        committed = committed_log = 0
         if progress.exists():
             try:
                 p = json.loads(progress.read_text())
@@ -106,13 +109,22 @@ class PreparedWriter:
                 raise EyasError(f"{progress}: unreadable ({e}); rerun with --overwrite") from e
             self._check_identity(p["identity"], "an interrupted prepare run")
             committed, self.consumed, self.state = p["bytes"], p["consumed"], p["state"]
+            committed_log = p.get("log_bytes", 0)
         # no progress file: killed before the first commit, nothing in samples.jsonl counts
-        self._f = open(samples, "ab")
-        if self._f.tell() < committed:
-            raise EyasError(f"{samples}: shorter than its committed length {committed}; rerun with --overwrite")
-        self._f.truncate(committed)
-        self._f.seek(committed)
-        self._bytes = committed
+        self._f = self._reopen(samples, committed)
+        self._log = self._reopen(self.dir / SKIPS, committed_log)
+        self._bytes, self._log_bytes = committed, committed_log
+        self._synced = {self._f.name: committed, self._log.name: committed_log}
+
+    @staticmethod
+    def _reopen(path: Path, committed: int):
+        f = open(path, "ab")
+        if f.tell() < committed:
+            f.close()
+            raise EyasError(f"{path}: shorter than its committed length {committed}; rerun with --overwrite")
+        f.truncate(committed)
+        f.seek(committed)
+        return f
 
     def _check_identity(self, old: dict, what: str) -> None:
         check_same(old, self.identity, what=f"config/target of {what}",
@@ -124,19 +136,30 @@ class PreparedWriter:
         self._f.write(line)
         self._bytes += len(line)
 
+    def log(self, reason: str, where: str, detail: str) -> None:
+        """Record why a source record was skipped or a sample dropped (committed with the samples)."""
+        line = (json.dumps({"reason": reason, "where": where, "detail": detail}, ensure_ascii=False) + "\n"
+                ).encode("utf-8", "surrogatepass")
+        self._log.write(line)
+        self._log_bytes += len(line)
+
     def commit(self, consumed: int, state: dict) -> None:
         """Make everything added so far durable, then record the resume point."""
-        self._f.flush()
-        os.fsync(self._f.fileno())
+        for f, n in ((self._f, self._bytes), (self._log, self._log_bytes)):
+            if n != self._synced.get(f.name):  # nothing new: no fsync
+                f.flush()
+                os.fsync(f.fileno())
+                self._synced[f.name] = n
         self.consumed, self.state = consumed, state
-        rec = {"identity": self.identity, "bytes": self._bytes, "consumed": consumed, "state": state}
+        rec = {"identity": self.identity, "bytes": self._bytes, "log_bytes": self._log_bytes, "consumed": consumed,
+               "state": state}
         atomic_write_bytes(self.dir / PROGRESS, json.dumps(rec).encode())
 
     def finish(self, manifest: dict) -> dict:
-        self._f.close()
-        samples = self.dir / SAMPLES
-        manifest = {"kind": KIND, **manifest, "identity": self.identity,
-                    "files": {SAMPLES: {"bytes": samples.stat().st_size, "sha256": sha256_file(samples)}}}
+        self.close()
+        files = {name: {"bytes": (self.dir / name).stat().st_size, "sha256": sha256_file(self.dir / name)}
+                 for name in (SAMPLES, SKIPS)}
+        manifest = {"kind": KIND, **manifest, "identity": self.identity, "files": files}
         write_manifest(self.dir, manifest)
         (self.dir / PROGRESS).unlink(missing_ok=True)
         fsync_dir(self.dir)
@@ -144,8 +167,9 @@ class PreparedWriter:
         return self.manifest
 
     def close(self) -> None:
-        if not self._f.closed:
-            self._f.close()
+        for f in (self._f, self._log):
+            if not f.closed:
+                f.close()
 
 
 # --------------------------------------------------------------------------- reader

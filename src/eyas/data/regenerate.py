@@ -2,13 +2,17 @@
 
 User (and system) turns are kept; reply k is generated from the conversation with replies
 0..k-1 already replaced, so the data follows the target's own distribution (the EAGLE-3 paper
-regenerates before training). Two backends behind one interface,
-`regenerate(convs) -> list[Conversation | Skipped]`:
+regenerates before training). An empty reply is never kept: the conversation is cut before it
+(dropped when it was the first) and counted. Two backends behind one interface,
+`regenerate(convs, temperature=None) -> list[Conversation | Skipped]`:
 
 * `LocalBackend`: batched generation with the loaded target, through the static-cache
   `eyas.target.runner.Runner` for Llama-family targets, else HF `model.generate`.
 * `ServerBackend`: any OpenAI-compatible chat-completions server (SGLang, vLLM, ...), with
   timeouts, retries with exponential backoff and a bounded number of requests in flight.
+
+The local backend also writes Magpie-style prompts (`self_prompts`): the target continues the
+chat template's user header and its sampled text becomes a new conversation's user turn.
 """
 
 from __future__ import annotations
@@ -19,22 +23,30 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from eyas.data.chat import TemplateError, encode_prompt
+from eyas.data.chat import TemplateError, encode_prompt, user_header
 from eyas.data.sources import Conversation, Skipped
 from eyas.errors import EyasError
 
 
 @dataclass
 class RegenStats:
-    turns: int = 0          # replies generated
-    cut: int = 0            # replies that hit max_new_tokens
-    new_tokens: int = 0
+    turns: int = 0              # replies generated
+    cut: int = 0                # replies that hit max_new_tokens
+    budget_cut: int = 0         # replies cut where the conversation reached max_len (it ends there)
+    empty: int = 0              # replies that were empty (never trained on: the conversation is cut before them)
+    new_tokens: int = 0         # tokens generated (replies and self-prompts)
     seconds: float = 0.0
+    self_prompts: int = 0       # user turns written by the target (Magpie-style)
+    self_prompts_cut: int = 0   # of those, cut at max_new_tokens / max_len before their end of turn
 
     def as_dict(self) -> dict:
-        return {"regenerated_turns": self.turns, "replies_cut_at_max_new_tokens": self.cut,
-                "generated_tokens": self.new_tokens,
-                "generation_tokens_per_s": round(self.new_tokens / self.seconds, 1) if self.seconds else None}
+        d = {"regenerated_turns": self.turns, "replies_cut_at_max_new_tokens": self.cut,
+             "replies_cut_at_max_len": self.budget_cut, "empty_replies": self.empty,
+             "generated_tokens": self.new_tokens,
+             "generation_tokens_per_s": round(self.new_tokens / self.seconds, 1) if self.seconds else None}
+        if self.self_prompts:
+            d.update(self_prompts_written=self.self_prompts, self_prompts_cut=self.self_prompts_cut)
+        return d
 
 
 def _seed(base: int, conv_id: str, turn: int) -> int:
@@ -46,11 +58,14 @@ def _assistant_turns(c: Conversation) -> list[int]:
     return [i for i, m in enumerate(c.messages) if m["role"] == "assistant"]
 
 
-def _finish(c: Conversation, msgs: list[dict], reason: str | None) -> Conversation | Skipped:
+def _finish(c: Conversation, msgs: list[dict], reason: str | None, notes: list) -> Conversation | Skipped:
     """Keep the conversation up to its last regenerated reply; skip it when none is left."""
     last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=-1)
     if last < 0:
-        return Skipped(reason or "regeneration failed", c.where, f"no reply could be regenerated ({reason})")
+        return Skipped(reason or "regeneration failed", c.where, f"{c.id}: no reply could be regenerated ({reason})")
+    if reason == "empty regenerated reply":
+        notes.append(Skipped("cut at an empty regenerated reply", c.where,
+                             f"{c.id}: kept the {sum(m['role'] == 'assistant' for m in msgs)} replies before it"))
     return replace(c, messages=tuple(msgs[: last + 1]))
 
 
@@ -81,7 +96,13 @@ def hf_generate(model, prompts: list[list[int]], max_new_tokens: int, temperatur
 
 
 class LocalBackend:
-    """Regenerate with the loaded target, a batch of conversations in lock-step by turn."""
+    """Regenerate with the loaded target: all conversations of a call in lock-step by turn.
+
+    Turn r of every conversation is one generation call: the runner sorts its prompts by length
+    (longest first) and runs them `gen_batch` rows per forward, so rows of similar length share a
+    forward. A reply is capped at max_new_tokens and at the room left before max_len (the token
+    budget of the whole conversation); a reply cut by the budget ends its conversation.
+    """
 
     def __init__(self, target, *, max_len: int, max_new_tokens: int, temperature: float, seed: int,
                  batch_size: int = 16, use_runner: bool = True, dtype: str | None = None,
@@ -90,10 +111,11 @@ class LocalBackend:
         self.eos = list(target.eos_token_ids) if hasattr(target, "eos_token_ids") else [self.tok.eos_token_id]
         self.max_len, self.max_new, self.temperature, self.seed = max_len, max_new_tokens, temperature, seed
         self.stats = RegenStats()
+        self.notes: list[Skipped] = []  # conversations kept but cut short, for prepare's skip log
         import torch
 
         self.dtype = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-        self.generate = self._pick(gen_batch or batch_size, use_runner)
+        self._generate = self._pick(gen_batch or batch_size, use_runner)
 
     def _pick(self, batch_size: int, use_runner: bool):
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else (self.eos[0] if self.eos else 0)
@@ -102,53 +124,96 @@ class LocalBackend:
                 from eyas.target.runner import Runner
                 runner = Runner.from_hf(self.model, max_batch=batch_size, max_seq=self.max_len + self.max_new,
                                         dtype=self.dtype)
-                return lambda prompts, seed: runner.generate(prompts, self.max_new, temperature=self.temperature,
-                                                             eos_ids=self.eos, seed=seed)
+                return lambda prompts, seed, temperature: runner.generate(
+                    prompts, self.max_new, temperature=temperature, eos_ids=self.eos, seed=seed)
             except (ImportError, EyasError, AttributeError):
                 pass
-        return lambda prompts, seed: hf_generate(self.model, prompts, self.max_new, self.temperature, self.eos, seed, pad)
 
-    def regenerate(self, convs: list[Conversation], progress=None) -> list[Conversation | Skipped]:
+        def hf(prompts, seed, temperature):  # like Runner.generate: longest first, batch_size rows per call
+            order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+            out: list[list[int]] = [[] for _ in prompts]
+            for c in range(0, len(order), batch_size):
+                idx = order[c:c + batch_size]
+                rows = hf_generate(self.model, [prompts[i] for i in idx], self.max_new, temperature, self.eos,
+                                   seed + c, pad)
+                for i, row in zip(idx, rows):
+                    out[i] = row
+            return out
+        return hf
+
+    def generate(self, prompts: list[list[int]], seed: int, temperature: float | None = None) -> list[list[int]]:
+        """New tokens of each prompt (up to and including eos, at most max_new_tokens)."""
+        t0 = time.perf_counter()
+        outs = self._generate(prompts, seed, self.temperature if temperature is None else temperature)
+        self.stats.seconds += time.perf_counter() - t0
+        self.stats.new_tokens += sum(len(o) for o in outs)
+        return outs
+
+    def regenerate(self, convs: list[Conversation], progress=None,
+                   temperature: float | None = None) -> list[Conversation | Skipped]:
         msgs = [list(c.messages) for c in convs]
         turns = [_assistant_turns(c) for c in convs]
-        done: list[str | None] = [None] * len(convs)  # why a conversation stopped early
+        stop: list[str | None] = [None] * len(convs)  # why a conversation ended before its last turn
         for r in range(max((len(t) for t in turns), default=0)):
             batch, where = [], []
             for k, c in enumerate(convs):
-                if done[k] or r >= len(turns[k]):
+                if stop[k] or r >= len(turns[k]):
                     continue
                 i = turns[k][r]
                 try:
                     prompt = encode_prompt(self.tok, msgs[k][:i])
                 except TemplateError:
-                    done[k] = "chat template error"
-                    msgs[k] = msgs[k][:i]
+                    stop[k], msgs[k] = "chat template error", msgs[k][:i]
                     continue
                 if len(prompt) >= self.max_len:  # the reply would be truncated away anyway
-                    done[k] = "prompt longer than max-len"
-                    msgs[k] = msgs[k][:i]
+                    stop[k], msgs[k] = "prompt longer than max-len", msgs[k][:i]
                     continue
                 batch.append(prompt)
-                where.append((k, i))
+                where.append((k, i, self.max_len - len(prompt)))
             if not batch:
                 continue
-            t0 = time.perf_counter()
-            outs = self.generate(batch, _seed(self.seed, convs[where[0][0]].id, r))
-            self.stats.seconds += time.perf_counter() - t0
-            for (k, i), out in zip(where, outs):
+            outs = self.generate(batch, _seed(self.seed, convs[where[0][0]].id, r), temperature)
+            for (k, i, room), out in zip(where, outs):
                 self.stats.turns += 1
-                self.stats.new_tokens += len(out)
-                if not out or out[-1] not in self.eos:
-                    self.stats.cut += 1
+                out = out[:room]
+                if not out or out[-1] not in self.eos:  # no end of turn: cut by the budget or max_new_tokens
+                    if len(out) == room:
+                        self.stats.budget_cut += 1
+                        stop[k] = "reached max-len"
+                    else:
+                        self.stats.cut += 1
                 text = self.tok.decode(out, skip_special_tokens=True)
                 if not text.strip():
-                    done[k] = "empty regenerated reply"
-                    msgs[k] = msgs[k][:i]
+                    self.stats.empty += 1
+                    stop[k], msgs[k] = "empty regenerated reply", msgs[k][:i]
                     continue
                 msgs[k][i] = {"role": "assistant", "content": text}
+                if stop[k]:
+                    msgs[k] = msgs[k][: i + 1]
             if progress is not None:
                 progress(sum(len(o) for o in outs), self.stats)
-        return [_finish(c, m, d) for c, m, d in zip(convs, msgs, done)]
+        return [_finish(c, m, d, self.notes) for c, m, d in zip(convs, msgs, stop)]
+
+    def self_prompts(self, start: int, n: int, temperature: float) -> list[Conversation | Skipped]:
+        """Magpie: n user turns `magpie-<start>` ... sampled by the target from the template's user header
+        alone, each with an empty assistant turn for `regenerate` to fill."""
+        header = user_header(self.tok)
+        room = self.max_len - len(header)
+        outs = self.generate([header] * n, _seed(self.seed, "magpie", start), temperature)
+        res: list[Conversation | Skipped] = []
+        for j, out in enumerate(outs):
+            cid, where = f"magpie-{start + j}", f"self-prompt {start + j}"
+            out = out[:room]
+            self.stats.self_prompts += 1
+            if not out or out[-1] not in self.eos:
+                self.stats.self_prompts_cut += 1
+            text = self.tok.decode(out, skip_special_tokens=True).strip()
+            if not text:
+                res.append(Skipped("empty self-prompt", where, f"{cid}: the target wrote an empty user turn"))
+                continue
+            res.append(Conversation(cid, ({"role": "user", "content": text}, {"role": "assistant", "content": ""}),
+                                    where, cid))
+        return res
 
 
 # --------------------------------------------------------------------------- server
@@ -178,6 +243,7 @@ class ServerBackend:
                                              limits=httpx.Limits(max_connections=concurrency))
         self.model = model or self._first_model()
         self.stats = RegenStats()
+        self.notes: list[Skipped] = []
         self._lock = threading.Lock()
         self.sleeps: list[float] = []  # backoff delays taken (for the report and tests)
 
@@ -226,28 +292,33 @@ class ServerBackend:
                 continue
         raise EyasError(f"{self.url}: {what}: {last} after {self.retries + 1} attempts")
 
-    def _one(self, c: Conversation) -> Conversation | Skipped:
+    def _one(self, c: Conversation, temperature: float) -> Conversation | Skipped:
         msgs = list(c.messages)
         for r, i in enumerate(_assistant_turns(c)):
             payload = {"model": self.model, "messages": msgs[:i], "max_tokens": self.max_new,
-                       "temperature": self.temperature, "seed": _seed(self.seed, c.id, r)}
+                       "temperature": temperature, "seed": _seed(self.seed, c.id, r)}
             try:
                 out = self._post(payload, f"conversation {c.id} turn {i}")
             except _Rejected as e:
-                return _finish(c, msgs[:i], f"server rejected: {e}")
+                with self._lock:
+                    return _finish(c, msgs[:i], f"server rejected: {e}", self.notes)
+            empty = not out["text"].strip()
             with self._lock:
                 self.stats.turns += 1
                 self.stats.new_tokens += out["tokens"]
                 self.stats.cut += out["finish"] == "length"
-            if not out["text"].strip():
-                return _finish(c, msgs[:i], "empty regenerated reply")
+                self.stats.empty += empty
+                if empty:
+                    return _finish(c, msgs[:i], "empty regenerated reply", self.notes)
             msgs[i] = {"role": "assistant", "content": out["text"]}
         return replace(c, messages=tuple(msgs))
 
-    def regenerate(self, convs: list[Conversation], progress=None) -> list[Conversation | Skipped]:
+    def regenerate(self, convs: list[Conversation], progress=None,
+                   temperature: float | None = None) -> list[Conversation | Skipped]:
+        temperature = self.temperature if temperature is None else temperature
         t0 = time.perf_counter()
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-            futures = [pool.submit(self._one, c) for c in convs]
+            futures = [pool.submit(self._one, c, temperature) for c in convs]
             try:
                 out = [f.result() for f in futures]
             except BaseException:
@@ -267,8 +338,8 @@ class _Rejected(Exception):
 def make_backend(cfg, target):
     if cfg.server:
         return ServerBackend(cfg.server, model=cfg.model, max_new_tokens=cfg.max_new_tokens,
-                             temperature=cfg.temperature, seed=cfg.seed, concurrency=cfg.concurrency,
+                             temperature=cfg.regen_temperature, seed=cfg.seed, concurrency=cfg.concurrency,
                              timeout=cfg.timeout, retries=cfg.retries)
     return LocalBackend(target, max_len=cfg.max_len, max_new_tokens=cfg.max_new_tokens,
-                        temperature=cfg.temperature, seed=cfg.seed, batch_size=cfg.batch_size,
+                        temperature=cfg.regen_temperature, seed=cfg.seed, batch_size=cfg.batch_size,
                         dtype=cfg.regen_dtype, gen_batch=cfg.gen_batch)
