@@ -94,6 +94,9 @@ def test_split_is_a_pure_function_of_the_id():
     assert held <= {i for i in ids if is_heldout(i, 0.10)}  # nested fractions
     assert split_key("QWJhYvA_12", sharegpt=True) == split_key("QWJhYvA_0", sharegpt=True) == "QWJhYvA"
     assert split_key("sample_12") == "sample_12"
+    # sampled reply sets <id>#sK (prepare --samples-per-prompt) share their conversation's key
+    assert split_key("QWJhYvA_3#s2", sharegpt=True) == "QWJhYvA" and split_key("c7#s11") == "c7"
+    assert split_key("a#b") == "a#b" and split_key("#s1") == "#s1"
 
 
 def test_prompt_files(tmp_path):
