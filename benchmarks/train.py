@@ -82,7 +82,8 @@ def smollm2_target(device: torch.device):
 
 
 def bench(shape: str, T: int, K: int, steps: int, chunk: int | None, device: torch.device, ddp: bool, *,
-          rows: int = 1, attention: str = "auto", compile_layer: bool = False, online: bool = False) -> dict:
+          rows: int = 1, attention: str = "auto", compile_layer: bool = False, online: bool = False,
+          profile: bool = False) -> dict:
     from eyas.train.data import Batch, pack, target_features
 
     h, nh, nkv, hd, inter, V, Vd = SHAPES[shape]
@@ -93,6 +94,8 @@ def bench(shape: str, T: int, K: int, steps: int, chunk: int | None, device: tor
     torch.manual_seed(0)
     drafter = Eagle3Drafter(cfg).to(device)
     if compile_layer:
+        from torch import _dynamo
+        _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, 64)
         drafter.midlayer.compile(dynamic=False)
     module = TTTModule(drafter, TTTConfig(num_steps=K, chunk_size=chunk, attention=attention))
     model = module
@@ -148,6 +151,12 @@ def bench(shape: str, T: int, K: int, steps: int, chunk: int | None, device: tor
             step()
         sync(device)
         dt = (time.perf_counter() - t0) / steps
+        if profile and device.type == "cuda":
+            from torch.profiler import ProfilerActivity, profile as prof
+            with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+                step()
+                sync(device)
+            print(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=25), flush=True)
     except torch.OutOfMemoryError:
         return {"shape": shape, "seq": T, "rows": rows, "error": "out of memory"}
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
@@ -175,6 +184,7 @@ def main() -> int:
     ap.add_argument("--attention", default="dense,flex", help="comma list of TTT attention paths to time")
     ap.add_argument("--compile", default="0", help="comma list of 0/1: torch.compile the decoder layer")
     ap.add_argument("--online", action="store_true", help="include a SmolLM2-shaped target forward (random weights)")
+    ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one more step per row")
     ap.add_argument("--no-record", action="store_true", help="do not append to BENCHMARKS.md")
     args = ap.parse_args()
 
@@ -200,7 +210,7 @@ def main() -> int:
                 for comp in (c == "1" for c in args.compile.split(",")):
                     r = bench(shape, T, args.ttt_steps, args.steps, args.chunk_size or None, device, world > 1,
                               rows=max(1, args.batch_tokens // T), attention=attention, compile_layer=comp,
-                              online=args.online and shape == "smollm2")
+                              online=args.online and shape == "smollm2", profile=args.profile)
                     rows.append(r)
                     if rank == 0:
                         print(r, flush=True)

@@ -117,12 +117,12 @@ def naive_ttt(d, ids, loss_mask, valid, aux, final, E, W, K, decay, *, tgt_shift
 
 
 # ----------------------------------------------------------------------------- cases
-def make_case(seed=0, B=2, T=9, h=32, V=40, Vd=24, std=0.3):
+def make_case(seed=0, B=2, T=9, h=32, V=40, Vd=24, std=0.3, head_dim=8):
     """Random drafter + batch with left padding (row 0), right padding (row 1) and loss-mask holes."""
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     cfg = DrafterConfig(hidden_size=h, target_hidden_size=h, intermediate_size=48, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0,
+                        num_key_value_heads=2, head_dim=head_dim, rms_norm_eps=1e-5, rope_theta=10000.0,
                         max_position_embeddings=64, vocab_size=V, draft_vocab_size=Vd, aux_layer_ids=(1, 2, 3))
     d = Eagle3Drafter(cfg)
     d.init_weights(std=std)

@@ -27,8 +27,13 @@ ROPE_TYPES = ("default", "linear", "llama3")
 
 @functools.cache
 def _compiled_flex():
+    from torch import _dynamo
+
     from torch.nn.attention.flex_attention import flex_attention
 
+    # TTT calls it with K key lengths (and eval/train variants): room for every shape, never the eager fallback
+    # that materialises the whole score matrix
+    _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, 64)
     return torch.compile(flex_attention, dynamic=False)
 
 

@@ -13,6 +13,8 @@ N x Vd is kept for the backward. The naive reference is `soft_ce_reference` (tes
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -21,6 +23,19 @@ from torch import Tensor
 def _compute_dtype(x: Tensor) -> torch.dtype:
     dev = x.device.type
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+def _chunk(z: Tensor, zt: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss sum, drafter argmax, dloss/dz) of one chunk from drafter logits z and target logits zt, (c, Vd)."""
+    z = z.float()                                                                # (c, Vd)
+    lse = torch.logsumexp(z, dim=-1)                                             # (c,)
+    p = torch.softmax(zt.float(), dim=-1)                                        # (c, Vd)
+    return (lse - (p * z).sum(-1)).sum(), z.argmax(-1), torch.exp(z - lse[:, None]) - p
+
+
+@functools.cache
+def _compiled_chunk():
+    return torch.compile(_chunk, dynamic=False)
 
 
 class _FusedSoftCE(torch.autograd.Function):
@@ -34,15 +49,15 @@ class _FusedSoftCE(torch.autograd.Function):
         gw = torch.zeros(w.shape, dtype=torch.float32, device=x.device) if need_grad else None  # (Vd, h)
         with torch.autocast(x.device.type, enabled=False):
             wc, wtc = w.to(dtype), wt.to(dtype)
+            # on CUDA the elementwise/reduction part is one compiled kernel set (a few passes over (c, Vd))
+            part = _compiled_chunk() if x.is_cuda else _chunk
             for i in range(0, N, chunk):
                 xc = x[i:i + chunk].to(dtype)                                    # (c, h)
-                z = (xc @ wc.T).float()                                          # (c, Vd)
-                lse = torch.logsumexp(z, dim=-1)                                 # (c,)
-                p = torch.softmax((f[i:i + chunk].to(dtype) @ wtc.T).float(), dim=-1)  # (c, Vd)
-                loss += (lse - (p * z).sum(-1)).sum()
-                pred[i:i + chunk] = z.argmax(-1)
+                ls, pr, dz = part(xc @ wc.T, f[i:i + chunk].to(dtype) @ wtc.T)   # dz (c, Vd) softmax(z) - p
+                loss += ls
+                pred[i:i + chunk] = pr
                 if need_grad:
-                    dz = (torch.exp(z - lse[:, None]) - p).to(dtype)             # (c, Vd) softmax(z) - p
+                    dz = dz.to(dtype)                                            # (c, Vd)
                     gx[i:i + chunk] = dz @ wc                                    # (c, h)
                     gw += (dz.T @ xc).float()                                    # (Vd, h)
         ctx.save_for_backward(gx, gw)

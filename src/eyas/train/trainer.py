@@ -219,6 +219,8 @@ def run_train(cfg: TrainConfig, target=None) -> dict:
         init_head_from_target(drafter, target)
     drafter.to(device)
     if cfg.compile:
+        from torch import _dynamo
+        _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, 64)  # K steps x train/eval
         drafter.midlayer.compile(dynamic=False)  # in place: the state-dict keys stay the export keys
     ttt = TTTConfig(num_steps=cfg.ttt_steps, decay=cfg.decay, chunk_size=cfg.chunk_size, attention=cfg.attention)
     # packed rows: (rows, row_len) of every micro-batch, a fixed shape

@@ -133,7 +133,9 @@ def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, val
         raise ValueError(f"ttt: shape mismatch: input_ids {tuple(input_ids.shape)}, loss_mask {tuple(loss_mask.shape)}, "
                          f"valid {tuple(valid.shape)}, aux {tuple(aux.shape)}, final {tuple(final.shape)}")
     K, dev = cfg.num_steps, input_ids.device
-    use_flex = cfg.attention == "flex" or (cfg.attention == "auto" and input_ids.is_cuda)
+    # flex's CUDA kernels need head_dim >= 16; smaller (test-sized) heads stay on the dense path under 'auto'
+    use_flex = cfg.attention == "flex" or (cfg.attention == "auto" and input_ids.is_cuda
+                                           and drafter.config.head_dim >= 16)
     token_ids, t2d = drafter.token_ids, drafter.t2d
     valid = valid.bool()
     seg = valid.long() if segment_ids is None else torch.where(valid, segment_ids, 0)   # (B, T)
