@@ -70,6 +70,8 @@ class SpecStats:
     """Verify rounds."""
     accepted_at: list[int] = field(default_factory=list)
     """accepted_at[j]: rounds in which draft position j (depth j+1) was accepted."""
+    accepted: list[int] = field(default_factory=list)
+    """Draft tokens accepted in each verify round, in order (the replay test maps them to positions)."""
 
     @property
     def tau(self) -> float:
@@ -84,6 +86,7 @@ class SpecStats:
             self.accepted_at += [0] * (len(other.accepted_at) - len(self.accepted_at))
         for j, a in enumerate(other.accepted_at):
             self.accepted_at[j] += a
+        self.accepted += other.accepted
 
     def acceptance_by_position(self) -> list[float]:
         """Fraction of rounds whose accepted path reached draft position j."""
@@ -183,6 +186,7 @@ class SpecDecoder:
             stats.rounds += 1
             for j in range(len(path) - 1):
                 stats.accepted_at[j] += 1
+            stats.accepted.append(len(path) - 1)
             new = [draft.tokens[i] for i in path[1:]] + [bonus]
             if path[-1] != len(path) - 1:  # tree: move the accepted path's k/v next to the prefix
                 r.copy_slots(committed + torch.tensor(path, device=dev), committed + torch.arange(len(path), device=dev))
