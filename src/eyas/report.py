@@ -44,6 +44,9 @@ def _plots(run: Path, metrics: list[dict], bench: dict) -> dict[str, str]:
         ax.legend(ncol=2, fontsize=8), ax.grid(alpha=0.3)
         fig.tight_layout(), fig.savefig(out / "acc_k.png", dpi=110), plt.close(fig)
         made["acc_k"] = "plots/acc_k.png"
+    scaled = [m for m in evals if m.get("tokens_seen")]
+    if scaled:
+        made["scaling"] = _scaling_plot(plt, out / "scaling.png", scaled, bench)
     if bench:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for name, r in bench.items():
@@ -56,6 +59,29 @@ def _plots(run: Path, metrics: list[dict], bench: dict) -> dict[str, str]:
         fig.tight_layout(), fig.savefig(out / "acceptance.png", dpi=110), plt.close(fig)
         made["acceptance"] = "plots/acceptance.png"
     return made
+
+
+def _scaling_plot(plt, path: Path, evals: list[dict], bench: dict) -> str:
+    """Held-out acc_k and tau_est against training tokens seen, with the measured bench tau of the final drafter:
+    whether more data or more steps would still help."""
+    x = [m["tokens_seen"] for m in evals]
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for k in range(len(evals[-1]["acc_k"])):
+        ax.plot(x, [m["acc_k"][k] for m in evals], "o-", ms=3, label=f"held-out acc_{k}")
+    ax.set_xscale("log"), ax.set_xlabel("training tokens seen"), ax.set_ylabel("held-out top-1 agreement")
+    ax.grid(alpha=0.3)
+    tx = ax.twinx()
+    tx.plot(x, [m["tau_est"] for m in evals], "k--", label="tau_est (training eval)")
+    for name, r in bench.items():
+        eagle = next((v for m, v in r.get("methods", {}).items() if m.startswith("eagle")), None)
+        if eagle and eagle.get("tau"):
+            tx.plot([x[-1]], [eagle["tau"]], "*", ms=10, label=f"bench tau: {name}")
+    tx.set_ylabel("tau")
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = tx.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, fontsize=6, loc="lower right")
+    fig.tight_layout(), fig.savefig(path, dpi=110), plt.close(fig)
+    return f"plots/{path.name}"
 
 
 def _fmt(x, nd=3):
@@ -111,6 +137,14 @@ def write_report(run: Path, state: dict, cfg) -> str:
         if key in plots:
             L.append(f"![{key}]({plots[key]})")
     L.append("")
+    scaled = [m for m in metrics if m.get("split") == "eval" and m.get("tokens_seen")]
+    if scaled:
+        L += ["### Scaling: held-out accuracy against training tokens", "",
+              "| training tokens seen | step | held-out acc_0 | held-out acc_1 | tau_est |", "|---|---|---|---|---|"]
+        L += [f"| {m['tokens_seen']:,} | {m['step']} | {_fmt(m['acc_k'][0])} | "
+              f"{_fmt(m['acc_k'][1]) if len(m['acc_k']) > 1 else '-'} | {_fmt(m['tau_est'], 2)} |" for m in scaled]
+        L += ["", "Still rising at the right edge means more data or more steps would still help.", "",
+              f"![scaling]({plots['scaling']})", ""]
 
     L += ["## Speculative decoding (held-out prompts, same run, lossless check at temperature 0)", "",
           "| benchmark | method | tau | tokens/s | speedup vs plain | lossless |", "|---|---|---|---|---|---|"]

@@ -23,28 +23,33 @@ from eyas.manifest import atomic_write_bytes, diff_dicts
 
 # Every knob a preset sets. A user changes a preset by editing a copy of it, or with the flags below.
 PRESETS: dict[str, dict] = {
-    # 2 CPU cores, under 20 minutes: short first-turn prompts; the replies of the first 900 regenerated greedily
-    # by the target, the next ones kept as written (more distinct text for the same budget: the labels come from
-    # the target either way); a small draft vocabulary and few TTT steps. A demonstration, not a production drafter.
+    # 2 CPU cores, under 20 minutes: short first-turn conversations (max_len is the whole conversation's token
+    # budget); the replies of the first 900 regenerated greedily by the target, the next ones kept as written (more
+    # distinct text for the same budget: the labels come from the target either way); a small draft vocabulary and
+    # few TTT steps. A demonstration, not a production drafter.
     "cpu-demo": dict(
-        device="cpu", dtype="bf16", bench_dtype="fp32", autocast="bf16", limit=1600, max_len=320, max_turns=1, regenerate=True, regen_limit=900,
-        max_new_tokens=96, regen_batch=256, gen_batch=32, regen_dtype=None, capture=True, capture_dtype="bf16", online=False,
-        draft_vocab=8192, ttt_steps=3, epochs=2, steps=None, lr=3e-3, batch_tokens=2048, chunk_size=None, loss_on="assistant",
+        device="cpu", dtype="bf16", bench_dtype="fp32", autocast="bf16", limit=1600, max_len=416, max_turns=1,
+        regenerate=True, regen_limit=900, max_new_tokens=96, regen_batch=256, gen_batch=32, regen_dtype=None,
+        samples_per_prompt=1, regen_temperature=0.0, self_prompts=0, capture=True, capture_dtype="bf16",
+        online=False, draft_vocab=8192, ttt_steps=3, epochs=2, steps=None, lr=3e-3, batch_tokens=2048,
+        chunk_size=None, loss_on="assistant", pack="off", attention="auto", compile=False, eval_every=0,
         bench=[dict(prompts="heldout", method="chain", k=5, limit=20, max_turns=1, max_new_tokens=64)],
     ),
-    # One H200 (measured 17 minutes, BENCHMARKS.md): all of ShareGPT (minus held-out) regenerated, trained
-    # online (no store: the 135M target's forward is cheap inside a step, and with longer limits or all turns a
-    # bf16 store would outgrow the 64 GB disk), benched with chains and the tree on two prompt sets.
+    # One H200, stages sized for about 15 minutes (issue 12; not yet measured end to end): every assistant turn
+    # of the first three regenerated in context within a 2048-token budget, trained online (the 135M target's
+    # forward is cheap inside a step; no store) on packed 2048-token rows with block-sparse flex attention, the
+    # fused LM head and a compiled decoder layer (111k tok/s measured, BENCHMARKS.md), held-out eval every 100
+    # steps for the scaling curve, benched with chains and the tree on two prompt sets.
     "gpu": dict(
-        device="cuda", dtype="bf16", bench_dtype="bf16", autocast="auto", limit=None, max_len=768, max_turns=1, regenerate=True, regen_limit=None,
-        max_new_tokens=320, regen_batch=2048, gen_batch=256, regen_dtype=None, capture=False, capture_dtype="bf16", online=True,
-        draft_vocab=32000, ttt_steps=6, epochs=2, steps=None, lr=1e-3, batch_tokens=32768, chunk_size=None, loss_on="assistant",
-        bench=[dict(prompts="heldout", method="chain", k=3, limit=40, max_turns=1, max_new_tokens=256),
-               dict(prompts="heldout", method="chain", k=5, limit=40, max_turns=1, max_new_tokens=256),
+        device="cuda", dtype="bf16", bench_dtype="bf16", autocast="auto", limit=None, max_len=2048, max_turns=3,
+        regenerate=True, regen_limit=None, max_new_tokens=384, regen_batch=4096, gen_batch=512, regen_dtype=None,
+        samples_per_prompt=1, regen_temperature=0.0, self_prompts=0, capture=False, capture_dtype="bf16",
+        online=True, draft_vocab=32000, ttt_steps=6, epochs=3, steps=None, lr=1e-3, batch_tokens=32768,
+        chunk_size=None, loss_on="assistant", pack="on", attention="flex", compile=True, eval_every=100,
+        bench=[dict(prompts="heldout", method="chain", k=3, limit=30, max_turns=1, max_new_tokens=256),
+               dict(prompts="heldout", method="chain", k=5, limit=30, max_turns=1, max_new_tokens=256),
                dict(prompts="heldout", method="tree", k=5, limit=10, max_turns=1, max_new_tokens=128),
-               dict(prompts="humaneval", method="chain", k=3, limit=40, max_turns=1, max_new_tokens=256),
-               dict(prompts="humaneval", method="chain", k=5, limit=40, max_turns=1, max_new_tokens=256),
-               dict(prompts="humaneval", method="tree", k=5, limit=10, max_turns=1, max_new_tokens=128)],
+               dict(prompts="humaneval", method="chain", k=5, limit=30, max_turns=1, max_new_tokens=256)],
     ),
 }
 STAGES = ("prepare", "capture", "train", "bench", "export")
@@ -83,6 +88,8 @@ class RunConfig:
         unknown = set(self.overrides) - set(PRESETS[self.preset])
         if unknown:
             raise EyasError(f"unknown preset knob(s) {sorted(unknown)}")
+        for key, value in self.overrides.items():
+            _check_knob(key, value, PRESETS[self.preset][key])
 
     @property
     def knobs(self) -> dict:
@@ -91,6 +98,18 @@ class RunConfig:
     def identity(self) -> dict:
         """What must match for a rerun to resume this run directory."""
         return {"target": self.target, "data": self.data, "preset": self.preset, "knobs": self.knobs}
+
+
+def _check_knob(key: str, value, default) -> None:
+    """A --set value must have the type of the preset's value (an int is a float; None stays free)."""
+    if default is None or value is None:
+        return
+    want = type(default)
+    ok = (isinstance(value, want) and not (want is int and isinstance(value, bool))) or (
+        want is float and isinstance(value, int) and not isinstance(value, bool))
+    if not ok:
+        raise EyasError(f"--set {key}={json.dumps(value)}: expected {want.__name__} like the preset's "
+                        f"{json.dumps(default)}, got {type(value).__name__}")
 
 
 class Log:
@@ -216,9 +235,9 @@ def _prepare(cfg, k, run, target, progress, redo=False) -> dict:
 
     pc = PrepareConfig(target=cfg.target, data=cfg.data, out=str(run / "prepared"), limit=k["limit"],
                        max_len=k["max_len"], regenerate=k["regenerate"], regenerate_limit=k["regen_limit"],
-                       max_new_tokens=k["max_new_tokens"],
-                       batch_size=k["regen_batch"], max_turns=k["max_turns"], regen_dtype=k["regen_dtype"], gen_batch=k["gen_batch"],
-                       overwrite=redo)
+                       max_new_tokens=k["max_new_tokens"], batch_size=k["regen_batch"], max_turns=k["max_turns"],
+                       regen_dtype=k["regen_dtype"], gen_batch=k["gen_batch"], samples_per_prompt=k["samples_per_prompt"],
+                       regen_temperature=k["regen_temperature"], self_prompts=k["self_prompts"], overwrite=redo)
     return run_prepare(pc, target, progress=progress)["counts"]
 
 
@@ -242,10 +261,11 @@ def _train(cfg, k, run, target, progress, redo=False) -> dict:
     if redo:
         shutil.rmtree(out, ignore_errors=True)
     tc = TrainConfig(out=str(out), target=cfg.target, epochs=k["epochs"], steps=k["steps"], lr=k["lr"],
-                     ttt_steps=k["ttt_steps"], draft_vocab=k["draft_vocab"], batch_tokens=k["batch_tokens"],
-                     chunk_size=k["chunk_size"], max_len=k["max_len"] + k["max_new_tokens"],
-                     device=k["device"], autocast=k["autocast"], loss_on=k["loss_on"], checkpoint_every=50, resume=resume,
-                     progress=progress, **src)
+                     ttt_steps=k["ttt_steps"], draft_vocab=min(k["draft_vocab"], target.vocab_size),
+                     batch_tokens=k["batch_tokens"], chunk_size=k["chunk_size"], max_len=k["max_len"],
+                     device=k["device"], autocast=k["autocast"], loss_on=k["loss_on"], pack=k["pack"],
+                     attention=k["attention"], compile=k["compile"], eval_every=k["eval_every"], checkpoint_every=50,
+                     resume=resume, progress=progress, **src)
     return run_train(tc, target)
 
 

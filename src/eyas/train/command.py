@@ -28,7 +28,7 @@ def register(subparsers) -> None:
     p.add_argument("--max-len", type=int, default=2048, help="truncate samples to this length (default 2048)")
     p.add_argument("--ttt-steps", type=int, default=7, help="unrolled draft steps K (default 7)")
     p.add_argument("--chunk-size", type=int, help="rows per chunk of the fused LM head + loss (default 4096)")
-    p.add_argument("--draft-vocab", type=int, default=32000, help="draft vocabulary size (default 32000)")
+    p.add_argument("--draft-vocab", type=int, help="draft vocabulary size (default 32000, capped at the target's)")
     p.add_argument("--attention", choices=["auto", "dense", "flex"], default="auto",
                    help="TTT attention: flex (block-sparse, CUDA), dense (explicit mask); auto = flex on CUDA")
     p.add_argument("--compile", action="store_true", help="torch.compile the drafter's decoder layer")
@@ -43,6 +43,7 @@ def register(subparsers) -> None:
                    help="positions that train: the assistant loss mask, or all (prompts too; the labels are the "
                         "target's own distributions either way)")
     p.add_argument("--warmup-ratio", type=float, default=0.02, help="share of steps in warm-up (default 0.02)")
+    p.add_argument("--eval-every", type=int, default=0, help="also evaluate every N steps (default: each epoch end)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every N steps (default: at the end)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (default auto)")
     p.add_argument("--seed", type=int, default=0)
@@ -64,7 +65,7 @@ def main(args) -> int:
                           ttt_steps=args.ttt_steps, chunk_size=args.chunk_size, draft_vocab=args.draft_vocab,
                           attention=args.attention, pack=args.pack, compile=args.compile,
                           intermediate_size=args.intermediate_size, init_from_target=args.init_from_target, loss_on=args.loss_on, autocast=args.autocast, warmup_ratio=args.warmup_ratio,
-                          checkpoint_every=args.checkpoint_every, device=args.device, seed=args.seed,
+                          checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, device=args.device, seed=args.seed,
                           deterministic=args.deterministic, eval_fraction=args.eval_fraction, fsdp=args.fsdp,
                           progress=not args.no_progress)
     except ValueError as e:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 # Fields that may change between a run and its --resume (they do not change the loss curve).
-RESUME_FREE = ("resume", "progress", "checkpoint_every", "keep_checkpoints", "target", "device", "compile")
+RESUME_FREE = ("resume", "progress", "checkpoint_every", "keep_checkpoints", "target", "device", "compile",
+               "eval_every")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,8 +58,9 @@ class TrainConfig:
     'on', 'off' or 'auto' (on with CUDA)."""
     compile: bool = False
     """torch.compile the drafter's decoder layer (fixed shapes with packing: one graph per TTT step)."""
-    draft_vocab: int = 32000
-    """Draft vocabulary size (capped at the target vocabulary)."""
+    draft_vocab: int | None = None
+    """Draft vocabulary size (default: 32000, or the whole target vocabulary when that is smaller; a larger
+    explicit value is refused)."""
     autocast: str = "auto"
     """bf16 autocast: 'auto' (on CUDA only), 'bf16' (also on CPUs with AVX512-BF16/AMX, ~2x faster), 'off'."""
     loss_on: str = "assistant"
@@ -77,6 +79,8 @@ class TrainConfig:
     """torch.use_deterministic_algorithms and fp32 math (no autocast): bitwise-repeatable runs."""
     eval_fraction: float = 0.05
     """Share of samples held out for evaluation, by a hash of the sample id (0 disables eval)."""
+    eval_every: int = 0
+    """Also evaluate on the held-out split every N optimizer steps (0: only at the end of each epoch)."""
     checkpoint_every: int = 0
     """Checkpoint every N optimizer steps (0: only at the end). A checkpoint is also written at the end."""
     keep_checkpoints: int = 2
@@ -112,14 +116,16 @@ class TrainConfig:
             raise ValueError("train: min_lr_ratio must be in [0, 1] and warmup_ratio in [0, 1)")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"train: betas must be two numbers in [0, 1), got {self.betas}")
-        for name in ("grad_accum", "batch_tokens", "max_len", "ttt_steps", "draft_vocab", "log_every",
+        if self.draft_vocab is not None and self.draft_vocab < 1:
+            raise ValueError(f"train: draft_vocab must be >= 1, got {self.draft_vocab}")
+        for name in ("grad_accum", "batch_tokens", "max_len", "ttt_steps", "log_every",
                      "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train: {name} must be >= 1, got {getattr(self, name)}")
         if self.max_len < 3:
             raise ValueError(f"train: max_len must be >= 3 (TTT predicts x[t+2]), got {self.max_len}")
-        if self.checkpoint_every < 0 or self.grad_clip < 0:
-            raise ValueError("train: checkpoint_every and grad_clip must be >= 0")
+        if self.checkpoint_every < 0 or self.grad_clip < 0 or self.eval_every < 0:
+            raise ValueError("train: checkpoint_every, eval_every and grad_clip must be >= 0")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"train: eval_fraction must be in [0, 1), got {self.eval_fraction}")
         if not 0.0 < self.decay <= 1.0:

@@ -126,7 +126,7 @@ def _build_vocab(cfg: TrainConfig, source, train_idx, V: int, init_vocab, run: P
         tok = torch.arange(d2t.numel()) + d2t
         vocab = DraftVocab(token_ids=tok, d2t=d2t, t2d=t2d, coverage=float(counts[tok].sum()) / int(counts.sum()))
     else:
-        vocab = build_draft_vocab(counts, min(cfg.draft_vocab, V))
+        vocab = build_draft_vocab(counts, min(32000, V) if cfg.draft_vocab is None else cfg.draft_vocab)
     top_draft = int(vocab.token_ids[counts[vocab.token_ids].argmax()])
     if run is not None:
         (run / "vocab").mkdir(parents=True, exist_ok=True)
@@ -195,6 +195,9 @@ def run_train(cfg: TrainConfig, target=None) -> dict:
         raise EyasError(f"{source.where}: no training samples (empty data, all samples shorter than 3 tokens, "
                         f"or all held out by --eval-fraction {cfg.eval_fraction})")
 
+    if cfg.draft_vocab is not None and cfg.draft_vocab > target.vocab_size:
+        raise EyasError(f"--draft-vocab {cfg.draft_vocab} is larger than the target's vocabulary "
+                        f"({target.vocab_size} tokens of {cfg.target or 'the store target'}); use at most {target.vocab_size}")
     init_drafter, init_vocab = None, None
     if cfg.init:
         from eyas.model.importer import load_any_drafter  # eyas runs and published EAGLE-3 checkpoints
@@ -259,7 +262,7 @@ def run_train(cfg: TrainConfig, target=None) -> dict:
         total = sum(len(plan(e)) for e in range(cfg.epochs or 1))
     sched = torch.optim.lr_scheduler.LambdaLR(optim, _schedule(cfg, total))
 
-    step, epoch, pos = 0, 0, 0
+    step, epoch, pos, seen = 0, 0, 0, 0
     if cfg.resume and (last := ckpt.latest_checkpoint(run)) is not None:
         state, rng = ckpt.load_checkpoint(last, rank=rank)
         check_same({**state["config"], "world_size": state["world_size"]}, {**cfg.identity(), "world_size": world},
@@ -267,6 +270,7 @@ def run_train(cfg: TrainConfig, target=None) -> dict:
         _load_full_state(module, optim, state["model"], state["optimizer"], cfg.fsdp)
         sched.load_state_dict(state["scheduler"])
         step, epoch, pos = state["step"], state["data"]["epoch"], state["data"]["position"]
+        seen = state["data"].get("tokens_seen", 0)
         ckpt.set_rng_state(rng)
         if rank == 0:
             truncate_metrics(run / "metrics.jsonl", step)
@@ -287,7 +291,8 @@ def run_train(cfg: TrainConfig, target=None) -> dict:
     def save(at_step: int) -> None:
         m, o = _full_state(module, optim, cfg.fsdp)
         state = {"model": m, "optimizer": o, "scheduler": sched.state_dict(), "step": at_step,
-                 "data": {"epoch": epoch, "position": pos}, "config": cfg.identity(), "world_size": world}
+                 "data": {"epoch": epoch, "position": pos, "tokens_seen": seen}, "config": cfg.identity(),
+                 "world_size": world}
         ckpt.save_checkpoint(run, at_step, state if rank == 0 else None, rank=rank, barrier=_barrier,
                              keep=cfg.keep_checkpoints)
 
@@ -340,18 +345,20 @@ def run_train(cfg: TrainConfig, target=None) -> dict:
         optim.zero_grad(set_to_none=True)
         step, pos = step + 1, pos + 1
         train_summary = sums.all_reduce().summary()
+        seen += train_summary["tokens"]  # all ranks: the x axis of the scaling curve
         rate = sink.step(train_summary["tokens"], {"loss": f"{train_summary['loss']:.3f}",
                                                    "acc0": f"{train_summary['acc_k'][0]:.3f}"})
         if step % cfg.log_every == 0 or step == total:
-            sink.log({"step": step, "split": "train", "epoch": epoch, "lr": lr, "grad_norm": float(gnorm),
+            sink.log({"step": step, "split": "train", "epoch": epoch, "tokens_seen": seen, "lr": lr, "grad_norm": float(gnorm),
                       "tokens_per_s": rate, **train_summary})
-        if pos == len(steps_plan) or step == total:  # end of an epoch (or of training): held-out eval
+        end_of_epoch = pos == len(steps_plan)
+        if end_of_epoch or step == total or (cfg.eval_every and step % cfg.eval_every == 0):  # held-out eval
             last_eval = evaluate()
             if last_eval:
-                sink.log({"step": step, "split": "eval", "epoch": epoch, **last_eval})
+                sink.log({"step": step, "split": "eval", "epoch": epoch, "tokens_seen": seen, **last_eval})
                 sink.note(f"eval @ step {step}: acc_0 {last_eval['acc_k'][0]:.3f} (frequency baseline "
                           f"{last_eval.get('baseline_acc_0', float('nan')):.3f}), tau_est {last_eval['tau_est']:.2f}")
-            if pos == len(steps_plan):
+            if end_of_epoch:
                 epoch, pos = epoch + 1, 0
                 steps_plan = plan(epoch)
         if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == total:

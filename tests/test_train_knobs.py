@@ -1,0 +1,36 @@
+"""Training knobs of issue 12: the draft vocabulary bound, periodic held-out eval and the tokens-seen axis."""
+
+import json
+
+import pytest
+
+from eyas.errors import EyasError
+from eyas.train.trainer import run_train
+from test_train import V, capture, cfg, make_samples, tiny_target
+
+
+def test_draft_vocab_larger_than_target_is_refused_and_default_fits(tmp_path):
+    t = tiny_target()
+    store = capture(tmp_path, t, make_samples(16))
+    with pytest.raises(EyasError, match=f"--draft-vocab {V + 1} is larger than the target's vocabulary \\({V}"):
+        run_train(cfg(tmp_path, store, "big", draft_vocab=V + 1, steps=1), target=t)
+    run_train(cfg(tmp_path, store, "default", draft_vocab=None, steps=1), target=t)
+    summary = json.loads((tmp_path / "default" / "vocab" / "summary.json").read_text())
+    assert summary["size"] == V                      # min(32000, V)
+
+
+def test_eval_every_logs_held_out_points_on_the_tokens_seen_axis(tmp_path):
+    t = tiny_target()
+    store = capture(tmp_path, t, make_samples(40))
+    run_train(cfg(tmp_path, store, "r", steps=6, eval_every=2, eval_fraction=0.3), target=t)
+    rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["split"] == "train"]
+    evals = [r for r in rows if r["split"] == "eval"]
+    assert [r["step"] for r in evals] == [2, 4, 6]
+    cum = 0
+    by_step = {}
+    for r in train:
+        cum += r["tokens"]
+        by_step[r["step"]] = cum
+        assert r["tokens_seen"] == cum
+    assert [r["tokens_seen"] for r in evals] == [by_step[2], by_step[4], by_step[6]]
