@@ -19,6 +19,7 @@ import torch
 
 from conftest import make_tiny_llama
 from eyas.cli import main
+from eyas.errors import EyasError
 
 H = 8
 
@@ -322,20 +323,8 @@ def run_cli(argv, capsys):
     return rc, captured.out, captured.err
 
 
-# Known gaps outside src/eyas/store (owned elsewhere): strict xfails, so a fix turns them into failures to un-mark.
-_DRAFTER_ST = "model/drafter.py load_drafter: safetensors load_file errors are not turned into EyasError"
-XFAIL = {
-    "store-manifest-is-a-list": "manifest.py read_manifest: a JSON value that is not an object -> AttributeError",
-    "drafter-weights-are-a-pickle": _DRAFTER_ST,
-    "drafter-weights-empty": _DRAFTER_ST,
-    "drafter-weights-truncated": _DRAFTER_ST,
-    "drafter-weights-huge-tensor": _DRAFTER_ST,
-    "drafter-weights-overlapping": _DRAFTER_ST,
-    "eagle3-weights-are-a-pickle": "model/importer.py _read_weights: torch.load(weights_only=True) refuses the "
-                                   "pickle (good) but its UnpicklingError is a traceback",
-    "target-config-more-layers-than-weights": "target/load.py load_target: transformers random-initialises the "
-                                              "layers missing from the weights (a warning); eyas does not refuse",
-}
+# Known gaps: strict xfails, so a fix turns them into failures to un-mark. None left.
+XFAIL: dict[str, str] = {}
 
 
 def is_diagnostic(line: str) -> bool:
@@ -365,17 +354,46 @@ def test_corpus_size():
     assert len(CASES) >= 25
 
 
-@pytest.mark.xfail(strict=True, reason="train/checkpoint.py load_checkpoint: torch.load(weights_only=False) "
-                                       "executes a pickle planted in a checkpoint directory")
-def test_checkpoint_pickle_is_never_executed(tmp_path):
-    from eyas.train.checkpoint import load_checkpoint
+@pytest.mark.parametrize("planted", ["state.pt", "rng-r000.pt"])
+def test_checkpoint_pickle_is_never_executed(tmp_path, planted):
+    """A pickle planted in a checkpoint directory (as a raw pickle or inside torch.save's zip) is refused with
+    an EyasError naming the file, and never run."""
+    from eyas.train.checkpoint import load_checkpoint, save_checkpoint
 
-    ck = tmp_path / "step-1"
-    ck.mkdir()
-    for f in ("state.pt", "rng-r000.pt"):
-        (ck / f).write_bytes(pickle.dumps(Boom(tmp_path / "PWNED")))
-    try:
-        load_checkpoint(ck)
-    except Exception:  # noqa: BLE001 - refusing is fine; executing is not
-        pass
-    assert not (tmp_path / "PWNED").exists(), "a pickle in a checkpoint directory was executed"
+    ck = save_checkpoint(tmp_path / "run", 1, {"model": {"w": torch.ones(2)}, "step": 1})
+    for how, data in (("raw pickle", pickle.dumps(Boom(tmp_path / "PWNED"))), ("torch.save", None)):
+        if data is None:
+            torch.save({"model": Boom(tmp_path / "PWNED")}, ck / planted)
+        else:
+            (ck / planted).write_bytes(data)
+        with pytest.raises(EyasError, match=re.escape(str(ck / planted)) + ".*refused without running it"):
+            load_checkpoint(ck)
+        assert not (tmp_path / "PWNED").exists(), f"a pickle in a checkpoint directory was executed ({how})"
+
+
+def test_checkpoint_round_trips_under_weights_only(tmp_path):
+    """What a training checkpoint holds (optimizer and scheduler state, RNG states) loads with weights_only."""
+    import random
+
+    from eyas.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+
+    w = torch.nn.Parameter(torch.randn(3))
+    opt = torch.optim.AdamW([w], lr=1e-3, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    w.sum().backward()
+    opt.step()
+    sched.step()
+    state = {"model": {"w": w.detach()}, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+             "step": 1, "data": {"epoch": 0, "position": 3}, "config": {"betas": [0.9, 0.95], "out": "x"}}
+    random.seed(5)
+    torch.manual_seed(5)
+    expect = (random.random(), torch.rand(2))
+    random.seed(5)
+    torch.manual_seed(5)
+    ck = save_checkpoint(tmp_path / "run", 1, state)
+    got, rng = load_checkpoint(ck)
+    assert got["optimizer"]["param_groups"] == state["optimizer"]["param_groups"]
+    assert torch.equal(got["optimizer"]["state"][0]["exp_avg"], state["optimizer"]["state"][0]["exp_avg"])
+    assert got["scheduler"] == state["scheduler"] and got["data"] == state["data"]
+    set_rng_state(rng)
+    assert random.random() == expect[0] and torch.equal(torch.rand(2), expect[1])

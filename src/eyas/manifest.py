@@ -62,6 +62,10 @@ def read_manifest(out_dir: str | os.PathLike, kind: str | None = None) -> dict[s
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise EyasError(f"{path}: manifest is not valid JSON ({e})") from e
+    except OSError as e:
+        raise EyasError(f"{path}: cannot read the manifest ({e.strerror or e})") from e
+    if not isinstance(manifest, dict):
+        raise EyasError(f"{path}: manifest is a JSON {type(manifest).__name__}, expected an object")
     if manifest.get("schema") != SCHEMA_VERSION:
         raise EyasError(f"{path}: schema {manifest.get('schema')!r}, this eyas reads schema {SCHEMA_VERSION}")
     if kind is not None and manifest.get("kind") != kind:

@@ -339,7 +339,11 @@ def load_drafter(path: str | os.PathLike, *, device="cpu") -> tuple[Eagle3Drafte
         raise EyasError(f"{cfg_path}: bad drafter config ({e})") from e
     meta = {k: v for k, v in raw.items() if k not in known}
     drafter = Eagle3Drafter(cfg)
-    state = load_file(str(w_path))
+    try:
+        state = load_file(str(w_path))
+    except Exception as e:  # noqa: BLE001 - safetensors raises SafetensorError, OSError, ... on a damaged file
+        why = " ".join(str(e).split())  # one line
+        raise EyasError(f"{w_path}: not a readable safetensors file ({type(e).__name__}: {why})") from e
     want = drafter.state_dict()
     missing, extra = sorted(set(want) - set(state)), sorted(set(state) - set(want))
     bad = [k for k in want if k in state and tuple(state[k].shape) != tuple(want[k].shape)]

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +42,24 @@ def _read_weights(path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     for name in WEIGHT_FILES:
         p = path / name
         if p.exists():
-            if name.endswith(".safetensors"):
-                from safetensors.torch import load_file
+            try:
+                if name.endswith(".safetensors"):
+                    from safetensors.torch import load_file
 
-                return p, load_file(str(p))
-            return p, torch.load(p, map_location="cpu", weights_only=True)
+                    return p, load_file(str(p))
+                # weights_only: a pickle that names anything but tensors and plain containers is refused unrun
+                with warnings.catch_warnings():  # a foreign pickle protocol warns before being refused
+                    warnings.simplefilter("ignore")
+                    state = torch.load(p, map_location="cpu", weights_only=True)
+            except Exception as e:  # noqa: BLE001 - safetensors / torch.load raise many types on a bad file
+                msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                if isinstance(e, pickle.UnpicklingError) or "weights_only" in str(e):
+                    msg = "a pickle that holds more than tensors; refused without running it"
+                raise EyasError(f"{p}: unreadable weights ({type(e).__name__}: {msg})") from e
+            if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                      for k, v in state.items()):
+                raise EyasError(f"{p}: not a state dict of named tensors")
+            return p, state
     raise EyasError(f"{path}: no weights (expected one of {', '.join(WEIGHT_FILES)})")
 
 

