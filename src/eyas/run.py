@@ -295,7 +295,9 @@ def _bench(cfg, k, run, target, progress, redo=False) -> dict:
                 results[name] = json.loads(path.read_text())
                 continue
             bc = BenchConfig(target=cfg.target, prompts=prompts, method=b["method"], k=b["k"], limit=b["limit"],
-                             max_turns=b.get("max_turns"), max_prompt_tokens=k["max_len"],
+                             max_turns=b.get("max_turns"),
+                             # prompts that leave room for a reply inside the training budget (RoPE positions seen)
+                             max_prompt_tokens=max(1, k["max_len"] - k["max_new_tokens"]),
                              max_new_tokens=b["max_new_tokens"], device=k["device"], json_out=str(path),
                              compile=k["device"] == "cuda")
             results[name] = run_bench(bc, target=target, drafter=drafter, drafter_meta=meta,
