@@ -1,14 +1,24 @@
-"""eyas bench on a tiny random Llama with a byte-level tokenizer: report, lossless check, bad input."""
+"""eyas bench on a tiny random Llama with a byte-level tokenizer: report, agreement and the fp32 lossless
+check, start-up phases, bad input."""
 
 import argparse
+import copy
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from conftest import make_tiny_llama
+from eyas.bench import startup
 from eyas.bench.bench import BenchConfig, run_bench
+from eyas.bench.check import agreement
 from eyas.bench.command import register
+from eyas.data.chat import encode_prompt
+from eyas.decode import spec as spec_mod
+from eyas.decode.spec import SpecDecoder
 from eyas.errors import EyasError
 from eyas.model.drafter import DrafterConfig, Eagle3Drafter
 from eyas.target import target_from_model
@@ -73,7 +83,8 @@ def test_bench_report_lossless_and_files(tiny, prompts, tmp_path, capsys):
     assert json.loads(out.read_text())["methods"]["eagle-chain"]["tau"] == rep["methods"]["eagle-chain"]["tau"]
     assert out.with_suffix(".png").stat().st_size > 1000
     text = capsys.readouterr().out
-    assert "eagle-chain" in text and "lossless eagle-chain: held" in text and "left-truncated" in text
+    assert "eagle-chain lossless (fp32, all 5 turns): yes" in text and "left-truncated" in text
+    assert "eagle-chain fp32 agreement: 5/5 turns identical, mean identical prefix" in text
 
 
 def test_bench_tree_sampled(tiny, prompts):
@@ -107,7 +118,210 @@ def test_cli_parses_into_config():
     sub = ap.add_subparsers()
     register(sub)
     a = ap.parse_args(["bench", "--drafter", "RUN", "--prompts", "humaneval", "--tree", "--temperature", "0.5",
-                       "--limit", "7", "--json", "o.json"])
+                       "--limit", "7", "--json", "o.json", "--lossless-turns", "2"])
     assert a.tree and a.chain is None and a.limit == 7 and a.json_out == "o.json" and callable(a.func)
+    assert a.lossless_turns == 2 and ap.parse_args(["bench"]).lossless_turns == 4
     with pytest.raises(SystemExit):
         ap.parse_args(["bench", "--chain", "3", "--tree"])
+
+
+def _drafter_for(model, dtype=torch.float32):
+    torch.manual_seed(0)
+    d = Eagle3Drafter(DrafterConfig.from_target(model.config, draft_vocab_size=258, aux_layer_ids=(1, 2, 3)))
+    return d.eval().to(dtype)
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tiny):
+    model = copy.deepcopy(tiny[0].model).to(torch.bfloat16)
+    return target_from_model(model, byte_tokenizer(), name="tiny", aux_layer_ids=(1, 2, 3))
+
+
+def test_agreement_counts_on_known_outputs():
+    ref = [[[1, 2, 3, 4], [5, 6]], [[7, 8, 9]]]
+    out = [[[1, 2, 3, 4], [5, 0]], [[0, 8, 9, 10]]]
+    a = agreement(out, ref)
+    # turn 1 identical (prefix 4 of 4), turn 2 diverges at index 1 (1 of 2), turn 3 at index 0 (0 of max(3, 4))
+    assert a["turns"] == 3 and a["identical_turns"] == 1 and a["identical_share"] == round(1 / 3, 4)
+    assert a["prefix_by_turn"] == [4, 1, 0]
+    assert a["mean_prefix_tokens"] == round(5 / 3, 2) and a["mean_prefix_share"] == round((1 + 0.5 + 0) / 3, 4)
+    # a strict prefix is not identical: the longer turn sets the share
+    b = agreement([[[1, 2]]], [[[1, 2, 3, 4]]])
+    assert b["identical_turns"] == 0 and b["prefix_by_turn"] == [2] and b["mean_prefix_share"] == 0.5
+    with pytest.raises(ValueError):  # a method that lost a turn is an error, not a shorter count
+        agreement([[[1]]], [[[1], [2]]])
+
+
+def test_bench_agreement_equals_direct_count(tiny, monkeypatch, capsys):
+    """Speculative outputs corrupted at token J: the bench's statistics must equal a count made here from
+    plain greedy outputs computed independently with the runner."""
+    from eyas.target.runner import Runner
+
+    target, drafter = tiny
+    J, new = 5, 12
+    turns = ["hello there", "abcabcabcabc", "one", "a longer question, please?"]
+    real = SpecDecoder.generate
+
+    def corrupted(self, prompt, max_new_tokens, **kw):
+        out, st = real(self, prompt, max_new_tokens, **kw)
+        if len(out) > J:
+            out = out[:J] + [(out[J] + 1) % 258] + out[J + 1:]
+        return out, st
+
+    monkeypatch.setattr(SpecDecoder, "generate", corrupted)
+    cfg = BenchConfig(k=3, max_new_tokens=new, max_seq=160)
+    rep = run_bench(cfg, target=target, drafter=drafter, records=[{"turns": [t]} for t in turns])
+    r = Runner.from_hf(target.model, max_seq=160)
+    plain = [r.generate([encode_prompt(target.tokenizer, [{"role": "user", "content": t}])], new,
+                        eos_ids=target.eos_token_ids)[0] for t in turns]
+    prefix = [min(J, len(p)) for p in plain]
+    assert any(len(p) > J for p in plain)  # some turn really is corrupted
+    for name in ("lookup", "eagle-chain"):
+        a = rep["agreement"][name]
+        assert a["dtype"] == "fp32" and a["turns"] == len(turns)
+        assert a["identical_turns"] == sum(len(p) <= J for p in plain)
+        assert a["prefix_by_turn"] == prefix
+        assert a["mean_prefix_tokens"] == round(sum(prefix) / len(turns), 2)
+        assert a["mean_prefix_share"] == round(sum(x / len(p) for x, p in zip(prefix, plain)) / len(turns), 4)
+        assert rep["lossless"][name]["held"] is False and rep["lossless"][name]["rerun"] is False
+    text = capsys.readouterr().out
+    a = rep["agreement"]["eagle-chain"]
+    assert (f"eagle-chain fp32 agreement: {a['identical_turns']}/4 turns identical, mean identical prefix "
+            f"{a['mean_prefix_tokens']:.1f} tokens") in text
+    assert "eagle-chain lossless (fp32, all 4 turns): NO" in text
+
+
+def _accept_every_draft(draft, logits, temperature, top_p, gen):
+    """A broken greedy verify: accepts the whole chain whatever the target says, bonus from the last node."""
+    path = list(range(len(draft)))
+    return path, int(logits[path[-1]].argmax())
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_fp32_rerun_is_the_exact_check(tiny_bf16, prompts, monkeypatch, capsys, broken):
+    """A bf16 bench reruns its first turns in fp32: the real decoder passes, a verify that accepts wrong
+    tokens is caught (NO); the caller's drafter is not converted to fp32 by the rerun."""
+    drafter = _drafter_for(tiny_bf16.model, torch.bfloat16)
+    if broken:
+        monkeypatch.setattr(spec_mod, "verify", _accept_every_draft)
+    cfg = BenchConfig(prompts=prompts, k=3, max_new_tokens=12, max_seq=160, lossless_turns=3)
+    rep = run_bench(cfg, target=tiny_bf16, drafter=drafter)
+    assert rep["dtype"] == "bf16" and set(rep["agreement"]) == {"lookup", "eagle-chain"}
+    for name in ("lookup", "eagle-chain"):
+        ll = rep["lossless"][name]
+        assert ll["rerun"] and ll["dtype"] == "fp32" and ll["turns"] == 3
+        assert ll["held"] is (not broken)
+        assert rep["agreement"][name]["turns"] == 5 and rep["agreement"][name]["dtype"] == "bf16"
+    if not broken:  # drafts were really rejected sometimes, so accepting them all would be visible
+        assert rep["methods"]["eagle-chain"]["tau"] < 4
+    assert next(drafter.parameters()).dtype == torch.bfloat16
+    text = capsys.readouterr().out
+    assert f"eagle-chain lossless (fp32 rerun of 3 turns): {'NO' if broken else 'yes'}" in text
+    assert "eagle-chain bf16 agreement: " in text and "lossless check" in text
+
+
+def test_fp32_rerun_off_and_sampled(tiny_bf16, prompts):
+    cfg = BenchConfig(prompts=prompts, k=2, max_new_tokens=6, max_seq=160, limit=2, lossless_turns=0)
+    rep = run_bench(cfg, target=tiny_bf16, drafter=_drafter_for(tiny_bf16.model, torch.bfloat16))
+    assert "lossless" not in rep and rep["agreement"]["eagle-chain"]["turns"] == 3
+    with pytest.raises(EyasError, match="lossless_turns"):
+        BenchConfig(lossless_turns=-1)
+
+
+@pytest.mark.parametrize("method", ["chain", "tree"])
+def test_warmup_covers_every_timed_shape(tiny, prompts, method, monkeypatch):
+    """Start-up phases are reported separately and nothing new is built for the runner inside the timed
+    loop; leaving lookup's shapes out of the warm-up set is detected."""
+    target, drafter = tiny
+    cfg = BenchConfig(prompts=prompts, method=method, k=3, top_k=3, depth=3, total_tokens=8, max_new_tokens=12,
+                      max_seq=160)
+    rep = run_bench(cfg, target=target, drafter=drafter)
+    s = rep["seconds"]
+    assert set(s) == {"load", "warmup", "decode", "lossless_check", "total"}
+    assert s["decode"] >= sum(m["seconds"] for m in rep["methods"].values()) - 1e-3
+    assert s["load"] + s["warmup"] + s["decode"] + s["lossless_check"] <= s["total"] + 1e-3
+    assert rep["warmup"]["late_shapes"] == 0 and "compile_cache" not in rep
+    real = startup.verify_shapes
+    monkeypatch.setattr("eyas.bench.bench.verify_shapes",
+                        lambda kind, k, size: [] if kind == "lookup" else real(kind, k, size))
+    target2 = target_from_model(copy.deepcopy(target.model), target.tokenizer, name="tiny", aux_layer_ids=(1, 2, 3))
+    rep = run_bench(cfg, target=target2, drafter=drafter)  # a fresh runner: lookup's shapes now built late
+    assert rep["warmup"]["late_shapes"] > 0
+
+
+def test_tree_nodes_matches_the_drafter(tiny):
+    from eyas.decode.eagle import EagleDrafting
+    from eyas.target.runner import Runner
+
+    target, drafter = tiny
+    r = Runner.from_hf(target.model, max_seq=64)
+    d = EagleDrafting(drafter, r.embed)
+    d.extend(torch.randn(1, 4, 3 * 64), torch.tensor([[5, 6, 7, 8]]))
+    for top_k, depth, total in ((3, 3, 8), (2, 4, 60), (10, 6, 60), (4, 1, 60)):
+        assert len(d.propose_tree(1, top_k, depth, total)) - 1 == startup.tree_nodes(top_k, depth, total, 258)
+        d.rollback()
+
+
+def test_compile_cache_dir_is_scoped(tmp_path, monkeypatch):
+    monkeypatch.setenv("EYAS_CACHE", str(tmp_path / "eyas"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    with startup.compile_cache(True) as info:
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "eyas" / "inductor")
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ and info["dir"] == str(tmp_path / "eyas" / "inductor")
+    assert info["fx_graph_hits"] == 0 and info["fx_graph_misses"] == 0
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's choice wins
+    with startup.compile_cache(True) as info:
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+    with startup.compile_cache(False) as info:
+        pass
+    assert info == {}
+
+
+_COMPILE_CHILD = """
+import json, sys, torch
+sys.path.insert(0, "tests")
+from conftest import make_tiny_llama
+from eyas.bench.startup import compile_cache, warm_up
+from eyas.target.runner import Runner
+torch.set_num_threads(1)
+with compile_cache(True) as info:
+    r = Runner.from_hf(make_tiny_llama(layers=2, seed=3), max_seq=32, compile=True)
+    warm_up(r, [(None, [1])])
+print(json.dumps(info))
+"""
+
+
+@pytest.mark.slow
+def test_compile_cache_survives_the_process(tmp_path):
+    """The second bench process finds the first one's compiled graph in $EYAS_CACHE/inductor."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env.update(EYAS_CACHE=str(tmp_path), OMP_NUM_THREADS="1")
+    runs = [json.loads(subprocess.run([sys.executable, "-c", _COMPILE_CHILD], env=env, check=True, text=True,
+                                      capture_output=True, cwd=os.path.dirname(os.path.dirname(__file__))
+                                      ).stdout.splitlines()[-1]) for _ in range(2)]
+    assert runs[0]["dir"] == str(tmp_path / "inductor") and (tmp_path / "inductor" / "fxgraph").is_dir()
+    assert runs[0]["fx_graph_misses"] >= 1 and runs[0]["fx_graph_hits"] == 0
+    assert runs[1]["fx_graph_hits"] >= 1 and runs[1]["fx_graph_misses"] == 0
+
+
+def test_report_bench_table_shows_both_checks(tiny_bf16, prompts, tmp_path):
+    """report.md's bench table carries the fp32 verdict, the bf16 agreement and the start-up phases of the JSON."""
+    from types import SimpleNamespace
+
+    from eyas.report import write_report
+
+    run = tmp_path / "run"
+    (run / "bench").mkdir(parents=True)
+    cfg = BenchConfig(prompts=prompts, k=3, max_new_tokens=8, max_seq=160, limit=2, lossless_turns=2,
+                      json_out=str(run / "bench" / "b.json"))
+    rep = run_bench(cfg, target=tiny_bf16, drafter=_drafter_for(tiny_bf16.model, torch.bfloat16))
+    json.loads((run / "bench" / "b.json").read_text())  # what the report reads
+    write_report(run, {"stages": {}}, SimpleNamespace(preset="test", target="tiny", data="d"))
+    md = (run / "report.md").read_text()
+    a, ll = rep["agreement"]["eagle-chain"], rep["lossless"]["eagle-chain"]
+    assert (f"| b | eagle-chain | {rep['methods']['eagle-chain']['tau']:.2f} |") in md
+    assert (f"| {'yes' if ll['held'] else 'NO'} (fp32 rerun of 2 turns) | bf16: {a['identical_turns']}/3 turns "
+            f"identical, mean identical prefix {a['mean_prefix_tokens']:.1f} tokens") in md
+    s = rep["seconds"]
+    assert f"| b | {s['load']:.1f} | {s['warmup']:.1f} | {s['decode']:.1f} | {s['lossless_check']:.1f} | {s['total']:.1f} |" in md

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from eyas.bench.check import DTYPE_NAMES, agreement, exact_fp32, first_turns, fp32_drafter, fp32_runner, lossless_verdict
+from eyas.bench.startup import compile_cache, tree_nodes, verify_shapes, warm_up
 from eyas.decode.spec import SpecConfig, SpecDecoder, SpecStats
 from eyas.errors import EyasError
 
@@ -65,6 +67,8 @@ class BenchConfig:
     """torch.compile the target's graphed steps (CUDA)."""
     baselines: bool = True
     """Also run plain decoding and prompt lookup."""
+    lossless_turns: int = 4
+    """Greedy benches not in fp32: decode the first N turns again in fp32 as the exact lossless check (0 = off)."""
     seed: int = 0
     """Sampling seed."""
     json_out: str | None = None
@@ -83,6 +87,8 @@ class BenchConfig:
             raise EyasError(f"limit must be >= 1, got {self.limit}")
         if self.max_turns is not None and self.max_turns < 1:
             raise EyasError(f"max_turns must be >= 1, got {self.max_turns}")
+        if self.lossless_turns < 0:
+            raise EyasError(f"lossless_turns must be >= 0, got {self.lossless_turns}")
 
     def spec(self, method: str) -> SpecConfig:
         return SpecConfig(method=method, k=self.k, top_k=self.top_k, depth=self.depth, total_tokens=self.total_tokens,
@@ -123,8 +129,8 @@ def _sync(device):
 class _Method:
     """One decoding method over all conversations: outputs, stats and wall time."""
 
-    def __init__(self, name, decode):
-        self.name, self.decode = name, decode
+    def __init__(self, name, decode, decoder=None):
+        self.name, self.decode, self.decoder = name, decode, decoder
         self.stats, self.seconds, self.outputs = SpecStats(), 0.0, []
 
     def report(self) -> dict:
@@ -135,16 +141,33 @@ class _Method:
                 "acceptance_by_position": [round(a, 4) for a in s.acceptance_by_position()]}
 
 
-_RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target model -> {shape: Runner}
+_RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target model -> {key: Runner}
 
 
 def run_bench(cfg: BenchConfig, *, target=None, drafter=None, drafter_meta: dict | None = None,
               records: list[dict] | None = None, out=None) -> dict:
     """Run the benchmark; return (and optionally write) the report dict."""
-    from eyas.data.chat import encode_prompt
+    out = out or sys.stdout
+    t0 = time.perf_counter()
+    with compile_cache(cfg.compile) as cache_info:
+        report = _run(cfg, target, drafter, drafter_meta, records, out)
+    report["seconds"]["total"] = round(time.perf_counter() - t0, 3)
+    if cfg.compile:
+        report["compile_cache"] = cache_info
+    print(format_table(report), file=out)
+    if cfg.json_out:
+        from eyas.manifest import atomic_write_bytes
+        path = Path(cfg.json_out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, (json.dumps(report, indent=2) + "\n").encode())
+        report["plot"] = plot_acceptance(report, path.with_suffix(".png"))
+    return report
+
+
+def _run(cfg, target, drafter, drafter_meta, records, out) -> dict:
     from eyas.target.runner import Runner
 
-    out = out or sys.stdout
+    clock = time.perf_counter()
     if target is None:
         from eyas.target import load_target
         dt = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
@@ -170,73 +193,132 @@ def run_bench(cfg: BenchConfig, *, target=None, drafter=None, drafter_meta: dict
         raise EyasError(f"{cfg.prompts}: empty prompt set")
     # One runner per target and shape for the whole process: a fresh runner per benchmark would compile
     # (and capture CUDA graphs) again each time.
+    runners = _RUNNERS.setdefault(target.model, {})
     key = (cfg.max_seq, str(target.device), cfg.compile)
-    runner = _RUNNERS.get(target.model, {}).get(key)
-    if runner is None:
-        runner = Runner.from_hf(target.model, max_batch=1, max_seq=cfg.max_seq, device=target.device,
-                                compile=cfg.compile)
-        _RUNNERS[target.model] = {key: runner}
+    if key not in runners:
+        runners[key] = Runner.from_hf(target.model, max_batch=1, max_seq=cfg.max_seq, device=target.device,
+                                      compile=cfg.compile)
+    runner = runners[key]
     eos = target.eos_token_ids
     room = cfg.max_seq - cfg.max_new_tokens - max(cfg.spec(cfg.method).draft_size, cfg.k) - 2
     if room < 8:
         raise EyasError(f"max_seq {cfg.max_seq} leaves no room for prompts with {cfg.max_new_tokens} new tokens "
                         f"and a {cfg.spec(cfg.method).draft_size}-token draft")
+    methods = _methods(cfg, runner, drafter, eos)
+    seconds = {"load": time.perf_counter() - clock}
 
-    methods = []
-    if cfg.baselines or drafter is None:
-        methods.append(_Method("plain", lambda p, seed: _plain(runner, p, cfg, eos, seed)))
-        lk = SpecDecoder(runner, None, cfg.spec("lookup"))
-        methods.append(_Method("lookup", lambda p, seed: lk.generate(p, cfg.max_new_tokens, eos_ids=eos, seed=seed)))
-    if drafter is not None:
-        dec = SpecDecoder(runner, drafter, cfg.spec(cfg.method))
-        methods.append(_Method(f"eagle-{cfg.method}", lambda p, seed: dec.generate(p, cfg.max_new_tokens, eos_ids=eos,
-                                                                                    seed=seed)))
-    truncated = 0
-    first = encode_prompt(tok, [{"role": "user", "content": records[0]["turns"][0]}])[-room:]
-    for m in methods:  # warm-up: graph capture / compilation is not timed
+    # Warm-up, not timed: compile and capture every shape of the timed loop, then decode the first prompt
+    # once per method (paths the shape set does not name, e.g. a drafter's chain graph).
+    clock = time.perf_counter()
+    shapes = _warm_up(cfg, runner, methods, drafter)
+    first = _prompt(tok, [{"role": "user", "content": records[0]["turns"][0]}], room)[0]
+    for m in methods:
         m.decode(first, cfg.seed)
-    for ri, rec in enumerate(records):
-        for m in methods:
-            msgs, outs = [], []
-            for ti, turn in enumerate(rec["turns"]):
-                msgs.append({"role": "user", "content": turn})
-                ids = encode_prompt(tok, msgs)
-                if len(ids) > room:
-                    ids = ids[-room:]
-                    truncated += m is methods[0]
-                _sync(runner.device)
-                t0 = time.perf_counter()
-                new, st = m.decode(ids, cfg.seed + 1000 * ri + ti)
-                _sync(runner.device)
-                m.seconds += time.perf_counter() - t0
-                m.stats.add(st)
-                outs.append(new)
-                msgs.append({"role": "assistant", "content": tok.decode(new, skip_special_tokens=True)})
-            m.outputs.append(outs)
+    _sync(runner.device)
+    seconds["warmup"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+    truncated = _decode_all(methods, records, tok, room, cfg, runner.device)
+    seconds["decode"] = time.perf_counter() - clock
+    late = len(runner._graphs) - shapes  # runner shapes first built inside the timed loop
     if truncated:
         print(f"warning: {truncated} prompt(s) longer than {room} tokens were left-truncated", file=out)
     report = {"config": asdict(cfg), "target": target.fingerprint, "drafter": meta.get("source"),
-              "device": str(runner.device), "records": len(records), "turns": sum(len(r["turns"]) for r in records),
-              "truncated": truncated, "skipped_long_prompts": too_long, "methods": {m.name: m.report() for m in methods}}
+              "device": str(runner.device), "dtype": DTYPE_NAMES.get(runner.dtype, str(runner.dtype)),
+              "records": len(records), "turns": sum(len(r["turns"]) for r in records),
+              "truncated": truncated, "skipped_long_prompts": too_long, "methods": {m.name: m.report() for m in methods},
+              "warmup": {"shapes": shapes, "late_shapes": late}}
     by = {m.name: m for m in methods}
     plain = by.get("plain")
     for m in methods:
         if plain is not None and m is not plain and plain.seconds and m.seconds:
             report["methods"][m.name]["speedup"] = round(
                 (m.stats.tokens / m.seconds) / (plain.stats.tokens / plain.seconds), 3)
-    if cfg.temperature == 0 and plain is not None:
-        report["lossless"] = {m.name: {"identical_turns": sum(a == b for x, y in zip(m.outputs, plain.outputs)
-                                                              for a, b in zip(x, y)),
-                                       "turns": report["turns"], "held": m.outputs == plain.outputs}
-                              for m in methods if m is not plain}
-    print(format_table(report), file=out)
-    if cfg.json_out:
-        from eyas.manifest import atomic_write_bytes
-        path = Path(cfg.json_out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(path, (json.dumps(report, indent=2) + "\n").encode())
-        report["plot"] = plot_acceptance(report, path.with_suffix(".png"))
+    clock = time.perf_counter()
+    if cfg.temperature == 0:
+        spec = {m.name: m.outputs for m in methods if m is not plain}
+        if plain is not None:
+            report["agreement"] = {n: {"dtype": report["dtype"], **agreement(o, plain.outputs)} for n, o in spec.items()}
+        if plain is not None and runner.dtype == torch.float32:  # the bench itself is the exact check
+            report["lossless"] = lossless_verdict(spec, plain.outputs, dtype=runner.dtype, rerun=False)
+        elif cfg.lossless_turns and spec:
+            report["lossless"] = _fp32_rerun(cfg, target, runner, drafter, records, tok, room, eos)
+    seconds["lossless_check"] = time.perf_counter() - clock
+    report["seconds"] = {k: round(v, 3) for k, v in seconds.items()}
     return report
+
+
+def _methods(cfg, runner, drafter, eos, *, baselines=None) -> list[_Method]:
+    baselines = cfg.baselines or drafter is None if baselines is None else baselines
+    methods = []
+    if baselines:
+        methods.append(_Method("plain", lambda p, seed: _plain(runner, p, cfg, eos, seed)))
+        lk = SpecDecoder(runner, None, cfg.spec("lookup"))
+        methods.append(_Method("lookup", lambda p, seed: lk.generate(p, cfg.max_new_tokens, eos_ids=eos, seed=seed),
+                               lk))
+    if drafter is not None:
+        dec = SpecDecoder(runner, drafter, cfg.spec(cfg.method))
+        methods.append(_Method(f"eagle-{cfg.method}", lambda p, seed: dec.generate(p, cfg.max_new_tokens, eos_ids=eos,
+                                                                                    seed=seed), dec))
+    return methods
+
+
+def _warm_up(cfg, runner, methods, drafter) -> int:
+    """Compile and capture the fixed shape set of this bench's methods (see startup.py)."""
+    steps, drafters = [], []
+    for m in methods:
+        if m.decoder is None:
+            steps.append((None, verify_shapes("plain", cfg.k, 0)))
+            continue
+        kind = "lookup" if m.name == "lookup" else cfg.method
+        size = tree_nodes(cfg.top_k, cfg.depth, cfg.total_tokens, drafter.config.draft_vocab_size) \
+            if kind == "tree" else 0
+        steps.append((runner.step_fn(m.decoder.aux_ids), verify_shapes(kind, cfg.k, size)))
+        if m.decoder.drafting is not None and kind == "chain":
+            drafters.append((m.decoder.drafting, len(m.decoder.aux_ids) * runner.cfg.hidden_size, cfg.k))
+    return warm_up(runner, steps, drafters)
+
+
+def _prompt(tok, msgs, room) -> tuple[list[int], bool]:
+    from eyas.data.chat import encode_prompt
+
+    ids = encode_prompt(tok, msgs)
+    return (ids[-room:], True) if len(ids) > room else (ids, False)
+
+
+def _decode_all(methods, records, tok, room, cfg, device) -> int:
+    """Answer every turn of every record with each method (own earlier answers as context); timed per method.
+    Returns the number of left-truncated prompts (counted once, on the first method)."""
+    truncated = 0
+    for ri, rec in enumerate(records):
+        for m in methods:
+            msgs, outs = [], []
+            for ti, turn in enumerate(rec["turns"]):
+                msgs.append({"role": "user", "content": turn})
+                ids, cut = _prompt(tok, msgs, room)
+                truncated += cut and m is methods[0]
+                _sync(device)
+                t0 = time.perf_counter()
+                new, st = m.decode(ids, cfg.seed + 1000 * ri + ti)
+                _sync(device)
+                m.seconds += time.perf_counter() - t0
+                m.stats.add(st)
+                outs.append(new)
+                msgs.append({"role": "assistant", "content": tok.decode(new, skip_special_tokens=True)})
+            m.outputs.append(outs)
+    return truncated
+
+
+def _fp32_rerun(cfg, target, runner, drafter, records, tok, room, eos) -> dict:
+    """The exact lossless check: the first cfg.lossless_turns turns again in fp32 (same weights, upcast),
+    plain greedy and every speculative method; each must reproduce plain greedy token for token."""
+    r32 = fp32_runner(runner, target.model, _RUNNERS.setdefault(target.model, {}),
+                      (cfg.max_seq, str(runner.device), "fp32-check"))
+    with exact_fp32():
+        methods = _methods(cfg, r32, fp32_drafter(drafter), eos, baselines=True)
+        _decode_all(methods, first_turns(records, cfg.lossless_turns), tok, room, cfg, r32.device)
+    plain = methods[0]
+    return lossless_verdict({m.name: m.outputs for m in methods[1:]}, plain.outputs, dtype=r32.dtype, rerun=True)
 
 
 def _plain(runner, prompt, cfg, eos, seed):
@@ -251,10 +333,20 @@ def format_table(report: dict) -> str:
         acc = " ".join(f"{a:.2f}" for a in m["acceptance_by_position"][:8])
         rows.append(f"{name:<14}{m['tokens']:>8}{m['tokens_per_s'] or 0:>10.1f}{m.get('speedup', 1.0):>9.2f}"
                     f"{m['tau']:>7.2f}  {acc}")
-    if "lossless" in report:
-        for name, ll in report["lossless"].items():
-            rows.append(f"lossless {name}: {'held' if ll['held'] else 'FAILED'} "
-                        f"({ll['identical_turns']}/{ll['turns']} turns identical to plain greedy)")
+    for name, ll in report.get("lossless", {}).items():
+        what = f"fp32 rerun of {ll['turns']} turns" if ll.get("rerun") else f"{ll.get('dtype', 'bench')}, all {ll['turns']} turns"
+        rows.append(f"{name} lossless ({what}): {'yes' if ll['held'] else 'NO'}"
+                    + ("" if ll["held"] else f", {ll['identical_turns']}/{ll['turns']} turns equal plain greedy"))
+    for name, a in report.get("agreement", {}).items():
+        rows.append(f"{name} {a['dtype']} agreement: {a['identical_turns']}/{a['turns']} turns identical, mean identical "
+                    f"prefix {a['mean_prefix_tokens']:.1f} tokens ({a['mean_prefix_share']:.0%} of the turn)")
+    if "seconds" in report:
+        s = report["seconds"]
+        share = f" ({s['decode'] / s['total']:.0%} of {s['total']:.1f} s)" if s.get("total") else ""
+        cache = report.get("compile_cache")
+        rows.append(f"seconds: load {s['load']:.1f}, compile+warm-up {s['warmup']:.1f}, decoding {s['decode']:.1f}{share}, "
+                    f"lossless check {s['lossless_check']:.1f}"
+                    + (f"; inductor cache {cache['fx_graph_hits']} hits, {cache['fx_graph_misses']} misses" if cache else ""))
     rows.append(f"{report['records']} prompts, {report['turns']} turns, {report['truncated']} truncated, "
                 f"device {report['device']}")
     return "\n".join(rows)

@@ -29,6 +29,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="default: bf16 on CUDA, fp32 on the CPU")
     p.add_argument("--compile", action="store_true", help="torch.compile the target's decode steps (CUDA)")
     p.add_argument("--no-baselines", action="store_true", help="skip plain decoding and prompt lookup")
+    p.add_argument("--lossless-turns", type=int, default=4, metavar="N",
+                   help="greedy benches in bf16/fp16: decode the first N turns again in fp32 as the exact "
+                        "lossless check (0 = off; default 4)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_out", help="write the report here (plot next to it as .png)")
     p.set_defaults(func=main)
@@ -46,6 +49,7 @@ def main(args: argparse.Namespace) -> int:
                       depth=args.depth, total_tokens=args.total_tokens, temperature=args.temperature,
                       top_p=args.top_p, max_new_tokens=args.max_new_tokens, limit=args.limit, max_turns=args.max_turns, max_prompt_tokens=args.max_prompt_tokens,
                       max_seq=args.max_seq, device=device, dtype=args.dtype, compile=args.compile,
-                      baselines=not args.no_baselines, seed=args.seed, json_out=args.json_out)
+                      baselines=not args.no_baselines, lossless_turns=args.lossless_turns, seed=args.seed,
+                      json_out=args.json_out)
     run_bench(cfg)
     return 0
