@@ -224,6 +224,11 @@ def test_fp32_rerun_off_and_sampled(tiny_bf16, prompts):
     cfg = BenchConfig(prompts=prompts, k=2, max_new_tokens=6, max_seq=160, limit=2, lossless_turns=0)
     rep = run_bench(cfg, target=tiny_bf16, drafter=_drafter_for(tiny_bf16.model, torch.bfloat16))
     assert "lossless" not in rep and rep["agreement"]["eagle-chain"]["turns"] == 3
+    # without baselines there is no bf16 plain to agree with, but the fp32 rerun still runs plain itself
+    cfg = BenchConfig(prompts=prompts, k=2, max_new_tokens=6, max_seq=160, limit=2, baselines=False)
+    rep = run_bench(cfg, target=tiny_bf16, drafter=_drafter_for(tiny_bf16.model, torch.bfloat16))
+    assert "agreement" not in rep and set(rep["lossless"]) == {"eagle-chain"} and rep["lossless"]["eagle-chain"]["held"]
+    assert rep["lossless"]["eagle-chain"]["turns"] == 3 and rep["lossless"]["eagle-chain"]["rerun"]
     with pytest.raises(EyasError, match="lossless_turns"):
         BenchConfig(lossless_turns=-1)
 

@@ -242,7 +242,7 @@ def _run(cfg, target, drafter, drafter_meta, records, out) -> dict:
         if plain is not None and runner.dtype == torch.float32:  # the bench itself is the exact check
             report["lossless"] = lossless_verdict(spec, plain.outputs, dtype=runner.dtype, rerun=False)
         elif cfg.lossless_turns and spec:
-            report["lossless"] = _fp32_rerun(cfg, target, runner, drafter, records, tok, room, eos)
+            report["lossless"] = _fp32_rerun(cfg, target, runner, drafter, records, tok, room, eos, set(spec))
     seconds["lossless_check"] = time.perf_counter() - clock
     report["seconds"] = {k: round(v, 3) for k, v in seconds.items()}
     return report
@@ -309,13 +309,14 @@ def _decode_all(methods, records, tok, room, cfg, device) -> int:
     return truncated
 
 
-def _fp32_rerun(cfg, target, runner, drafter, records, tok, room, eos) -> dict:
+def _fp32_rerun(cfg, target, runner, drafter, records, tok, room, eos, benched) -> dict:
     """The exact lossless check: the first cfg.lossless_turns turns again in fp32 (same weights, upcast),
     plain greedy and every speculative method; each must reproduce plain greedy token for token."""
     r32 = fp32_runner(runner, target.model, _RUNNERS.setdefault(target.model, {}),
                       (cfg.max_seq, str(runner.device), "fp32-check"))
     with exact_fp32():
-        methods = _methods(cfg, r32, fp32_drafter(drafter), eos, baselines=True)
+        methods = [m for m in _methods(cfg, r32, fp32_drafter(drafter), eos, baselines=True)
+                   if m.name == "plain" or m.name in benched]
         _decode_all(methods, first_turns(records, cfg.lossless_turns), tok, room, cfg, r32.device)
     plain = methods[0]
     return lossless_verdict({m.name: m.outputs for m in methods[1:]}, plain.outputs, dtype=r32.dtype, rerun=True)
