@@ -49,6 +49,8 @@ if [ -n "${GPU_TESTS:-}" ]; then  # the GPU tests, alongside the slice (they are
 fi
 args=(run --preset gpu --target $STAGE/smollm2.gguf --out "$RUN" --quiet)
 [ -n "$until" ] && args+=(--until "$until")
+# extra arguments, e.g. EYAS_ARGS='--set limit=120 --set epochs=1' for a smoke run (no spaces inside a value)
+[ -n "${EYAS_ARGS:-}" ] && args+=(${EYAS_ARGS})
 start=$(date +%s)
 timeout -s INT ${SLICE_SECONDS:-540} python3 -m eyas "${args[@]}"
 rc=$?
