@@ -16,6 +16,7 @@ from tqdm import tqdm
 from eyas.capture.hooks import capture_states
 from eyas.errors import EyasError
 from eyas.store import format as fmt
+from eyas.store.lock import acquire_store_lock
 from eyas.store.writer import StoreWriter
 
 
@@ -119,6 +120,13 @@ def run_capture(cfg: CaptureConfig, target=None, *, samples: Iterable | None = N
     """
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    # one writer per rank of a store, taken before the (slow) target load: a second capture on the same --out
+    # refuses at once, naming the holder; the kernel drops the lock of a killed capture
+    with acquire_store_lock(cfg.out, rank):
+        return _run_capture(cfg, target, samples, rank, world_size)
+
+
+def _run_capture(cfg: CaptureConfig, target, samples: Iterable | None, rank: int, world_size: int) -> dict:
     if target is None:
         from eyas.target import load_target
         dtype = torch.bfloat16 if cfg.device.startswith("cuda") else torch.float32

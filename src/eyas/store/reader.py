@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from eyas.errors import EyasError
-from eyas.manifest import check_same, read_manifest
+from eyas.manifest import check_same, read_manifest, sha256_file
 from eyas.store import format as fmt
 from eyas.store.writer import read_sidecars
 
@@ -85,6 +85,7 @@ class Store:
             raise EyasError(f"{self.path}: a sample id appears in more than one shard; run `eyas store verify`")
         self._handles: dict = {}
         self._offsets: dict = {}
+        self._stat: dict = {}
         self._pid = os.getpid()
 
     # ---- header ----
@@ -113,13 +114,37 @@ class Store:
 
     # ---- random access ----
     def _shard(self, k: int):
+        """The open shard k. Its bytes are checked against the sha256 of its record when first opened, and its
+        size, mtime and inode before every read: a shard changed under a running reader (rewritten, truncated,
+        bit-flipped) stops it with an error naming the shard, never a silent bad sample or a SIGBUS."""
         if self._pid != os.getpid():  # forked DataLoader worker: reopen the maps
-            self._handles, self._offsets, self._pid = {}, {}, os.getpid()
+            self._handles, self._offsets, self._stat, self._pid = {}, {}, {}, os.getpid()
+        rec = self.records[k]
+        f = self.path / rec["file"]
+        try:
+            st = os.stat(f)
+        except OSError as e:
+            raise EyasError(f"{f}: shard vanished while reading the store ({e.strerror or e})") from e
+        now = (st.st_size, st.st_mtime_ns, st.st_ino)
         h = self._handles.get(k)
         if h is None:
-            h = safe_open(str(self.path / self.records[k]["file"]), framework="pt")
-            self._handles[k] = h
-            self._offsets[k] = h.get_tensor("offsets").tolist()
+            if st.st_size != rec["bytes"]:
+                raise EyasError(f"{f}: shard is {st.st_size} bytes, its record says {rec['bytes']}: it is corrupted; "
+                                f"run `eyas store verify`")
+            if sha256_file(f) != rec["sha256"]:
+                raise EyasError(f"{f}: sha256 mismatch with its record: the shard is corrupted; "
+                                f"run `eyas store verify`")
+            try:
+                h = safe_open(str(f), framework="pt")
+                off = h.get_tensor("offsets").tolist()
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own types
+                raise EyasError(f"{f}: not a readable shard ({' '.join(str(e).split())})") from e
+            if len(off) != rec["samples"] + 1:
+                raise EyasError(f"{f}: {len(off) - 1} samples, its record says {rec['samples']}")
+            self._handles[k], self._offsets[k], self._stat[k] = h, off, now
+        elif now != self._stat[k]:
+            raise EyasError(f"{f}: shard changed on disk while training read it (size {self._stat[k][0]} -> "
+                            f"{st.st_size}, or rewritten); it may be corrupted; run `eyas store verify`")
         return h, self._offsets[k]
 
     def __getitem__(self, i: int) -> StoredSample:
@@ -133,13 +158,18 @@ class Store:
         j = i - self._starts[k]
         h, off = self._shard(k)
         a, b = off[j], off[j + 1]
-        hidden = h.get_slice("hidden")[a:b]                           # (T, 4, h) stored dtype
-        scale = h.get_slice("scale")[a:b] if self.store_dtype == "fp8" else None
+        try:
+            hidden = h.get_slice("hidden")[a:b]                       # (T, 4, h) stored dtype
+            scale = h.get_slice("scale")[a:b] if self.store_dtype == "fp8" else None
+            input_ids, loss_mask = h.get_slice("input_ids")[a:b], h.get_slice("loss_mask")[a:b]
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own types
+            raise EyasError(f"{self.path / self.records[k]['file']}: cannot read sample {self.ids[i]!r} "
+                            f"({' '.join(str(e).split())}); run `eyas store verify`") from e
         hidden = fmt.dequantize(hidden, scale, dtype or self.dtype)
         return StoredSample(
             id=self.ids[i],
-            input_ids=h.get_slice("input_ids")[a:b].long(),
-            loss_mask=h.get_slice("loss_mask")[a:b].bool(),
+            input_ids=input_ids.long(),
+            loss_mask=loss_mask.bool(),
             aux=hidden[:, :3],                                          # (T, 3, h)
             final=hidden[:, 3],                                         # (T, h)
         )
@@ -154,7 +184,7 @@ class Store:
         return self.get(self.index_of(sample_id), dtype)
 
     def __getstate__(self):
-        return {**self.__dict__, "_handles": {}, "_offsets": {}}
+        return {**self.__dict__, "_handles": {}, "_offsets": {}, "_stat": {}}
 
     # ---- reports ----
     def info(self) -> dict:

@@ -6,6 +6,7 @@ Commit protocol for one shard (see docs/store.md):
   3. atomically write the sidecar `shard-rRRR-IIIII.json` (sample ids, counts, sha256): the commit;
   4. rewrite manifest.json (header + all sidecars gathered from the directory).
 A shard without its sidecar is not committed; on restart its rank deletes it and the temp files.
+One writer per rank: run_capture holds STORE/.lock-rRRR while it writes (store/lock.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from safetensors.torch import save as st_save
 from eyas.errors import EyasError
 from eyas.manifest import MANIFEST, atomic_write_bytes, check_same, fsync_dir, read_manifest, write_manifest
 from eyas.store import format as fmt
+from eyas.store.lock import LOCK_RE
 
 _STOP = object()
 
@@ -77,7 +79,13 @@ def prepare_store_dir(path: Path, header: dict, *, overwrite: bool, clear: bool)
     """Create STORE or check that an existing one has the same configuration; `clear` may delete it."""
     if path.exists() and not path.is_dir():
         raise EyasError(f"{path}: exists and is not a directory")
-    if path.is_dir() and any(path.iterdir()):
+    if path.is_dir() and (clear or not (path / MANIFEST).exists()):
+        # a writer killed while writing a manifest leaves its temp file (the first time, with only its lock):
+        # rank 0 removes them before the other ranks start writing
+        for p in path.iterdir():
+            if p.name.startswith(f".{MANIFEST}.tmp-"):
+                p.unlink(missing_ok=True)
+    if path.is_dir() and any(not LOCK_RE.match(p.name) for p in path.iterdir()):  # a writer lock is not content
         if not (path / MANIFEST).exists():
             raise EyasError(f"{path}: not empty and not an eyas store; refusing to write into it")
         old = read_manifest(path)
