@@ -56,7 +56,7 @@ def test_bad_records_are_counted_by_reason(tmp_path):
     raw = ("\n".join(lines) + "\n").encode() + b'{"id": "u", "messages": "\xff\xfe"}\n'
     p = tmp_path / "d.jsonl"
     p.write_bytes(raw)
-    log = SkipLog(stream=io.StringIO())
+    log = SkipLog(echo=3, stream=io.StringIO())
     convs = list(iter_conversations(str(p), log))
     assert [c.id for c in convs][0] == "ok1" and len(convs) == 2
     assert len(convs[1].id) == 16  # no id: a content hash
@@ -105,6 +105,14 @@ def test_prompt_files(tmp_path):
     log = SkipLog(stream=io.StringIO())
     assert load_prompts(str(p), skips=log) == [{"id": "1", "turns": ["a"]}, {"id": "81", "turns": ["t1", "t2"]}]
     assert log.counts == {"malformed record": 1}
+
+
+def test_prompt_loading_prints_one_summary_line(tmp_path, capsys):
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"id": 1, "prompt": "a"}\n{"x": 1}\n{"y": 2}\nnot json\n')
+    assert load_prompts(str(p)) == [{"id": "1", "turns": ["a"]}]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"eyas: skipped 3 malformed records of {p} (2 malformed record, 1 malformed JSON)"]
 
 
 def test_humaneval_prompts():

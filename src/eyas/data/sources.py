@@ -48,16 +48,24 @@ class Skipped:
 
 
 class SkipLog:
-    """Counts skipped records by reason; prints the first few of each reason to stderr."""
+    """Counts skipped records by reason; prints the first `echo` of each reason to stderr (none by default:
+    callers print `summary()` once)."""
 
-    def __init__(self, echo: int = 3, stream=None):
+    def __init__(self, echo: int = 0, stream=None):
         self.counts: Counter[str] = Counter()
         self.echo, self.stream = echo, stream
+        self.first: dict[str, str] = {}
 
     def add(self, s: Skipped) -> None:
         self.counts[s.reason] += 1
+        self.first.setdefault(s.reason, f"{s.where}: {s.detail}")
         if self.counts[s.reason] <= self.echo:
             print(f"eyas: skipped {s.where}: {s.detail}", file=self.stream or sys.stderr)
+
+    def summary(self, what: str) -> str:
+        """One line: how many records of `what` were skipped, by reason."""
+        parts = ", ".join(f"{n} {reason}" for reason, n in self.counts.most_common())
+        return f"eyas: skipped {sum(self.counts.values())} malformed records of {what} ({parts})"
 
 
 class _Bad(Exception):
@@ -302,7 +310,13 @@ def load_prompts(name_or_path: str, *, heldout_fraction: float = 0.05, limit: in
     `prepare` never writes); `heldout:DATA`: the same for any conversation source DATA; `humaneval`: the 164 HumanEval prompts; a .jsonl path: lines with
     `prompt` or `turns` (or `messages`); a .json path: ShareGPT user turns.
     """
-    skips = skips if skips is not None else SkipLog()
+    if skips is None:  # our own log: one summary line at the end instead of a line per record
+        own = SkipLog()
+        try:
+            return load_prompts(name_or_path, heldout_fraction=heldout_fraction, limit=limit, skips=own)
+        finally:
+            if own.counts:
+                print(own.summary(name_or_path), file=sys.stderr)
     out: list[dict] = []
 
     def full() -> bool:
