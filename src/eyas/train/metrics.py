@@ -152,5 +152,13 @@ def truncate_metrics(path: Path, step: int) -> None:
     """On resume: drop records logged after the checkpoint's step (the interrupted run's tail)."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in keep))
+    from eyas.manifest import atomic_write_bytes
+
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if line.strip() and json.loads(line)["step"] <= step:
+                keep.append(line)
+        except (json.JSONDecodeError, KeyError, TypeError):  # a line cut by the kill
+            continue
+    atomic_write_bytes(path, "".join(line + "\n" for line in keep).encode())

@@ -18,6 +18,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -423,7 +424,13 @@ def _check_run_dir(cfg: TrainConfig, run: Path) -> None:
         elif ckpt.list_checkpoints(run):
             raise EyasError(f"{run}: already holds a run with checkpoints; pass --resume or choose another --out")
     elif run.is_dir() and any(run.iterdir()):
-        raise EyasError(f"{run}: not empty and not an eyas training run; refusing to write into it")
+        # a run killed before its first manifest leaves only the draft vocabulary (and temp files): start over
+        early = all(p.name == "vocab" or (p.name.startswith(".") and ".tmp-" in p.name) for p in run.iterdir())
+        if not early:
+            raise EyasError(f"{run}: not empty and not an eyas training run; refusing to write into it")
+        shutil.rmtree(run / "vocab", ignore_errors=True)
+        for p in run.glob(".*.tmp-*"):
+            p.unlink(missing_ok=True)
     run.mkdir(parents=True, exist_ok=True)
 
 
