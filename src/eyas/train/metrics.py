@@ -55,7 +55,9 @@ class Sums:
         else:
             loss_k = [x / n for x in loss_k]
         out = {"loss": loss / n, "loss_k": loss_k, "acc_k": acc, "cond_acc_k": cond,
-               "tau_est": chain_acceptance(cond), "tokens": int(tokens), "positions_k": [int(c) for c in count]}
+               "tau_est": chain_acceptance(cond), "tokens": int(tokens), "positions_k": [int(c) for c in count],
+               # a chain of j drafts can only use cond_acc_0..j-1: compare a chain-j bench with tau_est_by_chain[j-1]
+               "tau_est_by_chain": [chain_acceptance(cond[:j]) for j in range(1, K + 1)]}
         if v[3] > 0:
             out["baseline_acc_0"] = v[4] / v[3]
             out["baseline_positions"] = int(v[3])
