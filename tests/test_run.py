@@ -78,6 +78,19 @@ def test_run_end_to_end_resume_and_redo(tiny_run_inputs, tmp_path, capsys):
         assert f"{stage}: done earlier" in new
     assert "starting" not in new
 
+    # A run.json written before recipes (the preset's flat knobs) still resumes, and is rewritten as a recipe.
+    from test_recipes import OLD_PRESETS
+    state = json.loads((run / "run.json").read_text())
+    flat = _cfg(tiny_run_inputs, run, eval_every=1)
+    state["identity"] = {"target": flat.target, "data": flat.data, "preset": "cpu-demo",
+                         "knobs": {**OLD_PRESETS["cpu-demo"], **flat.overrides}}
+    (run / "run.json").write_text(json.dumps(state))
+    before = log.read_text()
+    run_pipeline(_cfg(tiny_run_inputs, run, eval_every=1))
+    new = log.read_text()[len(before):]
+    assert "starting" not in new and new.count("done earlier") == 5
+    assert json.loads((run / "run.json").read_text())["identity"] == flat.identity()
+
     # A corrupted stage output is detected on resume and that stage is redone.
     shard = next((run / "store").glob("*.safetensors"))
     data = bytearray(shard.read_bytes())
@@ -100,10 +113,15 @@ def test_bad_presets_and_knobs():
         RunConfig(preset="turbo")
     with pytest.raises(EyasError, match="--until"):
         RunConfig(preset="cpu-demo", until="deploy")
-    with pytest.raises(EyasError, match="unknown preset knob"):
+    with pytest.raises(EyasError, match="--set learning_rate: unknown key"):
         RunConfig(preset="cpu-demo", overrides={"learning_rate": 1})
     # a knob of the wrong type is refused up front, naming the knob and the expected type
     for key, bad in (("limit", "many"), ("lr", "3e-3"), ("compile", 1), ("epochs", 2.5), ("bench", {"k": 3})):
         with pytest.raises(EyasError, match=f"--set {key}=.*expected"):
             RunConfig(preset="cpu-demo", overrides={key: bad})
     RunConfig(preset="cpu-demo", overrides={"lr": 1, "limit": None, "regen_dtype": "fp32"})   # int for float, None
+    # the same with table-qualified keys
+    for key, bad in (("prepare.limit", "many"), ("train.lr", "3e-3"), ("train.compile", 1), ("bench.0.k", 2.5)):
+        with pytest.raises(EyasError, match=f"--set {key}=.*expected"):
+            RunConfig(preset="cpu-demo", overrides={key: bad})
+    RunConfig(preset="cpu-demo", overrides={"train.lr": 1, "prepare.limit": None, "prepare.regen_dtype": "fp32"})

@@ -1,0 +1,289 @@
+"""Recipes: the TOML files are the presets, map one-to-one onto the stage dataclasses, refuse unknown keys and wrong
+types by name, and resolve to exactly the stage configs the pre-recipe PRESETS dicts produced."""
+
+import json
+from dataclasses import fields, replace
+from pathlib import Path
+
+import pytest
+
+from eyas.bench.bench import BenchConfig
+from eyas.capture.capture import CaptureConfig
+from eyas.data.prepare import PrepareConfig
+from eyas.errors import EyasError
+from eyas.recipes import LEGACY, from_legacy_knobs, preset, preset_names, with_overrides
+from eyas.run import RunConfig, _open_state, resolve_stages
+from eyas.train.config import TrainConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN = Path("RUN")
+
+# src/eyas/run.py's PRESETS as they stood before recipes (commit 05adfa6), copied verbatim: the knob values the
+# recipes must keep, and what run.json files written then hold as identity["knobs"].
+OLD_PRESETS: dict[str, dict] = {
+    "cpu-demo": dict(
+        device="cpu", dtype="bf16", bench_dtype="fp32", autocast="bf16", limit=1600, max_len=416, max_turns=1,
+        regenerate=True, regen_limit=900, max_new_tokens=96, regen_batch=256, gen_batch=32, regen_dtype=None,
+        samples_per_prompt=1, regen_temperature=0.0, self_prompts=0, capture=True, capture_dtype="bf16",
+        online=False, draft_vocab=8192, ttt_steps=3, epochs=2, steps=None, lr=3e-3, batch_tokens=2048,
+        chunk_size=None, loss_on="assistant", pack="off", attention="auto", compile=False, eval_every=0,
+        bench=[dict(prompts="heldout", method="chain", k=5, limit=20, max_turns=1, max_new_tokens=64)],
+    ),
+    "gpu": dict(
+        device="cuda", dtype="bf16", bench_dtype="bf16", autocast="auto", limit=None, max_len=2048, max_turns=3,
+        regenerate=True, regen_limit=None, max_new_tokens=384, regen_batch=4096, gen_batch=512, regen_dtype=None,
+        samples_per_prompt=1, regen_temperature=0.0, self_prompts=0, capture=False, capture_dtype="bf16",
+        online=True, draft_vocab=32000, ttt_steps=6, epochs=3, steps=None, lr=1e-3, batch_tokens=32768,
+        chunk_size=None, loss_on="assistant", pack="on", attention="flex", compile=True, eval_every=100,
+        bench=[dict(prompts="heldout", method="chain", k=3, limit=30, max_turns=1, max_new_tokens=256),
+               dict(prompts="heldout", method="chain", k=5, limit=30, max_turns=1, max_new_tokens=256),
+               dict(prompts="heldout", method="tree", k=5, limit=10, max_turns=1, max_new_tokens=128),
+               dict(prompts="humaneval", method="chain", k=5, limit=30, max_turns=1, max_new_tokens=256)],
+    ),
+}
+
+
+def old_stage_configs(name: str, *, vocab: int, data: str = "sharegpt", target: str = "smollm2-135m"):
+    """The stage configs the pre-recipe run.py built (its _prepare/_capture/_train/_bench, with their literal
+    arguments), written out: checked against those code paths before they were replaced."""
+    k = OLD_PRESETS[name]
+    heldout = "sharegpt-heldout" if data == "sharegpt" else f"heldout:{data}"
+    label = "sharegpt-heldout" if data == "sharegpt" else "heldout"
+    prepare = PrepareConfig(target=target, data=data, out=str(RUN / "prepared"), limit=k["limit"],
+                            max_len=k["max_len"], regenerate=k["regenerate"], regenerate_limit=k["regen_limit"],
+                            max_new_tokens=k["max_new_tokens"], batch_size=k["regen_batch"], max_turns=k["max_turns"],
+                            regen_dtype=k["regen_dtype"], gen_batch=k["gen_batch"],
+                            samples_per_prompt=k["samples_per_prompt"], regen_temperature=k["regen_temperature"],
+                            self_prompts=k["self_prompts"], overwrite=False)
+    capture = CaptureConfig(out=str(RUN / "store"), target=target, data=str(RUN / "prepared"),
+                            dtype=k["capture_dtype"], device=k["device"], overwrite=False,
+                            progress=True) if k["capture"] else None
+    src = dict(data=str(RUN / "prepared")) if k["online"] else dict(store=str(RUN / "store"))
+    train = TrainConfig(out=str(RUN / "train"), target=target, epochs=k["epochs"], steps=k["steps"], lr=k["lr"],
+                        ttt_steps=k["ttt_steps"], draft_vocab=min(k["draft_vocab"], vocab),
+                        batch_tokens=k["batch_tokens"], chunk_size=k["chunk_size"], max_len=k["max_len"],
+                        device=k["device"], autocast=k["autocast"], loss_on=k["loss_on"], pack=k["pack"],
+                        attention=k["attention"], compile=k["compile"], eval_every=k["eval_every"],
+                        checkpoint_every=50, resume=False, progress=True, **src)
+    bench = {}
+    for b in k["bench"]:
+        prompts = heldout if b["prompts"] == "heldout" else b["prompts"]
+        n = (label if b["prompts"] == "heldout" else prompts) + f"-{b['method']}" + (
+            str(b["k"]) if b["method"] == "chain" else "")
+        bench[n] = BenchConfig(target=target, prompts=prompts, method=b["method"], k=b["k"], limit=b["limit"],
+                               max_turns=b.get("max_turns"), max_prompt_tokens=max(1, k["max_len"] - k["max_new_tokens"]),
+                               max_new_tokens=b["max_new_tokens"], device=k["device"],
+                               json_out=str(RUN / "bench" / f"{n}.json"), compile=k["device"] == "cuda")
+    return prepare, capture, train, bench
+
+
+def stages(cfg, vocab=49152):
+    s = resolve_stages(cfg, RUN, vocab_size=vocab)
+    return s.prepare, s.capture, s.train, s.bench
+
+
+def write(tmp_path, text, name="r.toml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+# ---- the presets are the recipe files, with the pre-recipe values ----------------------------------------------
+
+def test_shipped_recipes_are_the_presets():
+    assert preset_names() == ["cpu-demo", "gpu"]
+    for name in preset_names():  # the top-level recipes/ files are the packaged ones
+        assert (ROOT / "recipes" / f"{name}.toml").read_text() == (ROOT / "src/eyas/recipes" / f"{name}.toml").read_text()
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert '"eyas.recipes" = ["*.toml"]' in pyproject   # installed eyas finds them (package data)
+
+
+@pytest.mark.parametrize("name", ["cpu-demo", "gpu"])
+@pytest.mark.parametrize("vocab", [49152, 100])       # 100: draft_vocab capped at the target vocabulary
+@pytest.mark.parametrize("data", ["sharegpt", "my/chats.jsonl"])  # the heldout prompts alias
+def test_recipe_file_equals_preset_equals_old_presets(name, vocab, data):
+    by_preset = stages(RunConfig(preset=name, data=data), vocab)
+    by_file = stages(RunConfig(preset=name, recipe_file=str(ROOT / "recipes" / f"{name}.toml"), data=data), vocab)
+    assert by_file == by_preset == old_stage_configs(name, vocab=vocab, data=data)
+    assert RunConfig(preset=name).identity() == RunConfig(preset=name, recipe_file=f"recipes/{name}.toml").identity()
+
+
+def test_cli_recipe_and_preset_resolve_alike(monkeypatch):
+    import eyas.run
+    from eyas.cli import main
+
+    seen = []
+    monkeypatch.setattr(eyas.run, "run_pipeline", seen.append)
+    monkeypatch.chdir(ROOT)
+    assert main(["run", "--recipe", "recipes/cpu-demo.toml", "--set", "train.epochs=3"]) == 0
+    assert main(["run", "--preset", "cpu-demo", "--set", "epochs=3"]) == 0
+    a, b = seen
+    assert (a.preset, a.out, b.out) == ("cpu-demo", "runs/cpu-demo", "runs/cpu-demo")
+    assert stages(a) == stages(b)
+    assert stages(a)[2] == replace(old_stage_configs("cpu-demo", vocab=49152)[2], epochs=3)
+
+
+def test_cli_refuses_preset_and_recipe_together(capsys):
+    from eyas.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["run", "--preset", "gpu", "--recipe", "recipes/gpu.toml"])
+    assert "not allowed with" in capsys.readouterr().err
+
+
+# ---- unknown keys, wrong types, missing tables ------------------------------------------------------------------
+
+def test_unknown_key_names_table_and_key(tmp_path):
+    base = (ROOT / "recipes" / "cpu-demo.toml").read_text()
+    for text, words in ((base.replace("ttt_steps = 3", "ttt_step = 3"), ["[train]", "'ttt_step'", "'ttt_steps'"]),
+                        (base + "\n[[bench]]\nmethod = 'tree'\nwidth = 4\n", ["[bench]", "'width'"]),
+                        (base.replace("[capture]", "[captur]"), ["[captur]"]),
+                        (base.replace("[run]", "[run]\ngpus = 2"), ["[run]", "'gpus'"])):
+        path = write(tmp_path, text)
+        with pytest.raises(EyasError) as e:
+            RunConfig(recipe_file=path)
+        assert path in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
+    # fields eyas run sets itself are refused, with where their value comes from
+    with pytest.raises(EyasError, match=r"\[train\] max_len is set by eyas run \(from \[prepare\] max_len\)"):
+        RunConfig(recipe_file=write(tmp_path, base.replace("[train]", "[train]\nmax_len = 100")))
+    with pytest.raises(EyasError, match=r"\[bench\] device is set by eyas run"):
+        RunConfig(overrides={"bench.0.device": "cuda"})
+    with pytest.raises(EyasError, match="must be an array of tables"):   # [bench] instead of [[bench]]
+        RunConfig(recipe_file=write(tmp_path, "[bench]\nk = 3\n"))
+
+
+def test_wrong_type_names_key_and_expected_type(tmp_path):
+    base = (ROOT / "recipes" / "cpu-demo.toml").read_text()
+    for old, new, want in (("limit = 1600", 'limit = "many"', r"\[prepare\] limit.*expected int or null.*got str"),
+                           ("compile = false", "compile = 1", r"\[train\] compile.*expected true/false.*got int"),
+                           ("lr = 3e-3", 'lr = "3e-3"', r"\[train\] lr.*expected float.*got str"),
+                           ("k = 5", "k = 5.0", r"\[bench\] k.*expected int.*got float"),
+                           ('device = "cpu"', "device = ['cpu']", r"\[run\] device.*expected a string.*got list")):
+        path = write(tmp_path, base.replace(old, new))
+        with pytest.raises(EyasError, match=want) as e:
+            RunConfig(recipe_file=path)
+        assert path in str(e.value)
+    with pytest.raises(EyasError, match=r"--set train\.epochs=2\.5: expected int or null"):
+        RunConfig(overrides={"train.epochs": 2.5})
+    with pytest.raises(EyasError, match=r"--set train\.betas=.*expected a list \[float, float\]"):
+        RunConfig(overrides={"train.betas": [0.9, "x"]})
+    # a value of the right type that the stage refuses names the recipe and the table
+    with pytest.raises(EyasError, match=r"recipe cpu-demo \[train\]: pack must be auto, on or off"):
+        RunConfig(overrides={"train.pack": "maybe"})
+    with pytest.raises(EyasError, match="not valid TOML"):
+        RunConfig(recipe_file=write(tmp_path, "[train\n"))
+    with pytest.raises(EyasError, match="cannot read"):
+        RunConfig(recipe_file=str(tmp_path / "missing.toml"))
+    # an int is a float, a TOML array is a tuple
+    cfg = RunConfig(overrides={"train.lr": 1, "train.betas": [0.8, 0.9]})
+    assert stages(cfg)[2].lr == 1.0 and isinstance(stages(cfg)[2].lr, float) and stages(cfg)[2].betas == (0.8, 0.9)
+
+
+def test_missing_tables_take_the_dataclass_defaults(tmp_path):
+    path = write(tmp_path, "[run]\ncapture = false\nonline = true\n\n[prepare]\nmax_len = 300\n")
+    prepare, capture, train, bench = stages(RunConfig(recipe_file=path, preset="mine"), vocab=100)
+    assert prepare == PrepareConfig(data="sharegpt", out=str(RUN / "prepared"), max_len=300)
+    assert capture is None and bench == {}
+    # [train] left out: TrainConfig's defaults, with what eyas run sets and derives
+    assert train == TrainConfig(out=str(RUN / "train"), data=str(RUN / "prepared"), target="smollm2-135m",
+                                device="cpu", max_len=300)
+    # [capture] left out of an offline recipe: CaptureConfig's defaults
+    path = write(tmp_path, "[train]\nepochs = 1\n[[bench]]\n")
+    prepare, capture, train, bench = stages(RunConfig(recipe_file=path))
+    assert capture == CaptureConfig(out=str(RUN / "store"), data=str(RUN / "prepared"), device="cpu")
+    assert list(bench) == ["sharegpt-heldout-chain5"]                    # an empty [[bench]]: BenchConfig's defaults
+    assert bench["sharegpt-heldout-chain5"] == BenchConfig(max_prompt_tokens=2048 - 512,
+                                                           json_out=str(RUN / "bench/sharegpt-heldout-chain5.json"))
+    with pytest.raises(EyasError, match="capture = false needs online = true"):
+        RunConfig(recipe_file=write(tmp_path, "[run]\ncapture = false\n"))
+
+
+# ---- --set ------------------------------------------------------------------------------------------------------
+
+def test_set_with_table_keys_changes_that_field_and_what_derives_from_it():
+    base = stages(RunConfig())
+    p, c, t, b = stages(RunConfig(overrides={"prepare.max_len": 300, "train.epochs": 3, "capture.dtype": "fp8",
+                                             "run.bench_dtype": "bf16", "bench.0.k": 3}))
+    assert p == replace(base[0], max_len=300)
+    assert c == replace(base[1], dtype="fp8")
+    assert t == replace(base[2], epochs=3, max_len=300)            # train max_len follows prepare's
+    (name, bc), = b.items()
+    assert name == "sharegpt-heldout-chain3" and bc == replace(base[3]["sharegpt-heldout-chain5"], k=3,
+                                                               max_prompt_tokens=300 - 96, json_out="RUN/bench/" + name + ".json")
+    # the whole bench list, JSON null for None
+    _, _, t, b = stages(RunConfig(overrides={"bench": [{"prompts": "humaneval", "method": "tree"}],
+                                             "train.draft_vocab": None}))
+    assert list(b) == ["humaneval-tree"] and t.draft_vocab is None
+    with pytest.raises(EyasError, match=r"bench.3.k=3: the recipe has 1 \[\[bench\]\] tables"):
+        RunConfig(overrides={"bench.3.k": 3})
+
+
+def test_flat_names_are_aliases():
+    other = dict(dtype="fp32", regen_dtype="fp32", samples_per_prompt=2, regen_temperature=0.5, self_prompts=4, regenerate=False,
+                 capture_dtype="fp8", steps=10, chunk_size=64, loss_on="all", bench=[{"method": "tree"}])
+    for flat, (table, field) in LEGACY.items():   # every pre-recipe knob lands on its field
+        cpu, value = OLD_PRESETS["cpu-demo"][flat], OLD_PRESETS["gpu"][flat]
+        value = other[flat] if value == cpu else value
+        extra = {"run.online": True} if flat == "capture" else {}   # capture = false needs online training
+        tables = with_overrides(preset("cpu-demo"), {**extra, flat: value}).tables()
+        assert tables[table][field] == value != cpu, flat
+        assert tables == with_overrides(preset("cpu-demo"), {**extra, f"{table}.{field}": value}).tables(), flat
+    assert with_overrides(preset("cpu-demo"), {"bench": other["bench"]}).bench == ({"method": "tree"},)
+    # a field only one table has works unqualified; a field of several tables must be qualified
+    assert stages(RunConfig(overrides={"heldout_fraction": 0.1}))[0].heldout_fraction == 0.1
+    with pytest.raises(EyasError, match=r"--set seed: ambiguous, say which table: prepare\.seed, train\.seed"):
+        RunConfig(overrides={"seed": 1})
+    with pytest.raises(EyasError, match="--set learning_rate: unknown key"):
+        RunConfig(overrides={"learning_rate": 1})
+    with pytest.raises(EyasError, match="did you mean epochs"):
+        RunConfig(overrides={"epoch": 1})
+
+
+# ---- identity and resume ----------------------------------------------------------------------------------------
+
+def test_identity_ignores_defaults_and_names_differences():
+    ident = RunConfig(preset="cpu-demo").identity()
+    assert ident["preset"] == "cpu-demo" and set(ident["recipe"]) == {"run", "prepare", "capture", "train", "bench"}
+    # a value set to its field's default is the same run as one left out
+    assert RunConfig(overrides={"train.chunk_size": None, "prepare.seed": 0}).identity() == ident
+    for name in preset_names():  # a pre-recipe run.json's flat knobs describe the same recipe
+        assert from_legacy_knobs(name, OLD_PRESETS[name]).identity() == preset(name).identity()
+    with pytest.raises(EyasError, match="older eyas"):
+        from_legacy_knobs("cpu-demo", {k: v for k, v in OLD_PRESETS["cpu-demo"].items() if k != "pack"})
+
+
+def _legacy_run_json(run: Path, knobs: dict, preset="cpu-demo"):
+    run.mkdir(parents=True)
+    state = {"identity": {"target": "smollm2-135m", "data": "sharegpt", "preset": preset, "knobs": knobs},
+             "stages": {"prepare": {"done": True, "seconds": 1.0}}, "created": "2025-01-01 00:00:00"}
+    (run / "run.json").write_text(json.dumps(state))
+
+
+def test_pre_recipe_run_json_is_resumed_or_refused(tmp_path):
+    # the flat knobs of the same configuration: resumed, and the identity rewritten as a recipe
+    run = tmp_path / "a"
+    _legacy_run_json(run, {**OLD_PRESETS["cpu-demo"], "limit": 40})
+    cfg = RunConfig(out=str(run), overrides={"prepare.limit": 40})
+    state = _open_state(cfg, run)
+    assert state["stages"]["prepare"]["done"] and state["identity"] == cfg.identity()
+    # another configuration: refused, naming the field in its table
+    with pytest.raises(EyasError, match=r"recipe\.prepare\.limit: 40 != 41.*--overwrite"):
+        _open_state(RunConfig(out=str(run), overrides={"limit": 41}), run)
+    # a run.json of an older eyas (knobs that predate these): refused with a way out
+    run = tmp_path / "b"
+    _legacy_run_json(run, {k: v for k, v in OLD_PRESETS["cpu-demo"].items() if k not in ("pack", "attention")})
+    with pytest.raises(EyasError, match=r"older eyas.*'attention', 'pack'.*use another --out or pass --overwrite"):
+        _open_state(RunConfig(out=str(run)), run)
+    state = _open_state(RunConfig(out=str(run), overwrite=True), run)
+    assert state["stages"] == {} and state["identity"] == RunConfig().identity()
+
+
+def test_every_table_field_is_typed_and_settable_or_owned():
+    """Every stage field is either settable from a recipe (and so checkable by its type) or set by eyas run."""
+    from eyas.recipes import OWNED, stage_classes, _type_name, _hints
+
+    for table, cls in stage_classes().items():
+        hints = _hints(cls)
+        for f in fields(cls):
+            assert _type_name(hints[f.name]), (table, f.name)
+        assert set(OWNED.get(table, {})) <= {f.name for f in fields(cls)}, table
