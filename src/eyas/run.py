@@ -2,7 +2,7 @@
 
 RUN/
   run.json        resolved config + per-stage status (the resume record)
-  prepared/       eyas prepare output           store/    eyas capture output (offline presets)
+  prepared/       eyas prepare output           store/    eyas capture output (offline recipes)
   train/          eyas train run (drafter/, vocab, checkpoints/, metrics.jsonl, tb/)
   bench/          one JSON + PNG per benchmark   export/   SGLang/vLLM checkpoint
   report.md, plots/*.png, logs/run.log
