@@ -1,0 +1,32 @@
+"""What the machine does fast: bf16 on this CPU or not.
+
+A CPU without bf16 instructions (AVX512-BF16 or AMX) emulates bf16 matmuls: on an AVX2-only EPYC a
+512 x 1024 x 1024 product took 1,097 ms in bf16 against 6.5 ms in fp32 (docs/LOG.md, session 3). The cpu-demo's
+bf16 settings are then 100x slower, not 2x faster, so presets ask `cpu_bf16_fast()` before choosing bf16.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@functools.cache
+def cpu_bf16_fast(cpuinfo: str | None = None) -> bool:
+    """True when the CPU has native bf16 matmul instructions (Linux /proc/cpuinfo flags, else torch's report)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[-1].split())
+    if flags:
+        return any(f in flags for f in BF16_FLAGS)
+    import torch
+
+    return any(x in torch.backends.cpu.get_cpu_capability() for x in ("BF16", "AMX"))
