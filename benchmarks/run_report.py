@@ -26,7 +26,7 @@ def section(run: Path, command: str) -> str:
     st = state["stages"]
     lines = [f"## eyas run ({state['identity']['preset']} preset), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
              f"- machine: {machine()}", f"- command: `{command}`",
-             f"- knobs: `{json.dumps({k: v for k, v in state['identity']['knobs'].items() if k != 'bench'})}`", ""]
+             f"- knobs: `{json.dumps({k: v for k, v in (state['identity'].get('knobs') or state['identity'].get('recipe') or {}).items() if k != 'bench'})}`", ""]
     total = sum(v.get("seconds", 0) for v in st.values())
     lines += ["| stage | wall s | done |", "|---|---|---|"]
     lines += [f"| {name} | {v.get('seconds', 0):.0f} | {v.get('done', False)} |" for name, v in st.items()]

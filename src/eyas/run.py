@@ -23,6 +23,7 @@ from eyas.errors import EyasError
 from eyas.manifest import atomic_write_bytes, diff_dicts
 from eyas.recipes import Recipe, from_legacy_knobs, load_recipe, with_overrides
 from eyas.recipes import preset as preset_recipe
+from eyas.recipes import resolve_dtype
 
 if TYPE_CHECKING:
     from eyas.bench.bench import BenchConfig
@@ -218,7 +219,13 @@ def run_pipeline(cfg: RunConfig) -> dict:
         log("this is a demonstration on the CPU (small data, short training); for a real drafter run "
             "`eyas run --preset gpu` on a CUDA machine", always=True)
 
-    target = load_target(cfg.target, device=r.device, dtype=_dtype(r.dtype))
+    dtype = resolve_dtype(r.dtype, r.device)
+    if r.device == "cpu" and r.dtype == "auto":
+        from eyas.target.device import cpu_bf16_fast
+        log("cpu: native bf16, so bf16 weights and autocast" if cpu_bf16_fast() else
+            "cpu: no native bf16 instructions (AVX512-BF16/AMX), so fp32; on 2 cores that takes several times "
+            "the 20 minutes the demo was sized for", always=True)
+    target = load_target(cfg.target, device=r.device, dtype=_dtype(dtype))
     configs = resolve_stages(cfg, run, vocab_size=target.vocab_size, progress=not cfg.quiet)
     stages = [s for s in STAGES if s != "capture" or configs.capture is not None]
     for stage in stages:
@@ -293,7 +300,8 @@ def _bench(cfg, c: Stages, run, target, redo=False) -> dict:
     from eyas.model.importer import load_any_drafter
 
     r = cfg.recipe.run
-    if (r.bench_dtype or r.dtype) != r.dtype:  # e.g. an exact fp32 lossless check after bf16 data and training
+    dtype = resolve_dtype(r.dtype, r.device)
+    if (r.bench_dtype or dtype) != dtype:  # e.g. an exact fp32 lossless check after bf16 data and training
         from eyas.target import load_target
         target = load_target(cfg.target, device=r.device, dtype=_dtype(r.bench_dtype))
     drafter, meta = load_any_drafter(str(run / "train"), target=target)

@@ -36,7 +36,8 @@ class RunKnobs:
     device: str = "cpu"
     """cpu or cuda: every stage runs there (capture, train and bench take it; bench compiles on cuda)."""
     dtype: str = "fp32"
-    """Weights dtype of the target in prepare, capture and train: fp32, bf16 or fp16."""
+    """Weights dtype of the target in prepare, capture and train: fp32, bf16, fp16, or auto (bf16 on CUDA and on
+    CPUs with native bf16 instructions, fp32 elsewhere: emulated bf16 is ~100x slower, eyas.target.device)."""
     bench_dtype: str | None = None
     """Weights dtype of the target in bench (None: `dtype`); fp32 makes the lossless check exact."""
     capture: bool = True
@@ -49,11 +50,22 @@ class RunKnobs:
             raise EyasError(f"device {self.device!r}: expected cpu or cuda")
         for name in ("dtype", "bench_dtype"):
             value = getattr(self, name)
-            if value not in DTYPES and not (name == "bench_dtype" and value is None):
+            if value not in DTYPES + ("auto",) and not (name == "bench_dtype" and value is None):
                 raise EyasError(f"{name} {value!r}: expected one of {', '.join(DTYPES)}")
+        if self.bench_dtype == "auto":
+            raise EyasError("bench_dtype 'auto': give fp32, bf16 or fp16 (or leave it out to follow dtype)")
         if not self.capture and not self.online:
             raise EyasError("capture = false needs online = true (offline training reads the store that "
                             "capture writes)")
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """'auto' -> bf16 on CUDA or a CPU with native bf16, else fp32; any other name unchanged."""
+    if dtype != "auto":
+        return dtype
+    from eyas.target.device import cpu_bf16_fast
+
+    return "bf16" if device == "cuda" or cpu_bf16_fast() else "fp32"
 
 
 def stage_classes() -> dict[str, type]:

@@ -62,7 +62,8 @@ class TrainConfig:
     """Draft vocabulary size (default: 32000, or the whole target vocabulary when that is smaller; a larger
     explicit value is refused)."""
     autocast: str = "auto"
-    """bf16 autocast: 'auto' (on CUDA only), 'bf16' (also on CPUs with AVX512-BF16/AMX, ~2x faster), 'off'."""
+    """bf16 autocast: 'auto' (on CUDA, and on CPUs with native bf16 instructions, where it is ~2x faster; emulated
+    bf16 is ~100x slower), 'bf16' (always), 'off'."""
     loss_on: str = "assistant"
     """Positions that train the drafter: 'assistant' (the loss mask from prepare) or 'all' (every position,
     prompts included: the labels are the target's own distributions, so a prompt position is as valid an

@@ -283,7 +283,8 @@ def run_train(cfg: TrainConfig, target=None) -> dict:
     _barrier()
 
     sink = MetricsSink(run, enabled=rank == 0, total_steps=total, start_step=step, progress=cfg.progress)
-    use_bf16 = cfg.autocast == "bf16" or (cfg.autocast == "auto" and device.type == "cuda")
+    from eyas.target.device import cpu_bf16_fast
+    use_bf16 = cfg.autocast == "bf16" or (cfg.autocast == "auto" and (device.type == "cuda" or cpu_bf16_fast()))
     amp = (torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 and not cfg.deterministic
            else contextlib.nullcontext())
     last_eval: dict = {}
