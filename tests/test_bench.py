@@ -99,7 +99,7 @@ def test_bench_tree_sampled(tiny, prompts):
 def test_bench_refuses_bad_input(tiny, prompts, tmp_path):
     target, drafter = tiny
     with pytest.raises(EyasError, match="target"):
-        other = dict(target.fingerprint, config_sha256="0" * 64)
+        other = dict(target.fingerprint, config={**target.fingerprint["config"], "hidden_size": 1})
         run_bench(BenchConfig(prompts=prompts, max_seq=160, max_new_tokens=4), target=target, drafter=drafter,
                   drafter_meta={"target": other, "source": "somewhere"})
     empty = tmp_path / "empty.jsonl"

@@ -179,7 +179,8 @@ def test_refuses_store_of_other_config_unless_overwrite(tmp_path):
     with pytest.raises(EyasError, match="layers"):
         run_capture(cfg(tmp_path / "s", layers=(1, 2, 3)), target, samples=samples)
     other = target_from_model(make_tiny_llama(layers=6, hidden=32, heads=2, kv_heads=1), aux_layer_ids=(1, 3, 5))
-    with pytest.raises(EyasError, match="config_sha256"):
+    with pytest.raises(EyasError, match=r"target\.config\.hidden_size: 64 != 32; target\.config\.num_attention_heads: 4 != 2; "
+                                        r"target\.config\.num_key_value_heads: 2 != 1\)"):
         run_capture(cfg(tmp_path / "s"), other, samples=samples)
     m = run_capture(cfg(tmp_path / "s", dtype="fp8", overwrite=True), target, samples=samples)
     assert m["dtype"] == "fp8" and Store(tmp_path / "s").info()["dtype"] == "fp8"
@@ -349,5 +350,5 @@ def test_prepared_data_path_and_other_target_refused(tmp_path):
     a, b = _store_dump(tmp_path / "s"), _store_dump(tmp_path / "ref")
     assert all(torch.equal(x, y) for k in a for x, y in zip(a[k], b[k]))
     other = target_from_model(make_tiny_llama(vocab=300))
-    with pytest.raises(EyasError, match=r"prep: target does not match \(config_sha256"):
+    with pytest.raises(EyasError, match=r"prep: target does not match \(config\.vocab_size: 256 != 300"):
         run_capture(cfg(tmp_path / "s2", data=str(tmp_path / "prep")), other)

@@ -12,6 +12,7 @@ from engine_vllm_fake import FakeVllmServer, tiny_target, vllm_states
 from eyas.cli import main
 from eyas.engines.capture import run_engine_capture
 from eyas.engines.client import EngineCaptureConfig
+from eyas.target.layers import default_aux_layer_ids
 from eyas.engines.final_norm import FinalNorm, load_final_norm
 from eyas.engines.vllm_ingest import ingest_dir
 from eyas.store.reader import Store
@@ -109,7 +110,7 @@ def test_capture_through_vllm_stores_the_final_norm_output(capsys, tmp_path):
             {k: [1] * len(v) for k, v in samples.items()})
     cfg = EngineCaptureConfig(engine="vllm", url="http://fake", data="fake", out=str(out), vllm_dir=str(vllm_dir),
                               target_config=str(model_dir / "config.json"), retries=0)
-    aux_ids = [2, n // 2, n - 3]
+    aux_ids = list(default_aux_layer_ids(n))   # what launch-args asked vLLM for (the shallow fallback: n = 6)
     m = run_engine_capture(cfg, aux_layer_ids=aux_ids, hidden_size=model.config.hidden_size,
                            vocab_size=model.config.vocab_size, samples=prep, post=srv.post)
     assert m["complete"] and srv.calls == len(samples)

@@ -97,7 +97,7 @@ def test_reader_refuses_another_target_and_unfinished_dirs(tmp_path, tok):
     data = write_data(tmp_path / "d.jsonl", 20)
     run_prepare(PrepareConfig(data=str(data), out=str(tmp_path / "p")), tiny_target(tok), progress=False)
     other = target_from_model(make_tiny_llama(vocab=len(tok), layers=5), tok, name="tiny")
-    with pytest.raises(EyasError, match=r"target does not match \(config_sha256"):
+    with pytest.raises(EyasError, match=r"target does not match \(config\.num_hidden_layers: 4 != 5"):
         PreparedData(tmp_path / "p", target=other)
     with pytest.raises(EyasError, match="use --overwrite"):  # same dir, different config
         run_prepare(PrepareConfig(data=str(data), out=str(tmp_path / "p"), max_len=99), tiny_target(tok),

@@ -45,11 +45,14 @@ def test_hf_hidden_states_index_is_residual_entering_layer(tiny_llama):
 
 
 def test_fingerprint_changes_with_config():
+    from eyas.manifest import diff_dicts
+
     a = target_from_model(make_tiny_llama(layers=4))
     b = target_from_model(make_tiny_llama(layers=4, seed=1))
     c = target_from_model(make_tiny_llama(layers=5))
-    assert a.fingerprint == b.fingerprint  # same architecture and tokenizer; weights are not hashed
-    assert a.fingerprint["config_sha256"] != c.fingerprint["config_sha256"]
+    assert a.fingerprint == b.fingerprint  # same architecture and tokenizer; in-memory weights are not hashed
+    assert a.fingerprint["config"]["num_hidden_layers"] != c.fingerprint["config"]["num_hidden_layers"]
+    assert diff_dicts(a.fingerprint, c.fingerprint) == ["config.num_hidden_layers: 4 != 5"]
 
 
 def test_bad_target_specs(tmp_path):

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from eyas.errors import EyasError
 
+log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 
@@ -81,8 +83,52 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def is_fingerprint(d) -> bool:
+    """A target fingerprint: version 2 (target/fingerprint.py) or the older {"identity", "config_sha256", ...}."""
+    return isinstance(d, dict) and ("fingerprint" in d or "config_sha256" in d)
+
+
+def _short(v):
+    return f"{v[:12]}..." if isinstance(v, str) and len(v) == 64 else v
+
+
+def fingerprint_diffs(expected: dict, actual: dict, prefix: str = "") -> list[str]:
+    """What makes two target fingerprints differ, by field. The name/path ("identity") never counts; weights
+    count only when both sides hashed the same format. A version-1 fingerprint compares through the live
+    target's `.legacy` hashes, or is refused with how to convert it."""
+    old_e, old_a = "fingerprint" not in expected, "fingerprint" not in actual
+    if old_e or old_a:
+        keys = ("config_sha256", "tokenizer_sha256")
+        if old_e and old_a:
+            return [f"{prefix}{k}: {_short(expected.get(k))!r} != {_short(actual.get(k))!r}"
+                    for k in keys if expected.get(k) != actual.get(k)]
+        old, new = (expected, actual) if old_e else (actual, expected)
+        legacy = getattr(new, "legacy", None)
+        if legacy and all(old.get(k) == legacy.get(k) for k in keys):
+            return []
+        why = ("its " + " and ".join(k.split("_")[0] for k in keys if old.get(k) != legacy.get(k)) + " hash differs"
+               if legacy else "it cannot be compared with a recorded version-2 fingerprint")
+        return [f"{prefix}fingerprint version 1 (recorded by an older eyas; its hashes change with the transformers "
+                f"version): {why}. If it is the same model, pass --allow-target-mismatch; to convert, re-export the "
+                f"drafter against this target with that flag, or rerun the stage that wrote it"]
+    skip = {"identity", "weights"}
+    out = _diff_fields({k: v for k, v in expected.items() if k not in skip},
+                       {k: v for k, v in actual.items() if k not in skip}, prefix)
+    we, wa = expected.get("weights") or {}, actual.get("weights") or {}
+    if we.get("format") == wa.get("format") and we.get("sha256") and wa.get("sha256") and we != wa:
+        out.append(f"{prefix}weights.sha256 ({we['format']}): {_short(we['sha256'])!r} != {_short(wa['sha256'])!r}")
+    return out
+
+
 def diff_dicts(expected: dict, actual: dict, prefix: str = "") -> list[str]:
-    """Human-readable differences between two (nested) dicts, e.g. ['layers: 2,15,27 != 2,15,28']."""
+    """Human-readable differences between two (nested) dicts, e.g. ['layers: 2,15,27 != 2,15,28'].
+    Target fingerprints inside are compared as fingerprints (`fingerprint_diffs`)."""
+    if is_fingerprint(expected) and is_fingerprint(actual):
+        return fingerprint_diffs(expected, actual, prefix)
+    return _diff_fields(expected, actual, prefix)
+
+
+def _diff_fields(expected: dict, actual: dict, prefix: str) -> list[str]:
     out = []
     for key in sorted(set(expected) | set(actual)):
         a, b = expected.get(key, "<missing>"), actual.get(key, "<missing>")
@@ -90,7 +136,7 @@ def diff_dicts(expected: dict, actual: dict, prefix: str = "") -> list[str]:
         if isinstance(a, dict) and isinstance(b, dict):
             out += diff_dicts(a, b, name + ".")
         elif a != b:
-            out.append(f"{name}: {a!r} != {b!r}")
+            out.append(f"{name}: {_short(a)!r} != {_short(b)!r}")
     return out
 
 
@@ -99,3 +145,18 @@ def check_same(expected: dict, actual: dict, *, what: str, where: str) -> None:
     diffs = diff_dicts(expected, actual)
     if diffs:
         raise EyasError(f"{where}: {what} does not match (" + "; ".join(diffs) + ")")
+
+
+def check_target(recorded: dict, target_fingerprint: dict, *, what: str = "target", where: str,
+                 allow_mismatch: bool = False) -> str | None:
+    """Compare a recorded target fingerprint with the loaded target's. A mismatch raises, naming each field,
+    or with `allow_mismatch` (--allow-target-mismatch) returns the warning to record (and logs it)."""
+    diffs = diff_dicts(recorded, target_fingerprint)
+    if not diffs:
+        return None
+    msg = f"{where}: {what} does not match (" + "; ".join(diffs) + ")"
+    if not allow_mismatch:
+        raise EyasError(msg + "; --allow-target-mismatch uses it anyway")
+    warning = msg + "; used anyway (--allow-target-mismatch)"
+    log.warning(warning)
+    return warning

@@ -34,6 +34,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                         "lossless check (0 = off; default 4)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_out", help="write the report here (plot next to it as .png)")
+    p.add_argument("--allow-target-mismatch", action="store_true",
+                   help="bench a drafter whose recorded target fingerprint differs from --target's (a warning, "
+                        "kept in the report's target_mismatch)")
     p.set_defaults(func=main)
     return p
 
@@ -51,5 +54,26 @@ def main(args: argparse.Namespace) -> int:
                       max_seq=args.max_seq, device=device, dtype=args.dtype, compile=args.compile,
                       baselines=not args.no_baselines, lossless_turns=args.lossless_turns, seed=args.seed,
                       json_out=args.json_out)
-    run_bench(cfg)
+    if not args.allow_target_mismatch or not args.drafter:
+        run_bench(cfg)
+        return 0
+    # The drafter is loaded here, accepting another target's fingerprint with a warning; run_bench gets both.
+    import json
+    import sys
+    from pathlib import Path
+
+    from eyas.manifest import atomic_write_bytes
+    from eyas.model.importer import load_any_drafter
+    from eyas.target import load_target
+
+    dtype = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
+    target = load_target(cfg.target, device=cfg.device, dtype=dtype)
+    drafter, meta = load_any_drafter(cfg.drafter, target=target, allow_target_mismatch=True)
+    report = run_bench(cfg, target=target, drafter=drafter, drafter_meta=meta)
+    if warning := meta.get("target_mismatch"):
+        print(f"warning: {warning}", file=sys.stderr)
+        report["target_mismatch"] = {"warning": warning, "trained_target": meta["trained_target"]}
+        if cfg.json_out:
+            written = {k: v for k, v in report.items() if k != "plot"}
+            atomic_write_bytes(Path(cfg.json_out), (json.dumps(written, indent=2) + "\n").encode())
     return 0

@@ -16,6 +16,8 @@ import shlex
 from pathlib import Path
 
 from eyas.errors import EyasError
+from eyas.target.layers import (check_aux_layer_ids, default_aux_layer_ids, sglang_capture_ids,  # noqa: F401
+                               sglang_layer_ids)
 
 # Read from the wheels (tests/engine_sglang_layouts.py records each release; the tests check it):
 FIRST_HOOKS_VERSION = (0, 5, 6)       # --forward-hooks and model_executor/hook_manager.py
@@ -35,8 +37,7 @@ LM_HEAD_MODULES = {
 # vLLM answers a completion only for a model name it serves (default: the --model path); launch-args
 # serves the target under this name and the capture client asks for it (client.request_body).
 VLLM_SERVED_NAME = "eyas-target"
-DEEPSEEK_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM",
-                  "KimiK25ForConditionalGeneration")
+
 
 
 def parse_version(v: str) -> tuple[int, int, int]:
@@ -48,10 +49,6 @@ def parse_version(v: str) -> tuple[int, int, int]:
     if len(parts) != 3:
         raise EyasError(f"engine version {v!r}: expected X.Y.Z")
     return tuple(parts)  # type: ignore[return-value]
-
-
-def default_aux_ids(n: int) -> list[int]:
-    return [2, n // 2, n - 3]
 
 
 def read_target_config(path) -> dict:
@@ -82,37 +79,6 @@ def lm_head_module(info: dict, override: str | None = None) -> str:
                         f"--lm-head-module NAME (its name in model.named_modules(), e.g. "
                         f"language_model.logits_processor)")
     return "logits_processor"
-
-
-def is_deepseek(arch: str, model_type: str | None = None) -> bool:
-    return arch in DEEPSEEK_ARCHS or (model_type or "").startswith(("deepseek", "kimi"))
-
-
-def sglang_layer_ids(hf_ids, arch: str, model_type: str | None = None) -> list[int]:
-    """HF hidden_states ids -> the ids to give SGLang so that it captures exactly those.
-
-    Most SGLang models capture `layers_to_capture = [i + 1 for i in ids]`; deepseek_v2.py adds the
-    +1 only when ids[0] == 1 and otherwise uses the ids as given (EAGLE3.md section 1).
-    """
-    hf = [int(i) for i in hf_ids]
-    if min(hf) < 1:
-        raise EyasError(f"aux layer ids {hf}: SGLang cannot capture hidden_states[0] (the embedding)")
-    if not is_deepseek(arch, model_type):
-        return [i - 1 for i in hf]
-    if hf[0] == 2:
-        return [i - 1 for i in hf]   # first id becomes 1 -> SGLang adds +1 to all
-    if hf[0] == 1:
-        raise EyasError(f"aux layer ids {hf}: with DeepSeek SGLang ids starting at 1 get +1, so HF id 1 "
-                        f"cannot be expressed; choose a first id other than 1")
-    return hf                        # first id != 1 -> SGLang uses them as given
-
-
-def sglang_capture_ids(sglang_ids, arch: str, model_type: str | None = None) -> list[int]:
-    """What SGLang's set_eagle3_layers_to_capture makes of `sglang_ids` (its layers_to_capture = HF ids)."""
-    ids = list(sglang_ids)
-    if is_deepseek(arch, model_type):
-        return [i + 1 for i in ids] if ids and ids[0] == 1 else ids
-    return [i + 1 for i in ids]
 
 
 def hook_spec(store: str, data: str, hf_ids, *, num_layers: int, aux_flag: bool, sglang_ids,
@@ -153,9 +119,7 @@ def sglang_args(target_config, version: str, *, model: str = "MODEL", store: str
     check_sglang_version(version)
     head = lm_head_module(info, lm_head)
     n = info["num_layers"]
-    hf = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_ids(n)
-    if max(hf) >= n:
-        raise EyasError(f"aux layer ids {hf}: the target has {n} layers (ids must be < {n})")
+    hf = list(check_aux_layer_ids(aux_layer_ids, n) if aux_layer_ids is not None else default_aux_layer_ids(n))
     sg = sglang_layer_ids(hf, info["architecture"], info.get("model_type"))
     aux_flag = v >= FIRST_AUX_FLAG_VERSION
     args = ["python", "-m", "sglang.launch_server", "--model-path", model, "--tp-size", str(tp)]
@@ -183,7 +147,7 @@ def vllm_args(target_config, *, model: str = "MODEL", out_dir: str = "VLLM_OUT",
     """
     info = read_target_config(target_config) if not isinstance(target_config, dict) else target_config
     n = info["num_layers"]
-    hf = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_ids(n)
+    hf = list(check_aux_layer_ids(aux_layer_ids, n) if aux_layer_ids is not None else default_aux_layer_ids(n))
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [*hf, n]}}}
     kv = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",

@@ -6,8 +6,9 @@
 
 Layer ids: vLLM reads the top-level `eagle_aux_hidden_state_layer_ids` as HF hidden_states
 indices; SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids` and adds 1 (Llama and most
-targets), so it gets HF ids - 1. SGLang's deepseek_v2.py adds the 1 only when the first id is 1,
-which our HF-1 ids satisfy exactly when the low id is the EAGLE default 2 (warned otherwise).
+targets), so it gets HF ids - 1. SGLang's deepseek_v2.py adds the 1 only when the first id is 1, so with
+the target given, a DeepSeek-family drafter whose low id is not 2 gets its HF ids as they are
+(target/layers.py holds every mapping).
 
 Full draft vocabulary (draft_vocab_size == vocab_size): d2t/t2d are identities and are NOT
 written, because vLLM 0.33 has no `draft_id_to_target_id` parameter then and refuses the key
@@ -25,24 +26,28 @@ from typing import Any
 import torch
 
 from eyas.errors import EyasError
-from eyas.manifest import atomic_write_bytes, check_same
+from eyas.manifest import atomic_write_bytes, check_target
+from eyas.target.layers import SGLANG_OFFSET, sglang_layer_ids
 
 log = logging.getLogger(__name__)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-# SGLang model types whose set_eagle3_layers_to_capture adds +1 only if the first id is 1.
-SGLANG_FIRST_ID_QUIRK = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+def export_sglang_ids(hf_ids, arch: str | None = None, model_type: str | None = None) -> list[int]:
+    """eagle_config's ids for the target's architecture (target/layers.py). Ids SGLang cannot capture (HF 0, or
+    DeepSeek's HF first id 1) are written as HF - 1 with a warning: vLLM, which reads the HF ids, is unaffected."""
+    try:
+        return sglang_layer_ids(hf_ids, arch, model_type)
+    except EyasError as e:
+        log.warning("%s; eagle_config gets HF - 1 and SGLang will capture other layers (vLLM is unaffected)", e)
+        return [int(i) - SGLANG_OFFSET for i in hf_ids]
 
 
-def sglang_layer_ids(hf_ids) -> list[int]:
-    """HF hidden_states indices -> the ids SGLang wants in eagle_config (it adds 1 back)."""
-    return [int(i) - 1 for i in hf_ids]
-
-
-def export_config(cfg, *, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
-    """The config.json dict for a DrafterConfig (see module docstring)."""
+def export_config(cfg, *, dtype: torch.dtype = torch.bfloat16, arch: str | None = None,
+                  model_type: str | None = None) -> dict[str, Any]:
+    """The config.json dict for a DrafterConfig (see module docstring); `arch`/`model_type` are the target's
+    (DeepSeek-family SGLang ids differ, target/layers.py), unknown: the common HF - 1."""
     hf_ids = [int(i) for i in cfg.aux_layer_ids]
     out: dict[str, Any] = {
         "architectures": [ARCHITECTURE],
@@ -64,7 +69,7 @@ def export_config(cfg, *, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]
         "attention_bias": False,
         "torch_dtype": DTYPE_NAMES[dtype],
         "eagle_aux_hidden_state_layer_ids": hf_ids,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_layer_ids(hf_ids),
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": export_sglang_ids(hf_ids, arch, model_type),
                          "use_aux_hidden_state": True},
     }
     if cfg.target_hidden_size != cfg.hidden_size:
@@ -88,18 +93,20 @@ def export_state(drafter, *, dtype: torch.dtype = torch.bfloat16) -> dict[str, t
     return out
 
 
-def readme_text(cfg, *, target: str, out_dir: str, engines: dict[str, str], num_speculative_tokens: int = 3) -> str:
+def readme_text(cfg, *, target: str, out_dir: str, engines: dict[str, str], sglang_ids: list[int],
+                num_speculative_tokens: int = 3, note: str | None = None) -> str:
     hf_ids = list(cfg.aux_layer_ids)
     vllm_spec = json.dumps({"method": "eagle3", "model": out_dir, "num_speculative_tokens": num_speculative_tokens})
     pins = ", ".join(f"{k} {v}" for k, v in engines.items())
+    warning = f"\n**Warning:** {note}\n" if note else ""
     return f"""# EAGLE-3 drafter for `{target}`
 
 Exported by eyas. One Llama decoder layer; hidden {cfg.hidden_size}, draft vocab {cfg.draft_vocab_size} of
 {cfg.vocab_size}, aux layers (HF hidden_states indices) {hf_ids}; SGLang's eagle_config holds
-{sglang_layer_ids(hf_ids)} (it adds 1). No embed_tokens: both engines use the target's embedding.
+{sglang_ids} (it adds 1). No embed_tokens: both engines use the target's embedding.
 Checked against the weight loaders of {pins} (eyas tests/test_engine_contract.py).
 Paths below are absolute, resolved when eyas exported this directory; a hub id stays as it is.
-
+{warning}
 ## SGLang
 
 ```
@@ -143,11 +150,14 @@ def resolve_drafter_dir(path: str | os.PathLike) -> Path:
 
 
 def export_drafter(drafter, out_dir: str | os.PathLike, *, meta: dict | None = None, dtype: str = "bf16",
-                   target=None, target_ref: str | None = None, num_speculative_tokens: int = 3) -> Path:
+                   target=None, target_ref: str | None = None, num_speculative_tokens: int = 3,
+                   allow_target_mismatch: bool = False) -> Path:
     """Write config.json, model.safetensors and README.md to `out_dir`.
 
     `meta["target"]` is the training target's fingerprint; when `target` (an eyas Target) is given,
-    its fingerprint must match, and `target_ref` defaults to its name for the command lines.
+    its fingerprint must match, and `target_ref` defaults to its name for the command lines. With
+    `allow_target_mismatch` a differing one is accepted: the export then records the given target's fingerprint
+    (this converts a drafter with a version-1 fingerprint) and its README the warning.
     """
     from safetensors.torch import save
 
@@ -156,17 +166,17 @@ def export_drafter(drafter, out_dir: str | os.PathLike, *, meta: dict | None = N
     tdtype = DTYPES[dtype]
     cfg = drafter.config
     trained_on = (meta or {}).get("target")
+    arch = model_type = mismatch = None   # unknown without the target: SGLang's common +1 convention
     if target is not None:
         if trained_on:
-            check_same(trained_on, target.fingerprint, what="target (drafter was trained on another)",
-                       where=str(out_dir))
+            mismatch = check_target(trained_on, target.fingerprint, what="target (drafter was trained on another)",
+                                    where=str(out_dir), allow_mismatch=allow_target_mismatch)
+            trained_on = target.fingerprint if mismatch else trained_on
         if target.vocab_size != cfg.vocab_size or target.hidden_size != cfg.target_hidden_size:
             raise EyasError(f"{out_dir}: target vocab/hidden {target.vocab_size}/{target.hidden_size} != drafter's "
                             f"{cfg.vocab_size}/{cfg.target_hidden_size}")
-        model_type = getattr(target.config, "model_type", "")
-        if model_type in SGLANG_FIRST_ID_QUIRK and cfg.aux_layer_ids[0] != 2:
-            log.warning("SGLang's %s adds +1 to the layer ids only if the first is 1; with HF ids %s it will "
-                        "capture the wrong layers (vLLM is unaffected)", model_type, list(cfg.aux_layer_ids))
+        arch = (getattr(target.config, "architectures", None) or [None])[0]
+        model_type = getattr(target.config, "model_type", None)
         target_ref = target_ref or target.name
     target_ref = target_ref or (trained_on or {}).get("identity") or "TARGET"
 
@@ -176,20 +186,22 @@ def export_drafter(drafter, out_dir: str | os.PathLike, *, meta: dict | None = N
 
     atomic_write_bytes(out / "model.safetensors", save(export_state(drafter, dtype=tdtype),
                                                        metadata={"format": "pt"}))
-    config = export_config(cfg, dtype=tdtype)
+    config = export_config(cfg, dtype=tdtype, arch=arch, model_type=model_type)
     if trained_on:
         config["eyas_target"] = trained_on   # informational; neither engine reads it
     atomic_write_bytes(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
     # Absolute paths: the README's commands are run from wherever the engine is, not from this directory.
     engine_target = engine_model_path(target_ref, resolve_embedded=target is not None)
     atomic_write_bytes(out / "README.md", readme_text(cfg, target=engine_target, out_dir=str(out.resolve()),
+                                                      sglang_ids=config["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
                                                       engines=ENGINE_VERSIONS,
-                                                      num_speculative_tokens=num_speculative_tokens).encode())
+                                                      num_speculative_tokens=num_speculative_tokens,
+                                                      note=mismatch).encode())
     return out
 
 
 def run_export(drafter_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "bf16",
-               target_spec: str | None = None) -> Path:
+               target_spec: str | None = None, allow_target_mismatch: bool = False) -> Path:
     """`eyas export`: load RUN/drafter (eyas layout), optionally check the target, write the export."""
     from eyas.model.drafter import load_drafter
 
@@ -199,4 +211,5 @@ def run_export(drafter_path: str | os.PathLike, out_dir: str | os.PathLike, *, d
         from eyas.target import load_target
 
         target = load_target(target_spec, aux_layer_ids=drafter.config.aux_layer_ids)
-    return export_drafter(drafter, out_dir, meta=meta, dtype=dtype, target=target, target_ref=target_spec)
+    return export_drafter(drafter, out_dir, meta=meta, dtype=dtype, target=target, target_ref=target_spec,
+                          allow_target_mismatch=allow_target_mismatch)

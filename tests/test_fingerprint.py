@@ -1,0 +1,224 @@
+"""Portable target fingerprints (target/fingerprint.py): the same target under another path or name is the same
+target; a different config field, tokenizer or weights file is refused naming the field; version-1 fingerprints
+still compare or are refused saying how to convert; --allow-target-mismatch overrides with a recorded warning."""
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import make_tiny_llama
+from eyas.capture.capture import CaptureConfig, run_capture
+from eyas.errors import EyasError
+from eyas.manifest import check_target, diff_dicts
+from eyas.model.importer import load_any_drafter
+from eyas.target import load_target
+from eyas.target.fingerprint import config_fields, file_sha256, legacy_hashes, tokenizer_sha256
+from eyas.train.config import TrainConfig
+from eyas.train.trainer import run_train
+
+V = 258
+
+
+def byte_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update({"<|im_start|>": 256, "<|im_end|>": 257})
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<|im_end|>", bos_token="<|im_start|>")
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return tok
+
+
+def save_target(path, *, seed=31, **kw):
+    model = make_tiny_llama(vocab=V, seed=seed, **kw)
+    model.config.eos_token_id = 257
+    model.generation_config.eos_token_id = 257
+    model.save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return path
+
+
+def samples(n=16):
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for i in range(n):
+        L = int(torch.randint(8, 24, (1,), generator=g))
+        out.append((f"s{i}", torch.randint(0, 256, (L,), generator=g).tolist(), [0] * (L // 3) + [1] * (L - L // 3)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def machine_a(tmp_path_factory):
+    """'Machine A': the target saved under one path and name; a store captured and a drafter trained on it."""
+    root = tmp_path_factory.mktemp("machine-a")
+    target = load_target(str(save_target(root / "tiny-original")))
+    run_capture(CaptureConfig(out=str(root / "store"), progress=False), target, samples=samples())
+    run_train(TrainConfig(out=str(root / "run"), store=str(root / "store"), steps=3, batch_tokens=96, draft_vocab=64,
+                          ttt_steps=2, eval_fraction=0.2, progress=False, deterministic=True), target=target)
+    return root, target
+
+
+@pytest.fixture
+def elsewhere(tmp_path, monkeypatch):
+    """'Machine B': its own cache, and a byte-for-byte copy of the target under another path and name."""
+    monkeypatch.setenv("EYAS_CACHE", str(tmp_path / "cache-b"))
+    return tmp_path
+
+
+def prompts(path):
+    path.write_text("\n".join(json.dumps({"prompt": p}) for p in ("hello there", "abcabcabc")) + "\n")
+    return str(path)
+
+
+def test_same_content_under_another_path_is_the_same_target(machine_a, elsewhere):
+    from eyas.bench.bench import BenchConfig, run_bench
+    from eyas.store.reader import Store
+
+    root, target_a = machine_a
+    copy = shutil.copytree(root / "tiny-original", elsewhere / "models" / "renamed-copy")
+    target_b = load_target(str(copy))
+    assert target_b.fingerprint["identity"] != target_a.fingerprint["identity"]
+    assert target_b.fingerprint["weights"] == target_a.fingerprint["weights"] and target_b.fingerprint["weights"]
+    # the drafter, the store and a bench of the drafter all accept the copy
+    drafter, meta = load_any_drafter(root / "run", target=target_b)
+    assert meta["target"]["identity"] == "tiny-original" and "target_mismatch" not in meta
+    Store(root / "store", target=target_b)
+    report = run_bench(BenchConfig(target=str(copy), drafter=str(root / "run"), prompts=prompts(elsewhere / "p.jsonl"),
+                                   max_seq=128, max_new_tokens=4, limit=2, device="cpu"), target=target_b)
+    assert report["methods"]["eagle-chain"]["tokens"] > 0 and report["lossless"]["eagle-chain"]["held"]
+    # so does training on: --init from the drafter, offline from machine A's store
+    run_train(TrainConfig(out=str(elsewhere / "run2"), store=str(root / "store"), init=str(root / "run"), steps=2,
+                          batch_tokens=96, draft_vocab=64, ttt_steps=2, eval_fraction=0.2, progress=False,
+                          deterministic=True), target=target_b)
+
+
+def test_a_different_config_field_is_refused_by_name(machine_a, elsewhere):
+    from eyas.bench.bench import BenchConfig, run_bench
+
+    root, _ = machine_a
+    other = shutil.copytree(root / "tiny-original", elsewhere / "eps")
+    raw = json.loads((other / "config.json").read_text())
+    raw["rms_norm_eps"] = 1e-6
+    (other / "config.json").write_text(json.dumps(raw))
+    target = load_target(str(other))
+    with pytest.raises(EyasError, match=r"run/drafter/config.json: target does not match \(config.rms_norm_eps: "
+                                        r"1e-05 != 1e-06\); --allow-target-mismatch"):
+        load_any_drafter(root / "run", target=target)
+    with pytest.raises(EyasError, match=r"config.rms_norm_eps"):
+        run_bench(BenchConfig(target=str(other), drafter=str(root / "run"), prompts=prompts(elsewhere / "p.jsonl"),
+                              max_seq=128, max_new_tokens=4, limit=1, device="cpu"), target=target)
+    # the override loads it and keeps the warning
+    _, meta = load_any_drafter(root / "run", target=target, allow_target_mismatch=True)
+    assert "config.rms_norm_eps" in meta["target_mismatch"] and "target" not in meta
+    assert meta["trained_target"]["identity"] == "tiny-original"
+
+
+def test_other_weights_or_tokenizer_refused(machine_a, elsewhere):
+    from eyas.store.reader import Store
+
+    root, target_a = machine_a
+    reseeded = load_target(str(save_target(elsewhere / "reseeded", seed=5)))
+    with pytest.raises(EyasError, match=r"target does not match \(weights.sha256 \(safetensors\): '[0-9a-f]{12}\.\.\.' "
+                                        r"!= '[0-9a-f]{12}\.\.\.'\)"):
+        Store(root / "store", target=reseeded)
+    retok = shutil.copytree(root / "tiny-original", elsewhere / "retok")
+    tok = byte_tokenizer()
+    tok.add_special_tokens({"eos_token": "<|im_start|>"})
+    tok.save_pretrained(retok)
+    with pytest.raises(EyasError, match=r"target does not match \(tokenizer_sha256: "):
+        Store(root / "store", target=load_target(str(retok)))
+    assert diff_dicts(target_a.fingerprint, dict(target_a.fingerprint, weights=None)) == []   # unhashed: not compared
+
+
+def test_bench_cli_override_is_recorded_in_the_json(machine_a, elsewhere):
+    from eyas.cli import main
+
+    root, _ = machine_a
+    other = shutil.copytree(root / "tiny-original", elsewhere / "theta")
+    raw = json.loads((other / "config.json").read_text())
+    raw["rope_parameters"]["rope_theta"] = 5e5
+    (other / "config.json").write_text(json.dumps(raw))
+    args = ["bench", "--target", str(other), "--drafter", str(root / "run"), "--prompts", prompts(elsewhere / "p.jsonl"),
+            "--max-seq", "128", "--max-new-tokens", "4", "--limit", "1", "--device", "cpu", "--no-baselines",
+            "--json", str(elsewhere / "b.json")]
+    assert main(args) == 2   # refused: one line, exit code 2
+    assert main(args + ["--allow-target-mismatch"]) == 0
+    rep = json.loads((elsewhere / "b.json").read_text())
+    assert "config.rope_theta: 10000.0 != 500000.0" in rep["target_mismatch"]["warning"]
+    assert rep["target_mismatch"]["trained_target"]["identity"] == "tiny-original"
+
+
+def test_version_1_fingerprints_compare_or_say_how_to_convert(machine_a, elsewhere):
+    from eyas.export.export import export_drafter
+    from eyas.model.drafter import load_drafter, save_drafter
+
+    root, target = machine_a
+    old = {"identity": "some/other/path", **legacy_hashes(target.model.config, target.tokenizer)}
+    assert diff_dicts(old, target.fingerprint) == [] and diff_dicts(target.fingerprint, old) == []
+    drafter, _ = load_drafter(root / "run" / "drafter")
+    save_drafter(drafter, elsewhere / "old" / "drafter", meta={"target": old})
+    load_any_drafter(elsewhere / "old", target=target)   # same transformers version: the old hashes still agree
+    stale = dict(old, config_sha256="0" * 64)            # e.g. written under another transformers version
+    save_drafter(drafter, elsewhere / "stale" / "drafter", meta={"target": stale})
+    with pytest.raises(EyasError, match=r"fingerprint version 1 .*its config hash differs.*--allow-target-mismatch; "
+                                        r"to convert, re-export"):
+        load_any_drafter(elsewhere / "stale", target=target)
+    # converting: an export against the target with the override records the version-2 fingerprint
+    out = export_drafter(drafter, elsewhere / "exported", meta={"target": stale}, target=target,
+                         allow_target_mismatch=True)
+    assert json.loads((out / "config.json").read_text())["eyas_target"] == target.fingerprint
+    assert "Warning:" in (out / "README.md").read_text()
+    _, meta = load_any_drafter(out, target=target)
+    assert meta["target"] == target.fingerprint and "target_mismatch" not in meta
+    # a version-1 fingerprint cannot be compared with a recorded (JSON) version-2 one: refused, not passed
+    assert "version 1" in diff_dicts(stale, json.loads(json.dumps(target.fingerprint)))[0]
+    assert check_target(stale, target.fingerprint, where="x", allow_mismatch=True).startswith("x: target does not")
+
+
+def test_config_fields_same_for_both_rope_spellings():
+    """transformers 5 spells rope_parameters, 4.x rope_theta + rope_scaling; fp32-stored floats (GGUF) equal."""
+    common = dict(model_type="llama", hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=V)
+    v5 = SimpleNamespace(**common, rms_norm_eps=1e-5,
+                         rope_parameters={"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0})
+    v4 = SimpleNamespace(**common, rms_norm_eps=9.999999747378752e-06, rope_theta=500000.0,
+                         rope_scaling={"type": "llama3", "factor": 8.0})
+    assert config_fields(v5) == config_fields(v4)
+    assert config_fields(v4)["head_dim"] == 16 and config_fields(v4)["rope_scaling"]["rope_type"] == "llama3"
+
+
+def test_tokenizer_hash_is_the_vocabulary_not_the_files(tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = byte_tokenizer()
+    tok.save_pretrained(tmp_path / "t")
+    again = AutoTokenizer.from_pretrained(tmp_path / "t")
+    assert tokenizer_sha256(again) == tokenizer_sha256(tok)
+    again.chat_template = "{{ messages }}"
+    assert tokenizer_sha256(again) == tokenizer_sha256(tok)
+    again.add_tokens(["<|extra|>"])
+    assert tokenizer_sha256(again) != tokenizer_sha256(tok)
+
+
+def test_file_hash_cached_by_path_size_mtime(tmp_path, monkeypatch):
+    import hashlib
+    import os
+
+    monkeypatch.setenv("EYAS_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "w.gguf"
+    f.write_bytes(b"a" * 1000)
+    assert file_sha256(f) == hashlib.sha256(b"a" * 1000).hexdigest()
+    assert len(list((tmp_path / "cache" / "hashes").iterdir())) == 1
+    st = f.stat()
+    f.write_bytes(b"b" * 1000)                          # same size, same mtime: the cache answers (stale on purpose)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert file_sha256(f) == hashlib.sha256(b"a" * 1000).hexdigest()
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))   # touched: hashed again
+    assert file_sha256(f) == hashlib.sha256(b"b" * 1000).hexdigest()
