@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_llama
+from test_bench import byte_tokenizer
 from eyas.capture.capture import CaptureConfig, run_capture
 from eyas.errors import EyasError
 from eyas.manifest import check_target, diff_dicts
@@ -20,21 +21,6 @@ from eyas.train.config import TrainConfig
 from eyas.train.trainer import run_train
 
 V = 258
-
-
-def byte_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab.update({"<|im_start|>": 256, "<|im_end|>": 257})
-    t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    t.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<|im_end|>", bos_token="<|im_start|>")
-    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    return tok
 
 
 def save_target(path, *, seed=31, **kw):
