@@ -208,3 +208,19 @@ def test_file_hash_cached_by_path_size_mtime(tmp_path, monkeypatch):
     assert file_sha256(f) == hashlib.sha256(b"a" * 1000).hexdigest()
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))   # touched: hashed again
     assert file_sha256(f) == hashlib.sha256(b"b" * 1000).hexdigest()
+
+
+def test_export_cli_override(machine_a, elsewhere):
+    """`eyas export --target T` refuses a drafter trained on another target unless --allow-target-mismatch, and
+    then writes the warning into the export's README."""
+    from eyas.cli import main
+
+    root, _ = machine_a
+    other = shutil.copytree(root / "tiny-original", elsewhere / "theta-x")
+    raw = json.loads((other / "config.json").read_text())
+    raw["rope_parameters"]["rope_theta"] = 5e5
+    (other / "config.json").write_text(json.dumps(raw))
+    args = ["export", "--drafter", str(root / "run"), "--out", str(elsewhere / "exp"), "--target", str(other)]
+    assert main(args) == 2
+    assert main(args + ["--allow-target-mismatch"]) == 0
+    assert "config.rope_theta" in (elsewhere / "exp" / "README.md").read_text()

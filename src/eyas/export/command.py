@@ -8,7 +8,8 @@ import argparse
 def _run(args: argparse.Namespace) -> int:
     from eyas.export.export import run_export
 
-    out = run_export(args.drafter, args.out, dtype=args.dtype, target_spec=args.target)
+    out = run_export(args.drafter, args.out, dtype=args.dtype, target_spec=args.target,
+                     allow_target_mismatch=args.allow_target_mismatch)
     print(f"exported to {out} (see {out}/README.md for the SGLang and vLLM command lines)")
     return 0
 
@@ -18,6 +19,9 @@ def register(subparsers) -> None:
     p.add_argument("--drafter", required=True, help="eyas run dir or drafter dir")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="weight dtype (default bf16)")
+    p.add_argument("--allow-target-mismatch", action="store_true",
+                   help="export although the drafter's recorded target differs from --target (a warning is written "
+                        "into the export's README; converts an old-style fingerprint)")
     p.add_argument("--target", default=None,
                    help="target spec to check against the training fingerprint (and to name in the README)")
     p.set_defaults(func=_run)

@@ -65,7 +65,8 @@ class TTTOutput:
     correct_k: Tensor
     """(K,) int64 counted positions where drafter argmax == target argmax."""
     cond_count_k: Tensor
-    """(K,) int64 counted positions whose steps < k were all counted and correct."""
+    """(K,) int64 positions decoding would draft at step k (valid, loss-masked; the target may lie outside the draft
+    vocab, which counts as a miss) whose steps < k were all counted and correct."""
     cond_correct_k: Tensor
     """(K,) int64 of those, the ones correct at step k."""
 
@@ -168,8 +169,9 @@ def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, val
         mask_k = flex_mask(seg, k) if use_flex else full_mask[:, :, : (k + 1) * T]  # (B, T, (k+1)T)
         out, cache = drafter.layer(hidden, emb_k, positions + k, mask_k, cache)
         # counted: x_t .. x_{t+k+2} valid and in one sample, loss on x_{t+k+2}, target in the draft vocab
-        m = ((seg > 0) & (seg == _shift(seg, k + 2)) & (holes == _shift(holes, k + 2))
-             & _shift(lmask, k + 2) & _shift(in_draft, k + 1))                     # (B, T)
+        span = ((seg > 0) & (seg == _shift(seg, k + 2)) & (holes == _shift(holes, k + 2))
+                & _shift(lmask, k + 2))                                            # (B, T) drafted in decoding
+        m = span & _shift(in_draft, k + 1)                                         # (B, T) counted (loss, acc_k)
         ls, pr = fused_soft_ce(drafter.norm(out[m]), drafter.lm_head.weight, _shift(final, k + 1)[m], w_draft,
                                chunk=cfg.chunk_size or 4096)
         pred = torch.full((B, T), -1, dtype=torch.long, device=dev)                # (B, T)
@@ -178,7 +180,8 @@ def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, val
         loss_k = ls / count.clamp(min=1) if cfg.reduction == "mean" else ls
         total = total + cfg.decay ** k * loss_k
         right = (pred == _shift(tgt_draft, k + 1)) & m
-        cond = m & prev_right
+        # conditional counts see what decoding sees: a target outside the draft vocab is a miss, not a skip
+        cond = span & prev_right
         prev_right = prev_right & right
         losses.append(loss_k.detach())
         counts.append(count)
