@@ -224,3 +224,19 @@ def test_export_cli_override(machine_a, elsewhere):
     assert main(args) == 2
     assert main(args + ["--allow-target-mismatch"]) == 0
     assert "config.rope_theta" in (elsewhere / "exp" / "README.md").read_text()
+
+
+def test_train_override_on_a_store_of_another_target(machine_a, elsewhere):
+    root, _ = machine_a
+    other = shutil.copytree(root / "tiny-original", elsewhere / "eps-t")
+    raw = json.loads((other / "config.json").read_text())
+    raw["rms_norm_eps"] = 1e-6
+    (other / "config.json").write_text(json.dumps(raw))
+    target = load_target(str(other))
+    kw = dict(store=str(root / "store"), steps=1, batch_tokens=96, draft_vocab=64, ttt_steps=2, eval_fraction=0.0,
+              progress=False, deterministic=True)
+    with pytest.raises(EyasError, match=r"config.rms_norm_eps: 1e-05 != 1e-06\); --allow-target-mismatch"):
+        run_train(TrainConfig(out=str(elsewhere / "t1"), **kw), target=target)
+    run_train(TrainConfig(out=str(elsewhere / "t2"), allow_target_mismatch=True, **kw), target=target)
+    manifest = json.loads((elsewhere / "t2" / "manifest.json").read_text())
+    assert "config.rms_norm_eps" in manifest["source"]["target_mismatch"]

@@ -31,6 +31,8 @@ def register(subparsers) -> None:
     p.add_argument("--draft-vocab", type=int, help="draft vocabulary size (default 32000, capped at the target's)")
     p.add_argument("--attention", choices=["auto", "dense", "flex"], default="auto",
                    help="TTT attention: flex (block-sparse, CUDA), dense (explicit mask); auto = flex on CUDA")
+    p.add_argument("--allow-target-mismatch", action="store_true",
+                   help="train although the store's or --init drafter's target differs (warning in the manifest)")
     p.add_argument("--compile", action="store_true", help="torch.compile the drafter's decoder layer")
     p.add_argument("--pack", choices=["auto", "on", "off"], default="auto",
                    help="pack samples into rows of --max-len tokens (fixed shapes); auto = on with CUDA")
@@ -64,6 +66,7 @@ def main(args) -> int:
                           batch_tokens=args.batch_tokens, grad_accum=args.grad_accum, max_len=args.max_len,
                           ttt_steps=args.ttt_steps, chunk_size=args.chunk_size, draft_vocab=args.draft_vocab,
                           attention=args.attention, pack=args.pack, compile=args.compile,
+                          allow_target_mismatch=args.allow_target_mismatch,
                           intermediate_size=args.intermediate_size, init_from_target=args.init_from_target, loss_on=args.loss_on, autocast=args.autocast, warmup_ratio=args.warmup_ratio,
                           checkpoint_every=args.checkpoint_every, eval_every=args.eval_every, device=args.device, seed=args.seed,
                           deterministic=args.deterministic, eval_fraction=args.eval_fraction, fsdp=args.fsdp,

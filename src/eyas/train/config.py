@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, fields
 
 # Fields that may change between a run and its --resume (they do not change the loss curve).
 RESUME_FREE = ("resume", "progress", "checkpoint_every", "keep_checkpoints", "target", "device", "compile",
-               "eval_every")
+               "eval_every", "allow_target_mismatch")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +68,9 @@ class TrainConfig:
     """Positions that train the drafter: 'assistant' (the loss mask from prepare) or 'all' (every position,
     prompts included: the labels are the target's own distributions, so a prompt position is as valid an
     example of the target's next-token law as a reply position; evaluation always uses the loss mask)."""
+    allow_target_mismatch: bool = False
+    """Train although the store's (or the --init drafter's) recorded target differs from the loaded one; the
+    warning is recorded in the run's manifest."""
     init_from_target: bool = False
     """Without --init: start the drafter's norm and LM head from the target's final norm and LM-head rows."""
     intermediate_size: int | None = None

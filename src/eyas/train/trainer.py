@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from eyas.errors import EyasError
-from eyas.manifest import MANIFEST, atomic_write_bytes, check_same, read_manifest, write_manifest
+from eyas.manifest import MANIFEST, atomic_write_bytes, check_same, check_target, read_manifest, write_manifest
 from eyas.train import checkpoint as ckpt
 from eyas.train.config import TrainConfig
 from eyas.train.data import (PreparedSource, StoreSource, epoch_batches, group, group_packed, nonfinite_rows, pack,
@@ -99,14 +99,15 @@ def _open_source(cfg: TrainConfig, target, device: torch.device):
         spec = cfg.target or store.manifest.get("config", {}).get("target") or store.fingerprint.get("identity")
         # Offline needs only the embedding and lm_head; the target stays on the CPU.
         target = load_target(spec, device="cpu", dtype=dtype, aux_layer_ids=store.aux_layer_ids)
-    check_same(store.fingerprint, target.fingerprint, what="target", where=str(store.path))
+    warning = check_target(store.fingerprint, target.fingerprint, where=str(store.path),
+                           allow_mismatch=cfg.allow_target_mismatch)
     if tuple(store.aux_layer_ids) != tuple(target.aux_layer_ids):
         raise EyasError(f"{store.path}: store aux layers {list(store.aux_layer_ids)} != the target's "
                         f"{list(target.aux_layer_ids)}")
     if store.hidden_size != target.hidden_size:
         raise EyasError(f"{store.path}: store hidden size {store.hidden_size} != the target's {target.hidden_size}")
     ref = {"store": str(Path(cfg.store).resolve()), "store_samples": len(store), "store_dtype": store.store_dtype,
-           "aux_layer_ids": list(store.aux_layer_ids)}
+           "aux_layer_ids": list(store.aux_layer_ids), **({"target_mismatch": warning} if warning else {})}
     return StoreSource(store, max_len=cfg.max_len, feature_dtype=dtype), target, ref
 
 
@@ -203,9 +204,8 @@ def run_train(cfg: TrainConfig, target=None) -> dict:
     if cfg.init:
         from eyas.model.importer import load_any_drafter  # eyas runs and published EAGLE-3 checkpoints
 
-        init_drafter, meta = load_any_drafter(cfg.init, target=target)
-        if meta.get("target") and meta["target"] != target.fingerprint:
-            check_same(meta["target"], target.fingerprint, what="target of the --init drafter", where=cfg.init)
+        # checks the drafter's recorded target (each differing field named), or warns with --allow-target-mismatch
+        init_drafter, meta = load_any_drafter(cfg.init, target=target, allow_target_mismatch=cfg.allow_target_mismatch)
         init_vocab = (init_drafter.d2t.clone(), init_drafter.t2d.clone())
     vocab, top_id = _build_vocab(cfg, source, train_idx, target.vocab_size, init_vocab, run if rank == 0 else None)
 
