@@ -7,11 +7,13 @@ reader, shard safetensors headers), `eyas export --drafter` (drafter config.json
 `eyas bench --target/--drafter/--prompts` (GGUF, EAGLE-3 checkpoints, prompt files).
 """
 
+import http.server
 import json
 import pickle
 import re
 import struct
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -291,11 +293,164 @@ BENCH_CASES = {
     "target-config-more-layers-than-weights": target_more_layers,
 }
 
+# ---- prepare cases: chat templates that raise, a regeneration server that answers garbage
+
+def conversations_file(root: Path, n=3) -> Path:
+    p = root / "convs.jsonl"
+    p.write_text("".join(json.dumps({"id": f"c{k}", "messages": [{"role": "user", "content": f"question {k}"},
+                                                                {"role": "assistant", "content": f"answer {k}"}]})
+                         + "\n" for k in range(n)))
+    return p
+
+
+def template_target(root: Path, template: str) -> Path:
+    """The tiny target with `template` as its tokenizer_config chat_template (the saved .jinja file removed, as
+    it would take precedence)."""
+    t = tiny_target_dir(root)
+    (t / "chat_template.jinja").unlink(missing_ok=True)
+    edit_json(t / "tokenizer_config.json", lambda c: c.update(chat_template=template))
+    return t
+
+
+def prepare(root, target, *extra):
+    return ["prepare", "--target", str(target), "--data", str(conversations_file(root)), "--out", str(root / "prep"),
+            "--heldout-fraction", "0", *extra]
+
+
+RAISES = "{{ raise_exception('this template refuses everything') }}"
+# renders the probe (a lone user turn) but raises on every assistant turn, so every conversation fails
+RAISES_ON_REPLIES = ("{% for m in messages %}{% if m['role'] == 'assistant' %}"
+                     "{{ raise_exception('no assistant turns here') }}{% endif %}"
+                     "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+MALFORMED = "{% for m in messages %}{{ m['content'] }"  # unclosed tag and loop
+
+
+class _Garbage(http.server.BaseHTTPRequestHandler):
+    """An OpenAI-compatible server gone wrong; the mode is the first path segment of the URL."""
+
+    def log_message(self, *a):
+        pass
+
+    def _send(self, body: bytes, length=None):
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body) if length is None else length))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self._send(json.dumps({"data": [{"id": "m"}]}).encode())
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        mode = self.path.strip("/").split("/")[0]
+        if mode == "garbage":
+            self._send(b"\x00\xffthis is not json {{{")
+        elif mode == "close":  # promises 4096 bytes, sends a few, hangs up
+            self._send(b'{"choices": [{"message": {"content": "hel', length=4096)
+            self.close_connection = True
+        elif mode == "wrong-types":
+            self._send(json.dumps({"choices": [{"message": {"content": 5}, "finish_reason": "stop"}],
+                                   "usage": {"completion_tokens": "three"}}).encode())
+        elif mode == "no-choices":
+            self._send(json.dumps({"choices": []}).encode())
+
+
+_SERVERS: list = []
+
+
+def garbage_server(mode: str) -> str:
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Garbage)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    _SERVERS.append(srv)
+    return f"http://127.0.0.1:{srv.server_address[1]}/{mode}/v1"
+
+
+def regen_case(mode: str, *extra):
+    return lambda root: prepare(root, tiny_target_dir(root), "--regenerate", "--server", garbage_server(mode),
+                                "--retries", "1", "--timeout", "10", "--max-len", "64", "--max-new-tokens", "4",
+                                *extra)
+
+
+PREPARE_CASES = {
+    "chat-template-raises": lambda root: prepare(root, template_target(root, RAISES)),
+    "chat-template-raises-on-every-reply": lambda root: prepare(root, template_target(root, RAISES_ON_REPLIES)),
+    "chat-template-malformed-jinja": lambda root: prepare(root, template_target(root, MALFORMED)),
+    "regen-server-streams-garbage": regen_case("garbage", "--model", "m"),
+    "regen-server-closes-mid-reply": regen_case("close", "--model", "m"),
+    "regen-server-reply-wrong-types": regen_case("wrong-types", "--model", "m"),
+    "regen-server-no-choices": regen_case("no-choices"),
+}
+
+
+# ---- engine ingest-vllm: a sample id or a file that points outside the directories
+
+def ingest_case(sample_id: str, plant=None):
+    def build(root):
+        from eyas.data.prepared import PreparedWriter, Sample
+        from eyas.store.writer import StoreWriter
+
+        target, vllm_dir, prep, out = tiny_target_dir(root), root / "vllm", root / "prepared", root / "store"
+        vllm_dir.mkdir()
+        w = PreparedWriter(prep, identity={"test": 1})
+        w.add(Sample(id=sample_id, input_ids=list(range(3, 12)), loss_mask=[1] * 9))
+        w.commit(1, {})
+        w.finish({"counts": {"kept": 1}})
+        StoreWriter(out, header={"target": {"identity": "tiny", "config_sha256": "c", "tokenizer_sha256": None},
+                                 "layers": {"aux": [1, 2, 3]}, "dtype": "bf16", "hidden_size": 32,
+                                 "vocab_size": 258, "data": {"source": "test"}, "config": {}}).close()
+        if plant:
+            plant(root, vllm_dir, sample_id)
+        return ["engine", "ingest-vllm", "--vllm-dir", str(vllm_dir), "--data", str(prep), "--out", str(out),
+                "--target-config", str(target / "config.json")]
+    return build
+
+
+def symlink_outside(root, vllm_dir, sid):
+    from safetensors.torch import save_file
+
+    outside = root / "outside.safetensors"
+    save_file({"token_ids": torch.arange(3, 12), "hidden_states": torch.zeros(9, 4, 32)}, str(outside))
+    (vllm_dir / f"cmpl-{sid}#a0-0.safetensors").symlink_to(Path("..") / outside.name)
+
+
+INGEST_CASES = {
+    "ingest-vllm-sample-id-dotdot": ingest_case("../../escape"),
+    "ingest-vllm-sample-id-dotdot-only": ingest_case(".."),
+    "ingest-vllm-file-links-outside": ingest_case("s0", symlink_outside),
+}
+
+
+# ---- eyas run: a recipe value of the wrong type
+
+def recipe_file(root: Path) -> Path:
+    p = root / "bad.toml"
+    p.write_text('[run]\ndevice = "cpu"\n\n[train]\nepochs = "two"\n')
+    return p
+
+
+RUN_CASES = {
+    "run-set-wrong-type": lambda root: ["run", "--preset", "cpu-demo", "--out", str(root / "run"),
+                                        "--set", 'train.epochs="two"'],
+    "run-set-bare-word": lambda root: ["run", "--preset", "cpu-demo", "--out", str(root / "run"),
+                                       "--set", "prepare.max_len=long"],
+    "run-recipe-wrong-type": lambda root: ["run", "--recipe", str(recipe_file(root)), "--out", str(root / "run")],
+}
+
+
 # case -> a word the error line must contain (the input was refused for the right reason)
 EXPECT = {"target-config-more-layers-than-weights": "layer", "eagle3-config-two-layers": "num_hidden_layers",
-          "gguf-cut-short": "GGUF", "prompts-invalid-utf8": "UTF-8"}
+          "gguf-cut-short": "GGUF", "prompts-invalid-utf8": "UTF-8",
+          "chat-template-raises": "chat template", "chat-template-raises-on-every-reply": "chat template",
+          "chat-template-malformed-jinja": "chat template", "regen-server-streams-garbage": "attempts",
+          "regen-server-closes-mid-reply": "attempts", "regen-server-reply-wrong-types": "attempts",
+          "ingest-vllm-sample-id-dotdot": "escape", "ingest-vllm-sample-id-dotdot-only": "..",
+          "ingest-vllm-file-links-outside": "outside", "run-set-wrong-type": "epochs",
+          "run-set-bare-word": "max_len", "run-recipe-wrong-type": "epochs"}
 
-CASES = {**STORE_CASES, **EXPORT_CASES, **BENCH_CASES}
+CASES = {**STORE_CASES, **EXPORT_CASES, **BENCH_CASES, **PREPARE_CASES, **INGEST_CASES, **RUN_CASES}
 
 
 @pytest.fixture(autouse=True)
@@ -303,6 +458,12 @@ def no_downloads(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
     monkeypatch.setenv("EYAS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    yield
+    while _SERVERS:
+        srv = _SERVERS.pop()
+        srv.shutdown()
+        srv.server_close()
 
 
 PROGRESS = re.compile(r"^[^|]*\|[^|]*\|\s*\d+/\d+ \[")
@@ -348,6 +509,7 @@ def test_hostile_input_one_line_exit_2(name, tmp_path, capsys):
     assert EXPECT.get(name, "") in "\n".join(lines), lines
     assert not (root / "PWNED").exists(), "a pickle was executed"
     assert not (root / "out" / "config.json").exists(), "a partial export was left behind"
+    assert not (root / "prep" / "manifest.json").exists(), "prepare finished a dataset it could not fill"
 
 
 def test_corpus_size():
@@ -397,3 +559,13 @@ def test_checkpoint_round_trips_under_weights_only(tmp_path):
     assert got["scheduler"] == state["scheduler"] and got["data"] == state["data"]
     set_rng_state(rng)
     assert random.random() == expect[0] and torch.equal(torch.rand(2), expect[1])
+
+
+def test_chat_template_failing_some_records_skips_them(tmp_path, capsys):
+    """Only a template that fails on EVERY conversation stops prepare; one failing some is a counted skip."""
+    some = RAISES_ON_REPLIES.replace("m['role'] == 'assistant'", "m['content'] == 'answer 1'")
+    argv = prepare(tmp_path, template_target(tmp_path, some))
+    rc, out, err = run_cli(argv, capsys)
+    assert rc == 0, err[-2000:]
+    m = json.loads((tmp_path / "prep" / "manifest.json").read_text())
+    assert m["counts"]["kept"] == 2 and m["counts"]["dropped"] == {"chat template error": 1}

@@ -241,6 +241,7 @@ def run_prepare(cfg: PrepareConfig, target=None, *, progress: bool = True) -> di
                 t = tokenize_conversation(tok, r.messages, max_len=cfg.max_len)
             except TemplateError as e:
                 drop(Skipped("chat template error", r.where, f"{r.id}: {e}"))
+                template_errors.append(f"{r.where}: {e}")
                 continue
             if not any(t.loss_mask):
                 drop(Skipped("no trainable tokens", r.where, f"{r.id}: no assistant token within max-len"))
@@ -267,6 +268,7 @@ def run_prepare(cfg: PrepareConfig, target=None, *, progress: bool = True) -> di
             st["regen"] = dataclasses.asdict(backend.stats)
         writer.commit(consumed, st)
 
+    template_errors: list[str] = []  # this run's (the first one names the failure if nothing is kept)
     chunk: list[Conversation] = []
     done = cfg.limit is not None and st["conversations"] >= cfg.limit
     seen = writer.consumed  # source records consumed so far
@@ -311,6 +313,14 @@ def run_prepare(cfg: PrepareConfig, target=None, *, progress: bool = True) -> di
     finally:
         if bar is not None:
             bar.close()
+    if not st["kept"] and dropped.get("chat template error"):
+        # a template that fails on every conversation: refuse to finish an empty dataset (the directory stays
+        # incomplete, so nothing reads it as prepared)
+        first = f"; first: {template_errors[0]}" if template_errors else ""
+        writer.close()
+        raise EyasError(f"{name}: its chat template failed on every conversation "
+                        f"({dropped['chat template error']}){first}; nothing prepared (details in "
+                        f"{writer.dir / SKIPS})")
     counts = {k: v for k, v in st.items() if k not in ("regen", "skipped", "dropped")}
     counts.update(skipped=dict(skipped), dropped=dict(dropped))
     if backend is not None:

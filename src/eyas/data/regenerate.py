@@ -285,9 +285,14 @@ class ServerBackend:
             try:
                 body = r.json()
                 choice = body["choices"][0]
-                return {"text": choice["message"]["content"] or "", "finish": choice.get("finish_reason"),
-                        "tokens": (body.get("usage") or {}).get("completion_tokens", 0)}
-            except (ValueError, KeyError, IndexError, TypeError) as e:
+                text = choice["message"]["content"] or ""
+                tokens = (body.get("usage") or {}).get("completion_tokens", 0) or 0
+                if not isinstance(text, str):
+                    raise TypeError(f"message content is {type(text).__name__}, not text")
+                if not isinstance(tokens, int) or isinstance(tokens, bool):
+                    raise TypeError(f"usage.completion_tokens is {type(tokens).__name__}, not an integer")
+                return {"text": text, "finish": choice.get("finish_reason"), "tokens": tokens}
+            except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
                 last = f"unexpected response ({e})"
                 continue
         raise EyasError(f"{self.url}: {what}: {last} after {self.retries + 1} attempts")

@@ -63,6 +63,10 @@ def http_post(url: str, body: dict, timeout: float) -> dict:
 
 def send_all(cfg: EngineCaptureConfig, samples: dict, *, attempt: int, post=http_post) -> dict:
     """POST each sample once (with per-request retries on transport errors) -> {id: response | error str}."""
+    if cfg.engine == "vllm":  # vLLM names its file after the request id: no id may point outside its directory
+        from eyas.engines.vllm_ingest import check_sample_id  # noqa: PLC0415
+        for sid in samples:
+            check_sample_id(sid, cfg.data)
     def one(sid):
         last = ""
         for k in range(cfg.retries + 1):

@@ -44,6 +44,22 @@ def read_vllm_file(path) -> dict[str, torch.Tensor]:
         raise EyasError(f"{p}: unreadable vLLM hidden-states file ({e})") from e
 
 
+def check_sample_id(sample_id: str, where: str = "") -> None:
+    """Refuse a sample id that vLLM would turn into a path outside its directory (it names its file
+    `{shared_storage_path}/cmpl-{request id}-...`): no path separators, no NUL, not `.`/`..`."""
+    if (not isinstance(sample_id, str) or not sample_id or any(c in sample_id for c in "/\\\0")
+            or sample_id in (".", "..")):
+        raise EyasError(f"{where + ': ' if where else ''}sample id {sample_id!r} is not a safe file name part "
+                        "(a path separator, NUL or '..'): refused, nothing is read or written by its name")
+
+
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        return path.resolve().is_relative_to(root.resolve())
+    except (OSError, RuntimeError):  # a symlink loop
+        return False
+
+
 VLLM_NAME = re.compile(rf"^cmpl-(?P<sid>.+){re.escape(ATTEMPT_SEP)}(?P<attempt>\d+)-\d+(?:-[0-9a-f]{{8}})?\.safetensors$")
 
 
@@ -88,6 +104,8 @@ def ingest_dir(vllm_dir, writer, expected: dict, loss_masks: dict, *, final_norm
     Samples already committed (writer.committed_ids) are skipped: nothing is written twice.
     Returns (written ids, rejected records); a sample with no file is rejected as 'no file'.
     """
+    for sid in expected:  # before anything is read or written
+        check_sample_id(sid, str(vllm_dir))
     done = set(getattr(writer, "committed_ids", ()))
     on_disk = find_files(vllm_dir, expected)
     written, rejected = [], []
@@ -96,6 +114,10 @@ def ingest_dir(vllm_dir, writer, expected: dict, loss_masks: dict, *, final_norm
             continue
         paths = ([Path(names[sid])] if names and sid in names else []) + on_disk.get(sid, [])
         paths = [p for k, p in enumerate(paths) if p.exists() and p not in paths[:k]]
+        for p in paths:
+            if not _inside(p, Path(vllm_dir)):
+                raise EyasError(f"{p}: the file for sample {sid} resolves outside {vllm_dir} "
+                                f"({p.resolve()}): refused")
         if not paths:
             rejected.append(Record(sid, sid, False, f"{vllm_dir}: no file for {sid} "
                                    f"(looked for cmpl-{sid}{ATTEMPT_SEP}K-I-XXXXXXXX.safetensors)"))
