@@ -107,8 +107,8 @@ def main() -> int:
     # speculative decoding in the same process (plain baseline measured by run_bench itself)
     drafter = meta = None
     if args.drafter:
-        from eyas.export.importer import load_any_drafter
-        drafter, meta = load_any_drafter(args.drafter, target=target)
+        from eyas.model.checkpoint import open_drafter
+        drafter, meta = open_drafter(args.drafter, target=target)
     elif args.random_drafter:
         from eyas.model.drafter import DrafterConfig, Eagle3Drafter
         torch.manual_seed(0)

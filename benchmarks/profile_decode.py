@@ -28,13 +28,13 @@ def main() -> None:
     from eyas.data.chat import encode_prompt
     from eyas.data.sources import load_prompts
     from eyas.decode.spec import SpecConfig, SpecDecoder
-    from eyas.model.importer import load_any_drafter
+    from eyas.model.checkpoint import open_drafter
     from eyas.target import load_target
     from eyas.target.runner import Runner
 
     dt = torch.bfloat16 if a.device == "cuda" else torch.float32
     target = load_target(a.target, device=a.device, dtype=dt)
-    drafter, _ = load_any_drafter(a.drafter, target=target)
+    drafter, _ = open_drafter(a.drafter, target=target)
     runner = Runner.from_hf(target.model, max_batch=1, max_seq=2048, device=target.device, compile=a.compile)
     recs = load_prompts(a.prompts, limit=a.limit)
     prompts = [encode_prompt(target.tokenizer, [{"role": "user", "content": r["turns"][0]}])[-1024:] for r in recs]

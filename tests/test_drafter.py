@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from conftest import make_tiny_llama
 from eyas.errors import EyasError
-from eyas.model.drafter import DrafterConfig, Eagle3Drafter, load_drafter, rope_inv_freq, save_drafter
+from eyas.model.checkpoint import load_drafter, save_drafter
+from eyas.model.drafter import DrafterConfig, Eagle3Drafter, rope_inv_freq
 from eyas.model.vocab import build_draft_vocab
 
 # EAGLE3.md section 5, written out independently of the model code: key -> shape for h=64, h_t=64, 4 heads of 16,

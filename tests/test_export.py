@@ -9,8 +9,9 @@ from safetensors.torch import load_file, save_file
 from conftest import make_tiny_llama
 from eyas.errors import EyasError
 from eyas.export.export import export_drafter
-from eyas.export.importer import load_any_drafter, load_eagle3_checkpoint
-from eyas.model.drafter import DrafterConfig, Eagle3Drafter, save_drafter
+from eyas.model.checkpoint import open_drafter, save_drafter
+from eyas.model.drafter import DrafterConfig, Eagle3Drafter
+from eyas.model.importer import load_eagle3_checkpoint
 from eyas.target import target_from_model
 
 DRAFT_VOCAB = 100
@@ -83,14 +84,14 @@ def test_run_dir_and_load_any(target, tmp_path):
     from eyas.export.export import run_export
 
     out = run_export(tmp_path / "run", tmp_path / "exp", dtype="fp32")
-    a, ma = load_any_drafter(tmp_path / "run", target=target)
-    b, mb = load_any_drafter(out, target=target)
+    a, ma = open_drafter(tmp_path / "run", target=target)
+    b, mb = open_drafter(out, target=target)
     assert ma["format"] == "eyas" and mb["format"] == "eagle3" and mb["target"] == target.fingerprint
     for k, v in a.state_dict().items():
         assert torch.equal(v, b.state_dict()[k]), k
     other = target_from_model(make_tiny_llama(layers=8, seed=5, rope_theta=5e5), name="tiny")
     with pytest.raises(EyasError, match="target"):
-        load_any_drafter(out, target=other)
+        open_drafter(out, target=other)
     with pytest.raises(EyasError, match="target"):
         export_drafter(d, tmp_path / "bad", meta={"target": target.fingerprint}, target=other)
 

@@ -14,7 +14,7 @@ from test_bench import byte_tokenizer
 from eyas.capture.capture import CaptureConfig, run_capture
 from eyas.errors import EyasError
 from eyas.manifest import check_target, diff_dicts
-from eyas.model.importer import load_any_drafter
+from eyas.model.checkpoint import open_drafter
 from eyas.target import load_target
 from eyas.target.fingerprint import config_fields, file_sha256, legacy_hashes, tokenizer_sha256
 from eyas.train.config import TrainConfig
@@ -74,7 +74,7 @@ def test_same_content_under_another_path_is_the_same_target(machine_a, elsewhere
     assert target_b.fingerprint["identity"] != target_a.fingerprint["identity"]
     assert target_b.fingerprint["weights"] == target_a.fingerprint["weights"] and target_b.fingerprint["weights"]
     # the drafter, the store and a bench of the drafter all accept the copy
-    drafter, meta = load_any_drafter(root / "run", target=target_b)
+    drafter, meta = open_drafter(root / "run", target=target_b)
     assert meta["target"]["identity"] == "tiny-original" and "target_mismatch" not in meta
     Store(root / "store", target=target_b)
     report = run_bench(BenchConfig(target=str(copy), drafter=str(root / "run"), prompts=prompts(elsewhere / "p.jsonl"),
@@ -97,12 +97,12 @@ def test_a_different_config_field_is_refused_by_name(machine_a, elsewhere):
     target = load_target(str(other))
     with pytest.raises(EyasError, match=r"run/drafter/config.json: target does not match \(config.rms_norm_eps: "
                                         r"1e-05 != 1e-06\); --allow-target-mismatch"):
-        load_any_drafter(root / "run", target=target)
+        open_drafter(root / "run", target=target)
     with pytest.raises(EyasError, match=r"config.rms_norm_eps"):
         run_bench(BenchConfig(target=str(other), drafter=str(root / "run"), prompts=prompts(elsewhere / "p.jsonl"),
                               max_seq=128, max_new_tokens=4, limit=1, device="cpu"), target=target)
     # the override loads it and keeps the warning
-    _, meta = load_any_drafter(root / "run", target=target, allow_target_mismatch=True)
+    _, meta = open_drafter(root / "run", target=target, allow_target_mismatch=True)
     assert "config.rms_norm_eps" in meta["target_mismatch"] and "target" not in meta
     assert meta["trained_target"]["identity"] == "tiny-original"
 
@@ -144,25 +144,25 @@ def test_bench_cli_override_is_recorded_in_the_json(machine_a, elsewhere):
 
 def test_version_1_fingerprints_compare_or_say_how_to_convert(machine_a, elsewhere):
     from eyas.export.export import export_drafter
-    from eyas.model.drafter import load_drafter, save_drafter
+    from eyas.model.checkpoint import load_drafter, save_drafter
 
     root, target = machine_a
     old = {"identity": "some/other/path", **legacy_hashes(target.model.config, target.tokenizer)}
     assert diff_dicts(old, target.fingerprint) == [] and diff_dicts(target.fingerprint, old) == []
     drafter, _ = load_drafter(root / "run" / "drafter")
     save_drafter(drafter, elsewhere / "old" / "drafter", meta={"target": old})
-    load_any_drafter(elsewhere / "old", target=target)   # same transformers version: the old hashes still agree
+    open_drafter(elsewhere / "old", target=target)   # same transformers version: the old hashes still agree
     stale = dict(old, config_sha256="0" * 64)            # e.g. written under another transformers version
     save_drafter(drafter, elsewhere / "stale" / "drafter", meta={"target": stale})
     with pytest.raises(EyasError, match=r"fingerprint version 1 .*its config hash differs.*--allow-target-mismatch; "
                                         r"to convert, re-export"):
-        load_any_drafter(elsewhere / "stale", target=target)
+        open_drafter(elsewhere / "stale", target=target)
     # converting: an export against the target with the override records the version-2 fingerprint
     out = export_drafter(drafter, elsewhere / "exported", meta={"target": stale}, target=target,
                          allow_target_mismatch=True)
     assert json.loads((out / "config.json").read_text())["eyas_target"] == target.fingerprint
     assert "Warning:" in (out / "README.md").read_text()
-    _, meta = load_any_drafter(out, target=target)
+    _, meta = open_drafter(out, target=target)
     assert meta["target"] == target.fingerprint and "target_mismatch" not in meta
     # a version-1 fingerprint cannot be compared with a recorded (JSON) version-2 one: refused, not passed
     assert "version 1" in diff_dicts(stale, json.loads(json.dumps(target.fingerprint)))[0]

@@ -152,7 +152,8 @@ STORE_CASES = {
 # ---- drafter (eyas export --drafter) cases
 
 def saved_drafter(root: Path) -> Path:
-    from eyas.model.drafter import DrafterConfig, Eagle3Drafter, save_drafter
+    from eyas.model.checkpoint import save_drafter
+    from eyas.model.drafter import DrafterConfig, Eagle3Drafter
 
     model = make_tiny_llama(layers=4, hidden=32, heads=2, kv_heads=1, vocab=64, inter=64)
     d = Eagle3Drafter(DrafterConfig.from_target(model.config, draft_vocab_size=64, aux_layer_ids=(1, 2, 3)))

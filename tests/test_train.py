@@ -318,7 +318,7 @@ def test_frequency_baseline_counts_ttt_step0_positions():
 def test_cli_train_writes_run_layout(tmp_path, capsys):
     import argparse
     from eyas.train.command import register
-    from eyas.model.drafter import load_drafter
+    from eyas.model.checkpoint import load_drafter
     from eyas.model.vocab import load_draft_vocab
     from eyas.manifest import read_manifest
 

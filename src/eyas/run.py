@@ -190,14 +190,14 @@ def _verify(stage: str, run: Path, target) -> None:
         from eyas.store.reader import Store
         Store(run / "store", target=target).verify()
     elif stage == "train":
-        from eyas.model.drafter import load_drafter
-        load_drafter(run / "train" / "drafter")
+        from eyas.model.checkpoint import open_drafter
+        open_drafter(run / "train")
     elif stage == "bench":
         for p in (run / "bench").glob("*.json"):
             json.loads(p.read_text())
     elif stage == "export":
-        from eyas.model.importer import load_eagle3_checkpoint
-        load_eagle3_checkpoint(run / "export", target=target)
+        from eyas.model.checkpoint import open_drafter
+        open_drafter(run / "export", target)
 
 
 def run_pipeline(cfg: RunConfig) -> dict:
@@ -297,14 +297,14 @@ def _train(cfg, c: Stages, run, target, redo=False) -> dict:
 
 def _bench(cfg, c: Stages, run, target, redo=False) -> dict:
     from eyas.bench.bench import run_bench
-    from eyas.model.importer import load_any_drafter
+    from eyas.model.checkpoint import open_drafter
 
     r = cfg.recipe.run
     dtype = resolve_dtype(r.dtype, r.device)
     if (r.bench_dtype or dtype) != dtype:  # e.g. an exact fp32 lossless check after bf16 data and training
         from eyas.target import load_target
         target = load_target(cfg.target, device=r.device, dtype=_dtype(r.bench_dtype))
-    drafter, meta = load_any_drafter(str(run / "train"), target=target)
+    drafter, meta = open_drafter(run, target)
     drafter = drafter.to(target.device)
     results = {}
     (run / "bench").mkdir(exist_ok=True)
@@ -324,11 +324,11 @@ def _bench(cfg, c: Stages, run, target, redo=False) -> dict:
 
 
 def _export(cfg, c: Stages, run, target, redo=False) -> dict:
-    from eyas.export.export import export_drafter, resolve_drafter_dir
-    from eyas.model.drafter import load_drafter
+    from eyas.export.export import export_drafter
+    from eyas.model.checkpoint import open_drafter
     from eyas.target.load import resolve
 
-    drafter, meta = load_drafter(resolve_drafter_dir(run / "train"))
+    drafter, meta = open_drafter(run)  # the target is checked once, by export_drafter
     served = str(resolve(cfg.target)[0])  # the engines need an HF directory (the GGUF's safetensors cache)
     chain = max((b.k for b in c.bench.values() if b.method == "chain"), default=3)
     path = export_drafter(drafter, run / "export", meta=meta, target=target, target_ref=served,

@@ -176,11 +176,12 @@ def _run(cfg, target, drafter, drafter_meta, records, out) -> dict:
     if tok is None:
         raise EyasError(f"target {cfg.target!r} has no tokenizer; bench needs one to apply the chat template")
     meta = dict(drafter_meta or {})
-    if drafter is None and cfg.drafter is not None:
-        from eyas.model.importer import load_any_drafter  # shared with `eyas export` and `train --init`
-        drafter, meta = load_any_drafter(cfg.drafter, target=target)
+    opened = drafter is None and cfg.drafter is not None
+    if opened:
+        from eyas.model.checkpoint import open_drafter  # shared with `eyas export`, `train --init` and `eyas run`
+        drafter, meta = open_drafter(cfg.drafter, target)  # checks the recorded target
     if drafter is not None:
-        if meta.get("target"):  # refuse a drafter trained for another target
+        if meta.get("target") and not opened:  # a drafter passed in: refuse one trained for another target
             from eyas.manifest import check_same
             check_same(meta["target"], target.fingerprint, what="drafter's target", where=meta.get("source", "drafter"))
         if tuple(drafter.config.aux_layer_ids) != tuple(target.aux_layer_ids) and meta.get("target") is None:

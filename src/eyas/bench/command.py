@@ -9,7 +9,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench", help="measure acceptance length and real speedup of a drafter",
                               description="Speculative decoding benchmark with plain and prompt-lookup baselines.")
     p.add_argument("--target", default="smollm2-135m", help="target model (embedded name, HF dir, GGUF)")
-    p.add_argument("--drafter", help="eyas run dir, drafter dir or exported EAGLE-3 dir (omit: baselines only)")
+    p.add_argument("--drafter", help="eyas run dir (RUN/, e.g. runs/cpu-demo), train run dir, drafter dir, or exported/published "
+                        "EAGLE-3 dir (omit: baselines only)")
     p.add_argument("--prompts", default="sharegpt-heldout", help="sharegpt-heldout | humaneval | FILE.jsonl")
     shape = p.add_mutually_exclusive_group()
     shape.add_argument("--chain", type=int, metavar="K", help="chain of K draft tokens (default 5)")
@@ -63,12 +64,12 @@ def main(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from eyas.manifest import atomic_write_bytes
-    from eyas.model.importer import load_any_drafter
+    from eyas.model.checkpoint import open_drafter
     from eyas.target import load_target
 
     dtype = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
     target = load_target(cfg.target, device=cfg.device, dtype=dtype)
-    drafter, meta = load_any_drafter(cfg.drafter, target=target, allow_target_mismatch=True)
+    drafter, meta = open_drafter(cfg.drafter, target, allow_target_mismatch=True)
     report = run_bench(cfg, target=target, drafter=drafter, drafter_meta=meta)
     if warning := meta.get("target_mismatch"):
         print(f"warning: {warning}", file=sys.stderr)

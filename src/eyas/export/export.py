@@ -139,16 +139,6 @@ def engine_model_path(ref: str, *, resolve_embedded: bool) -> str:
     return ref
 
 
-def resolve_drafter_dir(path: str | os.PathLike) -> Path:
-    """An eyas run dir (RUN/drafter/...) or the drafter dir itself."""
-    p = Path(path)
-    if (p / "drafter" / "config.json").exists():
-        return p / "drafter"
-    if (p / "config.json").exists():
-        return p
-    raise EyasError(f"{p}: not an eyas run or drafter directory (no config.json or drafter/config.json)")
-
-
 def export_drafter(drafter, out_dir: str | os.PathLike, *, meta: dict | None = None, dtype: str = "bf16",
                    target=None, target_ref: str | None = None, num_speculative_tokens: int = 3,
                    allow_target_mismatch: bool = False) -> Path:
@@ -202,10 +192,12 @@ def export_drafter(drafter, out_dir: str | os.PathLike, *, meta: dict | None = N
 
 def run_export(drafter_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "bf16",
                target_spec: str | None = None, allow_target_mismatch: bool = False) -> Path:
-    """`eyas export`: load RUN/drafter (eyas layout), optionally check the target, write the export."""
-    from eyas.model.drafter import load_drafter
+    """`eyas export`: open any drafter (run dir, drafter dir, export or published EAGLE-3 head;
+    eyas.model.checkpoint.open_drafter), optionally check the target, write the export."""
+    from eyas.model.checkpoint import open_drafter
 
-    drafter, meta = load_drafter(resolve_drafter_dir(drafter_path))
+    # the target is checked once, by export_drafter (it records the override in the README)
+    drafter, meta = open_drafter(drafter_path)
     target = None
     if target_spec is not None:
         from eyas.target import load_target

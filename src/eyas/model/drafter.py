@@ -7,19 +7,14 @@ NOT part of the drafter: the caller applies the frozen target embedding and pass
 from __future__ import annotations
 
 import functools
-import json
 import math
-import os
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import sdpa_kernel
 
-from eyas.errors import EyasError
 from eyas.sdpa import INFERENCE_SDPA
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -296,59 +291,3 @@ class Eagle3Drafter(nn.Module):
 
     def draft_to_target(self, draft_ids: Tensor) -> Tensor:
         return draft_ids + self.d2t[draft_ids]
-
-
-CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
-
-
-def save_drafter(drafter: Eagle3Drafter, path: str | os.PathLike, meta: dict[str, Any] | None = None) -> None:
-    """Write DIR/config.json (config + meta, e.g. {"target": fingerprint}) and DIR/model.safetensors (fp32)."""
-    from safetensors.torch import save
-
-    from eyas.manifest import atomic_write_bytes
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    state = {k: (v.float() if v.is_floating_point() else v).detach().cpu().contiguous()
-             for k, v in drafter.state_dict().items()}
-    atomic_write_bytes(path / WEIGHTS_FILE, save(state))
-    cfg = drafter.config.to_dict()
-    clash = sorted(set(meta or {}) & set(cfg))
-    if clash:
-        raise ValueError(f"save_drafter: meta keys {clash} clash with config fields")
-    atomic_write_bytes(path / CONFIG_FILE, (json.dumps({**cfg, **(meta or {})}, indent=2) + "\n").encode())
-
-
-def load_drafter(path: str | os.PathLike, *, device="cpu") -> tuple[Eagle3Drafter, dict]:
-    """Read a directory written by save_drafter -> (drafter in fp32, meta: the non-config keys of config.json)."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    cfg_path, w_path = path / CONFIG_FILE, path / WEIGHTS_FILE
-    for p in (cfg_path, w_path):
-        if not p.exists():
-            raise EyasError(f"{p}: missing (is {path} a drafter checkpoint directory?)")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise EyasError(f"{cfg_path}: not valid JSON ({e})") from e
-    known = {f.name for f in fields(DrafterConfig)}
-    try:
-        cfg = DrafterConfig.from_dict({k: v for k, v in raw.items() if k in known})
-    except (TypeError, ValueError) as e:
-        raise EyasError(f"{cfg_path}: bad drafter config ({e})") from e
-    meta = {k: v for k, v in raw.items() if k not in known}
-    drafter = Eagle3Drafter(cfg)
-    try:
-        state = load_file(str(w_path))
-    except Exception as e:  # noqa: BLE001 - safetensors raises SafetensorError, OSError, ... on a damaged file
-        why = " ".join(str(e).split())  # one line
-        raise EyasError(f"{w_path}: not a readable safetensors file ({type(e).__name__}: {why})") from e
-    want = drafter.state_dict()
-    missing, extra = sorted(set(want) - set(state)), sorted(set(state) - set(want))
-    bad = [k for k in want if k in state and tuple(state[k].shape) != tuple(want[k].shape)]
-    if missing or extra or bad:
-        raise EyasError(f"{w_path}: weights do not match config (missing {missing}, unexpected {extra}, "
-                        f"wrong shape {bad})")
-    drafter.load_state_dict(state)
-    return drafter.to(device), meta

@@ -1,4 +1,6 @@
-"""Import EAGLE-3 drafters in the published layouts (and eyas's own) as an eyas Eagle3Drafter.
+"""Import EAGLE-3 drafters in the published (and eyas-exported) layout as an eyas Eagle3Drafter.
+
+Open drafters with eyas.model.checkpoint.open_drafter, which finds the layout and calls this for EAGLE-3 dirs.
 
 Accepted: `midlayer.*` or `layers.0.*` names (optionally under `model.`), with or without `t2d`
 (rebuilt from d2t) or both maps (full vocab: identities); architectures LlamaForCausalLM or
@@ -231,10 +233,10 @@ def load_eagle3_checkpoint(path: str | os.PathLike, *, target=None,
     meta = {"format": "eagle3", "source": str(path), "aux_layer_ids": list(ids), "warnings": warnings}
     if raw.get("eyas_target"):
         meta["target"] = raw["eyas_target"]
-    return drafter, _accept_mismatch(meta, mismatch)
+    return drafter, accept_mismatch(meta, mismatch)
 
 
-def _accept_mismatch(meta: dict, warning: str | None) -> dict:
+def accept_mismatch(meta: dict, warning: str | None) -> dict:
     """After an allowed target mismatch: the recorded fingerprint moves to "trained_target", so that later
     checks of meta["target"] see none, and the warning is kept in "target_mismatch" (and "warnings")."""
     if warning is None:
@@ -242,34 +244,3 @@ def _accept_mismatch(meta: dict, warning: str | None) -> dict:
     out = {k: v for k, v in meta.items() if k != "target"}
     out.update(target_mismatch=warning, trained_target=meta["target"], warnings=[*meta.get("warnings", []), warning])
     return out
-
-
-def is_eyas_drafter_dir(path: Path) -> bool:
-    try:
-        raw = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return "aux_layer_ids" in raw and "architectures" not in raw
-
-
-def load_any_drafter(path: str | os.PathLike, *, target=None, allow_target_mismatch: bool = False) -> tuple[Any, dict]:
-    """eyas run dir (RUN/drafter), eyas drafter dir, or exported/published EAGLE-3 dir -> (drafter, meta).
-
-    With `target`, refuses a drafter whose recorded target fingerprint differs, naming each field; with
-    `allow_target_mismatch` it loads it and meta["target_mismatch"] holds the warning (see _accept_mismatch).
-    """
-    from eyas.model.drafter import load_drafter
-
-    p = Path(path)
-    if (p / "drafter" / "config.json").exists():
-        p = p / "drafter"
-    if is_eyas_drafter_dir(p):
-        drafter, meta = load_drafter(p)
-        meta = {"format": "eyas", "source": str(p), "aux_layer_ids": list(drafter.config.aux_layer_ids),
-                "warnings": [], **meta}
-        mismatch = None
-        if target is not None and meta.get("target"):
-            mismatch = check_target(meta["target"], target.fingerprint, where=str(p / "config.json"),
-                                    allow_mismatch=allow_target_mismatch)
-        return drafter, _accept_mismatch(meta, mismatch)
-    return load_eagle3_checkpoint(p, target=target, allow_target_mismatch=allow_target_mismatch)

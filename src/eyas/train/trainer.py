@@ -4,7 +4,7 @@ RUN/
   manifest.json          kind "train": resolved config, target fingerprint, source reference, counts, result
   vocab/                 draft_vocab.safetensors (token_ids, d2t, t2d) + summary.json (size, coverage)
   checkpoints/step-N/    model, optimizer, scheduler, data position, RNG states (atomic; see checkpoint.py)
-  drafter/               config.json + model.safetensors (eyas.model.drafter.save_drafter)
+  drafter/               config.json + model.safetensors (eyas.model.checkpoint.save_drafter)
   metrics.jsonl, tb/     train records every log_every steps, eval records at the end of each epoch
 
 One optimizer step on a rank = grad_accum micro-batches (data.rank_batches); the loss of a micro-batch is the TTT
@@ -180,7 +180,8 @@ def _load_full_state(module: nn.Module, optim, model_state: dict, opt_state: dic
 # ---------------------------------------------------------------------------------------------------- run
 def run_train(cfg: TrainConfig, target=None) -> dict:
     """Train a drafter as configured; returns the final metrics (train + last eval)."""
-    from eyas.model.drafter import DrafterConfig, Eagle3Drafter, save_drafter
+    from eyas.model.checkpoint import save_drafter
+    from eyas.model.drafter import DrafterConfig, Eagle3Drafter
 
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -202,10 +203,10 @@ def run_train(cfg: TrainConfig, target=None) -> dict:
                         f"({target.vocab_size} tokens of {cfg.target or 'the store target'}); use at most {target.vocab_size}")
     init_drafter, init_vocab = None, None
     if cfg.init:
-        from eyas.model.importer import load_any_drafter  # eyas runs and published EAGLE-3 checkpoints
+        from eyas.model.checkpoint import open_drafter  # eyas runs and published EAGLE-3 checkpoints
 
         # checks the drafter's recorded target (each differing field named), or warns with --allow-target-mismatch
-        init_drafter, meta = load_any_drafter(cfg.init, target=target, allow_target_mismatch=cfg.allow_target_mismatch)
+        init_drafter, meta = open_drafter(cfg.init, target, allow_target_mismatch=cfg.allow_target_mismatch)
         init_vocab = (init_drafter.d2t.clone(), init_drafter.t2d.clone())
     vocab, top_id = _build_vocab(cfg, source, train_idx, target.vocab_size, init_vocab, run if rank == 0 else None)
 
