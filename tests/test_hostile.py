@@ -22,6 +22,7 @@ import torch
 from conftest import make_tiny_llama
 from eyas.cli import main
 from eyas.errors import EyasError
+from test_bench import byte_tokenizer
 
 H = 8
 
@@ -205,21 +206,6 @@ class Boom:
 
 
 # ---- bench cases: a tiny HF target directory (random Llama + byte-level tokenizer with a chat template)
-
-def byte_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab.update({"<|im_start|>": 256, "<|im_end|>": 257})
-    t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    t.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<|im_end|>", bos_token="<|im_start|>")
-    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    return tok
-
 
 def tiny_target_dir(root: Path, layers=4) -> Path:
     p = root / "target"
