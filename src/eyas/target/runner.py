@@ -253,10 +253,12 @@ class Runner(nn.Module):
             layer.v_cache[row, :, dst] = layer.v_cache[row, :, src]
 
     # ------------------------------------------------------------------ graphed step
-    def graphed(self, batch: int, seq: int, fn=None):
+    def graphed(self, batch: int, seq: int, fn=None, slots: int | None = None):
         """A callable with static inputs running `fn` (default: forward logits) for (batch, seq) tokens
-        attending over all max_seq slots; CUDA graph on CUDA, plain call elsewhere."""
-        key = (batch, seq, fn)
+        attending over the first `slots` cache slots (default all max_seq); CUDA graph on CUDA, plain call
+        elsewhere."""
+        L = slots or self.cfg.max_seq
+        key = (batch, seq, fn, L)
         if key in self._graphs:
             return self._graphs[key]
         fn = fn or (self._compiled or self._decode)
@@ -267,8 +269,8 @@ class Runner(nn.Module):
             return g
         ids = torch.zeros(batch, seq, dtype=torch.long, device=dev)
         pos = torch.zeros(batch, seq, dtype=torch.long, device=dev)
-        slots = torch.full((batch, seq), self.cfg.max_seq - 1, dtype=torch.long, device=dev)
-        mask = torch.zeros(batch, seq, self.cfg.max_seq, dtype=torch.bool, device=dev)
+        slots = torch.full((batch, seq), L - 1, dtype=torch.long, device=dev)
+        mask = torch.zeros(batch, seq, L, dtype=torch.bool, device=dev)
         mask[..., -1] = True
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -295,9 +297,16 @@ class Runner(nn.Module):
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
                  top_p: float = 1.0, eos_ids=(), seed: int = 0, prefill_chunk: int = 512,
-                 progress=None) -> list[list[int]]:
+                 progress=None, window: int = 256, compact: bool = True) -> list[list[int]]:
         """Plain batched decoding. Returns the new tokens of each prompt (ending at and including
-        the first eos, or after max_new_tokens, or when the cache row is full)."""
+        the first eos, or after max_new_tokens, or when the cache row is full).
+
+        Prompts run longest first, `max_batch` rows per chunk. On CUDA each decode step is a CUDA graph that
+        attends over the first L slots only, L = prompt + new tokens rounded up to `window` (0: all max_seq
+        slots); every 16 steps, once half the rows have finished, the live rows are moved to the front of the
+        cache and the step continues at the next power-of-two batch (`compact`), so a long tail of a few
+        unfinished rows does not keep paying for the whole batch. Rows are independent: neither changes a
+        row's tokens under greedy decoding."""
         from eyas.decode.sampling import sample
 
         if temperature < 0:
@@ -317,14 +326,22 @@ class Runner(nn.Module):
         for c in range(0, len(order), B):
             idx = order[c:c + B]
             rows = self._generate_chunk([prompts[i] for i in idx], max_new_tokens, temperature, top_p, eos,
-                                        gen, prefill_chunk, sample)
+                                        gen, prefill_chunk, sample, window, compact)
             for i, r in zip(idx, rows):
                 out[i] = r
             if progress is not None:
                 progress(len(idx))
         return out
 
-    def _generate_chunk(self, prompts, max_new, temperature, top_p, eos, gen, prefill_chunk, sample):
+    def _compact(self, live: Tensor, L: int) -> Tensor:
+        """Rows `live` (1-D, ascending) of every layer's cache slots [:L] move to rows 0..len(live)-1."""
+        n = live.numel()
+        for layer in self.layers:
+            layer.k_cache[:n, :, :L] = layer.k_cache[live, :, :L]
+            layer.v_cache[:n, :, :L] = layer.v_cache[live, :, :L]
+        return live
+
+    def _generate_chunk(self, prompts, max_new, temperature, top_p, eos, gen, prefill_chunk, sample, window, compact):
         dev, M = self.device, self.cfg.max_seq
         B = len(prompts)
         T = max(len(p) for p in prompts)
@@ -346,22 +363,39 @@ class Runner(nn.Module):
             slots = q[None].expand(B, -1)
             logits, _ = self.forward(ids[:, s0:s1], positions[:, s0:s1], slots, mask, last_only=True)
         steps = min(max_new, M - T)
-        tokens = torch.zeros(B, max(steps, 1), dtype=torch.long, device=dev)
+        # slots the decode steps can reach: T + steps - 1 (the last token is sampled, never fed)
+        W = min(M, -(-(T + steps) // window) * window) if window else M
+        tokens = torch.zeros(B, max(steps, 1), dtype=torch.long, device=dev)  # by original row
         nxt = sample(logits[:, -1], temperature, top_p, gen)  # (B,)
-        valid = torch.zeros(B, M, dtype=torch.bool, device=dev)
+        valid = torch.zeros(B, W, dtype=torch.bool, device=dev)
         valid[:, :T] = real
         pos = positions[:, -1:] + 1  # (B,1)
         slot = torch.full((B, 1), T, dtype=torch.long, device=dev)
-        step = self.graphed(B, 1)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
+        rows = torch.arange(B, device=dev)  # original row of each cache row
+        n = m = B  # cache rows in use; the first m of them are real rows (the rest fill a graph size)
+        step = self.graphed(n, 1, slots=W)
         for t in range(steps):
-            tokens[:, t] = nxt
+            tokens[rows[:m], t] = nxt[:m]
             done |= torch.isin(nxt, eos)
-            if t + 1 == steps or ((t % 16 == 15) and bool(done.all())):
+            if t + 1 == steps:
                 break
+            if t % 16 == 15:
+                live = (~done).nonzero().flatten()
+                k = live.numel()  # one host sync per 16 steps
+                if k == 0:
+                    break
+                if compact and k <= n // 2:
+                    n, m = 1 << (k - 1).bit_length(), k  # a few graph sizes, not one per count
+                    keep = torch.cat([live, live[:1].expand(n - k)])  # filler rows: copies of a live row
+                    self._compact(keep, W)
+                    nxt, pos, slot, valid, rows = nxt[keep], pos[keep], slot[keep], valid[keep], rows[keep]
+                    done = torch.zeros(n, dtype=torch.bool, device=dev)
+                    done[k:] = True  # fillers: their tokens are never read and they never hold up the chunk
+                    step = self.graphed(n, 1, slots=W)
             valid[:, T + t] = True
             # A CUDA graph needs the full static mask; eagerly, attend only over the slots in use.
-            L = M if dev.type == "cuda" else T + t + 1
+            L = W if dev.type == "cuda" else T + t + 1
             lg = step(nxt[:, None], pos, slot, valid[:, None, :L])
             nxt = sample(lg[:, -1], temperature, top_p, gen)
             pos += 1
