@@ -81,7 +81,7 @@ def test_tp_duplicates_write_nothing_and_dp_groups_write_their_own_shards(tmp_pa
     st = Store(tmp_path, allow_incomplete=True)
     assert sorted(st.ids) == ["s0", "s1", "s2"]          # each once: TP ranks 1..3 wrote nothing
     ranks = {r["rank"]: r["ids"] for r in st.records}
-    assert ranks == {0: ["s0"], 1: ["s1", "s2"]}
+    assert ranks == {1: ["s0"], 2: ["s1", "s2"]}         # DP group g is store rank g + 1 (0: the client)
     for sid in SAMPLES:
         check_sample(st, sid)
 

@@ -52,7 +52,7 @@ def test_hook_without_injected_ranks_writes_once_per_dp_group(tmp_path, sglang_r
         h.flush()
         assert (h.tp_rank, h.dp_rank, h.dp_size) == (tp, 1, 2)
     st = Store(store, allow_incomplete=True)
-    assert {r["rank"]: r["ids"] for r in st.records} == {1: ["s0"]}
+    assert {r["rank"]: r["ids"] for r in st.records} == {2: ["s0"]}     # DP group 1 is store rank 2
     assert [json.loads(x)["ok"] for x in (store / events_name(1)).read_text().splitlines()] == [True]
 
 

@@ -7,7 +7,9 @@ import time
 from pathlib import Path
 
 from eyas.engines.client import (EngineCaptureConfig, committed, read_events, record_failures, send_all)
+from eyas.engines.locking import CLIENT_RANK, client_writer, finalize_store
 from eyas.errors import EyasError
+from eyas.store.lock import acquire_store_lock
 
 
 def _load(data: str):
@@ -26,15 +28,25 @@ def store_header(prep_manifest: dict, cfg: EngineCaptureConfig, aux_ids, hidden_
 
 def run_engine_capture(cfg: EngineCaptureConfig, *, aux_layer_ids, hidden_size: int, vocab_size: int,
                        samples=None, post=None) -> dict:
-    """Create/resume STORE, send every sample not yet committed, retry rejected ones, finalize."""
-    from eyas.store.writer import StoreWriter  # noqa: PLC0415
+    """Create/resume STORE, send every sample not yet committed, retry rejected ones, finalize.
+
+    The client is rank 0 of the store and holds its lock for the whole run (engines/locking.py): a second
+    capture into the same directory, engine or in-process, is refused naming this one, and this one is
+    refused while another holds it. It is taken before anything is read or sent.
+    """
+    with acquire_store_lock(cfg.out, CLIENT_RANK):
+        return _run(cfg, aux_layer_ids, hidden_size, vocab_size, samples, post)
+
+
+def _run(cfg: EngineCaptureConfig, aux_layer_ids, hidden_size: int, vocab_size: int, samples, post) -> dict:
     if samples is None:
         prep, ids, masks = _load(cfg.data)
     else:
         prep, ids, masks = samples
     out = Path(cfg.out)
     header = store_header(prep, cfg, aux_layer_ids, hidden_size, vocab_size)
-    StoreWriter(out, header=header).close()                 # creates or checks the store (resume)
+    with client_writer(out, header, wait_s=cfg.commit_wait_s, setup=True):
+        pass                                                # creates or checks the store (resume)
     kw = {} if post is None else {"post": post}
     failures: dict[str, str] = {}
     for attempt in range(cfg.retries + 1):
@@ -49,9 +61,7 @@ def run_engine_capture(cfg: EngineCaptureConfig, *, aux_layer_ids, hidden_size: 
             break
     if failures:
         record_failures(out, failures)
-    w = StoreWriter(out, header=header, setup=False)
-    w.close()
-    return w.finalize(set(ids))
+    return finalize_store(out, header, ids, wait_s=cfg.commit_wait_s)
 
 
 def _sglang_round(cfg, out: Path, todo: dict, attempt: int, kw) -> dict:
@@ -76,7 +86,6 @@ def _sglang_round(cfg, out: Path, todo: dict, attempt: int, kw) -> dict:
 def _vllm_round(cfg, todo: dict, masks: dict, header: dict, attempt: int, kw) -> dict:
     from eyas.engines.final_norm import load_final_norm  # noqa: PLC0415
     from eyas.engines.vllm_ingest import ingest_dir  # noqa: PLC0415
-    from eyas.store.writer import StoreWriter  # noqa: PLC0415
     norm = load_final_norm(cfg.target_config)              # before any request: fail fast on a bad target
     resp = send_all(cfg, todo, attempt=attempt, **kw)
     failures = {k: v for k, v in resp.items() if isinstance(v, str)}
@@ -85,10 +94,9 @@ def _vllm_round(cfg, todo: dict, masks: dict, header: dict, attempt: int, kw) ->
         path = (v.get("kv_transfer_params") or {}).get("hidden_states_path") if isinstance(v, dict) else None
         if path:
             names[k] = path
-    w = StoreWriter(cfg.out, header=header, setup=False)
     ok = {k: todo[k] for k in todo if k not in failures}
-    _, rejected = ingest_dir(cfg.vllm_dir, w, ok, masks, final_norm=norm, names=names)
-    w.close()
+    with client_writer(cfg.out, header, wait_s=cfg.commit_wait_s) as w:
+        _, rejected = ingest_dir(cfg.vllm_dir, w, ok, masks, final_norm=norm, names=names)
     failures.update({r.sample_id: r.reason for r in rejected})
     return failures
 

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 import torch
 
 ATTEMPT_SEP = "#a"   # rid = f"{sample_id}#a{attempt}": a retry is a new request, the sample id stays
+# rejections that no retry can fix (the client stops at the first one, engines/capture.py)
+NO_AUX = "no aux hidden states reached the logits processor"
+STORE_LOCKED = "store locked"
 
 
 def sample_id_of(rid: str) -> str:
@@ -96,7 +99,7 @@ class Assembler:
                 out.append(self._reject(rid, "sample already captured (duplicate request)", final=False))
                 continue
             if aux is None:
-                out.append(self._reject(rid, "no aux hidden states reached the logits processor"))
+                out.append(self._reject(rid, NO_AUX))
                 continue
             st = self.pending.setdefault(rid, _Pending())
             if p != st.seen:

@@ -7,7 +7,9 @@ positional inputs are (input_ids, hidden_states, lm_head, forward_batch, aux_hid
                  captured layers (SGLang's layers_to_capture = HF ids)
   forward_batch  .rids, .extend_seq_lens_cpu, .extend_prefix_lens_cpu, .forward_mode
 Only attention-TP rank 0 of each attention-DP group writes (TP ranks hold the same states after the
-all-reduce); the writer rank is the DP rank, so each DP group has its own shards in the one store.
+all-reduce); DP group g writes store rank g + 1 (rank 0 is the capture client, engines/locking.py), so each
+DP group has its own shards in the one store. It holds that rank's lock from its first accepted sample to its
+next flush; when another process holds it, the samples are rejected with the holder named, never written.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from pathlib import Path
 
 import torch
 
-from eyas.engines.records import Assembler, Record
+from eyas.engines.locking import HOOK_RANK_OFFSET, hook_rank
+from eyas.engines.records import STORE_LOCKED, Assembler, Record
+from eyas.errors import EyasError
 
 IDLE_FLUSH_S = 5.0
 FLUSH_RID = "eyas-control-flush"
@@ -105,6 +109,7 @@ class CaptureHook:
         self.tp_rank = self.dp_rank = self.dp_size = None
         self.asm = Assembler(expected, num_aux=num_aux)
         self.writer = None
+        self._store_lock = None
         self.idle_flush_s = idle_flush_s
         self._last = time.monotonic()
         self._lock = threading.Lock()
@@ -135,12 +140,37 @@ class CaptureHook:
         with open(self.store / events_name(self.dp_rank), "a") as f:
             f.write(json.dumps(line) + "\n")
 
-    def flush(self) -> None:
-        """Commit everything accepted so far (closes the writer; the next sample opens a new one)."""
+    def _write(self, rec: Record) -> str:
+        """Add one verified sample to this rank's writer, opened (lock first) if needed -> '' or why not."""
+        from eyas.store.lock import acquire_store_lock  # noqa: PLC0415
         with self._lock:
-            if self.writer is not None:
-                self.writer.close()
+            if self.writer is None:
+                rank = hook_rank(self.dp_rank)
+                try:
+                    self._store_lock = acquire_store_lock(self.store, rank)
+                except EyasError as e:
+                    return f"{STORE_LOCKED}: {e}"
+                try:
+                    self.writer = self._writer_factory(rank, self.dp_size + HOOK_RANK_OFFSET)
+                except BaseException:
+                    self._store_lock.release()
+                    self._store_lock = None
+                    raise
+            self.writer.add_sample(rec.sample_id, rec.input_ids, self.loss_masks[rec.sample_id], rec.aux, rec.final)
+        return ""
+
+    def flush(self) -> None:
+        """Commit everything accepted so far (closes the writer and releases the rank's lock; the next sample
+        opens a new one)."""
+        with self._lock:
+            try:
+                if self.writer is not None:
+                    self.writer.close()
+            finally:
                 self.writer = None
+                if self._store_lock is not None:
+                    self._store_lock.release()
+                    self._store_lock = None
 
     def _idle_loop(self) -> None:
         while True:
@@ -163,12 +193,10 @@ class CaptureHook:
         self._last = time.monotonic()
         for rec in self.asm.feed(rids, list(ext), list(pre), ids, final, aux):
             if rec.ok:
-                with self._lock:
-                    if self.writer is None:
-                        self.writer = self._writer_factory(self.dp_rank, self.dp_size)
-                    self.writer.add_sample(rec.sample_id, rec.input_ids, self.loss_masks[rec.sample_id],
-                                           rec.aux, rec.final)
-                rec = Record(rec.rid, rec.sample_id, True)   # do not keep tensors alive in the log path
+                why = self._write(rec)
+                if why:
+                    self.asm.done.discard(rec.sample_id)     # not written: a later request may capture it
+                rec = Record(rec.rid, rec.sample_id, not why, why)   # no tensors kept alive in the log path
             self._event(rec)
         if self._timer is None and self.idle_flush_s > 0:
             self._timer = threading.Thread(target=self._idle_loop, daemon=True, name="eyas-idle-flush")
