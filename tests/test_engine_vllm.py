@@ -23,6 +23,16 @@ MASKS = {k: [1] * len(v) for k, v in SAMPLES.items()}
 NORM = FinalNorm(torch.linspace(0.5, 1.5, H), 1e-5)
 
 
+def norm_target(d, h=H):
+    """A target checkpoint as far as ingest reads it: config.json and the final norm NORM (no transformers)."""
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                               "num_hidden_layers": 6, "hidden_size": h, "vocab_size": 1000,
+                                               "rms_norm_eps": NORM.eps}))
+    save_file({"model.norm.weight": NORM.weight.clone()}, str(d / "model.safetensors"))
+    return d / "config.json"
+
+
 def vllm_file(d, sid, ids=None, layers=4, dtype=torch.bfloat16, nan=False, attempt=0):
     """A file as vLLM names it for eyas's request_id `{sid}#a{attempt}`: cmpl-{rid}-0-{8 hex}."""
     ids = SAMPLES[sid] if ids is None else ids

@@ -6,8 +6,9 @@ import argparse
 import time
 from pathlib import Path
 
-from eyas.engines.client import (EngineCaptureConfig, committed, read_events, record_failures, send_all)
+from eyas.engines.client import EngineCaptureConfig, committed, read_events, record_failures
 from eyas.engines.locking import CLIENT_RANK, client_writer, finalize_store
+from eyas.engines.probe import Probe
 from eyas.errors import EyasError
 from eyas.store.lock import acquire_store_lock
 
@@ -48,15 +49,16 @@ def _run(cfg: EngineCaptureConfig, aux_layer_ids, hidden_size: int, vocab_size: 
     with client_writer(out, header, wait_s=cfg.commit_wait_s, setup=True):
         pass                                                # creates or checks the store (resume)
     kw = {} if post is None else {"post": post}
+    probe = Probe(cfg, out)                                 # the first reply without a dump stops the capture
     failures: dict[str, str] = {}
     for attempt in range(cfg.retries + 1):
         todo = {k: v for k, v in ids.items() if k not in committed(out)}
         if not todo:
             break
         if cfg.engine == "vllm":
-            failures = _vllm_round(cfg, todo, masks, header, attempt, kw)
+            failures = _vllm_round(cfg, probe, todo, masks, header, attempt, kw)
         else:
-            failures = _sglang_round(cfg, out, todo, attempt, kw)
+            failures = _sglang_round(cfg, probe, out, todo, attempt, kw)
         if not failures:
             break
     if failures:
@@ -64,8 +66,8 @@ def _run(cfg: EngineCaptureConfig, aux_layer_ids, hidden_size: int, vocab_size: 
     return finalize_store(out, header, ids, wait_s=cfg.commit_wait_s)
 
 
-def _sglang_round(cfg, out: Path, todo: dict, attempt: int, kw) -> dict:
-    resp = send_all(cfg, todo, attempt=attempt, **kw)
+def _sglang_round(cfg, probe, out: Path, todo: dict, attempt: int, kw) -> dict:
+    resp = probe.send(todo, attempt=attempt, **kw)
     failures = {k: v for k, v in resp.items() if isinstance(v, str)}
     deadline = time.monotonic() + cfg.commit_wait_s
     while True:                                             # the hook commits on idle flush
@@ -83,11 +85,11 @@ def _sglang_round(cfg, out: Path, todo: dict, attempt: int, kw) -> dict:
     return failures
 
 
-def _vllm_round(cfg, todo: dict, masks: dict, header: dict, attempt: int, kw) -> dict:
+def _vllm_round(cfg, probe, todo: dict, masks: dict, header: dict, attempt: int, kw) -> dict:
     from eyas.engines.final_norm import load_final_norm  # noqa: PLC0415
     from eyas.engines.vllm_ingest import ingest_dir  # noqa: PLC0415
     norm = load_final_norm(cfg.target_config)              # before any request: fail fast on a bad target
-    resp = send_all(cfg, todo, attempt=attempt, **kw)
+    resp = probe.send(todo, attempt=attempt, **kw)
     failures = {k: v for k, v in resp.items() if isinstance(v, str)}
     names = {}
     for k, v in resp.items():
@@ -111,6 +113,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--concurrency", type=int, default=16, help="requests in flight")
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     g.add_argument("--retries", type=int, default=3, help="extra attempts per sample")
+    g.add_argument("--hook-wait", type=float, default=10.0,
+                   help="seconds the first reply's dump (hook event, vLLM file) may take before the capture stops")
 
 
 def config_from_args(args) -> EngineCaptureConfig:
@@ -119,6 +123,7 @@ def config_from_args(args) -> EngineCaptureConfig:
                                    vllm_dir=args.vllm_dir, target_config=getattr(args, "target_config", None) or "",
                                    concurrency=args.concurrency,
                                    timeout_s=args.request_timeout, retries=args.retries,
+                                   hook_wait_s=args.hook_wait,
                                    dtype=getattr(args, "dtype", "bf16"))
     except ValueError as e:
         raise EyasError(str(e)) from None

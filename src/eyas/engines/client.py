@@ -33,12 +33,13 @@ class EngineCaptureConfig:
     retries: int = 3         # extra attempts per sample
     dtype: str = "bf16"      # store dtype (bf16 | fp8)
     commit_wait_s: float = 60.0  # how long to wait for the hook's idle flush to commit the last shard
+    hook_wait_s: float = 10.0    # after the first reply, how long its dump (hook event, vLLM file) may take to show
 
     def __post_init__(self):
         if self.engine not in ("sglang", "vllm"):
             raise ValueError(f"engine {self.engine!r}: expected sglang or vllm")
-        if self.concurrency < 1 or self.retries < 0 or self.timeout_s <= 0:
-            raise ValueError("concurrency >= 1, retries >= 0 and timeout_s > 0 are required")
+        if self.concurrency < 1 or self.retries < 0 or self.timeout_s <= 0 or self.hook_wait_s <= 0:
+            raise ValueError("concurrency >= 1, retries >= 0, timeout_s > 0 and hook_wait_s > 0 are required")
         if self.engine == "vllm" and not self.vllm_dir:
             raise ValueError("vllm needs vllm_dir (the connector's shared_storage_path)")
         if self.engine == "vllm" and not self.target_config:
@@ -91,6 +92,22 @@ def read_events(store: Path) -> dict[str, dict]:
                 e = json.loads(line)
                 if e["ok"] or e["id"] not in out or not out[e["id"]]["ok"]:
                     out[e["id"]] = e
+    return out
+
+
+def event_offsets(store: Path) -> dict[Path, int]:
+    """Where each hook event log ends now (new_events reads what comes after)."""
+    return {p: p.stat().st_size for p in Path(store).glob("engine-events-r*.jsonl")}
+
+
+def new_events(store: Path, offsets: dict[Path, int]) -> list[dict]:
+    """Hook events appended since `offsets` (complete lines only), over all DP ranks."""
+    out = []
+    for p in sorted(Path(store).glob("engine-events-r*.jsonl")):
+        with open(p, "rb") as f:
+            f.seek(offsets.get(p, 0))
+            data = f.read()
+        out += [json.loads(x) for x in data[: data.rfind(b"\n") + 1].splitlines() if x.strip()]
     return out
 
 

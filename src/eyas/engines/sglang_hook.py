@@ -228,9 +228,16 @@ def make_aux_enable_hook(config: dict):
     done = []
 
     def hook(module, args, output):
-        if not done and hasattr(module, "set_eagle3_layers_to_capture"):
+        if done:
+            return None
+        done.append(True)
+        if hasattr(module, "set_eagle3_layers_to_capture"):
             module.set_eagle3_layers_to_capture(ids)
-            done.append(True)
+        else:                           # SGLang itself says nothing; the capture client stops on its first samples
+            import sys  # noqa: PLC0415
+            print(f"eyas capture hook: {type(module).__name__} has no set_eagle3_layers_to_capture, so no aux "
+                  f"hidden states will reach the capture hook (SGLang 0.5.23+: --enable-return-aux-hidden-states)",
+                  file=sys.stderr, flush=True)
         return None
     return hook
 
