@@ -30,10 +30,12 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from capture import smollm2_shaped  # noqa: E402
-from eyas.target.runner import Runner  # noqa: E402
+from eyas.target.runner import Layer, Runner  # noqa: E402
 
 MODES = {"full": dict(window=0, compact=False), "window": dict(window=256, compact=False),
-         "window+compact": dict(window=256, compact=True)}
+         "window+compact": dict(window=256, compact=True), "matmul": dict(window=256, compact=True)}
+"""matmul: window+compact with the decode attention forced onto the matmul path (the default takes fused SDPA at
+batch x kv heads >= Layer.sdpa_rows on CUDA)."""
 
 
 def main() -> int:
@@ -46,7 +48,7 @@ def main() -> int:
     ap.add_argument("--max-seq", type=int, default=2432, help="cache slots per row (prepare: max_len + max_new)")
     ap.add_argument("--prompt-len", default="30,1800", help="LO,HI: log-uniform prompt lengths")
     ap.add_argument("--eos", type=int, default=160, help="random token ids that end a reply")
-    ap.add_argument("--modes", default="full,window+compact", help=f"comma list of {', '.join(MODES)}")
+    ap.add_argument("--modes", default="full,matmul,window+compact", help=f"comma list of {', '.join(MODES)}")
     ap.add_argument("--md", help="write the section to this file instead of appending to BENCHMARKS.md")
     ap.add_argument("--no-record", action="store_true")
     a = ap.parse_args()
@@ -64,6 +66,7 @@ def main() -> int:
     rows = []
     for name in a.modes.split(","):
         kw = MODES[name]
+        Layer.sdpa_rows = 512 if name == "window+compact" else 1 << 30
         runner.generate(prompts[:a.batch], 20, temperature=1.0, eos_ids=eos, seed=1, **kw)  # graphs, warm-up
         sync()
         t0 = time.perf_counter()

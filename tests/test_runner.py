@@ -162,3 +162,22 @@ def test_compacted_windowed_generate_equals_one_prompt_at_a_time():
     plain = r.generate(prompts, 48, eos_ids=eos, window=0, compact=False)
     alone = [r.generate([p], 48, eos_ids=eos)[0] for p in prompts]
     assert ours == plain == alone
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_batched_sdpa_decode_equals_eager_cpu(monkeypatch):
+    """The fused-SDPA decode step that large batches take on CUDA (forced here at batch 6) decodes the same
+    greedy tokens as the CPU matmul path, with the window and compaction on."""
+    from eyas.target import runner as runner_mod
+
+    model = make_tiny_llama(seed=9)
+    cpu = Runner.from_hf(model, max_batch=6, max_seq=96)
+    gpu = Runner.from_hf(model, max_batch=6, max_seq=96, device="cuda")
+    monkeypatch.setattr(runner_mod.Layer, "sdpa_rows", 1)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 17, 2, 30, 9, 12)]
+    free = cpu.generate(prompts, 40)
+    eos = sorted({row[j] for row, j in zip(free, (1, 3, 5, 8)) if len(row) > j})
+    ref = cpu.generate(prompts, 40, eos_ids=eos, window=8)
+    assert gpu.generate(prompts, 40, eos_ids=eos, window=8) == ref

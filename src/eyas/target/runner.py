@@ -72,6 +72,10 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Layer(nn.Module):
+    sdpa_rows = 512
+    """On CUDA, few-query steps with at least this many (row, kv head) pairs use the fused SDPA kernel: a large
+    batch gives it enough blocks, and it skips the fp32 scores, bias add and softmax passes of the matmul path."""
+
     def __init__(self, cfg: RunnerConfig, dtype, device):
         super().__init__()
         h, hd = cfg.hidden_size, cfg.head_dim
@@ -105,7 +109,7 @@ class Layer(nn.Module):
         vc[rows, :, slots] = v.transpose(1, 2)
         # GQA without repeating k/v: each kv head answers its `rep` query heads as rep*S queries.
         qg = q.reshape(B, KV, -1, D)  # (B,KV,rep*S,D)
-        if qg.shape[2] <= 256:
+        if qg.shape[2] <= 256 and not (x.is_cuda and B * KV >= self.sdpa_rows):
             # Few queries (decode, verify): plain matmuls parallelise over the keys; the fused SDPA
             # kernels give each (head, query block) one thread block and crawl through long caches.
             if kc.dtype == torch.bfloat16 and x.device.type == "cpu":
