@@ -1,15 +1,16 @@
-"""The training loop: `run_train(cfg, target=None) -> dict` (final metrics).
+"""The training loop: `Trainer(cfg, target)` and the thin `run_train(cfg, target=None) -> dict` (final metrics).
 
 RUN/
   manifest.json          kind "train": resolved config, target fingerprint, source reference, counts, result
   vocab/                 draft_vocab.safetensors (token_ids, d2t, t2d) + summary.json (size, coverage)
-  checkpoints/step-N/    model, optimizer, scheduler, data position, RNG states (atomic; see checkpoint.py)
+  checkpoints/step-N/    Trainer.state_dict() (model, optimizer, scheduler, data position) + RNG states (checkpoint.py)
   drafter/               config.json + model.safetensors (eyas.model.checkpoint.save_drafter)
   metrics.jsonl, tb/     train records every log_every steps, eval records at the end of each epoch
 
 One optimizer step on a rank = grad_accum micro-batches (data.rank_batches); the loss of a micro-batch is the TTT
 loss (mean over its counted positions) / grad_accum, and DDP averages over ranks, so W ranks x A micro-batches
-give the same update as one process with A*W micro-batches of the same data.
+give the same update as one process with A*W micro-batches of the same data. Ranks, the DDP / FSDP2 wrap and
+full state dicts live in train/dist.py.
 """
 
 from __future__ import annotations
@@ -17,18 +18,17 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import shutil
 import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from eyas.errors import EyasError
 from eyas.manifest import MANIFEST, atomic_write_bytes, check_same, check_target, read_manifest, write_manifest
 from eyas.train import checkpoint as ckpt
+from eyas.train import dist
 from eyas.train.config import TrainConfig
 from eyas.train.data import (PreparedSource, StoreSource, epoch_batches, group, group_packed, nonfinite_rows, pack,
                              rank_batches, split_indices, target_features)
@@ -53,32 +53,271 @@ class TTTModule(nn.Module):
         return o.loss, o.loss_k, o.count_k, o.correct_k, o.cond_count_k, o.cond_correct_k
 
 
-# --------------------------------------------------------------------------------------------------- setup
-def _dist_setup(cfg: TrainConfig) -> tuple[int, int, torch.device]:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    want_cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if want_cuda else "gloo")
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    if want_cuda:
-        if not torch.cuda.is_available():
-            raise EyasError(f"--device {cfg.device}: CUDA is not available on this machine")
-        if world > 1:
-            idx = int(os.environ.get("LOCAL_RANK", "0"))
-        else:
-            idx = 0 if cfg.device == "auto" else (torch.device(cfg.device).index or 0)
-        device = torch.device("cuda", idx)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    return rank, world, device
+def run_train(cfg: TrainConfig, target=None) -> dict:
+    """Train a drafter as configured; returns the final metrics (train + last eval)."""
+    trainer = Trainer(cfg, target)
+    result = trainer.train()
+    dist.teardown(trainer.dist)
+    return result
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
+class Trainer:
+    """One training run. Construction is the set-up: ranks, run directory, data, draft vocabulary, drafter, optimizer,
+    schedule, and (with cfg.resume) the latest checkpoint. Then `train_step(batch)` is one optimizer step,
+    `evaluate()` the held-out pass, `state_dict()` / `load_state_dict()` what a checkpoint holds, and `train()` the
+    loop: steps, metrics, evals and checkpoints until the last step, then the final drafter."""
+
+    def __init__(self, cfg: TrainConfig, target=None):
+        from eyas.model.drafter import DrafterConfig, Eagle3Drafter
+        from eyas.target.device import cpu_bf16_fast
+
+        self.cfg, self.run = cfg, Path(cfg.out)
+        self.dist = dist.setup(cfg.device, deterministic=cfg.deterministic)
+        self.rank, self.world, self.device = self.dist.rank, self.dist.world, self.dist.device
+        if self.rank == 0:
+            _check_run_dir(cfg, self.run)
+        dist.barrier()
+        self.source, target, self.ref = _open_source(cfg, target, self.device)
+        self.target = target
+        self.train_idx, self.eval_idx = split_indices(self.source, cfg.eval_fraction)
+        if not self.train_idx:
+            raise EyasError(f"{self.source.where}: no training samples (empty data, all samples shorter than 3 "
+                            f"tokens, or all held out by --eval-fraction {cfg.eval_fraction})")
+        if cfg.draft_vocab is not None and cfg.draft_vocab > target.vocab_size:
+            raise EyasError(f"--draft-vocab {cfg.draft_vocab} is larger than the target's vocabulary "
+                            f"({target.vocab_size} tokens of {cfg.target or 'the store target'}); use at most "
+                            f"{target.vocab_size}")
+        init_drafter, init_vocab = None, None
+        if cfg.init:
+            from eyas.model.checkpoint import open_drafter  # eyas runs and published EAGLE-3 checkpoints
+
+            # checks the drafter's recorded target (each differing field named), or warns with --allow-target-mismatch
+            init_drafter, _ = open_drafter(cfg.init, target, allow_target_mismatch=cfg.allow_target_mismatch)
+            init_vocab = (init_drafter.d2t.clone(), init_drafter.t2d.clone())
+        self.vocab, self.top_id = _build_vocab(cfg, self.source, self.train_idx, target.vocab_size, init_vocab,
+                                               self.run if self.rank == 0 else None)
+
+        # --- the drafter, its loss module and the optimizer
+        torch.manual_seed(cfg.seed)
+        self.dcfg = DrafterConfig.from_target(target.config, draft_vocab_size=self.vocab.size,
+                                              aux_layer_ids=target.aux_layer_ids,
+                                              intermediate_size=cfg.intermediate_size)
+        drafter = Eagle3Drafter(self.dcfg)
+        drafter.set_vocab(self.vocab.d2t, self.vocab.t2d)
+        if init_drafter is not None:
+            if init_drafter.config != self.dcfg:
+                check_same(init_drafter.config.to_dict(), self.dcfg.to_dict(), what="drafter config of --init",
+                           where=cfg.init)
+            drafter.load_state_dict(init_drafter.state_dict())
+        elif cfg.init_from_target:
+            init_head_from_target(drafter, target)
+        drafter.to(self.device)
+        if cfg.compile:
+            from torch import _dynamo
+            _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, 64)  # K steps x train/eval
+            drafter.midlayer.compile(dynamic=False)  # in place: the state-dict keys stay the export keys
+        ttt = TTTConfig(num_steps=cfg.ttt_steps, decay=cfg.decay, chunk_size=cfg.chunk_size, attention=cfg.attention)
+        # packed rows: (rows, row_len) of every micro-batch, a fixed shape
+        self.packed = (max(1, cfg.batch_tokens // cfg.max_len), cfg.max_len) if cfg.packs(self.device) else None
+        self.module = TTTModule(drafter, ttt)
+        self.model = dist.parallelize(self.module, self.dist, fsdp=cfg.fsdp, shard_first=(drafter.midlayer,))
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.optim = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+                                       foreach=self.device.type == "cuda")
+        self.embed_w = target.embed_tokens.weight.detach().to(self.device)
+        self.lm_w = self.embed_w if target.tie_word_embeddings else target.lm_head.weight.detach().to(self.device)
+
+        # --- the plan: steps per epoch are fixed by (seed, epoch, lengths)
+        self._plan: tuple[int, list] = (-1, [])
+        if not self.plan(0):
+            raise EyasError(f"{self.source.where}: {len(self.train_idx)} training samples make fewer micro-batches "
+                            f"than one step needs ({self.world} rank(s) x grad_accum {cfg.grad_accum}); lower "
+                            f"--batch-tokens")
+        self.total = cfg.steps if cfg.steps is not None else sum(len(self.plan(e)) for e in range(cfg.epochs or 1))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, _schedule(cfg, self.total))
+        use_bf16 = cfg.autocast == "bf16" or (cfg.autocast == "auto" and (self.device.type == "cuda"
+                                                                           or cpu_bf16_fast()))
+        self.amp = (torch.autocast(self.device.type, dtype=torch.bfloat16) if use_bf16 and not cfg.deterministic
+                    else contextlib.nullcontext())
+        self.step, self.epoch, self.pos, self.seen = 0, 0, 0, 0
+        self._restore()
+
+    def plan(self, epoch: int) -> list[list[list[int]]]:
+        """This rank's steps of `epoch`, each a list of grad_accum micro-batches (sample indices)."""
+        if self._plan[0] != epoch:
+            mb = epoch_batches(self.train_idx, self.source.lengths, batch_tokens=self.cfg.batch_tokens,
+                               seed=self.cfg.seed, epoch=epoch, packed=self.packed)
+            self._plan = (epoch, rank_batches(mb, rank=self.rank, world_size=self.world,
+                                              grad_accum=self.cfg.grad_accum))
+        return self._plan[1]
+
+    def next_batch(self) -> list[list[int]]:
+        """The micro-batches of the step at the data position (epoch, pos)."""
+        return self.plan(self.epoch)[self.pos]
+
+    # ------------------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """What RUN/checkpoints/step-N/state.pt holds: the full drafter (export keys) and optimizer, the scheduler,
+        the step and data position, the config identity and the world size. Every rank calls it (FSDP2 gathers);
+        tensors may share storage with the live ones, so save or copy before the next step."""
+        m, o = dist.full_state_dict(self.module, self.optim, self.cfg.fsdp)
+        return {"model": {k.removeprefix("drafter."): v for k, v in m.items()}, "optimizer": o,
+                "scheduler": self.sched.state_dict(), "step": self.step,
+                "data": {"epoch": self.epoch, "position": self.pos, "tokens_seen": self.seen},
+                "config": self.cfg.identity(), "world_size": self.world}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a state_dict(): drafter, optimizer, scheduler, step and data position. The RNG states are
+        the checkpoint's own files (checkpoint.set_rng_state); config and world size are checked by _restore."""
+        model = {f"drafter.{k}": v for k, v in state["model"].items()}
+        dist.load_full_state_dict(self.module, self.optim, model, state["optimizer"], self.cfg.fsdp)
+        self.sched.load_state_dict(state["scheduler"])
+        self.step, self.epoch, self.pos = state["step"], state["data"]["epoch"], state["data"]["position"]
+        self.seen = state["data"].get("tokens_seen", 0)
+
+    def _restore(self) -> None:
+        """--resume from the latest checkpoint (same config and world size), else start metrics.jsonl over."""
+        run, metrics = self.run, self.run / "metrics.jsonl"
+        if self.cfg.resume and (last := ckpt.latest_checkpoint(run)) is not None:
+            state, rng = ckpt.load_checkpoint(last, rank=self.rank)
+            check_same({**state["config"], "world_size": state["world_size"]},
+                       {**self.cfg.identity(), "world_size": self.world}, what="training configuration",
+                       where=str(last))
+            self.load_state_dict(state)
+            ckpt.set_rng_state(rng)
+            if self.rank == 0:
+                truncate_metrics(metrics, self.step)
+        elif self.rank == 0 and metrics.exists():
+            metrics.unlink()
+        if self.rank == 0:
+            write_manifest(run, self._manifest("running"))
         dist.barrier()
 
+    def save_checkpoint(self) -> None:
+        """RUN/checkpoints/step-N at the current step (atomic; every rank writes its RNG state)."""
+        state = self.state_dict()
+        ckpt.save_checkpoint(self.run, self.step, state if self.rank == 0 else None, rank=self.rank,
+                             barrier=dist.barrier, keep=self.cfg.keep_checkpoints)
 
+    # ------------------------------------------------------------------------------------------ steps
+    def train_step(self, batch: list[list[int]]) -> tuple[dict, float, float]:
+        """One optimizer step over `batch` (this rank's micro-batches); advances step, data position and tokens seen.
+        Returns (the step's train summary over all ranks, the lr it used, the gradient norm before clipping)."""
+        cfg, model = self.cfg, self.model
+        sums = Sums(cfg.ttt_steps, self.device)
+        for a, idx in enumerate(batch):
+            b = self._features(idx)
+            bad = nonfinite_rows(b)
+            with dist.sync_grads(model, last=a == len(batch) - 1):
+                with self.amp:
+                    lmask = b.valid if cfg.loss_on == "all" else b.loss_mask
+                    o = TTTOutput(*model(b.input_ids, lmask, b.valid, b.aux, b.final, self.embed_w, self.lm_w,
+                                         b.segment_ids, b.position_ids))
+                _stop_if_nonfinite(bad, o.loss, b.ids, self.step + 1, "features" if bad else "loss")
+                (o.loss / len(batch)).backward()
+            sums.add(o, b.num_tokens)
+        gnorm = nn.utils.clip_grad_norm_(self.params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        _stop_if_nonfinite([], gnorm, [self.source.ids[j] for idx in batch for j in idx], self.step + 1,
+                           "gradient norm")
+        lr = self.sched.get_last_lr()[0]
+        self.optim.step()
+        self.sched.step()
+        self.optim.zero_grad(set_to_none=True)
+        self.step, self.pos = self.step + 1, self.pos + 1
+        summary = sums.all_reduce().summary()
+        self.seen += summary["tokens"]  # all ranks: the x axis of the scaling curve
+        return summary, lr, float(gnorm)
+
+    def evaluate(self) -> dict:
+        """Token-weighted TTT metrics and the frequency baseline on the held-out split ({} when there is none)."""
+        if not self.eval_idx:
+            return {}
+        cfg, rank, world, packed = self.cfg, self.rank, self.world, self.packed
+        self.model.eval()
+        sums = Sums(cfg.ttt_steps, self.device)
+        by_len = sorted(self.eval_idx, key=lambda i: self.source.lengths[i])
+        batches = (group_packed(by_len, self.source.lengths, *packed) if packed
+                   else group(by_len, self.source.lengths, cfg.batch_tokens))
+        # FSDP2 forwards are collective: every rank runs the same number (extra ones are discarded).
+        rounds = math.ceil(len(batches) / world) if cfg.fsdp else len(batches[rank::world])
+        with torch.no_grad():
+            for j in range(rounds):
+                k = j * world + rank
+                b = self._features(batches[k % len(batches)])
+                with self.amp:  # DDP: the plain module (ranks may run different numbers of eval batches)
+                    o = TTTOutput(*self.module(b.input_ids, b.loss_mask, b.valid, b.aux, b.final, self.embed_w,
+                                               self.lm_w, b.segment_ids, b.position_ids))
+                    base = frequency_baseline(b.input_ids, b.loss_mask, b.valid, b.final, self.lm_w,
+                                              self.module.drafter.t2d, self.top_id)
+                if k < len(batches):
+                    sums.add(o, b.num_tokens, base)
+        self.model.train()
+        return sums.all_reduce().summary(token_weighted=True)
+
+    def _features(self, idx: list[int]):
+        b = self.source.collate(idx).to(self.device)
+        if self.cfg.online:
+            b = target_features(self.target, b, sub_tokens=self.cfg.batch_tokens if self.packed else None)
+        return pack(b, *self.packed) if self.packed else b
+
+    # ------------------------------------------------------------------------------------------- loop
+    def train(self) -> dict:
+        """Step to the last step: metrics, evals (end of epoch, every eval_every, the last step) and checkpoints;
+        then write the drafter and the complete manifest. Returns {step, train, eval, vocab_coverage}."""
+        from eyas.model.checkpoint import save_drafter
+        from eyas.model.drafter import Eagle3Drafter
+
+        cfg = self.cfg
+        sink = MetricsSink(self.run, enabled=self.rank == 0, total_steps=self.total, start_step=self.step,
+                           progress=cfg.progress)
+        last_eval: dict = {}
+        train_summary: dict = {}
+        self.model.train()
+        while self.step < self.total:
+            train_summary, lr, gnorm = self.train_step(self.next_batch())
+            step = self.step
+            rate = sink.step(train_summary["tokens"], {"loss": f"{train_summary['loss']:.3f}",
+                                                       "acc0": f"{train_summary['acc_k'][0]:.3f}"})
+            if step % cfg.log_every == 0 or step == self.total:
+                sink.log({"step": step, "split": "train", "epoch": self.epoch, "tokens_seen": self.seen, "lr": lr,
+                          "grad_norm": gnorm, "tokens_per_s": rate, **train_summary})
+            end_of_epoch = self.pos == len(self.plan(self.epoch))
+            if end_of_epoch or step == self.total or (cfg.eval_every and step % cfg.eval_every == 0):  # held-out
+                last_eval = self.evaluate()
+                if last_eval:
+                    sink.log({"step": step, "split": "eval", "epoch": self.epoch, "tokens_seen": self.seen,
+                              **last_eval})
+                    sink.note(f"eval @ step {step}: acc_0 {last_eval['acc_k'][0]:.3f} (frequency baseline "
+                              f"{last_eval.get('baseline_acc_0', float('nan')):.3f}), tau_est "
+                              f"{last_eval['tau_est']:.2f}")
+                if end_of_epoch:
+                    self.epoch, self.pos = self.epoch + 1, 0
+            if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == self.total:
+                self.save_checkpoint()
+        sink.close()
+
+        # --- the final drafter
+        m, _ = dist.full_state_dict(self.module, None, cfg.fsdp)
+        result = {"step": self.step, "train": train_summary, "eval": last_eval, "vocab_coverage": self.vocab.coverage}
+        if self.rank == 0:
+            final = Eagle3Drafter(self.dcfg)
+            final.load_state_dict({k.removeprefix("drafter."): v for k, v in m.items()})
+            save_drafter(final, self.run / "drafter", meta={"target": self.target.fingerprint})
+            write_manifest(self.run, {**self._manifest("complete"), "result": result})
+        dist.barrier()
+        return result
+
+    def _manifest(self, status: str) -> dict:
+        cfg = self.cfg
+        return {"kind": KIND, "status": status, "config": cfg.to_dict(), "config_identity": cfg.identity(),
+                "target": self.target.fingerprint, "source": self.ref, "drafter": self.dcfg.to_dict(),
+                "counts": {"train_samples": len(self.train_idx), "eval_samples": len(self.eval_idx)},
+                "world_size": self.world, "total_steps": self.total,
+                "vocab": {"size": self.vocab.size, "coverage": self.vocab.coverage},
+                "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+# ------------------------------------------------------------------------------------------- set-up helpers
 def _open_source(cfg: TrainConfig, target, device: torch.device):
     """(source, target, reference dict for the manifest). Refuses a store/target mismatch."""
     from eyas.target import load_target
@@ -150,235 +389,6 @@ def _schedule(cfg: TrainConfig, total: int):
     return f
 
 
-def _full_state(module: nn.Module, optim, fsdp: bool) -> tuple[dict, dict | None]:
-    """Full (unsharded, CPU) model state dict of the drafter, and the optimizer state."""
-    if fsdp:
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_optimizer_state_dict)
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model = get_model_state_dict(module, options=opts)
-        opt = get_optimizer_state_dict(module, optim, options=opts) if optim is not None else None
-    else:
-        model = {k: v.detach().cpu() for k, v in module.state_dict().items()}
-        opt = optim.state_dict() if optim is not None else None
-    return {k.removeprefix("drafter."): v for k, v in model.items()}, opt
-
-
-def _load_full_state(module: nn.Module, optim, model_state: dict, opt_state: dict, fsdp: bool) -> None:
-    model_state = {f"drafter.{k}": v for k, v in model_state.items()}
-    if fsdp:
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_optimizer_state_dict)
-        opts = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(module, model_state, options=opts)
-        set_optimizer_state_dict(module, optim, opt_state, options=opts)
-    else:
-        module.load_state_dict(model_state)
-        optim.load_state_dict(opt_state)
-
-
-# ---------------------------------------------------------------------------------------------------- run
-def run_train(cfg: TrainConfig, target=None) -> dict:
-    """Train a drafter as configured; returns the final metrics (train + last eval)."""
-    from eyas.model.checkpoint import save_drafter
-    from eyas.model.drafter import DrafterConfig, Eagle3Drafter
-
-    if cfg.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
-    rank, world, device = _dist_setup(cfg)
-    run = Path(cfg.out)
-    if rank == 0:
-        _check_run_dir(cfg, run)
-    _barrier()
-    source, target, ref = _open_source(cfg, target, device)
-    train_idx, eval_idx = split_indices(source, cfg.eval_fraction)
-    if not train_idx:
-        raise EyasError(f"{source.where}: no training samples (empty data, all samples shorter than 3 tokens, "
-                        f"or all held out by --eval-fraction {cfg.eval_fraction})")
-
-    if cfg.draft_vocab is not None and cfg.draft_vocab > target.vocab_size:
-        raise EyasError(f"--draft-vocab {cfg.draft_vocab} is larger than the target's vocabulary "
-                        f"({target.vocab_size} tokens of {cfg.target or 'the store target'}); use at most {target.vocab_size}")
-    init_drafter, init_vocab = None, None
-    if cfg.init:
-        from eyas.model.checkpoint import open_drafter  # eyas runs and published EAGLE-3 checkpoints
-
-        # checks the drafter's recorded target (each differing field named), or warns with --allow-target-mismatch
-        init_drafter, meta = open_drafter(cfg.init, target, allow_target_mismatch=cfg.allow_target_mismatch)
-        init_vocab = (init_drafter.d2t.clone(), init_drafter.t2d.clone())
-    vocab, top_id = _build_vocab(cfg, source, train_idx, target.vocab_size, init_vocab, run if rank == 0 else None)
-
-    # --- the drafter, its loss module and the optimizer
-    torch.manual_seed(cfg.seed)
-    dcfg = DrafterConfig.from_target(target.config, draft_vocab_size=vocab.size, aux_layer_ids=target.aux_layer_ids,
-                                     intermediate_size=cfg.intermediate_size)
-    drafter = Eagle3Drafter(dcfg)
-    drafter.set_vocab(vocab.d2t, vocab.t2d)
-    if init_drafter is not None:
-        if init_drafter.config != dcfg:
-            check_same(init_drafter.config.to_dict(), dcfg.to_dict(), what="drafter config of --init", where=cfg.init)
-        drafter.load_state_dict(init_drafter.state_dict())
-    elif cfg.init_from_target:
-        init_head_from_target(drafter, target)
-    drafter.to(device)
-    if cfg.compile:
-        from torch import _dynamo
-        _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, 64)  # K steps x train/eval
-        drafter.midlayer.compile(dynamic=False)  # in place: the state-dict keys stay the export keys
-    ttt = TTTConfig(num_steps=cfg.ttt_steps, decay=cfg.decay, chunk_size=cfg.chunk_size, attention=cfg.attention)
-    # packed rows: (rows, row_len) of every micro-batch, a fixed shape
-    packed = (max(1, cfg.batch_tokens // cfg.max_len), cfg.max_len) if cfg.packs(device) else None
-    module = TTTModule(drafter, ttt)
-    if cfg.fsdp:
-        if world < 2:
-            raise EyasError("--fsdp needs torchrun with at least 2 processes")
-        from torch.distributed.fsdp import fully_shard
-        fully_shard(module.drafter.midlayer)
-        fully_shard(module)
-        model = module
-    elif world > 1:
-        model = nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda"
-                                                    else None)
-    else:
-        model = module
-    params = [p for p in module.parameters() if p.requires_grad]
-    optim = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
-                              foreach=device.type == "cuda")
-    embed_w = target.embed_tokens.weight.detach().to(device)
-    lm_w = embed_w if target.tie_word_embeddings else target.lm_head.weight.detach().to(device)
-    t2d = drafter.t2d
-
-    # --- the plan: steps per epoch are fixed by (seed, epoch, lengths)
-    def plan(epoch: int):
-        mb = epoch_batches(train_idx, source.lengths, batch_tokens=cfg.batch_tokens, seed=cfg.seed, epoch=epoch,
-                           packed=packed)
-        return rank_batches(mb, rank=rank, world_size=world, grad_accum=cfg.grad_accum)
-    if not plan(0):
-        raise EyasError(f"{source.where}: {len(train_idx)} training samples make fewer micro-batches than one step "
-                        f"needs ({world} rank(s) x grad_accum {cfg.grad_accum}); lower --batch-tokens")
-    if cfg.steps is not None:
-        total = cfg.steps
-    else:
-        total = sum(len(plan(e)) for e in range(cfg.epochs or 1))
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, _schedule(cfg, total))
-
-    step, epoch, pos, seen = 0, 0, 0, 0
-    if cfg.resume and (last := ckpt.latest_checkpoint(run)) is not None:
-        state, rng = ckpt.load_checkpoint(last, rank=rank)
-        check_same({**state["config"], "world_size": state["world_size"]}, {**cfg.identity(), "world_size": world},
-                   what="training configuration", where=str(last))
-        _load_full_state(module, optim, state["model"], state["optimizer"], cfg.fsdp)
-        sched.load_state_dict(state["scheduler"])
-        step, epoch, pos = state["step"], state["data"]["epoch"], state["data"]["position"]
-        seen = state["data"].get("tokens_seen", 0)
-        ckpt.set_rng_state(rng)
-        if rank == 0:
-            truncate_metrics(run / "metrics.jsonl", step)
-    elif rank == 0 and (run / "metrics.jsonl").exists():
-        (run / "metrics.jsonl").unlink()
-    if rank == 0:
-        write_manifest(run, _manifest(cfg, target, ref, dcfg, vocab, len(train_idx), len(eval_idx), world, total,
-                                      status="running"))
-    _barrier()
-
-    sink = MetricsSink(run, enabled=rank == 0, total_steps=total, start_step=step, progress=cfg.progress)
-    from eyas.target.device import cpu_bf16_fast
-    use_bf16 = cfg.autocast == "bf16" or (cfg.autocast == "auto" and (device.type == "cuda" or cpu_bf16_fast()))
-    amp = (torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 and not cfg.deterministic
-           else contextlib.nullcontext())
-    last_eval: dict = {}
-    train_summary: dict = {}
-
-    def save(at_step: int) -> None:
-        m, o = _full_state(module, optim, cfg.fsdp)
-        state = {"model": m, "optimizer": o, "scheduler": sched.state_dict(), "step": at_step,
-                 "data": {"epoch": epoch, "position": pos, "tokens_seen": seen}, "config": cfg.identity(),
-                 "world_size": world}
-        ckpt.save_checkpoint(run, at_step, state if rank == 0 else None, rank=rank, barrier=_barrier,
-                             keep=cfg.keep_checkpoints)
-
-    def evaluate() -> dict:
-        if not eval_idx:
-            return {}
-        model.eval()
-        sums = Sums(cfg.ttt_steps, device)
-        by_len = sorted(eval_idx, key=lambda i: source.lengths[i])
-        batches = (group_packed(by_len, source.lengths, *packed) if packed
-                   else group(by_len, source.lengths, cfg.batch_tokens))
-        # FSDP2 forwards are collective: every rank runs the same number (extra ones are discarded).
-        rounds = math.ceil(len(batches) / world) if cfg.fsdp else len(batches[rank::world])
-        with torch.no_grad():
-            for j in range(rounds):
-                k = j * world + rank
-                b = _features(source, batches[k % len(batches)], target, device, cfg, packed)
-                with amp:  # DDP: the plain module (ranks may run different numbers of eval batches)
-                    o = TTTOutput(*module(b.input_ids, b.loss_mask, b.valid, b.aux, b.final, embed_w, lm_w,
-                                          b.segment_ids, b.position_ids))
-                    base = frequency_baseline(b.input_ids, b.loss_mask, b.valid, b.final, lm_w, t2d, top_id)
-                if k < len(batches):
-                    sums.add(o, b.num_tokens, base)
-        model.train()
-        return sums.all_reduce().summary(token_weighted=True)
-
-    model.train()
-    steps_plan = plan(epoch)
-    while step < total:
-        micro = steps_plan[pos]
-        sums = Sums(cfg.ttt_steps, device)
-        for a, idx in enumerate(micro):
-            b = _features(source, idx, target, device, cfg, packed)
-            bad = nonfinite_rows(b)
-            sync = a == len(micro) - 1 or not isinstance(model, nn.parallel.DistributedDataParallel)
-            with (contextlib.nullcontext() if sync else model.no_sync()):
-                with amp:
-                    lmask = b.valid if cfg.loss_on == "all" else b.loss_mask
-                    o = TTTOutput(*model(b.input_ids, lmask, b.valid, b.aux, b.final, embed_w, lm_w, b.segment_ids,
-                                         b.position_ids))
-                _stop_if_nonfinite(bad, o.loss, b.ids, step + 1, "features" if bad else "loss")
-                (o.loss / len(micro)).backward()
-            sums.add(o, b.num_tokens)
-        gnorm = nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-        _stop_if_nonfinite([], gnorm, [i for idx in micro for i in (source.ids[j] for j in idx)], step + 1,
-                           "gradient norm")
-        lr = sched.get_last_lr()[0]
-        optim.step()
-        sched.step()
-        optim.zero_grad(set_to_none=True)
-        step, pos = step + 1, pos + 1
-        train_summary = sums.all_reduce().summary()
-        seen += train_summary["tokens"]  # all ranks: the x axis of the scaling curve
-        rate = sink.step(train_summary["tokens"], {"loss": f"{train_summary['loss']:.3f}",
-                                                   "acc0": f"{train_summary['acc_k'][0]:.3f}"})
-        if step % cfg.log_every == 0 or step == total:
-            sink.log({"step": step, "split": "train", "epoch": epoch, "tokens_seen": seen, "lr": lr, "grad_norm": float(gnorm),
-                      "tokens_per_s": rate, **train_summary})
-        end_of_epoch = pos == len(steps_plan)
-        if end_of_epoch or step == total or (cfg.eval_every and step % cfg.eval_every == 0):  # held-out eval
-            last_eval = evaluate()
-            if last_eval:
-                sink.log({"step": step, "split": "eval", "epoch": epoch, "tokens_seen": seen, **last_eval})
-                sink.note(f"eval @ step {step}: acc_0 {last_eval['acc_k'][0]:.3f} (frequency baseline "
-                          f"{last_eval.get('baseline_acc_0', float('nan')):.3f}), tau_est {last_eval['tau_est']:.2f}")
-            if end_of_epoch:
-                epoch, pos = epoch + 1, 0
-                steps_plan = plan(epoch)
-        if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == total:
-            save(step)
-    sink.close()
-
-    # --- the final drafter
-    m, _ = _full_state(module, None, cfg.fsdp)
-    result = {"step": step, "train": train_summary, "eval": last_eval, "vocab_coverage": vocab.coverage}
-    if rank == 0:
-        final = Eagle3Drafter(dcfg)
-        final.load_state_dict(m)
-        save_drafter(final, run / "drafter", meta={"target": target.fingerprint})
-        write_manifest(run, {**_manifest(cfg, target, ref, dcfg, vocab, len(train_idx), len(eval_idx), world, total,
-                                         status="complete"), "result": result})
-    _barrier()
-    return result
 
 
 @torch.no_grad()
@@ -392,25 +402,11 @@ def init_head_from_target(drafter, target) -> None:
     drafter.norm.weight.copy_(target.final_norm.weight.float())
 
 
-def _features(source, idx, target, device, cfg: TrainConfig, packed: tuple[int, int] | None):
-    b = source.collate(idx).to(device)
-    if cfg.online:
-        b = target_features(target, b, sub_tokens=cfg.batch_tokens if packed else None)
-    return pack(b, *packed) if packed else b
-
-
 def _stop_if_nonfinite(bad_ids: list[str], value: torch.Tensor, ids: list[str], step: int, what: str) -> None:
     """All ranks agree whether any rank saw NaN/Inf; then every rank raises, naming the samples it holds."""
-    flag = torch.tensor([1.0 if (bad_ids or not torch.isfinite(value).all()) else 0.0], device=value.device)
-    if dist.is_initialized():
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item() > 0:
-        local = bad_ids or ([] if torch.isfinite(value).all() else ids)
-        names = local
-        if dist.is_initialized():
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, local)
-            names = [i for g in gathered for i in g]
+    finite = bool(torch.isfinite(value).all())
+    if dist.any_rank(bool(bad_ids) or not finite, value.device):
+        names = dist.gather_lists(bad_ids or ([] if finite else ids))
         raise EyasError(f"step {step}: NaN/Inf in {what}, sample(s) {', '.join(map(repr, names)) or '(another rank)'}")
 
 
@@ -434,11 +430,3 @@ def _check_run_dir(cfg: TrainConfig, run: Path) -> None:
         for p in run.glob(".*.tmp-*"):
             p.unlink(missing_ok=True)
     run.mkdir(parents=True, exist_ok=True)
-
-
-def _manifest(cfg, target, ref, dcfg, vocab, n_train, n_eval, world, total, *, status) -> dict:
-    return {"kind": KIND, "status": status, "config": cfg.to_dict(), "config_identity": cfg.identity(),
-            "target": target.fingerprint, "source": ref, "drafter": dcfg.to_dict(),
-            "counts": {"train_samples": n_train, "eval_samples": n_eval}, "world_size": world,
-            "total_steps": total, "vocab": {"size": vocab.size, "coverage": vocab.coverage},
-            "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

@@ -1,0 +1,112 @@
+"""The Trainer's own contract: state_dict() / load_state_dict() is a complete resume point (bit-identical to an
+uninterrupted run, across an epoch boundary, over a trainer that had already moved on), state_dict() is what the
+checkpoint on disk holds, evaluate() leaves training untouched, and train/dist.py's collectives and teardown on
+two gloo ranks."""
+
+import io
+import json
+import os
+
+import torch
+
+from eyas.train import checkpoint as ckpt
+from eyas.train.trainer import Trainer
+from test_faults import _ckpt_equal
+from test_train import _free_port, capture, cfg, make_samples, records, tiny_target
+
+
+def _without_out(state):
+    return {**state, "config": {k: v for k, v in state["config"].items() if k != "out"}}
+
+
+def test_state_dict_round_trip_resumes_bit_identically(tmp_path):
+    t = tiny_target()
+    store = capture(tmp_path, t, make_samples(40))
+    # on the CPU: unpacked micro-batches give an epoch several steps (auto packing on CUDA makes it one here)
+    kw = dict(steps=None, epochs=2, checkpoint_every=0, eval_fraction=0.2, device="cpu")
+
+    ref = Trainer(cfg(tmp_path, store, "ref", **kw), target=t)
+    per_epoch = len(ref.plan(0))
+    cut = per_epoch - 1                       # mid epoch 0: the resumed part crosses into epoch 1
+    assert per_epoch >= 3 and ref.total == per_epoch + len(ref.plan(1))
+    ref_result = ref.train()
+
+    a = Trainer(cfg(tmp_path, store, "a", **kw), target=t)
+    for _ in range(cut):
+        a.train_step(a.next_batch())
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)           # through bytes, as a checkpoint: plain types only
+    rng = ckpt.rng_state()
+
+    b = Trainer(cfg(tmp_path, store, "b", **kw), target=t)
+    b.train_step(b.next_batch())              # b has moved too: params, Adam moments, lr schedule, data position
+    buf.seek(0)
+    b.load_state_dict(torch.load(buf, weights_only=True))
+    assert (b.step, b.epoch, b.pos) == (cut, 0, cut)
+    ckpt.set_rng_state(rng)
+    b_result = b.train()
+
+    # Everything a checkpoint holds is bit-identical: drafter, optimizer moments, scheduler, data position, tokens.
+    assert b.step == ref.step == ref.total and b.epoch == ref.epoch == 2
+    _ckpt_equal(_without_out(b.state_dict()), _without_out(ref.state_dict()), "state")
+    assert b_result == ref_result
+    later = [r for r in records(tmp_path / "ref") if r["step"] > cut]
+    assert records(tmp_path / "b") == later and len(later) == ref.total - cut
+    assert records(tmp_path / "b", "eval") == records(tmp_path / "ref", "eval")   # end of epoch 0 and the last step
+
+    # state_dict() is what RUN/checkpoints/step-N/state.pt holds.
+    state, _ = ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path / "ref"))
+    _ckpt_equal(state, ref.state_dict(), "state.pt")
+
+
+def test_evaluate_leaves_training_untouched(tmp_path):
+    """Held-out evals (every step here) change no train record and no bit of the trainer's state."""
+    t = tiny_target()
+    store = capture(tmp_path, t, make_samples(40))
+    kw = dict(steps=4, eval_fraction=0.3, device="cpu")
+    plain = Trainer(cfg(tmp_path, store, "plain", **kw), target=t)
+    plain.train()
+    often = Trainer(cfg(tmp_path, store, "often", eval_every=1, **kw), target=t)
+    before = _without_out(often.state_dict())
+    first = often.evaluate()
+    _ckpt_equal(_without_out(often.state_dict()), before, "state after evaluate")
+    assert often.evaluate() == first and first["positions_k"][0] > 0
+    often.train()
+    assert records(tmp_path / "often") == records(tmp_path / "plain")
+    assert [r["step"] for r in records(tmp_path / "often", "eval")] == [1, 2, 3, 4]
+    _ckpt_equal(_without_out(often.state_dict()), _without_out(plain.state_dict()), "state")
+
+
+# ------------------------------------------------------------------------------------------ dist.py
+def _dist_worker(rank, world, port, out):
+    from eyas.train import dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    d = dist.setup("cpu")                     # torchrun's environment, no group yet: setup creates it
+    seen = {"rank": d.rank, "world": d.world, "owns": d.owns_group,
+            "any_1": dist.any_rank(d.rank == 1, d.device), "any_none": dist.any_rank(False, d.device),
+            "gathered": dist.gather_lists([f"r{d.rank}"] * (d.rank + 1))}
+    dist.barrier()
+    dist.teardown(d)
+    seen["after_teardown"] = torch.distributed.is_initialized()
+    with open(os.path.join(out, f"r{rank}.json"), "w") as f:
+        json.dump(seen, f)
+
+
+def test_dist_collectives_and_teardown_on_two_ranks(tmp_path):
+    import torch.multiprocessing as mp
+
+    from eyas.train import dist
+
+    one = dist.setup("cpu")                   # one process: no group, every collective a no-op
+    assert (one.rank, one.world, one.device, one.owns_group) == (0, 1, torch.device("cpu"), False)
+    assert dist.any_rank(True, one.device) and not dist.any_rank(False, one.device)
+    assert dist.gather_lists(["x"]) == ["x"]
+
+    mp.spawn(_dist_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    for r in range(2):
+        seen = json.loads((tmp_path / f"r{r}.json").read_text())
+        assert seen == {"rank": r, "world": 2, "owns": True, "any_1": True, "any_none": False,
+                        "gathered": ["r0", "r1", "r1"], "after_teardown": False}
