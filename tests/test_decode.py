@@ -9,7 +9,7 @@ import torch
 from conftest import make_tiny_llama
 from eyas.decode import tree as tree_mod
 from eyas.decode.lookup import lookup
-from eyas.decode.sampling import probs
+from eyas.target.sampling import probs
 from eyas.decode.spec import SpecConfig, SpecDecoder
 from eyas.errors import EyasError
 from eyas.model.drafter import DrafterConfig, Eagle3Drafter

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from eyas.decode.sampling import probs
+from eyas.target.sampling import probs
 from eyas.decode.tree import Draft, chain, select_tree
 
 

@@ -13,26 +13,7 @@ import torch
 from torch import Tensor
 
 from eyas.decode.tree import Draft, chain
-
-
-def _capture(fn, *args):
-    """-> run() replaying fn(*args) (args are static buffers the caller refills). CPU: a plain call."""
-    if not args and fn.__self__.k.device.type != "cuda" or args and args[0].device.type != "cuda":
-        return lambda: fn(*args)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn(*args)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn(*args)
-
-    def run():
-        g.replay()
-        return out
-    return run
+from eyas.target.graphs import capture
 
 
 class GraphedChainDrafting:
@@ -80,7 +61,7 @@ class GraphedChainDrafting:
             if S not in self._extend:
                 a = torch.zeros_like(aux)
                 t = torch.zeros_like(next_tokens)
-                self._extend[S] = (_capture(self._extend_body, a, t), a, t)
+                self._extend[S] = (capture(self._extend_body, a, t), a, t)
             run, a, t = self._extend[S]
             a.copy_(aux)
             t.copy_(next_tokens)
@@ -114,5 +95,5 @@ class GraphedChainDrafting:
     def propose_chain(self, root: int, K: int, temperature: float, top_p: float, gen, vocab: int) -> Draft:
         assert temperature == 0 and K == self.K
         if self._chain is None:
-            self._chain = _capture(self._chain_body)
+            self._chain = capture(self._chain_body, cuda=self.k.device.type == "cuda")
         return chain(root, self._chain().tolist())

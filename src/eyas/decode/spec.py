@@ -14,7 +14,7 @@ import torch
 
 from eyas.decode.eagle import EagleDrafting
 from eyas.decode.lookup import lookup
-from eyas.decode.sampling import sample
+from eyas.target.sampling import sample
 from eyas.decode.tree import Draft, chain, verify
 from eyas.errors import EyasError
 

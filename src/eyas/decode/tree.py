@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from eyas.decode.sampling import accept_fixed, accept_sampled, draw, probs
+from eyas.target.sampling import accept_fixed, accept_sampled, draw, probs
 
 
 @dataclass

@@ -25,6 +25,7 @@ from torch.nn.attention import sdpa_kernel
 
 from eyas.errors import EyasError
 from eyas.sdpa import INFERENCE_SDPA
+from eyas.target.graphs import capture
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -276,137 +277,21 @@ class Runner(nn.Module):
         slots = torch.full((batch, seq), L - 1, dtype=torch.long, device=dev)
         mask = torch.zeros(batch, seq, L, dtype=torch.bool, device=dev)
         mask[..., -1] = True
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                fn(ids, pos, slots, mask)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fn(ids, pos, slots, mask)
+        replay = capture(fn, ids, pos, slots, mask, warmup=3)
 
         def run(i, p, s, m):
             ids.copy_(i)
             pos.copy_(p)
             slots.copy_(s)
             mask.copy_(m)
-            graph.replay()
-            return out
+            return replay()
 
         self._graphs[key] = run
         return run
 
     # ------------------------------------------------------------------ plain decoding
-    @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
-                 top_p: float = 1.0, eos_ids=(), seed: int = 0, prefill_chunk: int = 512,
-                 progress=None, window: int = 256, compact: bool = True) -> list[list[int]]:
-        """Plain batched decoding. Returns the new tokens of each prompt (ending at and including
-        the first eos, or after max_new_tokens, or when the cache row is full).
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, **kw) -> list[list[int]]:
+        """Plain batched decoding on this runner: `eyas.target.generate.generate` (its docstring has the options)."""
+        from eyas.target.generate import generate
 
-        Prompts run longest first, `max_batch` rows per chunk. On CUDA each decode step is a CUDA graph that
-        attends over the first L slots only, L = prompt + new tokens rounded up to `window` (0: all max_seq
-        slots); every 16 steps, once half the rows have finished, the live rows are moved to the front of the
-        cache and the step continues at the next power-of-two batch (`compact`), so a long tail of a few
-        unfinished rows does not keep paying for the whole batch. Rows are independent: neither changes a
-        row's tokens under greedy decoding."""
-        from eyas.decode.sampling import sample
-
-        if temperature < 0:
-            raise EyasError(f"temperature must be >= 0, got {temperature}")
-        if not prompts:
-            return []
-        for i, p in enumerate(prompts):
-            if not p:
-                raise EyasError(f"generate: prompt {i} is empty")
-            if len(p) >= self.cfg.max_seq:
-                raise EyasError(f"generate: prompt {i} has {len(p)} tokens, the cache holds {self.cfg.max_seq}")
-        gen = torch.Generator(device=self.device).manual_seed(seed)
-        eos = torch.tensor(sorted(set(eos_ids)) or [-1], device=self.device)
-        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-        out: list[list[int]] = [[] for _ in prompts]
-        B = self.cfg.max_batch
-        for c in range(0, len(order), B):
-            idx = order[c:c + B]
-            rows = self._generate_chunk([prompts[i] for i in idx], max_new_tokens, temperature, top_p, eos,
-                                        gen, prefill_chunk, sample, window, compact)
-            for i, r in zip(idx, rows):
-                out[i] = r
-            if progress is not None:
-                progress(len(idx))
-        return out
-
-    def _compact(self, live: Tensor, L: int) -> Tensor:
-        """Rows `live` (1-D, ascending) of every layer's cache slots [:L] move to rows 0..len(live)-1."""
-        n = live.numel()
-        for layer in self.layers:
-            layer.k_cache[:n, :, :L] = layer.k_cache[live, :, :L]
-            layer.v_cache[:n, :, :L] = layer.v_cache[live, :, :L]
-        return live
-
-    def _generate_chunk(self, prompts, max_new, temperature, top_p, eos, gen, prefill_chunk, sample, window, compact):
-        dev, M = self.device, self.cfg.max_seq
-        B = len(prompts)
-        T = max(len(p) for p in prompts)
-        pad = torch.tensor([T - len(p) for p in prompts], device=dev)  # left padding per row
-        ids = torch.zeros(B, T, dtype=torch.long, device=dev)
-        for b, p in enumerate(prompts):
-            ids[b, T - len(p):] = torch.tensor(p, device=dev)
-        cols = torch.arange(T, device=dev)
-        positions = (cols[None] - pad[:, None]).clamp(min=0)  # (B,T)
-        real = cols[None] >= pad[:, None]  # (B,T) slot holds a prompt token
-        # Prefill in chunks of the sequence: query s attends real slots <= s (pads attend themselves).
-        logits = None
-        for s0 in range(0, T, prefill_chunk):
-            s1 = min(T, s0 + prefill_chunk)
-            q = torch.arange(s0, s1, device=dev)
-            k = torch.arange(s1, device=dev)
-            mask = (k[None, None] <= q[None, :, None]) & real[:, None, :s1]  # (B,S,s1)
-            mask |= (k[None, None] == q[None, :, None])
-            slots = q[None].expand(B, -1)
-            logits, _ = self.forward(ids[:, s0:s1], positions[:, s0:s1], slots, mask, last_only=True)
-        steps = min(max_new, M - T)
-        # slots the decode steps can reach: T + steps - 1 (the last token is sampled, never fed)
-        W = min(M, -(-(T + steps) // window) * window) if window else M
-        tokens = torch.zeros(B, max(steps, 1), dtype=torch.long, device=dev)  # by original row
-        nxt = sample(logits[:, -1], temperature, top_p, gen)  # (B,)
-        valid = torch.zeros(B, W, dtype=torch.bool, device=dev)
-        valid[:, :T] = real
-        pos = positions[:, -1:] + 1  # (B,1)
-        slot = torch.full((B, 1), T, dtype=torch.long, device=dev)
-        done = torch.zeros(B, dtype=torch.bool, device=dev)
-        rows = torch.arange(B, device=dev)  # original row of each cache row
-        n = m = B  # cache rows in use; the first m of them are real rows (the rest fill a graph size)
-        step = self.graphed(n, 1, slots=W)
-        for t in range(steps):
-            tokens[rows[:m], t] = nxt[:m]
-            done |= torch.isin(nxt, eos)
-            if t + 1 == steps:
-                break
-            if t % 16 == 15:
-                live = (~done).nonzero().flatten()
-                k = live.numel()  # one host sync per 16 steps
-                if k == 0:
-                    break
-                if compact and k <= n // 2:
-                    n, m = 1 << (k - 1).bit_length(), k  # a few graph sizes, not one per count
-                    keep = torch.cat([live, live[:1].expand(n - k)])  # filler rows: copies of a live row
-                    self._compact(keep, W)
-                    nxt, pos, slot, valid, rows = nxt[keep], pos[keep], slot[keep], valid[keep], rows[keep]
-                    done = torch.zeros(n, dtype=torch.bool, device=dev)
-                    done[k:] = True  # fillers: their tokens are never read and they never hold up the chunk
-                    step = self.graphed(n, 1, slots=W)
-            valid[:, T + t] = True
-            # A CUDA graph needs the full static mask; eagerly, attend only over the slots in use.
-            L = W if dev.type == "cuda" else T + t + 1
-            lg = step(nxt[:, None], pos, slot, valid[:, None, :L])
-            nxt = sample(lg[:, -1], temperature, top_p, gen)
-            pos += 1
-            slot += 1
-        res = []
-        eos_set = set(eos.tolist())
-        for row in tokens[:, :steps].tolist():
-            cut = next((i + 1 for i, tok in enumerate(row) if tok in eos_set), len(row))
-            res.append(row[:cut])
-        return res
+        return generate(self, prompts, max_new_tokens, **kw)
