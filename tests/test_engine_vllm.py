@@ -136,17 +136,22 @@ def test_capture_through_vllm_stores_the_final_norm_output(capsys, tmp_path):
             assert torch.allclose(s.aux[:, k], hs[a][0], atol=0.03, rtol=0.02)
 
 
-def test_ingest_vllm_command_reads_vllm_names_and_the_norm(capsys, tmp_path):
+def write_prepared(prep, samples):
     from eyas.data.prepared import PreparedWriter, Sample
+    w = PreparedWriter(prep, identity={"test": 1})
+    for sid, ids in samples.items():
+        w.add(Sample(id=sid, input_ids=ids, loss_mask=MASKS.get(sid, [1] * len(ids))))
+    w.commit(len(samples), {})
+    w.finish({"counts": {"kept": len(samples)}})
+    return prep
+
+
+def test_ingest_vllm_command_reads_vllm_names_and_the_norm(capsys, tmp_path):
     model_dir, vllm_dir, out, prep = tmp_path / "target", tmp_path / "vllm", tmp_path / "store", tmp_path / "prep"
     model = tiny_target(model_dir)
     n = model.config.num_hidden_layers
     samples = {"x": list(range(3, 14)), "y": list(range(30, 37))}
-    w = PreparedWriter(prep, identity={"test": 1})
-    for sid, ids in samples.items():
-        w.add(Sample(id=sid, input_ids=ids, loss_mask=[1] * len(ids)))
-    w.commit(len(samples), {})
-    w.finish({"counts": {"kept": len(samples)}})
+    write_prepared(prep, samples)
     srv = FakeVllmServer(launch(capsys, tmp_path, model_dir, vllm_dir), model)
     for sid, ids in samples.items():                        # requests as the client sends them
         srv.post("http://fake/v1/completions", {"model": srv.served[0], "prompt": ids, "request_id": f"{sid}#a0"}, 1)
@@ -175,3 +180,57 @@ def test_final_norm_found_in_sharded_and_wrapped_checkpoints(tmp_path):
                                                "text_config": {"hidden_size": 8, "rms_norm_eps": 1e-6}}))
     norm = load_final_norm(d / "config.json")
     assert torch.equal(norm.weight, w) and norm.eps == 1e-6
+
+
+def ingest_cli(tmp_path, samples) -> list[str]:
+    """Arguments of `eyas engine ingest-vllm` from tmp_path/vllm into a fresh store for prepared `samples`."""
+    StoreWriter(tmp_path / "store", header=header()).close()
+    return ["engine", "ingest-vllm", "--vllm-dir", str(tmp_path / "vllm"), "--data",
+            str(write_prepared(tmp_path / "prep", samples)), "--out", str(tmp_path / "store"),
+            "--target-config", str(norm_target(tmp_path / "target"))]
+
+
+def test_ingest_vllm_skips_bad_files_counts_them_and_resumes(capsys, tmp_path):
+    """A truncated file and one of the wrong shape are skipped, not fatal: the good sample is ingested, one stderr
+    line counts the skips by reason, STORE/skipped.jsonl names each file; a rerun after vLLM wrote new attempts
+    ingests only the missing samples and completes the store."""
+    src, out = tmp_path / "vllm", tmp_path / "store"
+    src.mkdir()
+    vllm_file(src, "a")
+    cut = vllm_file(src, "b")
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])           # a writer killed mid-file
+    wrong = vllm_file(src, "c", layers=3)                                 # launched without the final layer id
+    args = ingest_cli(tmp_path, SAMPLES)
+    assert main(args) == 0                                                # something was ingested
+    res, err = capsys.readouterr()
+    summary = json.loads(res)
+    assert summary["written"] == 1 and not summary["complete"]
+    assert summary["skipped"] == {"unreadable file": 1, "wrong shape": 1}
+    assert err.count("\n") == 1 and "skipped 2 (" in err and "1 unreadable file" in err and "1 wrong shape" in err
+    assert "2 of 3 samples are not in the store" in err and str(out / "skipped.jsonl") in err
+    log = [json.loads(x) for x in (out / "skipped.jsonl").read_text().splitlines()]
+    assert {(x["id"], x["reason"], x["where"]) for x in log} == {("b", "unreadable file", str(cut)),
+                                                                 ("c", "wrong shape", str(wrong))}
+    assert Store(out, allow_incomplete=True).ids == ["a"]
+
+    vllm_file(src, "b", attempt=1)                                        # the client re-requested them
+    vllm_file(src, "c", attempt=1)
+    assert main(args) == 0
+    res, err = capsys.readouterr()
+    summary = json.loads(res)
+    assert summary["written"] == 2 and summary["complete"] and summary["skipped"] == {} and err == ""
+    assert (out / "skipped.jsonl").read_text() == ""                      # this run skipped nothing
+    st = Store(out)
+    assert sorted(st.ids) == ["a", "b", "c"] and len(st.records) == 2     # "a" was not written again
+    aux, _ = true_states(SAMPLES["c"])
+    assert torch.equal(st.by_id("c", dtype=torch.float32).aux, aux.bfloat16().float())
+
+
+def test_ingest_vllm_fails_only_when_nothing_was_ingested(capsys, tmp_path):
+    src = tmp_path / "vllm"
+    src.mkdir()
+    bad = vllm_file(src, "a")
+    bad.write_bytes(b"not a safetensors file")
+    assert main(ingest_cli(tmp_path, {"a": SAMPLES["a"]})) == 1
+    res, err = capsys.readouterr()
+    assert json.loads(res)["written"] == 0 and "1 unreadable file" in err and err.count("\n") == 1

@@ -48,22 +48,15 @@ def _crosscheck(a) -> int:
 
 
 def _ingest(a) -> int:
-    from eyas.engines.capture import _load
-    from eyas.engines.final_norm import load_final_norm
-    from eyas.engines.vllm_ingest import ingest_dir
-    from eyas.store.writer import StoreWriter
-    from eyas.manifest import read_manifest
-    norm = load_final_norm(a.target_config, a.target_weights or None)
-    prep, ids, masks = _load(a.data)
-    header = {k: v for k, v in read_manifest(a.out).items()
-              if k in ("target", "layers", "dtype", "hidden_size", "vocab_size", "data", "config")}
-    w = StoreWriter(a.out, header=header, setup=False)
-    written, rejected = ingest_dir(a.vllm_dir, w, ids, masks, final_norm=norm)
-    w.close()
-    m = w.finalize(set(ids))
-    print(json.dumps({"written": len(written), "rejected": {r.sample_id: r.reason for r in rejected},
-                      "complete": m["complete"]}, indent=1))
-    return 0 if m["complete"] else 1
+    import sys  # noqa: PLC0415
+    from eyas.engines.vllm_ingest import run_ingest, skip_summary
+    summary = run_ingest(a.vllm_dir, a.data, a.out, a.target_config, a.target_weights or None)
+    print(json.dumps(summary, indent=1))
+    line = skip_summary(summary)
+    if line:
+        print(line, file=sys.stderr)
+    # skipped files are not fatal: only a run that ingested nothing and left the store incomplete fails
+    return 0 if summary["written"] or summary["complete"] else 1
 
 
 def register(subparsers) -> None:

@@ -30,6 +30,7 @@ class Record:
     sample_id: str
     ok: bool
     reason: str = ""
+    kind: str = ""                          # rejected: a short countable reason ("wrong shape", ...)
     input_ids: torch.Tensor | None = None   # (T,) int64
     aux: torch.Tensor | None = None         # (T, 3, h)
     final: torch.Tensor | None = None       # (T, h)
@@ -43,21 +44,29 @@ class _Pending:
     seen: int = 0
 
 
+def check_states(sent_ids, ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor,
+                 num_aux: int = 3) -> tuple[str, str] | None:
+    """None if the returned states fit the sent sample, else (kind, detail): kind is short and countable."""
+    if ids.shape[0] != len(sent_ids):
+        return "token count", f"token count {ids.shape[0]} != sent {len(sent_ids)}"
+    diff = (ids.cpu().long() != torch.as_tensor(sent_ids, dtype=torch.long)).nonzero()
+    if diff.numel():
+        return "token ids differ", f"token ids differ from the sent ones first at position {int(diff[0])}"
+    if aux.dim() != 3 or aux.shape[1] != num_aux:
+        return "wrong shape", f"expected {num_aux} aux layers, got aux shape {tuple(aux.shape)}"
+    if aux.shape[0] != ids.shape[0] or final.shape[0] != ids.shape[0] or final.shape[-1] != aux.shape[-1]:
+        return "wrong shape", (f"state shapes aux {tuple(aux.shape)} final {tuple(final.shape)} do not match "
+                               f"{ids.shape[0]} tokens")
+    if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
+        return "non-finite", "non-finite values in the hidden states"
+    return None
+
+
 def verify_states(sample_id: str, sent_ids, ids: torch.Tensor, aux: torch.Tensor, final: torch.Tensor,
                   num_aux: int = 3) -> str:
     """'' if the returned states fit the sent sample, else the reason (the client-side checks)."""
-    if ids.shape[0] != len(sent_ids):
-        return f"token count {ids.shape[0]} != sent {len(sent_ids)}"
-    diff = (ids.cpu().long() != torch.as_tensor(sent_ids, dtype=torch.long)).nonzero()
-    if diff.numel():
-        return f"token ids differ from the sent ones first at position {int(diff[0])}"
-    if aux.dim() != 3 or aux.shape[1] != num_aux:
-        return f"expected {num_aux} aux layers, got aux shape {tuple(aux.shape)}"
-    if aux.shape[0] != ids.shape[0] or final.shape[0] != ids.shape[0] or final.shape[-1] != aux.shape[-1]:
-        return f"state shapes aux {tuple(aux.shape)} final {tuple(final.shape)} do not match {ids.shape[0]} tokens"
-    if not (torch.isfinite(aux).all() and torch.isfinite(final).all()):
-        return "non-finite values in the hidden states"
-    return ""
+    bad = check_states(sent_ids, ids, aux, final, num_aux)
+    return "" if bad is None else bad[1]
 
 
 class Assembler:

@@ -19,14 +19,17 @@ unless VLLM_DISABLE_REQUEST_ID_RANDOMIZATION). eyas's request_id is `{sample id}
 from __future__ import annotations
 
 import fcntl
+import json
 import re
+from collections import Counter
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from eyas.engines.final_norm import FinalNorm
-from eyas.engines.records import ATTEMPT_SEP, Record, verify_states
+from eyas.engines.records import ATTEMPT_SEP, Record, check_states
 from eyas.errors import EyasError
 
 
@@ -77,35 +80,49 @@ def find_files(vllm_dir, sample_ids) -> dict[str, list[Path]]:
 
 def to_record(sample_id: str, sent_ids, tensors: dict, *, final_norm: FinalNorm, num_layers: int = 4,
               where: str = "") -> Record:
-    """Verify one vLLM file against the sent sample -> Record (ok with aux/final, or rejected with reason)."""
+    """Verify one vLLM file against the sent sample -> Record (ok with aux/final, or rejected with kind and reason)."""
+    def bad(kind: str, why: str) -> Record:
+        return Record(sample_id, sample_id, False, f"{where}: {why}", kind=kind)
     if "token_ids" not in tensors or "hidden_states" not in tensors:
-        return Record(sample_id, sample_id, False, f"{where}: keys {sorted(tensors)}, expected token_ids, hidden_states")
+        return bad("missing keys", f"keys {sorted(tensors)}, expected token_ids, hidden_states")
     ids, hs = tensors["token_ids"].long(), tensors["hidden_states"]
-    if hs.dim() != 3 or hs.shape[1] != num_layers:
-        return Record(sample_id, sample_id, False,
-                      f"{where}: hidden_states {tuple(hs.shape)}, expected (T, {num_layers}, H) "
-                      f"(were the layer ids launched as [aux x3, N]?)")
+    if ids.dim() != 1 or hs.dim() != 3 or hs.shape[1] != num_layers:
+        return bad("wrong shape", f"hidden_states {tuple(hs.shape)}, token_ids {tuple(ids.shape)}: expected "
+                   f"(T, {num_layers}, H) and (T,) (were the layer ids launched as [aux x3, N]?)")
     if hs.shape[-1] != final_norm.weight.shape[0]:
-        return Record(sample_id, sample_id, False, f"{where}: hidden size {hs.shape[-1]} != the target's "
-                      f"final norm {final_norm.weight.shape[0]} (another model?)")
+        return bad("wrong hidden size", f"hidden size {hs.shape[-1]} != the target's final norm "
+                   f"{final_norm.weight.shape[0]} (another model?)")
     aux, final = hs[:, :3], final_norm(hs[:, 3])               # (T, 3, H), (T, H) pre-norm -> final-norm
-    why = verify_states(sample_id, sent_ids, ids, aux, final)
+    why = check_states(sent_ids, ids, aux, final)
     if why:
-        return Record(sample_id, sample_id, False, f"{where}: {why}")
+        return bad(*why)
     return Record(sample_id, sample_id, True, input_ids=ids, aux=aux, final=final)
 
 
+def _verified(sid: str, sent, p: Path, *, final_norm: FinalNorm, num_layers: int) -> Record:
+    try:
+        tensors = read_vllm_file(p)
+    except EyasError as e:                      # truncated / not safetensors: this file only, not the whole ingest
+        return Record(sid, sid, False, str(e), kind="unreadable file")
+    return to_record(sid, sent, tensors, final_norm=final_norm, num_layers=num_layers, where=str(p))
+
+
 def ingest_dir(vllm_dir, writer, expected: dict, loss_masks: dict, *, final_norm: FinalNorm,
-               names: dict | None = None, num_layers: int = 4) -> tuple[list[str], list[Record]]:
+               names: dict | None = None, num_layers: int = 4,
+               skipped: list | None = None) -> tuple[list[str], list[Record]]:
     """Write every verified file of `vllm_dir` into `writer` (a StoreWriter-like .add_sample).
 
     names: sample id -> file path (kv_transfer_params["hidden_states_path"] from the response), tried
-    first; then the sample's files found by name (find_files), newest attempt first.
+    first; then the sample's files found by name (find_files), newest attempt first. A file that cannot be
+    read or does not verify is skipped (the next one is tried); `skipped` collects one Skip per such file and
+    per sample without any file.
     Samples already committed (writer.committed_ids) are skipped: nothing is written twice.
-    Returns (written ids, rejected records); a sample with no file is rejected as 'no file'.
+    Returns (written ids, rejected records: the last reason of each sample not written).
+    A sample id or a file that points outside `vllm_dir` is refused (EyasError), never skipped.
     """
     for sid in expected:  # before anything is read or written
         check_sample_id(sid, str(vllm_dir))
+    skipped = [] if skipped is None else skipped
     done = set(getattr(writer, "committed_ids", ()))
     on_disk = find_files(vllm_dir, expected)
     written, rejected = [], []
@@ -119,14 +136,16 @@ def ingest_dir(vllm_dir, writer, expected: dict, loss_masks: dict, *, final_norm
                 raise EyasError(f"{p}: the file for sample {sid} resolves outside {vllm_dir} "
                                 f"({p.resolve()}): refused")
         if not paths:
-            rejected.append(Record(sid, sid, False, f"{vllm_dir}: no file for {sid} "
-                                   f"(looked for cmpl-{sid}{ATTEMPT_SEP}K-I-XXXXXXXX.safetensors)"))
+            rec = Record(sid, sid, False, f"{vllm_dir}: no file for {sid} "
+                         f"(looked for cmpl-{sid}{ATTEMPT_SEP}K-I-XXXXXXXX.safetensors)", kind="no file")
+            skipped.append(Skip(sid, rec.kind, str(vllm_dir), rec.reason))
+            rejected.append(rec)
             continue
         for p in paths:
-            rec = to_record(sid, sent, read_vllm_file(p), final_norm=final_norm, num_layers=num_layers,
-                            where=str(p))
+            rec = _verified(sid, sent, p, final_norm=final_norm, num_layers=num_layers)
             if rec.ok:
                 break
+            skipped.append(Skip(sid, rec.kind, str(p), rec.reason))
         if not rec.ok:
             rejected.append(rec)
             continue
@@ -134,3 +153,56 @@ def ingest_dir(vllm_dir, writer, expected: dict, loss_masks: dict, *, final_norm
         done.add(sid)
         written.append(sid)
     return written, rejected
+
+
+@dataclass(frozen=True)
+class Skip:
+    """One skipped file (or a sample without one): a line of STORE/skipped.jsonl, like prepare's skipped records."""
+    id: str        # the sample id
+    reason: str    # short, countable: "unreadable file", "wrong shape", "token count", "no file", ...
+    where: str     # the file (or the vLLM directory when there is none)
+    detail: str
+
+
+SKIPPED = "skipped.jsonl"
+
+
+def run_ingest(vllm_dir, data, out, target_config, target_weights=None, *, wait_s: float = 60.0) -> dict:
+    """`eyas engine ingest-vllm`: every readable, verified file into STORE as its rank 0 (under its lock).
+
+    Files that cannot be read or do not verify are skipped, not fatal. STORE/skipped.jsonl is rewritten with this
+    run's skips (one line each); the returned summary counts them by reason. A rerun resumes: committed samples
+    are kept, the others are tried again (a newer vLLM attempt first).
+    """
+    from eyas.engines.capture import _load  # noqa: PLC0415
+    from eyas.engines.final_norm import load_final_norm  # noqa: PLC0415
+    from eyas.engines.locking import CLIENT_RANK, client_writer, finalize_store  # noqa: PLC0415
+    from eyas.manifest import atomic_write_bytes, read_manifest  # noqa: PLC0415
+    from eyas.store.lock import acquire_store_lock  # noqa: PLC0415
+    norm = load_final_norm(target_config, target_weights or None)
+    with acquire_store_lock(out, CLIENT_RANK):
+        _, ids, masks = _load(data)
+        header = {k: v for k, v in read_manifest(out).items()
+                  if k in ("target", "layers", "dtype", "hidden_size", "vocab_size", "data", "config")}
+        skips: list[Skip] = []
+        with client_writer(out, header, wait_s=wait_s) as w:
+            written, _ = ingest_dir(vllm_dir, w, ids, masks, final_norm=norm, skipped=skips)
+        m = finalize_store(out, header, ids, wait_s=wait_s)
+        atomic_write_bytes(Path(out) / SKIPPED, "".join(json.dumps(asdict(k)) + "\n" for k in skips).encode())
+    counts = Counter(k.reason for k in skips)
+    return {"written": len(written), "samples": m["num_samples"], "expected": len(ids),
+            "complete": bool(m["complete"]), "skipped": dict(counts.most_common()),
+            "skipped_log": str(Path(out) / SKIPPED)}
+
+
+def skip_summary(summary: dict) -> str | None:
+    """One line for stderr: what was skipped, by reason, and what that leaves (None when nothing was skipped)."""
+    if not summary["skipped"]:
+        return None
+    by = ", ".join(f"{n} {reason}" for reason, n in summary["skipped"].items())
+    missing = summary["expected"] - summary["samples"]
+    left = (f"{missing} of {summary['expected']} samples are not in the store (incomplete: `eyas capture --engine "
+            f"vllm` re-requests only those)" if missing else "every sample is in the store (an older or newer "
+            "file of each skipped one verified)")
+    return f"eyas engine ingest-vllm: skipped {sum(summary['skipped'].values())} ({by}); {left}; details in " \
+           f"{summary['skipped_log']}"
