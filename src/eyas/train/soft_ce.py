@@ -35,7 +35,10 @@ def _chunk(z: Tensor, zt: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 @functools.cache
 def _compiled_chunk():
-    return torch.compile(_chunk, dynamic=False)
+    # dynamic=None: the last chunk's row count changes every step (the counted positions vary); after the first
+    # change dynamo makes the row dimension symbolic, so two compiles in all. dynamic=False compiled one graph per
+    # row count and hit the recompile limit (8) in the first steps of a packed run, then ran eagerly.
+    return torch.compile(_chunk)
 
 
 class _FusedSoftCE(torch.autograd.Function):
