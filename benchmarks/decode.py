@@ -2,6 +2,12 @@
 
     PYTHONPATH=src python benchmarks/decode.py --target smollm2-135m [--drafter RUN] [--compile]
 
+Batched speculative decoding (`eyas.decode.batch`: greedy eagle chains, every row accepting its own length)
+against batched plain decoding (`Runner.generate`), at each batch size; this runs only that comparison:
+
+    PYTHONPATH=src python benchmarks/decode.py --batch 1,4,16,64 --chain 3 [--drafter RUN | --random-drafter]
+    PYTHONPATH=src python benchmarks/decode.py --batch 1,4,16 --tiny --dtype fp32 --max-new-tokens 64  # CPU smoke
+
 Prints a table and appends it, with date, machine and command, to BENCHMARKS.md (or --md).
 """
 
@@ -28,6 +34,108 @@ def tok_per_s(fn, tokens_fn, device) -> float:
     return tokens_fn(out) / (time.perf_counter() - t0)
 
 
+def tiny_target(seed: int = 0):
+    """A tiny random Llama (4 layers, width 64, vocab 256; eos id 2) wrapped as an eyas Target."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eyas.target.load import target_from_model
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return target_from_model(LlamaForCausalLM(cfg).eval(), name="tiny-random")
+
+
+def batch_compare(args) -> int:
+    """--batch: tok/s of batched eagle chains and of batched plain decoding on the same prompts and runner."""
+    from eyas.decode.batch import BatchChainDecoder, BatchSpecConfig
+    from eyas.target.runner import Runner
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    N, K, M = args.max_new_tokens, args.chain, args.max_seq
+    keep = M - N - K - 2  # prompt tokens that fit the cache with the new and draft tokens
+    if args.tiny:
+        target = tiny_target()
+        target.model.to(device=dev, dtype=dtype)
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(3, 256, (int(n),), generator=g).tolist()
+                   for n in torch.randint(4, 128, (64,), generator=g)]
+        drafter_name = "UNTRAINED random (timing only, tau ~1)"
+    else:
+        from eyas.data.chat import encode_prompt
+        from eyas.data.sources import load_prompts
+        from eyas.target import load_target
+
+        target = load_target(args.target, device=dev, dtype=dtype)
+        recs = load_prompts(args.prompts.split(",")[0], limit=max(64, args.limit))
+        prompts = [encode_prompt(target.tokenizer, [{"role": "user", "content": r["turns"][0]}]) for r in recs]
+        drafter_name = args.drafter or "UNTRAINED random (timing only, tau ~1)"
+    prompts = [p[-keep:] for p in prompts]
+    if args.drafter:
+        from eyas.model.checkpoint import open_drafter
+        drafter, _ = open_drafter(args.drafter, target=target)
+    elif args.random_drafter or args.tiny:
+        from eyas.model.drafter import DrafterConfig, Eagle3Drafter
+        torch.manual_seed(0)
+        drafter = Eagle3Drafter(DrafterConfig.from_target(target.config, draft_vocab_size=32000,
+                                                          aux_layer_ids=target.aux_layer_ids))
+    else:
+        print("--batch needs a drafter: --drafter RUN, --random-drafter or --tiny", file=sys.stderr)
+        return 2
+    eos = target.eos_token_ids
+    rows: list[tuple[str, str]] = []
+    results: dict = {}
+    for B in [int(b) for b in args.batch.split(",")]:
+        batch = (prompts * ((B + len(prompts) - 1) // len(prompts)))[:B]
+        r = Runner.from_hf(target.model, max_batch=B, max_seq=M, compile=args.compile)
+        dec = BatchChainDecoder(r, drafter, BatchSpecConfig(k=K))
+        # warm-up: on CUDA every shape the timed runs reach (compaction shrinks the batch), else a few tokens
+        warm = N if dev.type == "cuda" else min(N, 4)
+        r.generate(batch, warm, eos_ids=eos)
+        dec.generate(batch, warm, eos_ids=eos)
+        plain_out, t_plain = timed(lambda: r.generate(batch, N, eos_ids=eos), dev)
+        (outs, stats), t_spec = timed(lambda: dec.generate(batch, N, eos_ids=eos), dev)
+        plain, spec = sum(map(len, plain_out)) / t_plain, sum(map(len, outs)) / t_spec
+        tau = sum(s.tokens for s in stats) / max(sum(s.target_forwards for s in stats), 1)
+        same = sum(a == b for a, b in zip(outs, plain_out))
+        results[f"b{B}"] = dict(plain_tok_s=plain, chain_tok_s=spec, ratio=spec / plain, tau=tau,
+                                identical_rows=same, rows=B, tokens=sum(map(len, outs)))
+        rows.append((f"batch {B}: plain", f"{plain:.0f} tok/s"))
+        rows.append((f"batch {B}: eagle chain-{K}", f"{spec:.0f} tok/s, tau {tau:.2f}, {spec / plain:.2f}x plain, "
+                                                    f"rows identical to plain {same}/{B}"))
+        print(rows[-2], rows[-1], flush=True)
+        del r, dec
+        torch.cuda.empty_cache() if dev.type == "cuda" else None
+    machine = (torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor() or "cpu")
+    head = (f"\n## batched decode benchmark, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
+            f"- machine: {machine}; torch {torch.__version__}; dtype {args.dtype}; threads {torch.get_num_threads()}\n"
+            f"- command: `{' '.join(['python'] + sys.argv)}`\n"
+            f"- target: {'tiny random Llama' if args.tiny else args.target}; drafter: {drafter_name}; "
+            f"max new tokens {N}; cache {M}; eos {eos}\n\n"
+            "| what | result |\n|---|---|\n")
+    table = head + "".join(f"| {a} | {b} |\n" for a, b in rows)
+    print(table)
+    with open(args.md, "a") as f:
+        f.write(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+def timed(fn, device):
+    """(fn(), wall seconds), the device synchronised before and after."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--target", default="smollm2-135m")
@@ -45,9 +153,17 @@ def main() -> int:
     ap.add_argument("--random-drafter", action="store_true",
                     help="time the speculative loop with an untrained drafter (tau ~1; cost per round only)")
     ap.add_argument("--max-seqs", default="1024", help="cache lengths timed for plain batch-1 decoding")
+    ap.add_argument("--batch", default=None,
+                    help="batched eagle chains vs batched plain decoding at these batch sizes (e.g. 1,4,16,64); "
+                         "runs only this comparison (needs --drafter, --random-drafter or --tiny)")
+    ap.add_argument("--chain", type=int, default=3, help="--batch: draft tokens per round")
+    ap.add_argument("--tiny", action="store_true",
+                    help="--batch: a tiny random Llama target and random drafter, random prompts (CPU smoke test)")
     ap.add_argument("--md", default="BENCHMARKS.md")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.batch:
+        return batch_compare(args)
 
     from eyas.bench.bench import BenchConfig, run_bench
     from eyas.data.chat import encode_prompt
