@@ -125,3 +125,27 @@ def test_bad_presets_and_knobs():
         with pytest.raises(EyasError, match=f"--set {key}=.*expected"):
             RunConfig(preset="cpu-demo", overrides={key: bad})
     RunConfig(preset="cpu-demo", overrides={"train.lr": 1, "prepare.limit": None, "prepare.regen_dtype": "fp32"})
+
+
+def test_skipped_records_go_to_run_logs_and_verbose_prints_each(tiny_run_inputs, tmp_path, capsys):
+    """A cold run prints one summary line for bad records; RUN/logs/skipped.jsonl has them all; --verbose prints
+    each (issue 15, item 7)."""
+    data = tmp_path / "chats.jsonl"
+    lines = (tiny_run_inputs / "chats.jsonl").read_text().splitlines()[:60]
+    lines[5] = "{not json"
+    lines[9] = json.dumps({"id": "r", "messages": [{"role": "bot", "content": "x"}]})
+    data.write_text("\n".join(lines) + "\n")
+    for verbose in (False, True):
+        run = tmp_path / f"run-{verbose}"
+        cfg = _cfg(tiny_run_inputs, run, limit=20)
+        run_pipeline(RunConfig(**{**cfg.__dict__, "data": str(data), "until": "prepare", "verbose": verbose}))
+        err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("eyas")]
+        log = (run / "logs" / "skipped.jsonl").read_text().splitlines()
+        assert log == (run / "prepared" / "skipped.jsonl").read_text().splitlines()
+        assert sorted(json.loads(x)["reason"] for x in log) == ["malformed JSON", "unknown role"]
+        each = [x for x in err if x.startswith("eyas: skipped (")]
+        assert len([x for x in err if x.startswith("eyas prepare: skipped 2 of")]) == 1
+        if verbose:
+            assert len(each) == 2 and any(f"{data} line 6" in x for x in each), err
+        else:
+            assert each == []

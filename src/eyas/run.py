@@ -58,6 +58,8 @@ class RunConfig:
     """Delete a run directory of another configuration instead of refusing."""
     quiet: bool = False
     """No progress bars; only the final summary."""
+    verbose: bool = False
+    """Print every skipped record and dropped sample (always written to RUN/logs/skipped.jsonl)."""
     until: str | None = None
     """Stop after this stage (e.g. to fit a job into time slices); a rerun without it continues."""
 
@@ -272,9 +274,17 @@ def _stage_dir(stage: str) -> str:
 
 
 def _prepare(cfg, c: Stages, run, target, redo=False) -> dict:
-    from eyas.data.prepare import run_prepare
 
-    return run_prepare(replace(c.prepare, overwrite=redo), target, progress=not cfg.quiet)["counts"]
+    from eyas.data.prepare import run_prepare, skipped_lines
+
+    counts = run_prepare(replace(c.prepare, overwrite=redo), target, progress=not cfg.quiet)["counts"]
+    src = Path(c.prepare.out) / "skipped.jsonl"
+    if src.exists():
+        shutil.copyfile(src, run / "logs" / "skipped.jsonl")
+        if cfg.verbose:
+            for line in skipped_lines(src):
+                print(line, file=sys.stderr)
+    return counts
 
 
 def _capture(cfg, c: Stages, run, target, redo=False) -> dict:
@@ -365,6 +375,8 @@ def register(subparsers) -> None:
                         "JSON (null for None); pre-recipe flat names such as limit=100 still work (repeatable)")
     p.add_argument("--overwrite", action="store_true", help="replace a run directory of another configuration")
     p.add_argument("--quiet", action="store_true", help="no progress bars, only the summary")
+    p.add_argument("--verbose", action="store_true",
+                   help="print every skipped record and dropped sample (always in RUN/logs/skipped.jsonl)")
     p.add_argument("--until", choices=STAGES, help="stop after this stage (a rerun without it continues)")
     p.set_defaults(func=_main)
 
@@ -378,6 +390,6 @@ def _main(args) -> int:
         name = "gpu" if torch.cuda.is_available() else "cpu-demo"
     cfg = RunConfig(target=args.target, data=args.data, preset=name, recipe_file=args.recipe,
                     out=args.out or f"runs/{name}", overrides=dict(args.overrides), overwrite=args.overwrite,
-                    quiet=args.quiet, until=args.until)
+                    quiet=args.quiet, verbose=args.verbose, until=args.until)
     run_pipeline(cfg)
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from eyas.errors import EyasError
 
@@ -49,12 +50,14 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overwrite", action="store_true", help="start again instead of resuming")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the target's remote code")
+    p.add_argument("--verbose", action="store_true", help="print every skipped record and dropped sample "
+                   "(always written to OUT/skipped.jsonl)")
     p.set_defaults(func=main)
     return p
 
 
 def main(args: argparse.Namespace) -> int:
-    from eyas.data.prepare import PrepareConfig, format_counts, run_prepare
+    from eyas.data.prepare import PrepareConfig, format_counts, run_prepare, skipped_lines
 
     try:
         cfg = PrepareConfig(
@@ -70,4 +73,8 @@ def main(args: argparse.Namespace) -> int:
     manifest = run_prepare(cfg)
     print(f"prepared {cfg.out}")
     print(format_counts(manifest["counts"]))
+    skips = Path(cfg.out) / "skipped.jsonl"
+    if args.verbose and skips.exists():
+        for line in skipped_lines(skips):
+            print(line, file=sys.stderr)
     return 0

@@ -11,6 +11,7 @@ samples go to DIR/skipped.jsonl and one summary line on stderr.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -353,6 +354,19 @@ def problem_summary(counts: dict, log) -> str | None:
         parts.append(f"{counts['empty_replies']} regenerated replies were empty (not trained on: each conversation "
                      "is cut before its empty reply)")
     return f"eyas prepare: {'; '.join(parts)}; details in {log}" if parts else None
+
+
+def skipped_lines(path) -> list[str]:
+    """The records of a skipped.jsonl as `eyas: skipped (reason) where: detail` lines, for --verbose."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                r = json.loads(line)
+                out.append(f"eyas: skipped ({r['reason']}) {r['where']}: {r['detail']}")
+            except (ValueError, KeyError, TypeError):
+                out.append(f"eyas: {path}:{n}: unreadable skip record")
+    return out
 
 
 def format_counts(counts: dict) -> str:
