@@ -34,3 +34,25 @@ def test_eval_every_logs_held_out_points_on_the_tokens_seen_axis(tmp_path):
         by_step[r["step"]] = cum
         assert r["tokens_seen"] == cum
     assert [r["tokens_seen"] for r in evals] == [by_step[2], by_step[4], by_step[6]]
+
+
+def test_device_defaults_fill_what_is_left_open_and_say_so(tmp_path, capsys):
+    """K and the draft vocabulary left None take the device's defaults (CPU: K=3, 8k), printed once and stored
+    resolved, so a resume on the same device matches; explicit values are kept and nothing is printed."""
+    from eyas.train.config import DEVICE_DEFAULTS
+
+    t = tiny_target()
+    store = capture(tmp_path, t, make_samples(16))
+    capsys.readouterr()
+    run_train(cfg(tmp_path, store, "auto", ttt_steps=None, draft_vocab=None, steps=2, checkpoint_every=1), target=t)
+    err = capsys.readouterr().err
+    assert "eyas train: on cpu: ttt_steps 3, draft_vocab 8192 (defaults for cpu; set them to change)" in err
+    saved = json.loads((tmp_path / "auto" / "manifest.json").read_text())["config"]
+    assert (saved["ttt_steps"], saved["draft_vocab"]) == (DEVICE_DEFAULTS["cpu"]["ttt_steps"], 8192)
+    rows = [json.loads(x) for x in (tmp_path / "auto" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows[0]["acc_k"]) == 3                # three TTT steps were trained
+    # resuming with the same open fields resolves the same values and continues
+    run_train(cfg(tmp_path, store, "auto", ttt_steps=None, draft_vocab=None, steps=2, resume=True), target=t)
+    assert "ttt_steps 3, draft_vocab 8192" in capsys.readouterr().err
+    run_train(cfg(tmp_path, store, "explicit", ttt_steps=2, draft_vocab=V, steps=1), target=t)
+    assert "defaults for" not in capsys.readouterr().err

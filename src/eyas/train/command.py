@@ -26,9 +26,9 @@ def register(subparsers) -> None:
     p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per micro-batch, padded (default 4096)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
     p.add_argument("--max-len", type=int, default=2048, help="truncate samples to this length (default 2048)")
-    p.add_argument("--ttt-steps", type=int, default=7, help="unrolled draft steps K (default 7)")
+    p.add_argument("--ttt-steps", type=int, help="unrolled draft steps K (default: 7 on CUDA, 3 on the CPU)")
     p.add_argument("--chunk-size", type=int, help="rows per chunk of the fused LM head + loss (default 4096)")
-    p.add_argument("--draft-vocab", type=int, help="draft vocabulary size (default 32000, capped at the target's)")
+    p.add_argument("--draft-vocab", type=int, help="draft vocabulary size (default: 32000 on CUDA, 8192 on the CPU; capped at the target's)")
     p.add_argument("--attention", choices=["auto", "dense", "flex"], default="auto",
                    help="TTT attention: flex (block-sparse, CUDA), dense (explicit mask); auto = flex on CUDA")
     p.add_argument("--allow-target-mismatch", action="store_true",

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 # Fields that may change between a run and its --resume (they do not change the loss curve).
+DEVICE_DEFAULTS = {"cuda": {"ttt_steps": 7, "draft_vocab": 32000}, "cpu": {"ttt_steps": 3, "draft_vocab": 8192}}
+"""Values of the fields a config leaves None, per device kind (the draft vocabulary is also capped at the target's).
+CUDA: EAGLE-3's K and vocabulary. CPU: on 2 cores K=7 with a 32k vocabulary trains at about 80 tok/s, K=3 with 8k
+(the cpu-demo's) about 20x faster."""
+
 RESUME_FREE = ("resume", "progress", "checkpoint_every", "keep_checkpoints", "target", "device", "compile",
                "eval_every", "allow_target_mismatch")
 
@@ -45,8 +50,8 @@ class TrainConfig:
     """Token budget of one micro-batch: rows * padded length <= this (a longer sample gets a row alone)."""
     max_len: int = 2048
     """Samples are truncated to this many tokens."""
-    ttt_steps: int = 7
-    """K, unrolled draft steps of training-time test."""
+    ttt_steps: int | None = None
+    """K, unrolled draft steps of training-time test (None: the device's default, DEVICE_DEFAULTS)."""
     decay: float = 0.8
     """Loss weight of step k is decay**k."""
     chunk_size: int | None = None
@@ -59,8 +64,8 @@ class TrainConfig:
     compile: bool = False
     """torch.compile the drafter's decoder layer (fixed shapes with packing: one graph per TTT step)."""
     draft_vocab: int | None = None
-    """Draft vocabulary size (default: 32000, or the whole target vocabulary when that is smaller; a larger
-    explicit value is refused)."""
+    """Draft vocabulary size (None: the device's default, DEVICE_DEFAULTS, or the whole target vocabulary when that
+    is smaller; a larger explicit value is refused)."""
     autocast: str = "auto"
     """bf16 autocast: 'auto' (on CUDA, and on CPUs with native bf16 instructions, where it is ~2x faster; emulated
     bf16 is ~100x slower), 'bf16' (always), 'off'."""
@@ -124,7 +129,7 @@ class TrainConfig:
             raise ValueError(f"train: draft_vocab must be >= 1, got {self.draft_vocab}")
         for name in ("grad_accum", "batch_tokens", "max_len", "ttt_steps", "log_every",
                      "keep_checkpoints"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"train: {name} must be >= 1, got {getattr(self, name)}")
         if self.max_len < 3:
             raise ValueError(f"train: max_len must be >= 3 (TTT predicts x[t+2]), got {self.max_len}")
@@ -138,6 +143,16 @@ class TrainConfig:
             raise ValueError(f"train: intermediate_size must be >= 1, got {self.intermediate_size}")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError(f"train: chunk_size must be >= 1, got {self.chunk_size}")
+
+    def for_device(self, device) -> tuple["TrainConfig", str | None]:
+        """This config with the fields left None that have per-device defaults filled in, and a line saying what was
+        chosen (None when nothing was left open)."""
+        kind = "cuda" if getattr(device, "type", str(device)).startswith("cuda") else "cpu"
+        chosen = {k: v for k, v in DEVICE_DEFAULTS[kind].items() if getattr(self, k) is None}
+        if not chosen:
+            return self, None
+        what = ", ".join(f"{k} {v}" for k, v in chosen.items())
+        return replace(self, **chosen), f"eyas train: on {kind}: {what} (defaults for {kind}; set them to change)"
 
     def packs(self, device) -> bool:
         """Whether micro-batches are packed rows on this device."""

@@ -19,6 +19,7 @@ import contextlib
 import json
 import math
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -71,9 +72,13 @@ class Trainer:
         from eyas.model.drafter import DrafterConfig, Eagle3Drafter
         from eyas.target.device import cpu_bf16_fast
 
-        self.cfg, self.run = cfg, Path(cfg.out)
         self.dist = dist.setup(cfg.device, deterministic=cfg.deterministic)
         self.rank, self.world, self.device = self.dist.rank, self.dist.world, self.dist.device
+        explicit_vocab = cfg.draft_vocab
+        cfg, chosen = cfg.for_device(self.device)  # before the run-dir check: a resume compares resolved values
+        if chosen and self.rank == 0:
+            print(chosen, file=sys.stderr)
+        self.cfg, self.run = cfg, Path(cfg.out)
         if self.rank == 0:
             _check_run_dir(cfg, self.run)
         dist.barrier()
@@ -83,8 +88,8 @@ class Trainer:
         if not self.train_idx:
             raise EyasError(f"{self.source.where}: no training samples (empty data, all samples shorter than 3 "
                             f"tokens, or all held out by --eval-fraction {cfg.eval_fraction})")
-        if cfg.draft_vocab is not None and cfg.draft_vocab > target.vocab_size:
-            raise EyasError(f"--draft-vocab {cfg.draft_vocab} is larger than the target's vocabulary "
+        if explicit_vocab is not None and explicit_vocab > target.vocab_size:
+            raise EyasError(f"--draft-vocab {explicit_vocab} is larger than the target's vocabulary "
                             f"({target.vocab_size} tokens of {cfg.target or 'the store target'}); use at most "
                             f"{target.vocab_size}")
         init_drafter, init_vocab = None, None
@@ -367,7 +372,7 @@ def _build_vocab(cfg: TrainConfig, source, train_idx, V: int, init_vocab, run: P
         tok = torch.arange(d2t.numel()) + d2t
         vocab = DraftVocab(token_ids=tok, d2t=d2t, t2d=t2d, coverage=float(counts[tok].sum()) / int(counts.sum()))
     else:
-        vocab = build_draft_vocab(counts, min(32000, V) if cfg.draft_vocab is None else cfg.draft_vocab)
+        vocab = build_draft_vocab(counts, min(cfg.draft_vocab, V))  # for_device filled a None
     top_draft = int(vocab.token_ids[counts[vocab.token_ids].argmax()])
     if run is not None:
         (run / "vocab").mkdir(parents=True, exist_ok=True)
