@@ -1,0 +1,221 @@
+"""A graph-friendly EAGLE-2 dynamic tree proposer (issue 14 item 2): fixed-size device buffers, no host sync.
+
+It proposes exactly the tree of `eagle.EagleDrafting.propose_tree` (tests/test_tree_static.py), in the same
+node order, so the verify forward, `tree.verify` and the compaction in `spec.py` are reused unchanged.
+
+The eager proposer, per round (k = min(top_k, draft vocab)):
+- level 1: the k best draft tokens after the last committed entry, score = draft log-prob;
+- level l = 2..depth: the frontier (all level-1 nodes, then the top_k best nodes of the previous level by
+  cumulative log-prob) runs one drafter step at RoPE position n + l - 2, each frontier node attending the
+  committed entries, its ancestors' draft entries and itself; each gets its k best children,
+  score = parent score + child log-prob;
+- the pool is level-major, and within a level (frontier row, child rank): its index i is fixed by the shapes;
+- keep the `total` best pool nodes by (-score, depth, pool index), listed by (depth, pool index).
+
+Here every level has a fixed size (frontier sizes depend only on top_k, depth and the draft vocab), so the
+round is straight-line tensor code: top-k and gathers instead of Python lists, draft keys written to a fixed
+scratch region past the live slots of the static drafter cache, each frontier row's ancestors tracked as a
+bool row over that region, the final selection by top-k over the pool, parents re-indexed through a cumsum
+rank, and the verify mask (node i attends the prefix, its ancestors and itself) and positions (prefix +
+depth) built on the device. On CUDA the round is captured as one CUDA graph (`target.graphs.capture`).
+
+Canonical order under ties. `torch.topk` does not define the order of equal values (on the CPU it lists
+ten equal zeros as 8, 9, 4, 7, ...; CUDA differs), so the eager proposer is ill-defined when draft log-probs
+tie, which bf16 logits make common. This proposer breaks every tie by the LOWER index: among children of a
+node, the lower draft-vocab id; in the frontier, the lower (row, rank) position; in the final selection, the
+lower pool index. Because pool indices grow with depth, the last is the eager `select_tree` key (-score,
+depth, index) exactly, and a parent (score >= its child's, lower index) is always kept before its child.
+Implementation: each fp32 value is mapped to an int32 that orders like the float (-0.0 and +0.0 as one
+value), shifted left 32 bits and combined with (2^32 - 1 - index): all keys differ and one `topk` on them
+gives value descending, index ascending. Without ties both proposers give the same tree; the eager one
+follows the canonical order when `Tensor.topk` is a stable sort (how tests/test_tree_static.py checks ties).
+NaN draft log-probs are not supported (a NaN ranks above everything).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from eyas.decode.graphed import GraphedChainDrafting
+from eyas.decode.tree import Draft
+from eyas.target.graphs import capture
+
+
+# ---------------------------------------------------------------------------------------------- pieces
+def order_keys(x: Tensor) -> Tensor:
+    """fp32 (..., n) -> int64 keys, all distinct along the last dim: larger = higher value, then lower index."""
+    bits = (x.float() + 0.0).view(torch.int32)                     # + 0.0 turns -0.0 into +0.0
+    mono = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()   # orders like the floats
+    idx = torch.arange(x.shape[-1], device=x.device)
+    return (mono << 32) | (0xFFFFFFFF - idx)
+
+
+def stable_topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Top-k along the last dim in the canonical order (value descending, ties by ascending index)."""
+    idx = order_keys(x).topk(k, dim=-1).indices  # (..., k)
+    return x.gather(-1, idx), idx
+
+
+def frontier(cum: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """cum (F, kk) scores of a level -> (flat indices (n,) of its n best nodes, their parent rows (n,))."""
+    _, best = stable_topk(cum.flatten(), n)
+    return best, best // cum.shape[1]
+
+
+def select(scores: Tensor, parents: Tensor, total: int) -> tuple[Tensor, Tensor]:
+    """Keep the `total` best pool nodes; pool parents index the pool (-1 = root).
+
+    -> (kept pool indices ascending (n,), their parents in the Draft numbering (n,), root = 0, kept j = j+1).
+    The kept set is ancestor-closed (module docstring), so every parent has a rank."""
+    P = scores.numel()
+    n = min(total, P)
+    _, top = stable_topk(scores, n)                                         # (n,)
+    rank = torch.zeros(P + 1, dtype=torch.long, device=scores.device)      # [0] = root; [i+1] = pool node i
+    rank[1:].scatter_(0, top, torch.ones_like(top))
+    rank = rank.cumsum(0)                                                   # kept node i: its Draft index
+    keep = torch.empty_like(top).scatter_(0, rank[top + 1] - 1, top)       # (n,) ascending pool order
+    return keep, rank[parents[keep] + 1]
+
+
+def ancestor_mask(parents: Tensor, depth: int) -> Tensor:
+    """parents (S,) (parents[0] = -1, tree depth <= depth) -> (S,S) bool, [i, j]: j is i or an ancestor of i."""
+    S = parents.numel()
+    eye = torch.eye(S, dtype=torch.bool, device=parents.device)
+    up = parents.clamp(min=0)  # the root is its own parent here
+    anc = eye
+    for _ in range(depth):  # after t steps row i holds its ancestors up to t levels up
+        anc = eye | anc[up]
+    return anc
+
+
+def tree_plan(top_k: int, depth: int, draft_vocab: int) -> list[int]:
+    """Frontier sizes of levels 2..depth (the rows of each drafter step); [] for depth 1."""
+    k = min(top_k, draft_vocab)
+    sizes, f = [], k
+    for _ in range(2, depth + 1):
+        sizes.append(f)
+        f = min(top_k, f * k)
+    return sizes
+
+
+# ---------------------------------------------------------------------------------------------- outputs
+@dataclass
+class StaticTree:
+    """One round's tree on the device, nodes in the eager Draft order (node 0 = root)."""
+
+    tokens: Tensor
+    """(S,) int64 target ids; tokens[0] is the root (pending token)."""
+    parents: Tensor
+    """(S,) int64 parent node of each node, parents[0] = -1."""
+    depths: Tensor
+    """(S,) int64 depth in draft tokens (root 0): the verify positions are prefix + depths."""
+    mask: Tensor
+    """(S,S) bool: node i attends node j iff j is i or an ancestor of i (plus the whole prefix)."""
+
+    def to_draft(self) -> "TreeDraft":
+        """The `tree.Draft` that `tree.verify` walks: ONE device-to-host copy."""
+        S = self.tokens.numel()
+        host = torch.cat([self.tokens, self.parents, self.depths]).tolist()
+        return TreeDraft(host[:S], host[S:2 * S], levels=host[2 * S:], tree=self)
+
+
+@dataclass
+class TreeDraft(Draft):
+    """A Draft whose verify mask and depths are the ones built on the device."""
+
+    levels: list[int] = field(default_factory=list)
+    tree: StaticTree | None = None
+
+    @property
+    def depths(self) -> list[int]:
+        return self.levels
+
+    def ancestors(self) -> Tensor:
+        return self.tree.mask
+
+
+# ---------------------------------------------------------------------------------------------- proposer
+class StaticTreeDrafting(GraphedChainDrafting):
+    """The static-cache drafter (`graphed.GraphedChainDrafting`: reset/extend/rollback) proposing EAGLE-2 trees.
+
+    The cache has `max_len` live slots (entry t at slot t, as for chains) plus a scratch region for the draft
+    keys of levels 2..depth. A drop-in replacement for `EagleDrafting` in `SpecDecoder` tree rounds."""
+
+    def __init__(self, drafter, embed, max_len: int, *, top_k: int = 10, depth: int = 6, total: int = 60):
+        if min(top_k, depth, total) < 1:
+            raise ValueError(f"tree top_k, depth and total must be >= 1, got {top_k}, {depth}, {total}")
+        self.top_k, self.depth, self.total = top_k, depth, total
+        self.kk = min(top_k, drafter.config.draft_vocab_size)
+        self.sizes = tree_plan(top_k, depth, drafter.config.draft_vocab_size)
+        self.live = max_len
+        # extends of up to depth+1 entries (an accepted path + bonus) are graphed, longer ones (prefill) eager
+        super().__init__(drafter, embed, max_len + sum(self.sizes), depth)
+        dev = self.k.device
+        offs = [max_len + sum(self.sizes[:j]) for j in range(len(self.sizes))]
+        self.slots = [torch.arange(o, o + f, device=dev) for o, f in zip(offs, self.sizes)]  # per level
+        scratch = torch.arange(max_len, self.M, device=dev)
+        self.own = [scratch[None] == s[:, None] for s in self.slots]  # (F, scratch): each row's own draft slot
+        depths = [torch.ones(self.kk, dtype=torch.long)] + [torch.full((f * self.kk,), level, dtype=torch.long)
+                                                            for level, f in enumerate(self.sizes, start=2)]
+        self.pool_depths = torch.cat(depths).to(dev)  # (P,)
+        self.root = torch.zeros(1, dtype=torch.long, device=dev)
+        self._tree = None
+
+    def _tree_body(self) -> StaticTree:
+        d, M, live, kk = self.d, self.M, self.live, self.kk
+        lp = torch.log_softmax(d.logits(self.last).float()[0, -1], -1)     # (Vd,)
+        score, ids = stable_topk(lp, kk)                                     # (k,) level 1
+        tok = d.draft_to_target(ids)                                         # (k,) target ids
+        toks, scores, parents = [tok], [score], [torch.full_like(ids, -1)]
+        front = torch.arange(kk, device=ids.device)                          # pool indices of the frontier
+        hidden = self.last.expand(1, kk, -1)                                 # (1,F,h) input of each frontier row
+        anc = torch.zeros(kk, M - live, dtype=torch.bool, device=ids.device)  # (F, scratch) ancestors' draft slots
+        committed = (self.cols[:live] < self.n)[None]                        # (1, live)
+        base = kk
+        for level, (F, slots, own) in enumerate(zip(self.sizes, self.slots, self.own), start=2):
+            eye = torch.eye(F, dtype=torch.bool, device=ids.device)
+            mask = torch.cat([committed.expand(F, live), anc, eye], -1)[None]  # (1,F,M+F)
+            pos = (self.n + (level - 2)).view(1, 1).expand(1, F)             # entry n-1 + (level-1)
+            out, (k, v) = d.layer(hidden, self.embed(tok[None]), pos, mask, (self.k, self.v))  # (1,F,h)
+            self.k.index_copy_(2, slots, k[:, :, M:])
+            self.v.index_copy_(2, slots, v[:, :, M:])
+            lp = torch.log_softmax(d.logits(out).float()[0], -1)             # (F,Vd)
+            cs, ci = stable_topk(lp, kk)                                     # (F,kk)
+            cum = cs + score[:, None]                                        # (F,kk)
+            ctok = d.draft_to_target(ci).flatten()                           # (F*kk,)
+            toks.append(ctok)
+            scores.append(cum.flatten())
+            parents.append(front.repeat_interleave(kk))
+            if level < self.depth:
+                best, rows = frontier(cum, self.sizes[level - 1])            # (F',)
+                anc = (anc | own)[rows]                                      # (F', scratch)
+                front, tok, score, hidden = base + best, ctok[best], cum.flatten()[best], out[:, rows]
+            base += F * kk
+        keep, tparents = select(torch.cat(scores), torch.cat(parents), self.total)
+        tparents = torch.cat([torch.full_like(self.root, -1), tparents])    # (S,)
+        return StaticTree(tokens=torch.cat([self.root, torch.cat(toks)[keep]]), parents=tparents,
+                          depths=torch.cat([torch.zeros_like(self.root), self.pool_depths[keep]]),
+                          mask=ancestor_mask(tparents, self.depth))
+
+    @torch.no_grad()
+    def propose(self, root) -> StaticTree:
+        """This round's tree after the pending `root` token (int or (1,)/0-d tensor); no host sync.
+        On CUDA the tensors are the graph's output buffers: the next propose overwrites them."""
+        if isinstance(root, Tensor):
+            self.root.copy_(root.view(1))
+        else:
+            self.root.fill_(int(root))
+        if self._tree is None:
+            self._tree = capture(self._tree_body, cuda=self.k.device.type == "cuda")
+        return self._tree()
+
+    def propose_tree(self, root: int, top_k: int, depth: int, total: int) -> TreeDraft:
+        """`EagleDrafting.propose_tree`'s signature: the tree as a Draft (one host copy per round)."""
+        if (top_k, depth, total) != (self.top_k, self.depth, self.total):
+            raise ValueError(f"this drafter was built for tree {self.top_k}/{self.depth}/{self.total}, "
+                             f"asked for {top_k}/{depth}/{total}")
+        t = self.propose(root)
+        return StaticTree(t.tokens, t.parents, t.depths, t.mask.clone()).to_draft()
