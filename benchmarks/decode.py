@@ -8,6 +8,12 @@ against batched plain decoding (`Runner.generate`), at each batch size; this run
     PYTHONPATH=src python benchmarks/decode.py --batch 1,4,16,64 --chain 3 [--drafter RUN | --random-drafter]
     PYTHONPATH=src python benchmarks/decode.py --batch 1,4,16 --tiny --dtype fp32 --max-new-tokens 64  # CPU smoke
 
+Greedy chains at batch 1 with each round ONE CUDA graph (`eyas.decode.round`) against today's host-driven rounds
+(`SpecDecoder`, graphed drafter and verify) and plain decoding, on the same prompts and runner:
+
+    PYTHONPATH=src python benchmarks/decode.py --round graph --chain 3,5 [--drafter RUN | --random-drafter] [--compile]
+    PYTHONPATH=src python benchmarks/decode.py --round graph --tiny --dtype fp32 --max-new-tokens 64  # CPU smoke
+
 Prints a table and appends it, with date, machine and command, to BENCHMARKS.md (or --md).
 """
 
@@ -125,6 +131,64 @@ def batch_compare(args) -> int:
     return 0
 
 
+def round_compare(args) -> int:
+    """--round graph: batch-1 tok/s, tau and ms per round of one-graph rounds vs host rounds vs plain decoding."""
+    from eyas.decode.spec import SpecConfig, SpecDecoder
+    from eyas.model.drafter import DrafterConfig, Eagle3Drafter
+    from eyas.target.runner import Runner
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    N, M, Ks = args.max_new_tokens, args.max_seq, [int(k) for k in str(args.chain).split(",")]
+    if args.tiny:
+        target = tiny_target()
+        target.model.to(device=dev, dtype=dtype)
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(3, 256, (int(n),), generator=g).tolist() for n in torch.randint(4, 128, (8,), generator=g)]
+    else:
+        from eyas.data.chat import encode_prompt
+        from eyas.data.sources import load_prompts
+        from eyas.target import load_target
+
+        target = load_target(args.target, device=dev, dtype=dtype)
+        recs = load_prompts(args.prompts.split(",")[0], limit=args.limit)
+        prompts = [encode_prompt(target.tokenizer, [{"role": "user", "content": r["turns"][0]}]) for r in recs]
+    prompts = [p[-(M - N - max(Ks) - 2):] for p in prompts]
+    if args.drafter:
+        from eyas.model.checkpoint import open_drafter
+        drafter, _ = open_drafter(args.drafter, target=target)
+    else:
+        torch.manual_seed(0)
+        drafter = Eagle3Drafter(DrafterConfig.from_target(target.config, draft_vocab_size=32000,
+                                                          aux_layer_ids=target.aux_layer_ids))
+    eos, r = target.eos_token_ids, Runner.from_hf(target.model, max_batch=1, max_seq=M, compile=args.compile)
+    r.generate(prompts[:1], 4)
+    plain, t_plain = timed(lambda: [r.generate([p], N, eos_ids=eos)[0] for p in prompts], dev)
+    rows = [("plain, batch 1", f"{sum(map(len, plain)) / t_plain:.0f} tok/s")]
+    for K in Ks:
+        for name, graph in (("host rounds", False), ("one-graph rounds", True)):
+            dec = SpecDecoder(r, drafter, SpecConfig(method="chain", k=K, graph_round=graph))
+            dec.generate(prompts[0], N, eos_ids=eos)  # warm-up: captures and compiles
+            res, t = timed(lambda: [dec.generate(p, N, eos_ids=eos) for p in prompts], dev)
+            toks, fw, rounds = (sum(getattr(s, f) for _, s in res) for f in ("tokens", "target_forwards", "rounds"))
+            same = sum(o == q for (o, _), q in zip(res, plain))
+            rows.append((f"eagle chain-{K}, {name}", f"{toks / t:.0f} tok/s, tau {toks / fw:.2f}, "
+                         f"{1e3 * t / max(rounds, 1):.2f} ms/round (prefill included), "
+                         f"{toks / t / (sum(map(len, plain)) / t_plain):.2f}x plain, identical {same}/{len(prompts)}"))
+            print(rows[-1], flush=True)
+    machine = (torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor() or "cpu")
+    table = (f"\n## one-graph chain rounds, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
+             f"- machine: {machine}; torch {torch.__version__}; dtype {args.dtype}; threads {torch.get_num_threads()}\n"
+             f"- command: `{' '.join(['python'] + sys.argv)}`\n"
+             f"- target: {'tiny random Llama' if args.tiny else args.target}; drafter: "
+             f"{args.drafter or 'UNTRAINED random (timing only, tau ~1)'}; {len(prompts)} prompts; max new tokens {N}; "
+             f"cache {M}\n\n| what | result |\n|---|---|\n" + "".join(f"| {a} | {b} |\n" for a, b in rows))
+    print(table)
+    with open(args.md, "a") as f:
+        f.write(table)
+    return 0
+
+
 def timed(fn, device):
     """(fn(), wall seconds), the device synchronised before and after."""
     if device.type == "cuda":
@@ -156,13 +220,18 @@ def main() -> int:
     ap.add_argument("--batch", default=None,
                     help="batched eagle chains vs batched plain decoding at these batch sizes (e.g. 1,4,16,64); "
                          "runs only this comparison (needs --drafter, --random-drafter or --tiny)")
-    ap.add_argument("--chain", type=int, default=3, help="--batch: draft tokens per round")
+    ap.add_argument("--chain", default="3", help="--batch: draft tokens per round; --round: comma-separated list")
+    ap.add_argument("--round", default=None, choices=["graph"],
+                    help="batch-1 greedy chains with each round one CUDA graph vs host rounds vs plain; runs only this")
     ap.add_argument("--tiny", action="store_true",
-                    help="--batch: a tiny random Llama target and random drafter, random prompts (CPU smoke test)")
+                    help="--batch/--round: a tiny random Llama target and random drafter, random prompts (CPU smoke test)")
     ap.add_argument("--md", default="BENCHMARKS.md")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.round:
+        return round_compare(args)
     if args.batch:
+        args.chain = int(args.chain)
         return batch_compare(args)
 
     from eyas.bench.bench import BenchConfig, run_bench

@@ -39,6 +39,8 @@ class SpecConfig:
     """Nucleus filter of the target (and draft) law when sampling."""
     max_ngram: int = 3
     """Prompt lookup: longest suffix n-gram searched."""
+    graph_round: bool = False
+    """Greedy chains: run each whole round on the device, one CUDA graph on CUDA (decode/round.py)."""
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -49,6 +51,9 @@ class SpecConfig:
             raise EyasError(f"top_p must be in (0, 1], got {self.top_p}")
         if min(self.k, self.top_k, self.depth, self.total_tokens, self.max_ngram) < 1:
             raise EyasError("k, top_k, depth, total_tokens and max_ngram must all be >= 1")
+        if self.graph_round and (self.method != "chain" or self.temperature > 0):
+            raise EyasError(f"graph_round runs greedy chains only (method chain, temperature 0), got method "
+                            f"{self.method!r}, temperature {self.temperature}")
 
     @property
     def draft_size(self) -> int:
@@ -106,7 +111,11 @@ class SpecDecoder:
         self.runner, self.cfg = runner, cfg
         self.aux_ids: tuple[int, ...] = ()
         self.drafting = None
-        if drafter is not None and cfg.method in ("chain", "tree"):
+        self._round = None
+        if cfg.graph_round:
+            from eyas.decode.round import RoundChainDecoder
+            self._round = RoundChainDecoder(runner, drafter, cfg)
+        elif drafter is not None and cfg.method in ("chain", "tree"):
             drafter = drafter.to(device=runner.device, dtype=runner.dtype).eval()
             self.aux_ids = tuple(drafter.config.aux_layer_ids)
             if drafter.config.vocab_size != runner.cfg.vocab_size:
@@ -151,6 +160,8 @@ class SpecDecoder:
     def generate(self, prompt: list[int], max_new_tokens: int, *, eos_ids=(), seed: int = 0
                  ) -> tuple[list[int], SpecStats]:
         """New tokens for one prompt (ending at the first eos or after max_new_tokens) and stats."""
+        if self._round is not None:
+            return self._round.generate(prompt, max_new_tokens, eos_ids=eos_ids, seed=seed)
         c, r = self.cfg, self.runner
         dev, M = r.device, r.cfg.max_seq
         n = len(prompt)

@@ -1,0 +1,201 @@
+"""A greedy EAGLE-3 chain round as ONE CUDA graph (issue 14 item 1): propose, verify, accept, commit, extend.
+
+Batch 1 (cache row 0 of the target runner), the tokens of `SpecDecoder` chains and their per-round accepted
+counts (tests/test_round.py). A round's state lives in static device buffers: the committed count `n` (target
+cache slots 0..n-1 = drafter entries 0..n-1, slot = RoPE position), the pending token (emitted, not yet run
+through the target), the drafter's static cache and the output of its last entry. One round:
+- propose: K greedy draft steps of the static-cache drafter (`decode/graphed.py`), draft step j at position n+j-1;
+- verify: ONE target forward of [pending, d_1..d_K] at slots n..n+K, slot n+s attending slots 0..n+s, capturing
+  the drafter's aux layers;
+- accept (`batch.accept`): the longest prefix with d_j == target argmax, plus the bonus token from the same logits;
+- commit: the target's k/v of the accepted slots n..n+a are already in place; slots n+a+1..n+K lie past the new
+  n, masked, overwritten next round. The drafter writes K+1 entries at slots n..n+K (the verify's aux states paired
+  with the accepted tokens and the bonus); the first a+1 count, `last` = entry n+a, and n += a+1.
+On CUDA the round is captured once per decoder and replayed; nothing in it waits for the host. The host learns a
+round's accepted count and tokens from an async copy into pinned memory that it reads one round late: round r+1 is
+launched before the host waits for round r, so the device does not idle between rounds. A round launched after
+the stop is thrown away (it only writes past the committed slots). Near the end of the cache the host waits for
+round r before it launches round r+1, so a launched round never writes past the cache. On the CPU the same code
+runs eagerly (no graph, the same late reads).
+
+Stopping: at the round whose tokens contain an eos or reach max_new_tokens (as `decode/batch.py`). `SpecDecoder`
+keeps going after an eos inside a round's accepted drafts until a round ENDS at eos, then cuts its tokens: the
+tokens are the same, its accepted list can have extra rounds (and its tau counts their forwards).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from eyas.decode.batch import accept
+from eyas.decode.graphed import GraphedChainDrafting
+from eyas.decode.spec import SpecConfig, SpecStats
+from eyas.errors import EyasError
+from eyas.target.graphs import capture
+
+WARMUP = 3
+"""Eager calls of the round before it is captured (lazy allocations, cuBLAS handles, compilation; as the runner)."""
+
+
+class RoundDrafting(GraphedChainDrafting):
+    """The static-cache chain drafter (`n`, `last`, k/v of `max_len` slots) with a fixed-shape commit."""
+
+    def propose(self) -> Tensor:
+        """K greedy draft tokens (K,) target ids from entry n-1; draft keys go to slots n..n+K-2."""
+        return self._chain_body()
+
+    def commit(self, aux: Tensor, tokens: Tensor, acc: Tensor) -> None:
+        """Entries for slots n..n+K: aux (1,K+1,3h_t) the verify's features there, tokens (K+1,) the token after
+        each (the accepted drafts, the bonus at index acc, junk past it), acc (1,). Entries 0..acc count."""
+        out = self._extend_body(aux, tokens[None])  # (1,K+1,h), keys written at slots n..n+K
+        self.last.copy_(out.index_select(1, acc))  # (1,1,h) output of entry n+acc
+        self.n.add_(acc[0] + 1)
+
+
+class RoundChainDecoder:
+    """Greedy EAGLE-3 chains on a target `Runner` (batch 1, cache row 0), each round one CUDA graph on CUDA."""
+
+    def __init__(self, runner, drafter, cfg: SpecConfig = SpecConfig()):
+        if cfg.method != "chain" or cfg.temperature != 0:
+            raise EyasError(f"the one-graph round runs greedy chains only (method chain, temperature 0), got "
+                            f"method {cfg.method!r}, temperature {cfg.temperature}")
+        if drafter is None:
+            raise EyasError("decode method 'chain' needs a drafter")
+        M, K, dev = runner.cfg.max_seq, cfg.k, runner.device
+        if K + 2 > M:
+            raise EyasError(f"a draft of {K} tokens does not fit a target cache of {M} slots")
+        if drafter.config.vocab_size != runner.cfg.vocab_size:
+            raise EyasError(f"drafter vocab {drafter.config.vocab_size} != target vocab {runner.cfg.vocab_size}")
+        if drafter.config.target_hidden_size != runner.cfg.hidden_size:
+            raise EyasError(f"drafter expects target hidden size {drafter.config.target_hidden_size}, "
+                            f"target has {runner.cfg.hidden_size}")
+        self.runner, self.cfg, self.K = runner, cfg, K
+        drafter = drafter.to(device=runner.device, dtype=runner.dtype).eval()
+        self.aux_ids = tuple(drafter.config.aux_layer_ids)
+        self.drafting = RoundDrafting(drafter, runner.embed, M, K)
+        self._verify = runner.step_fn(self.aux_ids)  # compiled when the runner is
+        self.pending = torch.zeros(1, dtype=torch.long, device=dev)
+        self.info = torch.zeros(K + 2, dtype=torch.long, device=dev)  # a round's [accepted, K+1 tokens]
+        self._cols = torch.arange(M, device=dev)
+        self._ar = torch.arange(K + 1, device=dev)
+        cuda = dev.type == "cuda"
+        # two pinned slots: round r+1 is launched (and its copy queued) before the host reads round r
+        self._host = [torch.zeros(K + 2, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self._done = [torch.cuda.Event() for _ in range(2)] if cuda else None
+        self._run = None
+
+    # ------------------------------------------------------------------ the device round
+    def _round(self) -> Tensor:
+        """One round on static buffers only: the body of the CUDA graph. Returns `info`."""
+        d = self.drafting
+        draft = d.propose()  # (K,)
+        ids = torch.cat([self.pending, draft])[None]  # (1,K+1)
+        slots = (d.n + self._ar)[None]  # (1,K+1) slot = RoPE position
+        mask = self._cols[None, None] <= slots[:, :, None]  # (1,K+1,M) the prefix and the chain up to itself
+        logits, aux = self._verify(ids, slots, slots, mask)  # (1,K+1,V), (1,K+1,3h_t)
+        acc, bonus = accept(draft[None], logits.argmax(-1))  # (1,), (1,)
+        tokens = torch.cat([draft, bonus]).scatter(0, acc, bonus)  # (K+1,) accepted drafts, then the bonus
+        d.commit(aux, tokens, acc)
+        self.pending.copy_(bonus)
+        self.info[:1].copy_(acc)
+        self.info[1:].copy_(tokens)
+        return self.info
+
+    def _capture(self) -> None:
+        """Set `_run`, one round: the captured graph on CUDA (captured on first use, before any prefill: the
+        warm-ups write slots 0..K from n = 0 and the prefill then resets the state), `_round` elsewhere."""
+        if self._run is None:
+            if self.runner.device.type != "cuda":
+                self._run = self._round
+            else:
+                calls = 0
+
+                def body():
+                    nonlocal calls
+                    calls += 1
+                    if calls <= WARMUP:  # the warm-ups run for real: keep their writes inside any cache
+                        self.drafting.n.zero_()
+                    return self._round()
+                self._run = capture(body, warmup=WARMUP, cuda=True)
+
+    def _launch(self, r: int) -> None:
+        """Queue round r and the async copy of its outcome into pinned slot r % 2."""
+        self._run()
+        self._host[r % 2].copy_(self.info, non_blocking=True)
+        if self._done is not None:
+            self._done[r % 2].record()
+
+    def _read(self, r: int) -> tuple[int, list[int]]:
+        """(accepted count, emitted tokens) of round r: waits for that round only."""
+        if self._done is not None:
+            self._done[r % 2].synchronize()
+        v = self._host[r % 2].tolist()
+        return v[0], v[1:v[0] + 2]
+
+    def _fits_another(self, committed: int) -> bool:
+        """Whether a round launched behind the one in flight (which starts at `committed`) stays in the cache
+        whatever the one in flight accepts: it writes slots up to committed + (K+1) + K."""
+        return committed + 2 * (self.K + 1) <= self.runner.cfg.max_seq
+
+    # ------------------------------------------------------------------ host loop
+    def _prefill(self, prompt: list[int], chunk: int = 512) -> tuple[int, Tensor]:
+        """Target slots 0..n-1 of row 0 -> (first new token, aux (1,n,3h_t)); as SpecDecoder._prefill."""
+        r, dev = self.runner, self.runner.device
+        ids = torch.tensor([prompt], device=dev)
+        n = len(prompt)
+        auxs, logits = [], None
+        for s0 in range(0, n, chunk):
+            s1 = min(n, s0 + chunk)
+            q = torch.arange(s0, s1, device=dev)
+            mask = (torch.arange(s1, device=dev)[None] <= q[:, None])[None]  # (1,S,s1)
+            logits, cap = r.forward(ids[:, s0:s1], q[None], q[None], mask, capture=self.aux_ids, last_only=True)
+            auxs.append(torch.cat([cap[i] for i in self.aux_ids], -1))  # (1,S,3h_t)
+        return int(logits[0, -1].argmax()), torch.cat(auxs, 1)
+
+    @torch.no_grad()
+    def generate(self, prompt: list[int], max_new_tokens: int, *, eos_ids=(), seed: int = 0
+                 ) -> tuple[list[int], SpecStats]:
+        """New tokens for one prompt (ending at the first eos or after max_new_tokens) and stats (`seed` is
+        unused: greedy)."""
+        K, M, dev = self.K, self.runner.cfg.max_seq, self.runner.device
+        n = len(prompt)
+        if n == 0:
+            raise EyasError("speculative decoding: empty prompt")
+        if n + max_new_tokens + K + 1 > M:
+            raise EyasError(f"prompt {n} + {max_new_tokens} new + {K} draft tokens exceed the target cache "
+                            f"({M} slots)")
+        self._capture()
+        first, aux = self._prefill(prompt)
+        d = self.drafting
+        d.reset()
+        d.extend(aux, torch.tensor([prompt[1:] + [first]], device=dev))
+        self.pending.fill_(first)
+        eos = set(eos_ids)
+        out = [first]
+        stats = SpecStats(target_forwards=1, accepted_at=[0] * K)
+        stopped = first in eos or max_new_tokens <= 1
+        committed, launched = n, 0  # committed: target slots after the rounds read so far
+        while not stopped:
+            if launched == stats.rounds:  # nothing in flight: launch from the known state
+                assert committed + K + 1 <= M, "a round would write past the checked cache bound"
+                self._launch(launched)
+                launched += 1
+            # round `stats.rounds` is in flight; queue the next one before waiting for it, unless the one in
+            # flight surely ends the decoding or a second round might not fit the cache
+            if len(out) + 1 < max_new_tokens and self._fits_another(committed):
+                self._launch(launched)
+                launched += 1
+            a, toks = self._read(stats.rounds)
+            stats.rounds += 1
+            stats.target_forwards += 1
+            stats.accepted.append(a)
+            for j in range(a):
+                stats.accepted_at[j] += 1
+            out += toks
+            committed += a + 1
+            stopped = len(out) >= max_new_tokens or any(t in eos for t in toks)
+        cut = next((i + 1 for i, t in enumerate(out) if t in eos), len(out))
+        out = out[:min(cut, max_new_tokens)]
+        stats.tokens = len(out)
+        return out, stats
