@@ -30,7 +30,7 @@ from torch import Tensor
 
 from eyas.decode.batch import accept
 from eyas.decode.graphed import GraphedChainDrafting
-from eyas.decode.spec import SpecConfig, SpecStats
+from eyas.decode.spec import SpecConfig, SpecStats, prefill
 from eyas.errors import EyasError
 from eyas.target.graphs import capture
 
@@ -140,18 +140,9 @@ class RoundChainDecoder:
 
     # ------------------------------------------------------------------ host loop
     def _prefill(self, prompt: list[int], chunk: int = 512) -> tuple[int, Tensor]:
-        """Target slots 0..n-1 of row 0 -> (first new token, aux (1,n,3h_t)); as SpecDecoder._prefill."""
-        r, dev = self.runner, self.runner.device
-        ids = torch.tensor([prompt], device=dev)
-        n = len(prompt)
-        auxs, logits = [], None
-        for s0 in range(0, n, chunk):
-            s1 = min(n, s0 + chunk)
-            q = torch.arange(s0, s1, device=dev)
-            mask = (torch.arange(s1, device=dev)[None] <= q[:, None])[None]  # (1,S,s1)
-            logits, cap = r.forward(ids[:, s0:s1], q[None], q[None], mask, capture=self.aux_ids, last_only=True)
-            auxs.append(torch.cat([cap[i] for i in self.aux_ids], -1))  # (1,S,3h_t)
-        return int(logits[0, -1].argmax()), torch.cat(auxs, 1)
+        """Target slots 0..n-1 of row 0 -> (first new token, aux (1,n,3h_t)); spec.prefill."""
+        last, aux = prefill(self.runner, prompt, self.aux_ids, chunk)
+        return int(last.argmax()), aux
 
     @torch.no_grad()
     def generate(self, prompt: list[int], max_new_tokens: int, *, eos_ids=(), seed: int = 0

@@ -98,6 +98,23 @@ class SpecStats:
         return [a / max(self.rounds, 1) for a in self.accepted_at]
 
 
+def prefill(runner, prompt: list[int], aux_ids: tuple[int, ...], chunk: int = 512):
+    """Target slots 0..n-1 of cache row 0 from the prompt, in causal chunks -> (last position's logits (V,), the
+    captured aux states (1,n,len(aux_ids)*h) or None without aux ids)."""
+    dev = runner.device
+    ids = torch.tensor([prompt], device=dev)
+    n = len(prompt)
+    auxs, logits = [], None
+    for s0 in range(0, n, chunk):
+        s1 = min(n, s0 + chunk)
+        q = torch.arange(s0, s1, device=dev)
+        mask = (torch.arange(s1, device=dev)[None] <= q[:, None])[None]  # (1,S,s1)
+        logits, cap = runner.forward(ids[:, s0:s1], q[None], q[None], mask, capture=aux_ids, last_only=True)
+        if aux_ids:
+            auxs.append(torch.cat([cap[i] for i in aux_ids], -1))  # (1,S,3h)
+    return logits[0, -1], (torch.cat(auxs, 1) if auxs else None)
+
+
 class SpecDecoder:
     """Speculative decoding with a target `Runner` and an optional EAGLE-3 drafter (batch 1, cache row 0)."""
 
@@ -133,18 +150,7 @@ class SpecDecoder:
         self._verify_fn = runner.step_fn(self.aux_ids)  # compiled when the runner is
 
     def _prefill(self, prompt: list[int], chunk: int = 512):
-        r, dev = self.runner, self.runner.device
-        ids = torch.tensor([prompt], device=dev)
-        n = len(prompt)
-        auxs, logits = [], None
-        for s0 in range(0, n, chunk):
-            s1 = min(n, s0 + chunk)
-            q = torch.arange(s0, s1, device=dev)
-            mask = (torch.arange(s1, device=dev)[None] <= q[:, None])[None]  # (1,S,s1)
-            logits, cap = r.forward(ids[:, s0:s1], q[None], q[None], mask, capture=self.aux_ids, last_only=True)
-            if self.aux_ids:
-                auxs.append(torch.cat([cap[i] for i in self.aux_ids], -1))  # (1,S,3h)
-        return logits[0, -1], (torch.cat(auxs, 1) if auxs else None)
+        return prefill(self.runner, prompt, self.aux_ids, chunk)
 
     def _propose(self, tokens: list[int], gen) -> Draft:
         c, root = self.cfg, tokens[-1]
