@@ -3,8 +3,7 @@
 fp32 on the CPU, where the same round code runs eagerly, with the tiny peaky target, the briefly trained drafter,
 the prompts (1..240 tokens) and the mid-round eos of test_batch_spec.py. For K = 1, 3, 5:
 (a) every prompt's tokens == plain greedy decoding of it;
-(b) its per-round accepted counts == the eager `SpecDecoder` chain's, up to the round that holds the eos (the
-    round decoder stops there; SpecDecoder goes on until a round ENDS at eos and cuts the extra tokens);
+(b) its per-round accepted counts == the eager `SpecDecoder` chain's (both stop at the round holding the eos);
 (c) every draft step's logits == the eager drafter's, to fp32 rounding;
 also with the cache filled to its last checked slot, where the host must wait before launching a round.
 Injected bugs show each property is checked: a bonus token from the wrong position breaks (a); a drafter
@@ -24,7 +23,7 @@ from eyas.decode.round import RoundChainDecoder, RoundDrafting
 from eyas.decode.spec import SpecConfig, SpecDecoder
 from eyas.errors import EyasError
 from eyas.target.runner import Runner
-from test_batch_spec import NEW, batch1_accepted, record, rounds_until, setup  # noqa: F401 (setup: fixture)
+from test_batch_spec import NEW, batch1_accepted, overshoots, record, setup  # noqa: F401 (setup: fixture)
 from test_decode import one_thread  # noqa: F401 (autouse)
 
 
@@ -54,15 +53,13 @@ def test_round_equals_plain_greedy_and_eager_chain_acceptance(setup, k, monkeypa
         assert launches == list(range(len(launches))) and s.rounds <= len(launches) <= s.rounds + 1
     assert outs == ref  # (a)
     eager = batch1_accepted(runner, drafter, prompts, eos, k)
-    want = [rounds_until(a, len(o)) for a, o in zip(eager, ref)]
-    assert [s.accepted for s in stats] == want  # (b)
-    assert sum(w == a for w, a in zip(want, eager)) >= len(prompts) // 2  # most rows: the same rounds exactly
+    assert [s.accepted for s in stats] == eager  # (b)
     assert [s.tokens for s in stats] == list(map(len, ref))
     assert all(s.target_forwards == 1 + s.rounds == 1 + len(s.accepted) for s in stats)
     assert all(sum(s.accepted_at) == sum(s.accepted) for s in stats)
     acc = sum((s.accepted for s in stats), [])
     assert k in acc and 0 in acc and sum(acc) / len(acc) > 0.3  # acceptance is non-trivial
-    assert sum(w != a for w, a in zip(want, eager)) >= 3  # and some rows end at an eos inside a round
+    assert sum(o[-1] == eos and overshoots(a, len(o)) for a, o in zip(eager, ref)) >= 3  # eos inside a round
     launches.clear()
     dec.generate(prompts[-1], 2)
     assert launches == [0]  # the round in flight surely ends the decoding: nothing is launched behind it
@@ -164,7 +161,7 @@ def test_drafter_continuing_from_the_wrong_entry_changes_acceptance_only(setup, 
     monkeypatch.setattr(RoundDrafting, "commit", last_entry_off_by(shift))
     outs, stats = decode_all(RoundChainDecoder(runner, drafter, chain(3)), prompts, [eos])
     assert outs == ref  # still lossless: the target verifies every draft
-    want = [rounds_until(a, len(o)) for a, o in zip(batch1_accepted(runner, drafter, prompts, eos, 3), ref)]
+    want = batch1_accepted(runner, drafter, prompts, eos, 3)
     assert [s.accepted for s in stats] != want
 
 
@@ -230,7 +227,7 @@ def test_cuda_graph_round_equals_cpu_eager(setup, compile, monkeypatch):
         assert [s.accepted for s in got[1]] == [s.accepted for s in want[1]]
         assert len(bodies) == round_mod.WARMUP + 1  # captured once, then only replays
         host = decode_all(SpecDecoder(gpu, copy.deepcopy(drafter), chain(k)), prompts, [eos])  # today's CUDA path
-        assert [s.accepted for s in got[1]] == [rounds_until(s.accepted, len(o)) for o, s in zip(*host)]
+        assert [s.accepted for s in got[1]] == [s.accepted for s in host[1]]
         assert sum(s.rounds for s in got[1]) > 50
     full = Runner.from_hf(model, max_batch=1, max_seq=200 + NEW + 5 + 1, device="cuda", compile=compile)
     long = [p for p in prompts if len(p) == 200]

@@ -48,7 +48,7 @@ def cfg(tmp_path, store, name="run", **kw):
 
 def records(run, split="train"):
     lines = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
-    keys = ("step", "loss", "loss_k", "acc_k", "cond_acc_k", "lr", "grad_norm", "positions_k")
+    keys = ("step", "loss", "loss_k", "acc_k", "cond_acc_k", "lr", "grad_norm", "positions_k", "round_tau_by_chain")
     return [{k: r.get(k) for k in keys} for r in lines if r["split"] == split]
 
 
@@ -230,7 +230,11 @@ def test_ddp_two_ranks_equals_single_process(tmp_path, fsdp):
     sa, sb = drafter_state(tmp_path / "single"), drafter_state(tmp_path / "ddp")
     for k in sa:
         torch.testing.assert_close(sa[k], sb[k], rtol=1e-4, atol=1e-5)  # 3 Adam steps apart
-    assert records(tmp_path / "single", "eval")[0]["positions_k"] == records(tmp_path / "ddp", "eval")[0]["positions_k"]
+    ea, eb = records(tmp_path / "single", "eval")[0], records(tmp_path / "ddp", "eval")[0]
+    assert ea["positions_k"] == eb["positions_k"]
+    # the replayed decoding tau (metrics.round_counts) is summed over ranks like every other eval count
+    assert len(ea["round_tau_by_chain"]) == len(ea["acc_k"]) and all(t >= 1.0 for t in ea["round_tau_by_chain"])
+    assert ea["round_tau_by_chain"] == pytest.approx(eb["round_tau_by_chain"], rel=1e-9)
 
 
 # ------------------------------------------------------------------------------------- bad input

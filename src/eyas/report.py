@@ -133,6 +133,12 @@ def write_report(run: Path, state: dict, cfg) -> str:
             L.append(f"| {name} | " + " | ".join(_fmt(x) for x in d) + " |")
     L += ["", f"- held-out frequency baseline acc_0 (always the most common draft token): "
           f"{_fmt(ev.get('baseline_acc_0'))}; predicted chain acceptance tau_est: {_fmt(ev.get('tau_est'), 2)}", ""]
+    if ev.get("round_tau_by_chain"):
+        L += ["- greedy decoding of the held-out replies, replayed round by round from the eval forward "
+              "(train/metrics.round_counts; what a chain-j bench on this data measures): "
+              + ", ".join(f"chain-{j + 1} {t:.2f}" for j, t in enumerate(ev["round_tau_by_chain"]))
+              + ". tau_est averages over every position, so it counts easy stretches once per token where "
+              "decoding spends one round on several of them.", ""]
     for key in ("loss", "acc_k"):
         if key in plots:
             L.append(f"![{key}]({plots[key]})")

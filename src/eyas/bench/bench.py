@@ -222,6 +222,9 @@ def _run(cfg, target, drafter, drafter_meta, records, out) -> dict:
     truncated = _decode_all(methods, records, tok, room, cfg, runner.device)
     seconds["decode"] = time.perf_counter() - clock
     late = len(runner._graphs) - shapes  # runner shapes first built inside the timed loop
+    if late:
+        print(f"warning: {late} runner shape(s) were compiled or captured inside the timed loop; the speeds "
+              f"include that time", file=out)
     if truncated:
         print(f"warning: {truncated} prompt(s) longer than {room} tokens were left-truncated", file=out)
     report = {"config": asdict(cfg), "target": target.fingerprint, "drafter": meta.get("source"),
@@ -324,8 +327,10 @@ def _fp32_rerun(cfg, target, runner, drafter, records, tok, room, eos, benched) 
 
 
 def _plain(runner, prompt, cfg, eos, seed):
+    # window=0: every step attends over all max_seq slots, like the speculative verify steps, so plain decoding
+    # has one graph shape (the warmed one) instead of one per prompt-length window compiled inside the clock
     out = runner.generate([prompt], cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                          eos_ids=eos, seed=seed)[0]
+                          eos_ids=eos, seed=seed, window=0)[0]
     return out, SpecStats(tokens=len(out), target_forwards=len(out))
 
 

@@ -18,9 +18,8 @@ the stop is thrown away (it only writes past the committed slots). Near the end 
 round r before it launches round r+1, so a launched round never writes past the cache. On the CPU the same code
 runs eagerly (no graph, the same late reads).
 
-Stopping: at the round whose tokens contain an eos or reach max_new_tokens (as `decode/batch.py`). `SpecDecoder`
-keeps going after an eos inside a round's accepted drafts until a round ENDS at eos, then cuts its tokens: the
-tokens are the same, its accepted list can have extra rounds (and its tau counts their forwards).
+Stopping: at the round whose tokens contain an eos or reach max_new_tokens, like `SpecDecoder` and
+`decode/batch.py`.
 """
 
 from __future__ import annotations

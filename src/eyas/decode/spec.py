@@ -212,6 +212,8 @@ class SpecDecoder:
                 self.drafting.extend(vaux[:, path], torch.tensor([new], device=dev))
             committed += len(path)
             out += new
+            if eos.intersection(new):  # an eos among the accepted drafts ends decoding here, not a round later
+                break
         for i, t in enumerate(out):
             if t in eos:
                 out = out[:i + 1]

@@ -18,10 +18,12 @@ class Sums:
     def __init__(self, K: int, device):
         self.K = K
         # [n_micro, loss, tokens, base_count, base_correct, loss_k*K, lsum_k*K, count_k*K, correct_k*K,
-        #  cond_count_k*K, cond_correct_k*K]
-        self.t = torch.zeros(5 + 6 * K, dtype=torch.float64, device=device)
+        #  cond_count_k*K, cond_correct_k*K, round_tokens_j*K, round_forwards_j*K]
+        self.t = torch.zeros(5 + 8 * K, dtype=torch.float64, device=device)
 
-    def add(self, out, tokens: int, baseline: tuple[Tensor, Tensor] | None = None) -> None:
+    def add(self, out, tokens: int, baseline: tuple[Tensor, Tensor] | None = None,
+            rounds: Tensor | None = None) -> None:
+        """rounds: round_counts(...) of the same batch (eval only)."""
         K, t = self.K, self.t
         t[0] += 1
         t[1] += out.loss.detach().double()
@@ -33,6 +35,8 @@ class Sums:
         t[5 + K:5 + 2 * K] += out.loss_k.double() * out.count_k
         for j, x in enumerate((out.count_k, out.correct_k, out.cond_count_k, out.cond_correct_k)):
             t[5 + (2 + j) * K:5 + (3 + j) * K] += x.double()
+        if rounds is not None:
+            t[5 + 6 * K:] += rounds.to(t)
 
     def all_reduce(self) -> "Sums":
         import torch.distributed as dist
@@ -47,7 +51,7 @@ class Sums:
         v = self.t.cpu().tolist()
         n, loss, tokens = max(v[0], 1.0), v[1], v[2]
         sec = lambda j: v[5 + j * K:5 + (j + 1) * K]   # noqa: E731
-        loss_k, lsum_k, count, correct, ccount, ccorrect = (sec(j) for j in range(6))
+        loss_k, lsum_k, count, correct, ccount, ccorrect, rtok, rfw = (sec(j) for j in range(8))
         acc = [c / max(m, 1.0) for c, m in zip(correct, count)]
         cond = [c / max(m, 1.0) for c, m in zip(ccorrect, ccount)]
         if token_weighted:
@@ -58,10 +62,53 @@ class Sums:
                "tau_est": chain_acceptance(cond), "tokens": int(tokens), "positions_k": [int(c) for c in count],
                # a chain of j drafts can only use cond_acc_0..j-1: compare a chain-j bench with tau_est_by_chain[j-1]
                "tau_est_by_chain": [chain_acceptance(cond[:j]) for j in range(1, K + 1)]}
+        if any(rfw):
+            # what greedy decoding of these replies would measure: tokens per target forward with rounds starting
+            # where the previous round ended (round_counts), for chains of 1..K drafts
+            out["round_tau_by_chain"] = [a / max(b, 1.0) for a, b in zip(rtok, rfw)]
         if v[3] > 0:
             out["baseline_acc_0"] = v[4] / v[3]
             out["baseline_positions"] = int(v[3])
         return out
+
+
+def round_counts(accept_len: Tensor, loss_mask: Tensor, valid: Tensor, segment_ids: Tensor | None, K: int) -> Tensor:
+    """Replay greedy chain decoding over the batch's replies: (2K,) float64 = [tokens per chain length j=1..K,
+    target forwards per j], to be summed over batches; tokens / forwards is the tau such decoding measures.
+
+    Each maximal run [P, E) of loss-masked tokens within one sample is one reply decoded after the prompt x_<P:
+    the prefill forward gives x_P; a round from position t (features up to t, last token x_{t+1}) accepts
+    a = min(accept_len[t], j) drafts (ttt.TTTOutput.accept_len), adds the bonus token, and the next round starts
+    at t + a + 1. Unlike the per-position average (chain_acceptance), rounds skip the positions inside accepted
+    drafts, so easy stretches weigh as few rounds: this is the estimate to hold a bench against.
+    """
+    B, T = loss_mask.shape
+    live = (loss_mask.bool() & valid.bool()).tolist()
+    seg = (segment_ids if segment_ids is not None else valid.long()).tolist()
+    acc = accept_len.tolist()
+    out = [0.0] * (2 * K)
+    for b in range(B):
+        lm, sg, ac = live[b], seg[b], acc[b]
+        t = 0
+        while t < T:
+            if not lm[t] or t == 0:
+                t += 1
+                continue
+            E = t
+            while E < T and lm[E] and sg[E] == sg[t]:
+                E += 1
+            for j in range(1, K + 1):
+                pos, tokens, forwards = t - 1, 1, 1   # the prefill forward produced x_P
+                while pos + 2 < E:                     # x_P .. x_{pos+1} are out; x_{pos+2} is next
+                    a = min(ac[pos], j)
+                    step = min(a + 1, E - (pos + 2))
+                    tokens += step
+                    forwards += 1
+                    pos += a + 1
+                out[j - 1] += tokens
+                out[K + j - 1] += forwards
+            t = E
+    return torch.tensor(out, dtype=torch.float64)
 
 
 def chain_acceptance(cond_acc: list[float]) -> float:

@@ -33,7 +33,7 @@ from eyas.train import dist
 from eyas.train.config import TrainConfig
 from eyas.train.data import (PreparedSource, StoreSource, epoch_batches, group, group_packed, nonfinite_rows, pack,
                              rank_batches, split_indices, target_features)
-from eyas.train.metrics import MetricsSink, Sums, frequency_baseline, truncate_metrics
+from eyas.train.metrics import MetricsSink, Sums, frequency_baseline, round_counts, truncate_metrics
 from eyas.train.ttt import TTTConfig, TTTOutput, ttt_forward
 
 KIND = "train"
@@ -51,7 +51,7 @@ class TTTModule(nn.Module):
         o = ttt_forward(self.drafter, input_ids=input_ids, loss_mask=loss_mask, valid=valid, aux=aux, final=final,
                         embed=embed_weight, lm_head_weight=lm_head_weight, cfg=self.ttt, segment_ids=segment_ids,
                         position_ids=position_ids)
-        return o.loss, o.loss_k, o.count_k, o.correct_k, o.cond_count_k, o.cond_correct_k
+        return o.loss, o.loss_k, o.count_k, o.correct_k, o.cond_count_k, o.cond_correct_k, o.accept_len
 
 
 def run_train(cfg: TrainConfig, target=None) -> dict:
@@ -255,7 +255,8 @@ class Trainer:
                     base = frequency_baseline(b.input_ids, b.loss_mask, b.valid, b.final, self.lm_w,
                                               self.module.drafter.t2d, self.top_id)
                 if k < len(batches):
-                    sums.add(o, b.num_tokens, base)
+                    sums.add(o, b.num_tokens, base,
+                             rounds=round_counts(o.accept_len, b.loss_mask, b.valid, b.segment_ids, cfg.ttt_steps))
         self.model.train()
         return sums.all_reduce().summary(token_weighted=True)
 
@@ -294,7 +295,8 @@ class Trainer:
                               **last_eval})
                     sink.note(f"eval @ step {step}: acc_0 {last_eval['acc_k'][0]:.3f} (frequency baseline "
                               f"{last_eval.get('baseline_acc_0', float('nan')):.3f}), tau_est "
-                              f"{last_eval['tau_est']:.2f}")
+                              f"{last_eval['tau_est']:.2f}, replayed chain-{cfg.ttt_steps} tau "
+                              f"{last_eval.get('round_tau_by_chain', [float('nan')])[-1]:.2f}")
                 if end_of_epoch:
                     self.epoch, self.pos = self.epoch + 1, 0
             if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == self.total:

@@ -69,6 +69,10 @@ class TTTOutput:
     vocab, which counts as a miss) whose steps < k were all counted and correct."""
     cond_correct_k: Tensor
     """(K,) int64 of those, the ones correct at step k."""
+    accept_len: Tensor | None = None
+    """(B, T) int64, detached: how many leading drafts the chain drafted at position t gets right (0..K), i.e.
+    what a greedy decoding round that starts there accepts. Rounds start only at some positions; see
+    metrics.round_tau for the estimate that follows decoding's round starts."""
 
     @property
     def acc_k(self) -> list[float]:
@@ -163,6 +167,7 @@ def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, val
     hidden = drafter.fuse(aux)                                                     # (B, T, h) = g
     cache = None
     prev_right = torch.ones(B, T, dtype=torch.bool, device=dev)
+    accept_len = torch.zeros(B, T, dtype=torch.long, device=dev)
     total, losses, counts, corrects, ccounts, ccorrects = 0.0, [], [], [], [], []
     for k in range(K):
         emb_k = _shift(embeds, k + 1)                                              # (B, T, h) embed(x_{t+k+1})
@@ -183,6 +188,7 @@ def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, val
         # conditional counts see what decoding sees: a target outside the draft vocab is a miss, not a skip
         cond = span & prev_right
         prev_right = prev_right & right
+        accept_len += prev_right
         losses.append(loss_k.detach())
         counts.append(count)
         corrects.append(right.sum())
@@ -193,4 +199,4 @@ def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, val
         total = torch.zeros((), device=dev)
     return TTTOutput(loss=total, loss_k=torch.stack(losses), count_k=torch.stack(counts),
                      correct_k=torch.stack(corrects), cond_count_k=torch.stack(ccounts),
-                     cond_correct_k=torch.stack(ccorrects))
+                     cond_correct_k=torch.stack(ccorrects), accept_len=accept_len)
