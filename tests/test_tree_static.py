@@ -50,10 +50,9 @@ def setup():
 
 
 def static_decoder(runner, drafter, cfg: SpecConfig) -> SpecDecoder:
-    """A SpecDecoder whose tree rounds use the static proposer (the wiring of docs/decoding.md)."""
-    dec = SpecDecoder(runner, drafter, cfg, fast=False)
-    dec.drafting = StaticTreeDrafting(dec.drafting.drafter, runner.embed, runner.cfg.max_seq, top_k=cfg.top_k,
-                                      depth=cfg.depth, total=cfg.total_tokens)
+    """The SpecDecoder's own fast tree path (the default on CUDA), forced on the CPU."""
+    dec = SpecDecoder(runner, drafter, cfg, fast=True)
+    assert isinstance(dec.drafting, StaticTreeDrafting)
     return dec
 
 

@@ -20,6 +20,7 @@ import torch
 
 from eyas.bench.check import DTYPE_NAMES, agreement, exact_fp32, first_turns, fp32_drafter, fp32_runner, lossless_verdict
 from eyas.bench.startup import compile_cache, tree_nodes, verify_shapes, warm_up
+from eyas.decode.graphed import GraphedChainDrafting
 from eyas.decode.spec import SpecConfig, SpecDecoder, SpecStats
 from eyas.errors import EyasError
 
@@ -278,8 +279,9 @@ def _warm_up(cfg, runner, methods, drafter) -> int:
         size = tree_nodes(cfg.top_k, cfg.depth, cfg.total_tokens, drafter.config.draft_vocab_size) \
             if kind == "tree" else 0
         steps.append((runner.step_fn(m.decoder.aux_ids), verify_shapes(kind, cfg.k, size)))
-        if m.decoder.drafting is not None and kind == "chain":
-            drafters.append((m.decoder.drafting, len(m.decoder.aux_ids) * runner.cfg.hidden_size, cfg.k))
+        if isinstance(m.decoder.drafting, GraphedChainDrafting):  # static drafters (chains, trees): extends of 1..K+1
+            depth = cfg.k if kind == "chain" else cfg.depth  # a tree accepts up to `depth` drafts + the bonus
+            drafters.append((m.decoder.drafting, len(m.decoder.aux_ids) * runner.cfg.hidden_size, depth))
     return warm_up(runner, steps, drafters)
 
 

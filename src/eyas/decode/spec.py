@@ -119,7 +119,8 @@ class SpecDecoder:
     """Speculative decoding with a target `Runner` and an optional EAGLE-3 drafter (batch 1, cache row 0)."""
 
     def __init__(self, runner, drafter=None, cfg: SpecConfig = SpecConfig(), *, fast: bool | None = None):
-        """fast: use the CUDA-graph drafter for greedy chains (default: on CUDA)."""
+        """fast: use the static-cache drafters, one CUDA graph per step (default: on CUDA): graphed.py for greedy
+        chains, tree_static.py for trees."""
         if cfg.method in ("chain", "tree") and drafter is None:
             raise EyasError(f"decode method {cfg.method!r} needs a drafter")
         if cfg.draft_size + 2 > runner.cfg.max_seq:
@@ -145,6 +146,10 @@ class SpecDecoder:
             if fast and cfg.method == "chain" and cfg.temperature == 0:
                 from eyas.decode.graphed import GraphedChainDrafting
                 self.drafting = GraphedChainDrafting(drafter, runner.embed, runner.cfg.max_seq, cfg.k)
+            elif fast and cfg.method == "tree":  # trees are top-k (deterministic) at every temperature
+                from eyas.decode.tree_static import StaticTreeDrafting
+                self.drafting = StaticTreeDrafting(drafter, runner.embed, runner.cfg.max_seq, top_k=cfg.top_k,
+                                                   depth=cfg.depth, total=cfg.total_tokens)
             else:
                 self.drafting = EagleDrafting(drafter, runner.embed)
         self._verify_fn = runner.step_fn(self.aux_ids)  # compiled when the runner is
