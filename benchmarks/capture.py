@@ -24,10 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from eyas.capture import CaptureConfig, run_capture  # noqa: E402
-from eyas.capture.hooks import capture_states, decoder_stack  # noqa: E402
 from eyas.store import Store  # noqa: E402
 from eyas.store import format as fmt  # noqa: E402
 from eyas.target import load_target  # noqa: E402
+from eyas.target.hooks import capture_states, decoder_stack  # noqa: E402
 
 
 def sync(device):

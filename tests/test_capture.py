@@ -16,10 +16,10 @@ from torch import nn
 
 from conftest import make_tiny_llama
 from eyas.capture import CaptureConfig, run_capture
-from eyas.capture.hooks import capture_states
 from eyas.errors import EyasError
 from eyas.store import Store
 from eyas.target import target_from_model
+from eyas.target.hooks import capture_states
 
 ROOT = Path(__file__).resolve().parents[1]
 

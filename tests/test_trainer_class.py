@@ -1,15 +1,20 @@
 """The Trainer's own contract: state_dict() / load_state_dict() is a complete resume point (bit-identical to an
 uninterrupted run, across an epoch boundary, over a trainer that had already moved on), state_dict() is what the
-checkpoint on disk holds, evaluate() leaves training untouched, and train/dist.py's collectives and teardown on
-two gloo ranks."""
+checkpoint on disk holds, evaluate() leaves training untouched, train/setup.py's run-directory refusals and lr
+schedule, and train/dist.py's collectives and teardown on two gloo ranks."""
 
 import io
 import json
+import math
 import os
 
+import pytest
 import torch
 
+from eyas.errors import EyasError
+from eyas.manifest import write_manifest
 from eyas.train import checkpoint as ckpt
+from eyas.train.setup import KIND, check_run_dir, schedule
 from eyas.train.trainer import Trainer
 from test_faults import _ckpt_equal
 from test_train import _free_port, capture, cfg, make_samples, records, tiny_target
@@ -75,6 +80,51 @@ def test_evaluate_leaves_training_untouched(tmp_path):
     assert records(tmp_path / "often") == records(tmp_path / "plain")
     assert [r["step"] for r in records(tmp_path / "often", "eval")] == [1, 2, 3, 4]
     _ckpt_equal(_without_out(often.state_dict()), _without_out(plain.state_dict()), "state")
+
+
+# ------------------------------------------------------------------------------------------ setup.py
+def test_check_run_dir_refuses_what_is_not_a_fresh_or_resumable_run(tmp_path):
+    c = cfg(tmp_path, "store", "run")
+    run = tmp_path / "run"
+    run.write_text("x")
+    with pytest.raises(EyasError, match="exists and is not a directory"):
+        check_run_dir(c, run)
+    run.unlink()
+    run.mkdir()
+    (run / "notes.txt").write_text("mine")
+    with pytest.raises(EyasError, match="not empty and not an eyas training run"):
+        check_run_dir(c, run)
+    assert (run / "notes.txt").read_text() == "mine"          # refused, untouched
+    (run / "notes.txt").unlink()
+
+    # a run killed before its first manifest: only vocab/ and temp files, cleared and reused
+    (run / "vocab").mkdir()
+    (run / "vocab" / "draft_vocab.safetensors").write_bytes(b"half")
+    (run / ".manifest.json.tmp-123").write_text("{")
+    check_run_dir(c, run)
+    assert run.is_dir() and not any(run.iterdir())
+
+    write_manifest(run, {"kind": "capture"})
+    with pytest.raises(EyasError, match="holds a 'capture' directory, not a training run"):
+        check_run_dir(c, run)
+    write_manifest(run, {"kind": KIND, "config_identity": c.identity()})
+    check_run_dir(c, run)                                      # a manifest and no checkpoint: start over
+    (run / "checkpoints" / "step-2").mkdir(parents=True)
+    with pytest.raises(EyasError, match="pass --resume or choose another --out"):
+        check_run_dir(c, run)
+    check_run_dir(cfg(tmp_path, "store", "run", resume=True), run)
+    with pytest.raises(EyasError, match="training configuration"):
+        check_run_dir(cfg(tmp_path, "store", "run", resume=True, lr=2e-3), run)
+
+
+def test_schedule_warms_up_linearly_then_cosine_to_the_floor(tmp_path):
+    c = cfg(tmp_path, "store", warmup_ratio=0.25, min_lr_ratio=0.1)
+    f = schedule(c, 8)                                         # 2 warm-up steps, then 6 of cosine
+    assert [f(0), f(1)] == [0.5, 1.0]
+    assert f(2) == pytest.approx(1.0) and f(5) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 2)))
+    assert f(8) == pytest.approx(0.1) and f(20) == pytest.approx(0.1)
+    assert all(f(s) > f(s + 1) for s in range(2, 8))
+    assert schedule(cfg(tmp_path, "store", warmup_ratio=0.0), 4)(0) == 1.0
 
 
 # ------------------------------------------------------------------------------------------ dist.py

@@ -13,11 +13,11 @@ from typing import Iterable
 import torch
 from tqdm import tqdm
 
-from eyas.capture.hooks import capture_states
 from eyas.errors import EyasError
 from eyas.store import format as fmt
 from eyas.store.lock import acquire_store_lock
 from eyas.store.writer import StoreWriter
+from eyas.target.hooks import capture_states
 
 
 @dataclass(frozen=True, kw_only=True)

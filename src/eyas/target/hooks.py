@@ -1,4 +1,5 @@
-"""Forward hooks that take exactly the EAGLE-3 states out of an HF decoder stack.
+"""Forward hooks that take exactly the EAGLE-3 states out of an HF decoder stack: the one hook implementation,
+used by the capture stage (`capture_states`) and by online training (`train/data.target_features`).
 
 HF convention (checked against output_hidden_states in tests/test_capture.py):
   hidden_states[i], i < N  = the residual stream ENTERING decoder layer i (= input of layers[i]);
@@ -6,6 +7,8 @@ HF convention (checked against output_hidden_states in tests/test_capture.py):
 So aux id i < N is a forward-pre-hook on layers[i]; aux id N (allowed, unusual) is the final state.
 We call the decoder stack (model.model) rather than the causal LM: no lm_head, no T x V logits, and no
 output_hidden_states (which keeps all N+1 states alive).
+The static-cache runner (target/runner.py) records states inside its own forward, not with these hooks; it
+uses the same ids: tests/test_hooks.py compares it with these hooks id for id (0..N) on a tiny random Llama.
 """
 
 from __future__ import annotations

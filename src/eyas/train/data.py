@@ -141,7 +141,7 @@ def target_features(target, batch: Batch, sub_tokens: int | None = None) -> Batc
     With sub_tokens, rows run in length-sorted groups of at most that many padded tokens (each group cut to
     its own longest row), so short rows do not pay for the longest one.
     """
-    from eyas.capture.hooks import LayerInputs, decoder_stack
+    from eyas.target.hooks import LayerInputs, decoder_stack
 
     base = decoder_stack(target.model)
     n = len(base.layers)

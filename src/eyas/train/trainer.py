@@ -10,15 +10,14 @@ RUN/
 One optimizer step on a rank = grad_accum micro-batches (data.rank_batches); the loss of a micro-batch is the TTT
 loss (mean over its counted positions) / grad_accum, and DDP averages over ranks, so W ranks x A micro-batches
 give the same update as one process with A*W micro-batches of the same data. Ranks, the DDP / FSDP2 wrap and
-full state dicts live in train/dist.py.
+full state dicts live in train/dist.py; the set-up steps (run directory, data source, draft vocabulary, head
+init, lr schedule) in train/setup.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -27,16 +26,16 @@ import torch
 from torch import nn
 
 from eyas.errors import EyasError
-from eyas.manifest import MANIFEST, atomic_write_bytes, check_same, check_target, read_manifest, write_manifest
+from eyas.manifest import check_same, write_manifest
 from eyas.train import checkpoint as ckpt
 from eyas.train import dist
 from eyas.train.config import TrainConfig
-from eyas.train.data import (PreparedSource, StoreSource, epoch_batches, group, group_packed, nonfinite_rows, pack,
-                             rank_batches, split_indices, target_features)
+from eyas.train.data import (epoch_batches, group, group_packed, nonfinite_rows, pack, rank_batches, split_indices,
+                             target_features)
 from eyas.train.metrics import MetricsSink, Sums, frequency_baseline, round_counts, truncate_metrics
+from eyas.train.setup import KIND, build_vocab, check_run_dir, init_head_from_target, schedule
+from eyas.train.setup import open_source as _open_source  # a module global: tests hand it a target object
 from eyas.train.ttt import TTTConfig, TTTOutput, ttt_forward
-
-KIND = "train"
 
 
 class TTTModule(nn.Module):
@@ -80,7 +79,7 @@ class Trainer:
             print(chosen, file=sys.stderr)
         self.cfg, self.run = cfg, Path(cfg.out)
         if self.rank == 0:
-            _check_run_dir(cfg, self.run)
+            check_run_dir(cfg, self.run)
         dist.barrier()
         self.source, target, self.ref = _open_source(cfg, target, self.device)
         self.target = target
@@ -99,8 +98,8 @@ class Trainer:
             # checks the drafter's recorded target (each differing field named), or warns with --allow-target-mismatch
             init_drafter, _ = open_drafter(cfg.init, target, allow_target_mismatch=cfg.allow_target_mismatch)
             init_vocab = (init_drafter.d2t.clone(), init_drafter.t2d.clone())
-        self.vocab, self.top_id = _build_vocab(cfg, self.source, self.train_idx, target.vocab_size, init_vocab,
-                                               self.run if self.rank == 0 else None)
+        self.vocab, self.top_id = build_vocab(cfg, self.source, self.train_idx, target.vocab_size, init_vocab,
+                                              self.run if self.rank == 0 else None)
 
         # --- the drafter, its loss module and the optimizer
         torch.manual_seed(cfg.seed)
@@ -139,7 +138,7 @@ class Trainer:
                             f"than one step needs ({self.world} rank(s) x grad_accum {cfg.grad_accum}); lower "
                             f"--batch-tokens")
         self.total = cfg.steps if cfg.steps is not None else sum(len(self.plan(e)) for e in range(cfg.epochs or 1))
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, _schedule(cfg, self.total))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, schedule(cfg, self.total))
         use_bf16 = cfg.autocast == "bf16" or (cfg.autocast == "auto" and (self.device.type == "cuda"
                                                                            or cpu_bf16_fast()))
         self.amp = (torch.autocast(self.device.type, dtype=torch.bfloat16) if use_bf16 and not cfg.deterministic
@@ -324,116 +323,10 @@ class Trainer:
                 "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
-# ------------------------------------------------------------------------------------------- set-up helpers
-def _open_source(cfg: TrainConfig, target, device: torch.device):
-    """(source, target, reference dict for the manifest). Refuses a store/target mismatch."""
-    from eyas.target import load_target
-
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if cfg.online:
-        from eyas.data.prepared import PreparedData
-
-        if target is None:
-            target = load_target(cfg.target, device=device, dtype=dtype)
-        data = PreparedData(cfg.data, target=target)
-        ref = {"data": str(Path(cfg.data).resolve()), "data_manifest": data.manifest.get("config")}
-        return PreparedSource(data, max_len=cfg.max_len), target, ref
-    from eyas.store.reader import Store
-
-    store = Store(cfg.store)
-    if target is None:
-        spec = cfg.target or store.manifest.get("config", {}).get("target") or store.fingerprint.get("identity")
-        # Offline needs only the embedding and lm_head; the target stays on the CPU.
-        target = load_target(spec, device="cpu", dtype=dtype, aux_layer_ids=store.aux_layer_ids)
-    warning = check_target(store.fingerprint, target.fingerprint, where=str(store.path),
-                           allow_mismatch=cfg.allow_target_mismatch)
-    if tuple(store.aux_layer_ids) != tuple(target.aux_layer_ids):
-        raise EyasError(f"{store.path}: store aux layers {list(store.aux_layer_ids)} != the target's "
-                        f"{list(target.aux_layer_ids)}")
-    if store.hidden_size != target.hidden_size:
-        raise EyasError(f"{store.path}: store hidden size {store.hidden_size} != the target's {target.hidden_size}")
-    ref = {"store": str(Path(cfg.store).resolve()), "store_samples": len(store), "store_dtype": store.store_dtype,
-           "aux_layer_ids": list(store.aux_layer_ids), **({"target_mismatch": warning} if warning else {})}
-    return StoreSource(store, max_len=cfg.max_len, feature_dtype=dtype), target, ref
-
-
-def _build_vocab(cfg: TrainConfig, source, train_idx, V: int, init_vocab, run: Path):
-    from eyas.model.vocab import DraftVocab, build_draft_vocab, save_draft_vocab
-
-    counts = torch.zeros(V, dtype=torch.int64)
-    for i in train_idx:
-        ids, mask = source.tokens(i)
-        picked = ids[mask]
-        if picked.numel() and (int(picked.min()) < 0 or int(picked.max()) >= V):
-            raise EyasError(f"{source.where}: sample {source.ids[i]!r} has a token id outside [0, {V})")
-        counts += torch.bincount(picked, minlength=V)
-    if int(counts.sum()) == 0:
-        raise EyasError(f"{source.where}: the training split has no trainable (loss-masked) tokens")
-    if init_vocab is not None:
-        d2t, t2d = init_vocab
-        tok = torch.arange(d2t.numel()) + d2t
-        vocab = DraftVocab(token_ids=tok, d2t=d2t, t2d=t2d, coverage=float(counts[tok].sum()) / int(counts.sum()))
-    else:
-        vocab = build_draft_vocab(counts, min(cfg.draft_vocab, V))  # for_device filled a None
-    top_draft = int(vocab.token_ids[counts[vocab.token_ids].argmax()])
-    if run is not None:
-        (run / "vocab").mkdir(parents=True, exist_ok=True)
-        save_draft_vocab(vocab, run / "vocab" / "draft_vocab.safetensors")
-        summary = {"size": vocab.size, "vocab_size": V, "coverage": vocab.coverage, "most_common_id": top_draft,
-                   "trainable_tokens": int(counts.sum()), "split": "train"}
-        atomic_write_bytes(run / "vocab" / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
-    return vocab, top_draft
-
-
-def _schedule(cfg: TrainConfig, total: int):
-    warm = int(cfg.warmup_ratio * total)
-
-    def f(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        p = min(1.0, (step - warm) / max(1, total - warm))
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p))
-    return f
-
-
-
-
-@torch.no_grad()
-def init_head_from_target(drafter, target) -> None:
-    """Start the drafter's output side as the target's: final norm and the LM-head rows of the draft vocabulary.
-
-    The drafter's last hidden state then lives in the target's output space from step 0, which is where
-    it has to end up; everything else keeps its random init."""
-    rows = drafter.token_ids.to(target.lm_head.weight.device)
-    drafter.lm_head.weight.copy_(target.lm_head.weight[rows].float())
-    drafter.norm.weight.copy_(target.final_norm.weight.float())
-
-
+# ------------------------------------------------------------------------------------------- helpers
 def _stop_if_nonfinite(bad_ids: list[str], value: torch.Tensor, ids: list[str], step: int, what: str) -> None:
     """All ranks agree whether any rank saw NaN/Inf; then every rank raises, naming the samples it holds."""
     finite = bool(torch.isfinite(value).all())
     if dist.any_rank(bool(bad_ids) or not finite, value.device):
         names = dist.gather_lists(bad_ids or ([] if finite else ids))
         raise EyasError(f"step {step}: NaN/Inf in {what}, sample(s) {', '.join(map(repr, names)) or '(another rank)'}")
-
-
-def _check_run_dir(cfg: TrainConfig, run: Path) -> None:
-    if run.exists() and not run.is_dir():
-        raise EyasError(f"{run}: exists and is not a directory")
-    if (run / MANIFEST).exists():
-        old = read_manifest(run)
-        if old.get("kind") != KIND:
-            raise EyasError(f"{run}: holds a {old.get('kind')!r} directory, not a training run")
-        if cfg.resume:
-            check_same(old["config_identity"], cfg.identity(), what="training configuration", where=str(run))
-        elif ckpt.list_checkpoints(run):
-            raise EyasError(f"{run}: already holds a run with checkpoints; pass --resume or choose another --out")
-    elif run.is_dir() and any(run.iterdir()):
-        # a run killed before its first manifest leaves only the draft vocabulary (and temp files): start over
-        early = all(p.name == "vocab" or (p.name.startswith(".") and ".tmp-" in p.name) for p in run.iterdir())
-        if not early:
-            raise EyasError(f"{run}: not empty and not an eyas training run; refusing to write into it")
-        shutil.rmtree(run / "vocab", ignore_errors=True)
-        for p in run.glob(".*.tmp-*"):
-            p.unlink(missing_ok=True)
-    run.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,132 @@
+"""Set-up of a training run, in the order Trainer.__init__ calls it: the run directory, the data source and its
+target, the draft vocabulary, the drafter's head, and the learning-rate schedule.
+
+The ranks and the DDP / FSDP2 wrap are train/dist.py's; the training loop itself is train/trainer.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import torch
+
+from eyas.errors import EyasError
+from eyas.manifest import MANIFEST, atomic_write_bytes, check_same, check_target, read_manifest
+from eyas.train import checkpoint as ckpt
+from eyas.train.config import TrainConfig
+from eyas.train.data import PreparedSource, StoreSource
+
+KIND = "train"
+"""The manifest kind of a training run directory."""
+
+
+def check_run_dir(cfg: TrainConfig, run: Path) -> None:
+    """Refuse a --out that is not a fresh or resumable training run; clear what a run killed before its first
+    manifest left behind; create the directory. Rank 0 only."""
+    if run.exists() and not run.is_dir():
+        raise EyasError(f"{run}: exists and is not a directory")
+    if (run / MANIFEST).exists():
+        old = read_manifest(run)
+        if old.get("kind") != KIND:
+            raise EyasError(f"{run}: holds a {old.get('kind')!r} directory, not a training run")
+        if cfg.resume:
+            check_same(old["config_identity"], cfg.identity(), what="training configuration", where=str(run))
+        elif ckpt.list_checkpoints(run):
+            raise EyasError(f"{run}: already holds a run with checkpoints; pass --resume or choose another --out")
+    elif run.is_dir() and any(run.iterdir()):
+        # a run killed before its first manifest leaves only the draft vocabulary (and temp files): start over
+        early = all(p.name == "vocab" or (p.name.startswith(".") and ".tmp-" in p.name) for p in run.iterdir())
+        if not early:
+            raise EyasError(f"{run}: not empty and not an eyas training run; refusing to write into it")
+        shutil.rmtree(run / "vocab", ignore_errors=True)
+        for p in run.glob(".*.tmp-*"):
+            p.unlink(missing_ok=True)
+    run.mkdir(parents=True, exist_ok=True)
+
+
+def open_source(cfg: TrainConfig, target, device: torch.device):
+    """(source, target, reference dict for the manifest). Refuses a store/target mismatch."""
+    from eyas.target import load_target
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if cfg.online:
+        from eyas.data.prepared import PreparedData
+
+        if target is None:
+            target = load_target(cfg.target, device=device, dtype=dtype)
+        data = PreparedData(cfg.data, target=target)
+        ref = {"data": str(Path(cfg.data).resolve()), "data_manifest": data.manifest.get("config")}
+        return PreparedSource(data, max_len=cfg.max_len), target, ref
+    from eyas.store.reader import Store
+
+    store = Store(cfg.store)
+    if target is None:
+        spec = cfg.target or store.manifest.get("config", {}).get("target") or store.fingerprint.get("identity")
+        # Offline needs only the embedding and lm_head; the target stays on the CPU.
+        target = load_target(spec, device="cpu", dtype=dtype, aux_layer_ids=store.aux_layer_ids)
+    warning = check_target(store.fingerprint, target.fingerprint, where=str(store.path),
+                           allow_mismatch=cfg.allow_target_mismatch)
+    if tuple(store.aux_layer_ids) != tuple(target.aux_layer_ids):
+        raise EyasError(f"{store.path}: store aux layers {list(store.aux_layer_ids)} != the target's "
+                        f"{list(target.aux_layer_ids)}")
+    if store.hidden_size != target.hidden_size:
+        raise EyasError(f"{store.path}: store hidden size {store.hidden_size} != the target's {target.hidden_size}")
+    ref = {"store": str(Path(cfg.store).resolve()), "store_samples": len(store), "store_dtype": store.store_dtype,
+           "aux_layer_ids": list(store.aux_layer_ids), **({"target_mismatch": warning} if warning else {})}
+    return StoreSource(store, max_len=cfg.max_len, feature_dtype=dtype), target, ref
+
+
+def build_vocab(cfg: TrainConfig, source, train_idx, V: int, init_vocab, run: Path | None):
+    """(draft vocabulary, the draft id most common in training) from the loss-masked tokens of `train_idx`, or
+    --init's vocabulary with its coverage of them; written to RUN/vocab/ when `run` is given (rank 0)."""
+    from eyas.model.vocab import DraftVocab, build_draft_vocab, save_draft_vocab
+
+    counts = torch.zeros(V, dtype=torch.int64)
+    for i in train_idx:
+        ids, mask = source.tokens(i)
+        picked = ids[mask]
+        if picked.numel() and (int(picked.min()) < 0 or int(picked.max()) >= V):
+            raise EyasError(f"{source.where}: sample {source.ids[i]!r} has a token id outside [0, {V})")
+        counts += torch.bincount(picked, minlength=V)
+    if int(counts.sum()) == 0:
+        raise EyasError(f"{source.where}: the training split has no trainable (loss-masked) tokens")
+    if init_vocab is not None:
+        d2t, t2d = init_vocab
+        tok = torch.arange(d2t.numel()) + d2t
+        vocab = DraftVocab(token_ids=tok, d2t=d2t, t2d=t2d, coverage=float(counts[tok].sum()) / int(counts.sum()))
+    else:
+        vocab = build_draft_vocab(counts, min(cfg.draft_vocab, V))  # for_device filled a None
+    top_draft = int(vocab.token_ids[counts[vocab.token_ids].argmax()])
+    if run is not None:
+        (run / "vocab").mkdir(parents=True, exist_ok=True)
+        save_draft_vocab(vocab, run / "vocab" / "draft_vocab.safetensors")
+        summary = {"size": vocab.size, "vocab_size": V, "coverage": vocab.coverage, "most_common_id": top_draft,
+                   "trainable_tokens": int(counts.sum()), "split": "train"}
+        atomic_write_bytes(run / "vocab" / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
+    return vocab, top_draft
+
+
+@torch.no_grad()
+def init_head_from_target(drafter, target) -> None:
+    """Start the drafter's output side as the target's: final norm and the LM-head rows of the draft vocabulary.
+
+    The drafter's last hidden state then lives in the target's output space from step 0, which is where
+    it has to end up; everything else keeps its random init."""
+    rows = drafter.token_ids.to(target.lm_head.weight.device)
+    drafter.lm_head.weight.copy_(target.lm_head.weight[rows].float())
+    drafter.norm.weight.copy_(target.final_norm.weight.float())
+
+
+def schedule(cfg: TrainConfig, total: int):
+    """LambdaLR factor at each step: linear warm-up over warmup_ratio of `total` steps, then cosine to min_lr_ratio."""
+    warm = int(cfg.warmup_ratio * total)
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        p = min(1.0, (step - warm) / max(1, total - warm))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * p))
+    return f
