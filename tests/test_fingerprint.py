@@ -1,6 +1,7 @@
-"""Portable target fingerprints (target/fingerprint.py): the same target under another path or name is the same
-target; a different config field, tokenizer or weights file is refused naming the field; version-1 fingerprints
-still compare or are refused saying how to convert; --allow-target-mismatch overrides with a recorded warning."""
+"""Portable target fingerprints (target/fingerprint.py): the same target under another path or name, or converted by
+another transformers version, is the same target; a different config field, vocabulary, special token or weights
+file is refused naming the field; version-1 and version-2 fingerprints still compare (version 1 is refused saying
+how to convert when it cannot); --allow-target-mismatch overrides with a recorded warning."""
 
 import json
 import shutil
@@ -16,7 +17,8 @@ from eyas.errors import EyasError
 from eyas.manifest import check_target, diff_dicts
 from eyas.model.checkpoint import open_drafter
 from eyas.target import load_target
-from eyas.target.fingerprint import config_fields, file_sha256, legacy_hashes, tokenizer_sha256
+from eyas.target.fingerprint import (config_fields, diffs, file_sha256, fingerprint, legacy_hashes,
+                                     tokenizer_sha256, tokenizer_sha256_v2)
 from eyas.train.config import TrainConfig
 from eyas.train.trainer import run_train
 
@@ -30,6 +32,20 @@ def save_target(path, *, seed=31, **kw):
     model.save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
     return path
+
+
+def swapped_tokenizer():
+    """The byte tokenizer with the ids of 'a' and 'b' swapped: the same tokens, another vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    vocab.update({"<|im_start|>": 256, "<|im_end|>": 257})
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<|im_end|>", bos_token="<|im_start|>")
 
 
 def samples(n=16):
@@ -116,11 +132,15 @@ def test_other_weights_or_tokenizer_refused(machine_a, elsewhere):
                                         r"!= '[0-9a-f]{12}\.\.\.'\)"):
         Store(root / "store", target=reseeded)
     retok = shutil.copytree(root / "tiny-original", elsewhere / "retok")
-    tok = byte_tokenizer()
-    tok.add_special_tokens({"eos_token": "<|im_start|>"})
-    tok.save_pretrained(retok)
-    with pytest.raises(EyasError, match=r"target does not match \(tokenizer_sha256: "):
+    swapped_tokenizer().save_pretrained(retok)
+    with pytest.raises(EyasError, match=r"target does not match \(tokenizer_sha256: '[0-9a-f]{12}\.\.\.' != "):
         Store(root / "store", target=load_target(str(retok)))
+    eos = shutil.copytree(root / "tiny-original", elsewhere / "eos")
+    raw = json.loads((eos / "config.json").read_text())
+    raw["eos_token_id"] = 256
+    (eos / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(EyasError, match=r"target does not match \(special_tokens.eos: \[256\] != \[257\]\)"):
+        Store(root / "store", target=load_target(str(eos)))
     assert diff_dicts(target_a.fingerprint, dict(target_a.fingerprint, weights=None)) == []   # unhashed: not compared
 
 
@@ -240,3 +260,139 @@ def test_train_override_on_a_store_of_another_target(machine_a, elsewhere):
     run_train(TrainConfig(out=str(elsewhere / "t2"), allow_target_mismatch=True, **kw), target=target)
     manifest = json.loads((elsewhere / "t2" / "manifest.json").read_text())
     assert "config.rms_norm_eps" in manifest["source"]["target_mismatch"]
+
+
+# What the GPU machine (transformers 5.17.0) recorded for the embedded SmolLM2-135M GGUF (issue 15): the same file
+# as here, byte for byte; only tokenizer_sha256 differs from what eyas with fingerprint version 2 computes here.
+GPU_5_17_FINGERPRINT = {
+    "fingerprint": 2, "identity": "gguf:smollm2.gguf",
+    "config": {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+               "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+               "hidden_act": "silu", "rms_norm_eps": 1e-05, "tie_word_embeddings": True, "attention_bias": False,
+               "mlp_bias": False, "rope_theta": 100000.0},
+    "tokenizer_sha256": "d09447a23ee125070d146a44de49a7de1542beb95e60104664b1da33d17ad922",
+    "weights": {"format": "gguf", "sha256": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"}}
+# The tokenizer_config.json transformers 5.17.0 writes for that GGUF (whose metadata says bos 1, eos 2, unk 0, pad 2):
+# its eos is the bos token. 5.24.0 writes eos and pad '<|im_end|>'. tokenizer.json differs only in decoders and BPE
+# options (same vocabulary, same encodings).
+TOKENIZER_CONFIG_5_17 = {
+    "add_prefix_space": False, "backend": "tokenizers", "bos_token": "<|im_start|>", "bos_token_id": 1,
+    "clean_up_tokenization_spaces": True, "eos_token": "<|im_start|>", "eos_token_id": 1, "is_local": True,
+    "legacy": False, "local_files_only": False, "model_max_length": 1000000000000000019884624838656,
+    "model_type": "gpt2", "pad_token_id": None, "tokenizer_class": "TokenizersBackend",
+    "unk_token": "<|endoftext|>", "unk_token_id": 0}
+TOKENIZER_CONFIG_5_24 = {
+    "backend": "tokenizers", "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "is_local": True,
+    "local_files_only": True, "model_max_length": 1000000000000000019884624838656, "pad_token": "<|im_end|>",
+    "tokenizer_class": "TokenizersBackend", "unk_token": "<|endoftext|>"}
+
+
+def as_converted(tokenizer_json, config: dict, out):
+    """A tokenizer directory: these tokenizer.json bytes with the tokenizer_config.json a transformers version wrote."""
+    from transformers import AutoTokenizer
+
+    out.mkdir(parents=True)
+    shutil.copy(tokenizer_json, out / "tokenizer.json")
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return AutoTokenizer.from_pretrained(out)
+
+
+def byte_level_versions(tmp_path):
+    """The byte tokenizer as transformers 5.17 and 5.24 leave a converted GGUF tokenizer: the same vocabulary,
+    eos '<|im_start|>' (the bos) or '<|im_end|>'; its config says bos 256, eos 257 (the GGUF's metadata)."""
+    byte_tokenizer().save_pretrained(tmp_path / "saved")
+    ids = {"bos_token_id": 256, "eos_token_id": 256, "unk_token_id": None}
+    v517 = as_converted(tmp_path / "saved" / "tokenizer.json", {**TOKENIZER_CONFIG_5_17, **ids, "unk_token": None},
+                        tmp_path / "5.17")
+    v524 = as_converted(tmp_path / "saved" / "tokenizer.json", {**TOKENIZER_CONFIG_5_24, "unk_token": None},
+                        tmp_path / "5.24")
+    config = make_tiny_llama(vocab=V).config
+    config.bos_token_id, config.eos_token_id = 256, 257
+    return config, v517, v524
+
+
+def test_tokenizer_identity_is_the_same_under_transformers_5_17_and_5_24(tmp_path):
+    config, v517, v524 = byte_level_versions(tmp_path)
+    # the real difference: the same vocabulary, the eos string differs, so the version-2 hash differs
+    assert v517.get_vocab() == v524.get_vocab()
+    assert (v517.eos_token, v524.eos_token) == ("<|im_start|>", "<|im_end|>")
+    assert tokenizer_sha256_v2(v517) != tokenizer_sha256_v2(v524)
+    # version 3: the vocabulary and the special ids the config declares
+    a, b = fingerprint(config, v517, identity="gpu"), fingerprint(config, v524, identity="cpu")
+    assert {k: v for k, v in a.items() if k != "identity"} == {k: v for k, v in b.items() if k != "identity"}
+    assert a["special_tokens"] == {"bos": [256], "eos": [257]} and diffs(a, b) == [] and diffs(b, a) == []
+    # a recorded version-2 fingerprint compares at version 2 through the live target's legacy hash
+    recorded = json.loads(json.dumps({**a, "fingerprint": 2, "tokenizer_sha256": a.legacy[2]["tokenizer_sha256"]}))
+    del recorded["special_tokens"]
+    assert diffs(recorded, a) == []
+    h517, h524 = (repr(tokenizer_sha256_v2(t)[:12] + "...") for t in (v517, v524))
+    assert diffs(recorded, b) == [f"tokenizer_sha256 (as fingerprint version 2 computes it): {h517} != {h524}"]
+
+
+def test_added_tokens_count_whether_or_not_get_vocab_lists_them():
+    tok = byte_tokenizer()
+    listed = SimpleNamespace(get_vocab=tok.get_vocab, added_tokens_decoder={})
+    unlisted = SimpleNamespace(get_vocab=lambda: {k: v for k, v in tok.get_vocab().items() if v < 256},
+                               added_tokens_decoder={256: "<|im_start|>", 257: "<|im_end|>"})
+    assert tokenizer_sha256(listed) == tokenizer_sha256(unlisted) == tokenizer_sha256(tok)
+
+
+def test_the_same_gguf_is_the_same_target_and_another_is_refused_by_field():
+    here = dict(GPU_5_17_FINGERPRINT, fingerprint=3, identity="smollm2-135m", tokenizer_sha256="4" * 64,
+                special_tokens={"bos": [1], "eos": [2], "unk": [0]})
+    assert diffs(GPU_5_17_FINGERPRINT, here) == [] and diffs(here, GPU_5_17_FINGERPRINT) == []
+    other = dict(here, weights={"format": "gguf", "sha256": "5" * 64},
+                 config=dict(here["config"], num_hidden_layers=24))
+    assert diffs(GPU_5_17_FINGERPRINT, other) == [
+        "config.num_hidden_layers: 30 != 24",
+        "tokenizer_sha256: a recorded version-2 fingerprint cannot be compared with a recorded version-3 one",
+        "weights.sha256 (gguf): 'b179c9523d0e...' != '555555555555...'"]
+    unhashed = dict(other, weights=None)   # (the same GGUF would settle it)
+    assert diffs(dict(unhashed, special_tokens={"bos": [1], "eos": [1], "unk": [0]}), unhashed) == [
+        "special_tokens.eos: [1] != [2]"]
+    with pytest.raises(EyasError, match=r"x: target does not match \(config.num_hidden_layers: 30 != 24; .*"
+                                        r"weights.sha256 \(gguf\).*\); --allow-target-mismatch uses it anyway"):
+        check_target(GPU_5_17_FINGERPRINT, other, where="x")
+    assert "used anyway" in check_target(GPU_5_17_FINGERPRINT, other, where="x", allow_mismatch=True)
+
+
+def test_version_2_fingerprint_of_the_same_target_accepted_and_of_another_refused(machine_a, elsewhere):
+    from eyas.model.checkpoint import load_drafter, save_drafter
+
+    root, target = machine_a
+    v2 = {"fingerprint": 2, "identity": "elsewhere/tiny", "config": target.fingerprint["config"],
+          "tokenizer_sha256": tokenizer_sha256_v2(target.tokenizer), "weights": target.fingerprint["weights"]}
+    drafter, _ = load_drafter(root / "run" / "drafter")
+    save_drafter(drafter, elsewhere / "v2" / "drafter", meta={"target": v2})
+    _, meta = open_drafter(elsewhere / "v2", target=target)
+    assert meta["target"] == v2 and "target_mismatch" not in meta
+    eps = shutil.copytree(root / "tiny-original", elsewhere / "eps-v2")
+    raw = json.loads((eps / "config.json").read_text())
+    raw["rms_norm_eps"] = 1e-6
+    (eps / "config.json").write_text(json.dumps(raw))
+    swapped_tokenizer().save_pretrained(eps)
+    with pytest.raises(EyasError, match=r"v2/drafter/config.json: target does not match \(config.rms_norm_eps: 1e-05 "
+                                        r"!= 1e-06; tokenizer_sha256 \(as fingerprint version 2 computes it\): "
+                                        r"'[0-9a-f]{12}\.\.\.' != '[0-9a-f]{12}\.\.\.'\); --allow-target-mismatch"):
+        open_drafter(elsewhere / "v2", target=load_target(str(eps)))
+
+
+@pytest.mark.slow
+def test_real_gguf_drafter_from_the_gpu_machine_is_accepted(tmp_path):
+    """The embedded GGUF's tokenizer as transformers 5.17 converts it gives the GPU machine's version-2 hash
+    exactly, and the same version-3 fingerprint as here; a drafter recording that fingerprint is accepted."""
+    from eyas.export.export import export_drafter
+    from eyas.model.drafter import DrafterConfig, Eagle3Drafter
+    from eyas.target.load import embedded_path, gguf_to_cache
+
+    target = load_target("smollm2-135m")
+    cache = gguf_to_cache(embedded_path("smollm2-135m"))
+    v517 = as_converted(cache / "tokenizer.json", TOKENIZER_CONFIG_5_17, tmp_path / "5.17")
+    assert tokenizer_sha256_v2(v517) == GPU_5_17_FINGERPRINT["tokenizer_sha256"]
+    gpu = fingerprint(target.model.config, v517, identity="gguf:smollm2.gguf", weights=target.fingerprint["weights"])
+    assert {k: v for k, v in gpu.items() if k != "identity"} == {k: v for k, v in target.fingerprint.items()
+                                                                 if k != "identity"}
+    cfg = DrafterConfig.from_target(target.model.config, draft_vocab_size=256, aux_layer_ids=target.aux_layer_ids)
+    out = export_drafter(Eagle3Drafter(cfg), tmp_path / "export", meta={"target": GPU_5_17_FINGERPRINT})
+    _, meta = open_drafter(out, target=target)
+    assert meta["target"] == GPU_5_17_FINGERPRINT and "target_mismatch" not in meta

@@ -93,31 +93,10 @@ def _short(v):
 
 
 def fingerprint_diffs(expected: dict, actual: dict, prefix: str = "") -> list[str]:
-    """What makes two target fingerprints differ, by field. The name/path ("identity") never counts; weights
-    count only when both sides hashed the same format. A version-1 fingerprint compares through the live
-    target's `.legacy` hashes, or is refused with how to convert it."""
-    old_e, old_a = "fingerprint" not in expected, "fingerprint" not in actual
-    if old_e or old_a:
-        keys = ("config_sha256", "tokenizer_sha256")
-        if old_e and old_a:
-            return [f"{prefix}{k}: {_short(expected.get(k))!r} != {_short(actual.get(k))!r}"
-                    for k in keys if expected.get(k) != actual.get(k)]
-        old, new = (expected, actual) if old_e else (actual, expected)
-        legacy = getattr(new, "legacy", None)
-        if legacy and all(old.get(k) == legacy.get(k) for k in keys):
-            return []
-        why = ("its " + " and ".join(k.split("_")[0] for k in keys if old.get(k) != legacy.get(k)) + " hash differs"
-               if legacy else "it cannot be compared with a recorded version-2 fingerprint")
-        return [f"{prefix}fingerprint version 1 (recorded by an older eyas; its hashes change with the transformers "
-                f"version): {why}. If it is the same model, pass --allow-target-mismatch; to convert, re-export the "
-                f"drafter against this target with that flag, or rerun the stage that wrote it"]
-    skip = {"identity", "weights"}
-    out = _diff_fields({k: v for k, v in expected.items() if k not in skip},
-                       {k: v for k, v in actual.items() if k not in skip}, prefix)
-    we, wa = expected.get("weights") or {}, actual.get("weights") or {}
-    if we.get("format") == wa.get("format") and we.get("sha256") and wa.get("sha256") and we != wa:
-        out.append(f"{prefix}weights.sha256 ({we['format']}): {_short(we['sha256'])!r} != {_short(wa['sha256'])!r}")
-    return out
+    """What makes two target fingerprints differ, by field (target/fingerprint.py `diffs`)."""
+    from eyas.target.fingerprint import diffs
+
+    return diffs(expected, actual, prefix)
 
 
 def diff_dicts(expected: dict, actual: dict, prefix: str = "") -> list[str]:

@@ -1,15 +1,23 @@
 """Target fingerprints: what a target *is*, portable across machines, paths and transformers versions.
 
-    {"fingerprint": 2,
+    {"fingerprint": 3,
      "identity": "smollm2-135m",              # how it was named; informational, never compared
      "config": {"model_type": "llama", "hidden_size": 576, ...},   # architecture fields, normalised
-     "tokenizer_sha256": "...",               # vocabulary (token -> id) and bos/eos/unk, not the files
+     "tokenizer_sha256": "...",               # the vocabulary (token -> id, added tokens included), not the files
+     "special_tokens": {"bos": [1], "eos": [2], "unk": [0]},       # ids the config declares, else the tokenizer's
      "weights": {"format": "gguf", "sha256": "..."} | null}      # content hash of the weights file(s)
 
-`manifest.diff_dicts` compares two fingerprints field by field (config fields by name) and compares weights only
-when both sides hashed the same format. Fingerprints written before version 2 ({"identity", "config_sha256",
-"tokenizer_sha256"}) still compare against a loaded target through `TargetFingerprint.legacy`: the same hashes
-computed the old way (equal when the transformers version is the same).
+`diffs` compares two fingerprints field by field (config fields by name). A GGUF file is the whole target (tensors,
+config and tokenizer in one file), so two fingerprints with the same GGUF hash are the same target whatever a
+transformers version converted the file to. Other weights are compared only when both sides hashed the same format.
+
+Fingerprints of older eyas versions still compare with a loaded target through `TargetFingerprint.legacy`, its
+hashes computed the old ways:
+- version 2 hashed the tokenizer's vocabulary with its bos/eos/unk *strings*. Those are what a converter makes of
+  the files: transformers 5.17.0 converts the SmolLM2 GGUF (eos_token_id 2) to a tokenizer whose eos is
+  '<|im_start|>' (id 1), 5.24.0 to one whose eos is '<|im_end|>' (id 2); the vocabularies are equal.
+- version 1 ({"identity", "config_sha256", "tokenizer_sha256"}) hashed config.to_dict() and the tokenizer with its
+  chat template (equal only under the same transformers version).
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import json
 import os
 from pathlib import Path
 
-VERSION = 2
+VERSION = 3
 # Architecture fields that decide what the target computes; absent or None ones are left out.
 CONFIG_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
@@ -34,11 +42,18 @@ _LEGACY_VOLATILE = {"_name_or_path", "transformers_version", "dtype", "torch_dty
                     "_attn_implementation_autoset", "architectures", "_commit_hash", "use_cache"}
 
 
-class TargetFingerprint(dict):
-    """A fingerprint dict (JSON as it is) that also carries the pre-version-2 hashes of the live target in
-    `.legacy`, so that manifests written by older eyas versions can still be compared with it."""
+# The compared fields of each version (identity and weights aside).
+FIELDS = {1: ("config_sha256", "tokenizer_sha256"), 2: ("config", "tokenizer_sha256"),
+          3: ("config", "tokenizer_sha256", "special_tokens")}
+SAME_SINCE_2 = ("config",)   # fields computed the same way by every version from 2 on
 
-    legacy: dict | None = None
+
+class TargetFingerprint(dict):
+    """A fingerprint dict (JSON as it is) that also carries the live target's fields as older versions computed
+    them in `.legacy` ({version: {field: value}}), so that manifests written by older eyas versions can still be
+    compared with it."""
+
+    legacy: dict[int, dict] | None = None
 
 
 def _sha256_json(obj) -> str:
@@ -76,8 +91,37 @@ def config_fields(config) -> dict:
     return out
 
 
+def vocabulary(tokenizer) -> dict[str, int]:
+    """token -> id, added tokens included whether or not this transformers version's get_vocab lists them."""
+    vocab = dict(tokenizer.get_vocab())
+    for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        vocab.setdefault(str(t), int(i))
+    return vocab
+
+
 def tokenizer_sha256(tokenizer) -> str | None:
-    """The vocabulary (token -> id, added tokens included) and the bos/eos/unk tokens, not the files."""
+    """The vocabulary (token -> id), not the files nor what a converter makes special."""
+    if tokenizer is None:
+        return None
+    return _sha256_json({"vocab": sorted(vocabulary(tokenizer).items())})
+
+
+def special_tokens(config, tokenizer) -> dict:
+    """{"bos", "eos", "unk": sorted ids}: the ids the model config declares, else the tokenizer's. The config's
+    agree across transformers versions; a tokenizer's bos/eos attributes are a converter's guess (see above)."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    out = {}
+    for k in ("bos", "eos", "unk"):
+        v = getattr(cfg, f"{k}_token_id", None)
+        if v is None and tokenizer is not None:
+            v = getattr(tokenizer, f"{k}_token_id", None)
+        if v is not None:
+            out[k] = sorted({int(i) for i in (v if isinstance(v, (list, tuple)) else [v])})
+    return out
+
+
+def tokenizer_sha256_v2(tokenizer) -> str | None:
+    """The version-2 tokenizer hash: the vocabulary and the tokenizer's bos/eos/unk strings."""
     if tokenizer is None:
         return None
     special = {k: getattr(tokenizer, f"{k}_token", None) for k in ("bos", "eos", "unk")}
@@ -141,6 +185,71 @@ def legacy_hashes(config, tokenizer) -> dict:
 
 def fingerprint(config, tokenizer, *, identity: str, weights: dict | None = None) -> TargetFingerprint:
     fp = TargetFingerprint(fingerprint=VERSION, identity=identity, config=config_fields(config),
-                           tokenizer_sha256=tokenizer_sha256(tokenizer), weights=weights)
-    fp.legacy = legacy_hashes(config, tokenizer)
+                           tokenizer_sha256=tokenizer_sha256(tokenizer),
+                           special_tokens=special_tokens(config, tokenizer), weights=weights)
+    fp.legacy = {1: legacy_hashes(config, tokenizer), 2: {"tokenizer_sha256": tokenizer_sha256_v2(tokenizer)}}
     return fp
+
+
+def version(fp: dict) -> int:
+    return int(fp.get("fingerprint", 1))
+
+
+def _short(v):
+    return f"{v[:12]}..." if isinstance(v, str) and len(v) == 64 else v
+
+
+_UNKNOWN = object()
+
+
+def _at_version(fp: dict, v: int) -> dict:
+    """fp's compared fields as version v computes them: its own, or its live `.legacy` ones; _UNKNOWN where a
+    recorded (JSON) fingerprint of another version cannot say."""
+    if version(fp) == v:
+        return {k: fp.get(k) for k in FIELDS[v]}
+    legacy = (getattr(fp, "legacy", None) or {}).get(v, {})
+    return {k: legacy[k] if k in legacy else fp[k] if k in SAME_SINCE_2 and v >= 2 else _UNKNOWN for k in FIELDS[v]}
+
+
+def _field_diffs(a, b, name: str) -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b))
+                for d in _field_diffs(a.get(k, "<missing>"), b.get(k, "<missing>"), f"{name}.{k}")]
+    return [] if a == b else [f"{name}: {_short(a)!r} != {_short(b)!r}"]
+
+
+def _same_gguf(a: dict, b: dict) -> bool:
+    wa, wb = a.get("weights") or {}, b.get("weights") or {}
+    return wa.get("format") == wb.get("format") == "gguf" and bool(wa.get("sha256")) and wa == wb
+
+
+def diffs(expected: dict, actual: dict, prefix: str = "") -> list[str]:
+    """What makes two target fingerprints differ, one line per field; [] for the same target. The name/path
+    ("identity") never counts; the same GGUF file is the same target; other weights count only when both sides
+    hashed the same format. Fingerprints of two versions compare at the older one, through the live side's
+    `.legacy`; a version-1 one that differs (or cannot be compared) is refused saying how to convert it."""
+    if _same_gguf(expected, actual):
+        return []
+    ve, va = version(expected), version(actual)
+    v = min(ve, va)
+    fe, fa = _at_version(expected, v), _at_version(actual, v)
+    tag = f" (as fingerprint version {v} computes it)" if ve != va else ""
+    out, unknown = [], [k for k in FIELDS[v] if fe[k] is _UNKNOWN or fa[k] is _UNKNOWN]
+    for k in FIELDS[v]:
+        if k in unknown:
+            out.append(f"{prefix}{k}: a recorded version-{v} fingerprint cannot be compared with a recorded "
+                       f"version-{max(ve, va)} one")
+        elif k == "config":
+            out += _field_diffs(fe[k], fa[k], prefix + k)
+        else:
+            out += _field_diffs(fe[k], fa[k], prefix + k + tag)
+    if v == 1 and ve != va and out:
+        why = ("it cannot be compared with a recorded version-2+ fingerprint" if unknown else
+               "its " + " and ".join(k.split("_")[0] for k in FIELDS[1] if fe[k] != fa[k]) + " hash differs")
+        return [f"{prefix}fingerprint version 1 (recorded by an older eyas; its hashes change with the transformers "
+                f"version): {why}. If it is the same model, pass --allow-target-mismatch; to convert, re-export the "
+                f"drafter against this target with that flag, or rerun the stage that wrote it"]
+    we, wa = expected.get("weights") or {}, actual.get("weights") or {}
+    if we.get("format") == wa.get("format") and we.get("sha256") and wa.get("sha256") and we != wa:
+        out.append(f"{prefix}weights.sha256 ({we['format']}): {_short(we['sha256'])!r} != {_short(wa['sha256'])!r}")
+    return out
