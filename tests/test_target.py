@@ -115,3 +115,29 @@ def test_embedded_gguf_cache_gives_identical_logits(tmp_path, monkeypatch):
     again = load_target("smollm2-135m")
     with torch.no_grad():
         assert torch.equal(again.model(ids).logits, direct(ids).logits)
+
+
+@pytest.mark.slow
+def test_gguf_cache_of_another_transformers_gets_the_files_eos(tmp_path, monkeypatch):
+    """transformers 5.17 caches SmolLM2's GGUF tokenizer with eos `<|im_start|>` (id 1, recorded from that
+    version's tokenizer_config.json); the GGUF says 2. A cache like that loads with eos 2 and never stops at 1."""
+    import json
+    import os
+    import shutil
+
+    from eyas.target.load import cache_root, embedded_path, file_sha256
+
+    load_target("smollm2-135m")  # make sure this machine's cache exists
+    src = cache_root() / "targets" / file_sha256(embedded_path("smollm2-135m"))[:32]
+    monkeypatch.setenv("EYAS_CACHE", str(tmp_path))
+    dst = cache_root() / "targets" / src.name
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        (os.symlink if f.suffix == ".safetensors" else shutil.copy)(f, dst / f.name)
+    conf = json.loads((dst / "tokenizer_config.json").read_text())
+    conf.update(eos_token="<|im_start|>", eos_token_id=1)  # what 5.17 wrote
+    conf.pop("pad_token", None)
+    (dst / "tokenizer_config.json").write_text(json.dumps(conf))
+    t = load_target("smollm2-135m")
+    assert t.tokenizer.eos_token == "<|im_end|>" and t.tokenizer.eos_token_id == 2
+    assert t.tokenizer.pad_token_id == 2 and 1 not in t.eos_token_ids

@@ -128,6 +128,18 @@ def embedded_path(name: str) -> Path:
     return path
 
 
+def gguf_special_tokens(tok, config) -> None:
+    """Take eos (and a missing pad) from the GGUF's own metadata, which the model config carries.
+
+    transformers 5.17 converts SmolLM2's GGUF tokenizer with eos `<|im_start|>` (id 1, the bos) although the
+    file says eos 2 (`<|im_end|>`); 5.24 gets it right. Caches written by either version load the same."""
+    eos = getattr(config, "eos_token_id", None)
+    if isinstance(eos, int) and 0 <= eos < len(tok) and tok.eos_token_id != eos:
+        tok.eos_token = tok.convert_ids_to_tokens(eos)
+    if tok.pad_token_id is None and tok.eos_token is not None:
+        tok.pad_token = tok.eos_token
+
+
 def gguf_to_cache(path: Path) -> Path:
     """Dequantise a GGUF once into an HF safetensors directory keyed by the file's sha256."""
     digest = file_sha256(path)
@@ -163,6 +175,7 @@ def gguf_to_cache(path: Path) -> Path:
     model.config.save_pretrained(tmp)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(tmp)
+    gguf_special_tokens(tok, model.config)
     tok.save_pretrained(tmp)
     (tmp / ".complete").write_text(json.dumps({"source": str(path), "sha256": digest,
                                                "seconds": round(time.time() - t0, 1)}))
@@ -268,5 +281,8 @@ def load_target(spec: str, *, device: str | torch.device = "cpu", dtype: torch.d
         tok = AutoTokenizer.from_pretrained(str(src), **kw)
     except (OSError, ValueError):
         tok = None
-    target = target_from_model(model, tok, name=identity, aux_layer_ids=aux_layer_ids, weights=weights_of(spec))
+    weights = weights_of(spec)
+    if tok is not None and (weights or {}).get("format") == "gguf":
+        gguf_special_tokens(tok, model.config)
+    target = target_from_model(model, tok, name=identity, aux_layer_ids=aux_layer_ids, weights=weights)
     return target
