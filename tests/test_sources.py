@@ -113,6 +113,11 @@ def test_prompt_loading_prints_one_summary_line(tmp_path, capsys):
     assert load_prompts(str(p)) == [{"id": "1", "turns": ["a"]}]
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"eyas: skipped 3 malformed records of {p} (2 malformed record, 1 malformed JSON)"]
+    assert load_prompts(str(p)) == [{"id": "1", "turns": ["a"]}]  # the same set again (eyas run: once per bench)
+    assert capsys.readouterr().err == ""
+    p.write_text('{"id": 1, "prompt": "a"}\nnot json\n')  # other skips: their own line
+    load_prompts(str(p))
+    assert capsys.readouterr().err.strip() == f"eyas: skipped 1 malformed records of {p} (1 malformed JSON)"
 
 
 def test_humaneval_prompts():

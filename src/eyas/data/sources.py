@@ -302,6 +302,9 @@ def _messages_for_prompts(raw, sharegpt: bool):
     return [m for m in _messages(raw, sharegpt=sharegpt) if m["role"] == "user"]
 
 
+_REPORTED: set[str] = set()  # skip summaries already printed by load_prompts in this process
+
+
 def load_prompts(name_or_path: str, *, heldout_fraction: float = 0.05, limit: int | None = None,
                  skips: SkipLog | None = None) -> list[dict]:
     """Prompt records {"id": str, "turns": [user turn, ...]} for bench.
@@ -315,8 +318,10 @@ def load_prompts(name_or_path: str, *, heldout_fraction: float = 0.05, limit: in
         try:
             return load_prompts(name_or_path, heldout_fraction=heldout_fraction, limit=limit, skips=own)
         finally:
-            if own.counts:
-                print(own.summary(name_or_path), file=sys.stderr)
+            line = own.summary(name_or_path)
+            if own.counts and line not in _REPORTED:  # `eyas run` loads a prompt set once per bench: say it once
+                _REPORTED.add(line)
+                print(line, file=sys.stderr)
     out: list[dict] = []
 
     def full() -> bool:
