@@ -2,7 +2,9 @@
 padding, fp8 error, kill -9 + resume, ENOSPC, multi-rank, bad input."""
 
 import errno
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -352,3 +354,177 @@ def test_prepared_data_path_and_other_target_refused(tmp_path):
     other = target_from_model(make_tiny_llama(vocab=300))
     with pytest.raises(EyasError, match=r"prep: target does not match \(config\.vocab_size: 256 != 300"):
         run_capture(cfg(tmp_path / "s2", data=str(tmp_path / "prep")), other)
+
+
+# ---- the overlapped pipeline (side-stream copies, intake and writer threads) against the synchronous path
+def _assert_same_files(sync, overlapped):
+    """Every shard and sidecar byte for byte, and the manifests equal but for the switch and the directory."""
+    a, b = sorted(os.listdir(sync)), sorted(os.listdir(overlapped))
+    assert a == b and len(a) > 5 and not [p for p in a if p.startswith(".")], (a, b)
+    for name in a:
+        if name != "manifest.json":
+            assert (sync / name).read_bytes() == (overlapped / name).read_bytes(), name
+    ma, mb = (json.loads((p / "manifest.json").read_text()) for p in (sync, overlapped))
+    assert (ma["config"].pop("overlap"), mb["config"].pop("overlap")) == (False, True)
+    ma["config"].pop("out"), mb["config"].pop("out")
+    assert ma == mb and ma["complete"]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_overlapped_capture_writes_the_synchronous_store(tmp_path, dtype):
+    """On the CPU the same pipeline runs without streams or pinning; its files equal the one-thread path's."""
+    target = target_from_model(make_tiny_llama())
+    samples = make_samples(40, seed=12, lo=3, hi=60)    # padded batches of several samples, ~15 shards
+    for overlap in (False, True):
+        run_capture(cfg(tmp_path / str(overlap), dtype=dtype, batch_tokens=96, shard_mb=0.02, writer_threads=3,
+                        overlap=overlap), target, samples=samples)
+    _assert_same_files(tmp_path / "False", tmp_path / "True")
+    Store(tmp_path / "True").verify()
+
+
+def test_writer_thread_error_surfaces_in_the_main_thread_and_resumes(tmp_path, monkeypatch):
+    import eyas.store.writer as w
+    target = target_from_model(make_tiny_llama())
+    samples = make_samples(12, seed=13)
+    kw = dict(batch_tokens=1, shard_mb=0.02, writer_threads=3)
+    real, calls = w._write_file, []
+
+    def broken(path, data):
+        calls.append(path)
+        if len(calls) == 2:
+            raise RuntimeError("injected fault in the writer thread")
+        real(path, data)
+
+    monkeypatch.setattr(w, "_write_file", broken)
+    with pytest.raises(EyasError, match=r"shard writer failed \(RuntimeError\('injected fault in the writer thread'"):
+        run_capture(cfg(tmp_path / "s", **kw), target, samples=samples)
+    monkeypatch.setattr(w, "_write_file", real)
+    assert not [p for p in os.listdir(tmp_path / "s") if p.startswith(".")]   # no temp file, the lock released
+    assert Store(tmp_path / "s", allow_incomplete=True).verify()["ok"]
+    assert run_capture(cfg(tmp_path / "s", **kw), target, samples=samples)["complete"]
+    run_capture(cfg(tmp_path / "ref", overlap=False, **kw), target, samples=samples)
+    _assert_same_store(tmp_path / "s", tmp_path / "ref")
+
+
+def test_disk_full_in_a_writer_thread_is_one_cli_line_and_resumes(tmp_path, monkeypatch, capsys):
+    """`eyas capture` (4 writer threads): ENOSPC in the third shard write -> exit 2, one line naming the shard and
+    what the store keeps; rerunning completes a store equal sample for sample to a synchronous capture."""
+    import eyas.store.writer as w
+    from test_faults import _cli_target_and_data
+    from test_hostile import is_progress
+
+    from eyas.cli import main
+    from eyas.target import load_target
+    monkeypatch.setenv("EYAS_CACHE", str(tmp_path / "cache"))
+    tdir, prep, n = _cli_target_and_data(tmp_path)
+    out = tmp_path / "store"
+    argv = ["capture", "--target", str(tdir), "--data", str(prep), "--out", str(out), "--batch-tokens", "1",
+            "--shard-mb", "0.001"]
+    real, calls = w._write_file, []
+
+    def full_disk(path, data):
+        calls.append(path)
+        if len(calls) == 3:
+            with open(path, "wb") as f:
+                f.write(data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, data)
+
+    monkeypatch.setattr(w, "_write_file", full_disk)
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [x for ln in err.splitlines() for x in ln.split("\r")      # less the progress bars
+             if x.strip() and not is_progress(x) and not re.match(r"capture r0: +\d+%\|", x)]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert re.fullmatch(rf"eyas capture: error: {re.escape(str(out))}/shard-r000-\d{{5}}\.safetensors: disk full "
+                        r"while writing a shard \(No space left on device\); the store keeps its \d+ committed "
+                        r"samples, free space / fix the directory and rerun to resume", lines[0]), lines[0]
+    assert not [p for p in os.listdir(out) if p.startswith(".")]
+    assert Store(out, allow_incomplete=True).verify()["ok"]
+    monkeypatch.setattr(w, "_write_file", real)
+    assert main(argv) == 0
+    run_capture(cfg(tmp_path / "ref", data=str(prep), batch_tokens=1, shard_mb=0.001, overlap=False),
+                load_target(str(tdir)))
+    _assert_same_store(out, tmp_path / "ref")
+    assert len(Store(out)) == n
+
+
+def test_keyboard_interrupt_leaves_a_resumable_store(tmp_path, monkeypatch):
+    """Ctrl-C in the main thread while shards are in flight: the threads stop, what was committed stays, no temp
+    file or lock is left, and rerunning completes the store."""
+    import eyas.capture.capture as cap
+    target = target_from_model(make_tiny_llama())
+    samples = make_samples(24, seed=14, lo=10, hi=30)
+    kw = dict(batch_tokens=1, shard_mb=0.015, writer_threads=2)
+    out, real, calls = tmp_path / "s", cap.capture_states, [0]
+
+    def interrupted(*a, **k):
+        calls[0] += 1
+        if calls[0] == 12:
+            deadline = time.time() + 30
+            while not list(out.glob("shard-*.json")) and time.time() < deadline:   # a shard has committed
+                time.sleep(0.01)
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(cap, "capture_states", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_capture(cfg(out, **kw), target, samples=samples)
+    monkeypatch.setattr(cap, "capture_states", real)
+    assert not [p for p in os.listdir(out) if p.startswith(".")]
+    partial = Store(out, allow_incomplete=True)
+    assert 0 < len(partial) < len(samples) and partial.verify()["ok"]
+    assert run_capture(cfg(out, **kw), target, samples=samples)["complete"]
+    run_capture(cfg(tmp_path / "ref", overlap=False, **kw), target, samples=samples)
+    _assert_same_store(out, tmp_path / "ref")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_cuda_overlapped_capture_writes_the_synchronous_store(tmp_path, dtype):
+    """On CUDA: pinned staging buffers, side-stream copies, intake and writer threads == .cpu() after every
+    forward in one thread, file for file."""
+    gpu = target_from_model(make_tiny_llama().cuda())
+    samples = make_samples(40, seed=12, lo=3, hi=60)
+    for overlap in (False, True):
+        run_capture(cfg(tmp_path / str(overlap), dtype=dtype, batch_tokens=96, shard_mb=0.02, device="cuda",
+                        writer_threads=3, overlap=overlap), gpu, samples=samples)
+    _assert_same_files(tmp_path / "False", tmp_path / "True")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_cuda_copies_are_ordered_and_outlive_the_callers_tensors(tmp_path, dtype):
+    """The caller frees each batch at once and the allocator's next block is filled with NaN on the same stream
+    while the side-stream copy may still be pending: the store still holds exactly the CPU writer's bytes."""
+    from eyas.store import StoreWriter
+    from eyas.store import format as fmt
+    g = torch.Generator().manual_seed(15)
+    header = {"target": {"identity": "t"}, "layers": {"aux": [1, 2, 3]}, "dtype": dtype, "hidden_size": 256,
+              "vocab_size": 100, "data": {"source": "test"}, "config": {}}
+    batches = []
+    for b in range(24):
+        lengths = [int(torch.randint(200, 2000, (1,), generator=g)) for _ in range(3)]
+        N = sum(lengths)
+        q, s = fmt.quantize(torch.randn(N, 4, 256, generator=g) * 3, dtype)
+        batches.append(([f"b{b}-{j}" for j in range(3)], lengths, torch.randint(0, 100, (N,), generator=g,
+                        dtype=torch.int32), torch.randint(0, 2, (N,), generator=g, dtype=torch.uint8), q, s))
+    for where in ("cpu", "cuda"):
+        w = StoreWriter(tmp_path / where, header=header, shard_bytes=4 << 20, threads=2, overlap=where == "cuda")
+        for ids, lengths, input_ids, mask, q, s in batches:
+            if where == "cuda":
+                q, s = q.cuda(), None if s is None else s.cuda()
+                torch.cuda._sleep(2_000_000)   # the side-stream copy waits for this, and so does the fill below
+            w.add(ids, lengths, input_ids, mask, q, s)
+            if where == "cuda":
+                sizes = [t.numel() * t.element_size() for t in (q, s) if t is not None]
+                del q, s
+                for n in sizes:   # the block just freed, if the allocator were allowed to hand it out: NaN bytes
+                    torch.empty(n, dtype=torch.uint8, device="cuda").fill_(255)
+        w.close()
+        w.finalize({i for b in batches for i in b[0]})
+    for p in (tmp_path / "cpu").iterdir():
+        assert p.read_bytes() == (tmp_path / "cuda" / p.name).read_bytes(), p.name

@@ -204,3 +204,70 @@ def test_nonfinite_bit_test_matches_isfinite():
     q = torch.tensor([0.0, 448.0, -448.0, 1e-3, float("nan")]).to(torch.float8_e4m3fn)
     assert _nonfinite(q).tolist() == [False, False, False, False, True]
     assert _nonfinite(q.float()).tolist() == _nonfinite(q).tolist()
+
+
+# ---- the overlapped writer (intake + writer threads, one buffer per shard) against the synchronous reference
+def _files(path):
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if not p.name.startswith(".")}
+
+
+def _batches(n=40, seed=1):
+    """(ids, lengths, input_ids, loss_mask, states) batches of 1-5 samples, one bigger than several shards."""
+    g = torch.Generator().manual_seed(seed)
+    out, k = [], 0
+    for b in range(n):
+        lengths = [int(torch.randint(1, 30, (1,), generator=g)) for _ in range(int(torch.randint(1, 6, (1,),
+                                                                                                generator=g)))]
+        if b == 7:
+            lengths = [300, 2]   # ~19 KB of bf16 rows: past several shards at once
+        N = sum(lengths)
+        ids = [f"id-{k + j}" + ('"\\ü\t' * (k + j) if b % 5 == 0 else "") for j in range(len(lengths))]
+        k += len(lengths)
+        out.append((ids, lengths, torch.randint(0, 100, (N,), generator=g, dtype=torch.int32),
+                    torch.randint(0, 2, (N,), generator=g, dtype=torch.uint8), torch.randn(N, 4, H, generator=g) * 5))
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("lead", [1 << 20, 64])   # 64: the header never fits in front, every shard moves its rows
+def test_overlapped_writer_equals_synchronous_file_for_file(tmp_path, monkeypatch, dtype, lead):
+    import eyas.store.writer as w
+    monkeypatch.setattr(w, "_LEAD", lead)
+    batches = _batches()
+    for overlap in (False, True):
+        out = StoreWriter(tmp_path / str(overlap), header=header(dtype), shard_bytes=1500, threads=3,
+                          overlap=overlap)
+        for ids, lengths, input_ids, mask, states in batches:
+            out.add(ids, lengths, input_ids, mask, *fmt.quantize(states, dtype))
+        out.close()
+        out.finalize({i for b in batches for i in b[0]})
+    sync, overlapped = _files(tmp_path / "False"), _files(tmp_path / "True")
+    assert len(sync) > 2 * 12 and sync.keys() == overlapped.keys()   # more shards than buffers: they are reused
+    for name in sync:
+        assert sync[name] == overlapped[name], name
+    store = Store(tmp_path / "True", dtype=torch.float32)
+    store.verify()
+    s = store.by_id("id-0")
+    assert torch.equal(s.input_ids, batches[0][2][: batches[0][1][0]].long())
+
+
+def test_header_is_safetensors_own_with_sorted_metadata():
+    """st_header writes exactly safetensors.save's header but for the metadata order, which save randomises."""
+    from safetensors.torch import save as st_save
+
+    from eyas.store.writer import _st_order, canonical, st_header
+    g = torch.Generator().manual_seed(0)
+    tensors = {"offsets": torch.arange(4), "scale": torch.rand(5, 4, generator=g),
+               "input_ids": torch.arange(5, dtype=torch.int32), "loss_mask": torch.ones(5, dtype=torch.uint8),
+               "hidden": torch.randn(5, 4, 3, generator=g).to(torch.float8_e4m3fn)}
+    meta = {"format": fmt.FORMAT, "ids": json.dumps(["a", 'q"uo\\te', "ünï", "tab\there", "\x01"])}
+    raw = {st_save(tensors, metadata=meta) for _ in range(40)}
+    assert len(raw) == 2                                   # save's metadata order is random...
+    assert len({canonical(d) for d in raw}) == 1           # ...canonical's is not
+    data = canonical(raw.pop())
+    order = _st_order(tuple((k, t.dtype) for k, t in tensors.items()))
+    entries = [(k, dt, tensors[k].shape, tensors[k].numel() * tensors[k].element_size()) for k, dt in order]
+    head = st_header(entries, meta)
+    assert data[: len(head)] == head
+    assert data[len(head):] == b"".join(tensors[k].contiguous().view(torch.uint8).numpy().tobytes()
+                                        for k, _ in order)

@@ -44,6 +44,8 @@ class CaptureConfig:
     """Target shard size in MiB of hidden states (a shard closes at the first batch past it)."""
     writer_threads: int = 4
     """Background threads that serialise, hash and fsync shards."""
+    overlap: bool = True
+    """Copy to the host and write shards in background threads while the next batch runs (False: one thread)."""
     progress: bool = True
     """Show a progress bar."""
 
@@ -149,7 +151,8 @@ def _run_capture(cfg: CaptureConfig, target, samples: Iterable | None, rank: int
               "target": target.fingerprint, "layers": {"aux": list(aux)}, "dtype": cfg.dtype,
               "hidden_size": target.hidden_size, "vocab_size": target.vocab_size, "data": data_id}
     kw = dict(header=header, rank=rank, world_size=world_size, overwrite=cfg.overwrite,
-              shard_bytes=int(cfg.shard_mb * (1 << 20)), threads=cfg.writer_threads)
+              shard_bytes=int(cfg.shard_mb * (1 << 20)), threads=cfg.writer_threads,
+              overlap=cfg.overlap)
     if rank == 0:
         writer = StoreWriter(cfg.out, **kw)
         _barrier()
@@ -176,27 +179,29 @@ def _capture_loop(target, aux, samples: list, writer: StoreWriter, cfg: CaptureC
                disable=not cfg.progress, smoothing=0.1)
     t0, done = time.perf_counter(), 0
     bpt = fmt.bytes_per_token(cfg.dtype, target.hidden_size)
-    for batch in batches:
-        group = [samples[i] for i in batch]
-        lengths = [len(s[1]) for s in group]
-        B, T = len(group), max(lengths)
-        ids = torch.zeros(B, T, dtype=torch.long)
-        mask = torch.zeros(B, T, dtype=torch.bool)
-        for b, (_, tok, _) in enumerate(group):
-            ids[b, : len(tok)] = torch.tensor(tok)
-            mask[b, : len(tok)] = True
-        padded = min(lengths) < T
-        am = mask.long().to(device) if padded else None
-        states = capture_states(model, aux, ids.to(device), am)                             # (B, T, 4, h)
-        flat = states.reshape(B * T, *states.shape[2:])                                      # (B*T, 4, h)
-        if padded:  # gather real tokens with host-computed indices: no device->host sync here
-            keep = mask.flatten().nonzero().squeeze(1).to(flat.device, non_blocking=True)
-            flat = flat.index_select(0, keep)                                                # (N, 4, h)
-        q, scale = fmt.quantize(flat, cfg.dtype)
-        writer.add([s[0] for s in group], lengths, ids[mask].to(torch.int32),
-                   torch.tensor([m for s in group for m in s[2]], dtype=torch.uint8), q, scale)
-        done += sum(lengths)
-        bar.update(sum(lengths))
-        dt = max(time.perf_counter() - t0, 1e-9)
-        bar.set_postfix_str(f"{done * bpt / dt / 1e6:.1f} MB/s")
-    bar.close()
+    try:
+        for batch in batches:
+            group = [samples[i] for i in batch]
+            lengths = [len(s[1]) for s in group]
+            B, T = len(group), max(lengths)
+            ids = torch.zeros(B, T, dtype=torch.long)
+            mask = torch.zeros(B, T, dtype=torch.bool)
+            for b, (_, tok, _) in enumerate(group):
+                ids[b, : len(tok)] = torch.tensor(tok)
+                mask[b, : len(tok)] = True
+            padded = min(lengths) < T
+            am = mask.long().to(device) if padded else None
+            states = capture_states(model, aux, ids.to(device), am)                             # (B, T, 4, h)
+            flat = states.reshape(B * T, *states.shape[2:])                                      # (B*T, 4, h)
+            if padded:  # gather real tokens with host-computed indices: no device->host sync here
+                keep = mask.flatten().nonzero().squeeze(1).to(flat.device, non_blocking=True)
+                flat = flat.index_select(0, keep)                                                # (N, 4, h)
+            q, scale = fmt.quantize(flat, cfg.dtype)
+            writer.add([s[0] for s in group], lengths, ids[mask].to(torch.int32),
+                       torch.tensor([m for s in group for m in s[2]], dtype=torch.uint8), q, scale)
+            done += sum(lengths)
+            bar.update(sum(lengths))
+            dt = max(time.perf_counter() - t0, 1e-9)
+            bar.set_postfix_str(f"{done * bpt / dt / 1e6:.1f} MB/s")
+    finally:  # an error's line starts on a line of its own
+        bar.close()

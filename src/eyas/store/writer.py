@@ -7,11 +7,22 @@ Commit protocol for one shard (see docs/store.md):
   4. rewrite manifest.json (header + all sidecars gathered from the directory).
 A shard without its sidecar is not committed; on restart its rank deletes it and the temp files.
 One writer per rank: run_capture holds STORE/.lock-rRRR while it writes (store/lock.py).
+
+Behind add() (overlap=True, the default) three stages run at once, each hand-off bounded, so the caller waits
+only when the disk is behind:
+  caller   on CUDA, queues the batch's copy into one of STAGING pinned host buffers (reused round-robin) on a
+           side stream, after an event on the producing stream, and returns;
+  intake   a thread: waits for that copy and packs the rows into the shard being filled, a reusable host buffer
+           laid out as the finished file (a pool of threads + 1); hands a full shard to a writer;
+  writers  `threads` threads: header, sha256, write + fsync, rename, commit record, manifest.
+overlap=False does the same in the caller's thread through safetensors.save: the reference the tests compare
+the pipeline with, file for file, and the synchronous rate of benchmarks/capture.py.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -19,6 +30,7 @@ import queue
 import threading
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save as st_save
 
@@ -30,7 +42,7 @@ from eyas.store.lock import LOCK_RE
 _STOP = object()
 
 
-def _write_file(path: Path, data: bytes) -> None:
+def _write_file(path: Path, data: bytes | memoryview) -> None:
     """Write + fsync one file (a separate function so tests can simulate a full disk)."""
     with open(path, "wb") as f:
         f.write(data)
@@ -110,15 +122,153 @@ def prepare_store_dir(path: Path, header: dict, *, overwrite: bool, clear: bool)
         raise EyasError(f"{path}: directory is not writable")
 
 
+STAGING = 3          # pinned host buffers the device->host copies rotate through
+_LEAD = 1 << 20      # room kept in front of a shard's rows for the header and the tensors laid out before them
+_PER_TOKEN = 32      # room a token needs for the other tensors: int32 id, uint8 mask, int64 offset, 4 fp32 scales
+
+
+@functools.cache
+def _st_order(dtypes: tuple[tuple[str, torch.dtype], ...]) -> tuple[tuple[str, str], ...]:
+    """(name, safetensors dtype) in the order safetensors.save lays the tensors out, asked of the library."""
+    data = st_save({k: torch.zeros(1, dtype=d) for k, d in dtypes})
+    head = json.loads(data[8: 8 + int.from_bytes(data[:8], "little")])
+    return tuple(sorted(((k, head[k]["dtype"]) for k, _ in dtypes), key=lambda e: head[e[0]]["data_offsets"][0]))
+
+
+def st_header(entries, metadata: dict[str, str]) -> bytes:
+    """The safetensors header of `entries` [(name, dtype, shape, nbytes)] in layout order, as safetensors.save
+    writes it, except that the metadata keys are sorted: save emits them in a random order (a Rust HashMap), so
+    two captures of the same data used to differ in about half of their shards' sha256."""
+    head, off = {"__metadata__": dict(sorted(metadata.items()))}, 0
+    for name, dtype, shape, nbytes in entries:
+        head[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + nbytes]}
+        off += nbytes
+    text = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)  # safetensors pads the header to 8 bytes with spaces
+    return len(text).to_bytes(8, "little") + text
+
+
+def canonical(data: bytes) -> bytes:
+    """safetensors.save output with st_header's header: the same tensors and length, the metadata sorted."""
+    n = int.from_bytes(data[:8], "little")
+    head = json.loads(data[8: 8 + n])
+    meta = head.pop("__metadata__")
+    entries = sorted(((v["data_offsets"][0], k, v["dtype"], v["shape"], v["data_offsets"][1] - v["data_offsets"][0])
+                      for k, v in head.items()))
+    new = st_header([e[1:] for e in entries], meta)
+    assert len(new) == 8 + n and json.loads(new[8:]) == {"__metadata__": meta, **head}, "safetensors header changed"
+    return data if new == data[: 8 + n] else new + data[8 + n:]
+
+
+def _tensors(lengths: list[int], input_ids: list, loss_mask: list, scale: list) -> dict[str, torch.Tensor]:
+    """A shard's tensors other than `hidden`, from its batches."""
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    out = {"input_ids": torch.cat(input_ids).to(torch.int32), "loss_mask": torch.cat(loss_mask).to(torch.uint8),
+           "offsets": offsets}
+    if scale:
+        out["scale"] = torch.cat(scale).float()
+    return out
+
+
+class _Staging:
+    """Pinned host buffers one batch is copied into from the device; `free` is set once the intake has packed it."""
+
+    def __init__(self):
+        self.free = threading.Event()
+        self.free.set()
+        self.bufs: dict[str, torch.Tensor] = {}
+
+    def view(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        nbytes = like.numel() * like.element_size()
+        buf = self.bufs.get(key)
+        if buf is None or buf.numel() < nbytes:
+            grow = 0 if buf is None else buf.numel() * 5 // 4
+            buf = self.bufs[key] = torch.empty(max(nbytes, grow), dtype=torch.uint8, pin_memory=True)
+        return buf[:nbytes].view(like.dtype).view(like.shape)
+
+
+class _Shard:
+    """The shard being packed, in a reusable host buffer laid out as the finished file: `hidden` rows from `lead`
+    on; when it closes, the header and the tensors safetensors puts before `hidden` go just in front of them and
+    the ones after it just behind, so the file is one slice of the buffer (no concatenation, and no fresh pages
+    to fault in for every shard: the buffers cycle through a pool)."""
+
+    def __init__(self):
+        self.mem = torch.empty(0, dtype=torch.uint8)
+        self.lead = self.cap = self.row = 0
+        self.tail: tuple = ()
+        self.reset()
+
+    def reset(self) -> None:
+        self.rows, self.ids, self.lengths, self.input_ids, self.loss_mask, self.scale = 0, [], [], [], [], []
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row
+
+    def _move(self, cap: int, lead: int, size: int = 0) -> None:
+        """Reallocate for `cap` rows with `lead` bytes in front, keeping the rows packed so far."""
+        lead = -(-lead // 64) * 64
+        mem = torch.empty(max(lead + cap * (self.row + _PER_TOKEN), size), dtype=torch.uint8)
+        mem[lead: lead + self.nbytes] = self.mem[self.lead: self.lead + self.nbytes]
+        self.mem, self.lead, self.cap = mem, lead, cap
+
+    def add(self, ids, lengths, input_ids, loss_mask, hidden, scale, shard_bytes: int) -> None:
+        n = hidden.shape[0]
+        self.row, self.tail = hidden[0].numel() * hidden.element_size(), hidden.shape[1:]
+        if self.rows + n > self.cap:
+            cap = max(self.rows + n, self.cap * 3 // 2, min(shard_bytes, 1 << 30) // self.row + 2 * n)
+            self._move(cap, _LEAD + _PER_TOKEN * cap)
+        at = self.lead + self.nbytes
+        self.mem[at: at + n * self.row].view(hidden.dtype).view(hidden.shape).copy_(hidden)  # (n, 4, h)
+        self.rows += n
+        self.ids += ids
+        self.lengths += lengths
+        self.input_ids.append(input_ids.cpu())
+        self.loss_mask.append(loss_mask.cpu())
+        if scale is not None:
+            self.scale.append(scale.clone())  # out of the staging buffer
+
+    def finish(self, order, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> memoryview:
+        """Write the header and the other tensors around the rows: the finished file, one slice of the buffer."""
+        entries, before, after = [], [], []
+        side = before
+        for name, dtype in order:
+            if name == "hidden":
+                entries.append((name, dtype, (self.rows, *self.tail), self.nbytes))
+                side = after
+                continue
+            raw = tensors[name].contiguous().view(torch.uint8).reshape(-1)
+            entries.append((name, dtype, tensors[name].shape, raw.numel()))
+            side.append(raw)
+        head = st_header(entries, metadata)
+        front = len(head) + sum(t.numel() for t in before)
+        back = sum(t.numel() for t in after)
+        if front > self.lead or self.lead + self.nbytes + back > self.mem.numel():  # rare: very long sample ids
+            self._move(self.cap, front + _LEAD, front + _LEAD + self.nbytes + back + 64)
+        arr = self.mem.numpy()
+        at = self.lead - front
+        arr[at: at + len(head)] = np.frombuffer(head, dtype=np.uint8)
+        at += len(head)
+        for t in before + [None] + after:
+            if t is None:
+                at += self.nbytes
+                continue
+            arr[at: at + t.numel()] = t.numpy()
+            at += t.numel()
+        return memoryview(arr[self.lead - front: at])
+
+
 class StoreWriter:
-    """Writes samples into STORE as this rank's shards, in background threads.
+    """Writes samples into STORE as this rank's shards, in background threads (overlap=True; module docstring).
 
     header: {"target": fingerprint, "layers": {"aux": [...], "convention": ...}, "dtype": "bf16"|"fp8",
              "hidden_size": h, "vocab_size": V, "data": {...}, "config": {...}}
     """
 
     def __init__(self, path, *, header: dict, rank: int = 0, world_size: int = 1, overwrite: bool = False,
-                 shard_bytes: int = 512 << 20, threads: int = 2, setup: bool = True):
+                 shard_bytes: int = 512 << 20, threads: int = 2, setup: bool = True, overlap: bool = True):
         if header.get("dtype") not in fmt.DTYPES:
             raise EyasError(f"store dtype {header.get('dtype')!r}: expected one of {sorted(fmt.DTYPES)}")
         self.path = Path(path)
@@ -127,6 +277,7 @@ class StoreWriter:
         self.rank, self.world_size = rank, world_size
         self.shard_bytes = shard_bytes
         self.dtype = header["dtype"]
+        self.overlap = overlap
         if setup:
             prepare_store_dir(self.path, self.header, overwrite=overwrite, clear=(rank == 0))
         self._clean_orphans()
@@ -138,39 +289,75 @@ class StoreWriter:
         self._error: BaseException | None = None
         self.bytes_written = 0
         self.tokens_written = 0
-        self._pending: list[tuple] = []
+        dtypes = {"input_ids": torch.int32, "loss_mask": torch.uint8, "offsets": torch.int64,
+                  "hidden": fmt.DTYPES[self.dtype], **({"scale": torch.float32} if self.dtype == "fp8" else {})}
+        self._order = _st_order(tuple(dtypes.items()))
+        self._pending: list[tuple] = []   # overlap=False: the batches of the shard being gathered
         self._pending_bytes = 0
         self._write_manifest(complete=False)
-        self._intake: queue.Queue = queue.Queue(maxsize=2)
-        self._out: queue.Queue = queue.Queue(maxsize=threads)
-        self._copy_stream = None
-        self._threads = [threading.Thread(target=self._intake_loop, daemon=True, name="store-intake")]
-        self._threads += [threading.Thread(target=self._write_loop, daemon=True, name=f"store-write{i}")
-                          for i in range(threads)]
-        for t in self._threads:
-            t.start()
+        self._copy_stream, self._staging, self._turn = None, [], 0
+        self._threads: list[threading.Thread] = []
+        if overlap:
+            self._intake: queue.Queue = queue.Queue(maxsize=STAGING)
+            self._out: queue.Queue = queue.Queue(maxsize=threads)
+            self._free: queue.Queue = queue.Queue()   # shard buffers back from the writers
+            self._unmade = threads + 1                # one being packed, one per writer
+            self._threads = [threading.Thread(target=self._intake_loop, daemon=True, name="store-intake")]
+            self._threads += [threading.Thread(target=self._write_loop, daemon=True, name=f"store-write{i}")
+                              for i in range(threads)]
+            for t in self._threads:
+                t.start()
 
-    # ---- producer side (main thread) ----
+    # ---- producer side (the caller's thread) ----
     def add(self, ids: list[str], lengths: list[int], input_ids: torch.Tensor, loss_mask: torch.Tensor,
             hidden: torch.Tensor, scale: torch.Tensor | None) -> None:
         """Queue a packed batch: tokens of the samples concatenated in order.
 
         input_ids/loss_mask (N,), hidden (N, 4, h) in the store dtype, scale (N, 4) float32 for fp8.
-        Tensors may live on a GPU; the copy to the host runs on a side stream in the intake thread.
+        Tensors may live on a GPU: the copy to the host runs on a side stream while the caller goes on.
         """
         self._raise_if_failed()
         assert sum(lengths) == hidden.shape[0] == input_ids.shape[0] == loss_mask.shape[0]
         assert hidden.dtype == fmt.DTYPES[self.dtype] and (scale is None) == (self.dtype == "bf16")
-        event = None
+        if not self.overlap:
+            self._pending.append((list(ids), list(lengths), input_ids.cpu(), loss_mask.cpu(), hidden.cpu(),
+                                  None if scale is None else scale.cpu()))
+            self._pending_bytes += hidden.numel() * hidden.element_size()
+            if self._pending_bytes >= self.shard_bytes:
+                self._write_pending()
+            return
+        done = slot = None
         if hidden.is_cuda:
-            if self._copy_stream is None:
-                self._copy_stream = torch.cuda.Stream(device=hidden.device)
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(hidden.device))
-            for t in (hidden, scale):
-                if t is not None:
-                    t.record_stream(self._copy_stream)
-        self._put(self._intake, (list(ids), list(lengths), input_ids, loss_mask, hidden, scale, event))
+            input_ids, loss_mask, hidden, scale, done, slot = self._copy_to_host(input_ids, loss_mask, hidden, scale)
+        self._put(self._intake, (list(ids), list(lengths), input_ids, loss_mask, hidden, scale, done, slot))
+
+    def _copy_to_host(self, input_ids, loss_mask, hidden, scale):
+        """Start the batch's device->host copy into the next pinned staging buffer, on the side stream."""
+        dev = hidden.device
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device=dev)
+            self._staging = [_Staging() for _ in range(STAGING)]
+        slot = self._staging[self._turn % STAGING]
+        self._turn += 1
+        while not slot.free.wait(0.5):  # the intake still packs what this buffer held STAGING batches ago
+            self._raise_if_failed()
+        slot.free.clear()
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(dev))     # the batch's states are computed up to here
+        with torch.inference_mode(), torch.cuda.stream(self._copy_stream):   # inference mode: as in a forward hook
+            h = slot.view("hidden", hidden)
+            s = None if scale is None else slot.view("scale", scale)
+            self._copy_stream.wait_event(ready)
+            h.copy_(hidden, non_blocking=True)
+            if s is not None:
+                s.copy_(scale, non_blocking=True)
+            ids_h, mask_h = (t.to("cpu", non_blocking=True) if t.is_cuda else t for t in (input_ids, loss_mask))
+            done = torch.cuda.Event(blocking=True)   # the intake sleeps on it rather than spin
+            done.record(self._copy_stream)
+        for t in (hidden, scale, input_ids, loss_mask):
+            if t is not None and t.is_cuda:
+                t.record_stream(self._copy_stream)   # the allocator keeps it until the copy has run
+        return ids_h, mask_h, h, s, done, slot
 
     def add_sample(self, id: str, input_ids, loss_mask, aux: torch.Tensor, final: torch.Tensor) -> None:
         """Convenience: one sample, aux (T, 3, h) and final (T, h) in any float dtype."""
@@ -181,19 +368,26 @@ class StoreWriter:
 
     def close(self) -> None:
         """Write the last partial shard, wait for all writes, raise the first error (an EyasError)."""
-        self._put(self._intake, _STOP)
+        if not self.overlap:
+            if self._pending:
+                self._write_pending()
+            return
+        if self._threads[0].is_alive():
+            self._put(self._intake, _STOP)
         for t in self._threads:
             t.join()
         self._raise_if_failed()
 
     def abort(self) -> None:
         """Stop the threads after an error elsewhere; committed shards stay, temp files are removed."""
-        if self._error is None:
-            self._error = EyasError("aborted")
-        try:
-            self._intake.put_nowait(_STOP)
-        except queue.Full:
-            pass
+        self._fail(EyasError("aborted"))
+        self._pending, self._pending_bytes = [], 0
+        while self._threads and self._threads[0].is_alive():  # the intake drains what is queued, then stops
+            try:
+                self._intake.put(_STOP, timeout=0.1)
+                break
+            except queue.Full:
+                continue
         for t in self._threads:
             t.join(timeout=60)
 
@@ -213,6 +407,11 @@ class StoreWriter:
             except queue.Full:
                 self._raise_if_failed()
 
+    def _fail(self, e: BaseException) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = e
+
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             if isinstance(self._error, EyasError):
@@ -220,41 +419,53 @@ class StoreWriter:
             raise EyasError(f"{self.path}: shard writer failed ({self._error!r})") from self._error
 
     def _intake_loop(self) -> None:
+        shard = None
         while True:
             item = self._intake.get()
             if item is _STOP:
-                if self._pending and self._error is None:
-                    self._flush()
+                if shard is not None and shard.ids and self._error is None:
+                    self._hand_over(shard)
                 for _ in range(len(self._threads) - 1):
                     self._out.put(_STOP)
                 return
-            if self._error is not None:
-                continue
+            *batch, done, slot = item
             try:
-                ids, lengths, input_ids, loss_mask, hidden, scale, event = item
-                if event is not None:
-                    with torch.cuda.stream(self._copy_stream):
-                        self._copy_stream.wait_event(event)
-                        hidden, scale, input_ids, loss_mask = (
-                            None if t is None else t.to("cpu") for t in (hidden, scale, input_ids, loss_mask))
-                self._pending.append((ids, lengths, input_ids.cpu(), loss_mask.cpu(), hidden,
-                                      None if scale is None else scale))
-                self._pending_bytes += hidden.numel() * hidden.element_size()
-                if self._pending_bytes >= self.shard_bytes:
-                    self._flush()
+                if self._error is None:
+                    if done is not None:
+                        done.synchronize()      # the side stream's copy into the staging buffer
+                    shard = shard or self._take_shard()
+                    if shard is not None:
+                        shard.add(*batch, shard_bytes=self.shard_bytes)
+                        if shard.nbytes >= self.shard_bytes:
+                            self._hand_over(shard)
+                            shard = None
             except BaseException as e:  # noqa: BLE001 - reported to the producer
-                self._error = e
+                self._fail(e)
+            finally:
+                if slot is not None:
+                    slot.free.set()
 
-    def _flush(self) -> None:
+    def _take_shard(self) -> _Shard | None:
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            pass
+        if self._unmade:
+            self._unmade -= 1
+            return _Shard()
+        while self._error is None:   # every buffer is being written: the disk is behind, and so back-pressure
+            try:
+                return self._free.get(timeout=0.5)
+            except queue.Empty:
+                continue
+        return None
+
+    def _hand_over(self, shard: _Shard) -> None:
         name = fmt.shard_name(self.rank, self._next_index)
         self._next_index += 1
-        batches, self._pending, self._pending_bytes = self._pending, [], 0
-        self._put_out((name, batches))
-
-    def _put_out(self, item) -> None:
         while self._error is None:
             try:
-                self._out.put(item, timeout=0.5)
+                self._out.put((name, shard), timeout=0.5)
                 return
             except queue.Full:
                 continue
@@ -264,27 +475,36 @@ class StoreWriter:
             item = self._out.get()
             if item is _STOP:
                 return
-            if self._error is not None:
-                continue
+            name, shard = item
             try:
-                self._write_shard(*item)
-            except BaseException as e:  # noqa: BLE001
-                self._error = e
+                if self._error is None:
+                    tensors = _tensors(shard.lengths, shard.input_ids, shard.loss_mask, shard.scale)
+                    data = shard.finish(self._order, tensors, self._metadata(shard.ids))
+                    self._commit(name, data, shard.ids, tensors)
+            except BaseException as e:  # noqa: BLE001 - reported to the producer
+                self._fail(e)
+            finally:
+                shard.reset()
+                self._free.put(shard)
 
-    def _write_shard(self, name: str, batches: list[tuple]) -> None:
+    # ---- writing one shard ----
+    def _metadata(self, ids: list[str]) -> dict[str, str]:
+        return {"format": fmt.FORMAT, "ids": json.dumps(ids)}
+
+    def _write_pending(self) -> None:
+        """overlap=False: the batches gathered so far as one shard, through safetensors.save, in this thread."""
+        name = fmt.shard_name(self.rank, self._next_index)
+        self._next_index += 1
+        batches, self._pending, self._pending_bytes = self._pending, [], 0
         ids = [i for b in batches for i in b[0]]
-        lengths = [n for b in batches for n in b[1]]
-        offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-        offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
-        tensors = {
-            "input_ids": torch.cat([b[2] for b in batches]).to(torch.int32),
-            "loss_mask": torch.cat([b[3] for b in batches]).to(torch.uint8),
-            "offsets": offsets,
-            "hidden": torch.cat([b[4] for b in batches]),
-        }
-        if self.dtype == "fp8":
-            tensors["scale"] = torch.cat([b[5] for b in batches]).float()
-        data = st_save(tensors, metadata={"format": fmt.FORMAT, "ids": json.dumps(ids)})
+        tensors = _tensors([n for b in batches for n in b[1]], [b[2] for b in batches], [b[3] for b in batches],
+                           [b[5] for b in batches if b[5] is not None])
+        data = canonical(st_save({**tensors, "hidden": torch.cat([b[4] for b in batches])},
+                                 metadata=self._metadata(ids)))
+        self._commit(name, data, ids, tensors)
+
+    def _commit(self, name: str, data, ids: list[str], tensors: dict[str, torch.Tensor]) -> None:
+        """Write the file bytes `data` as shard `name` and commit it (module docstring, steps 1-4)."""
         sha = hashlib.sha256(data).hexdigest()
         final = self.path / name
         tmp = self.path / f".{name}.tmp"
@@ -300,7 +520,7 @@ class StoreWriter:
             what = "disk full" if e.errno == errno.ENOSPC else "cannot write"
             raise EyasError(f"{final}: {what} while writing a shard ({e.strerror or e}); the store keeps its "
                             f"{n} committed samples, free space / fix the directory and rerun to resume") from e
-        rec = {"file": name, "rank": self.rank, "samples": len(ids), "tokens": int(offsets[-1]),
+        rec = {"file": name, "rank": self.rank, "samples": len(ids), "tokens": int(tensors["offsets"][-1]),
                "loss_tokens": int(tensors["loss_mask"].sum()), "bytes": len(data), "sha256": sha, "ids": ids}
         atomic_write_bytes(self.path / fmt.sidecar_name(name), (json.dumps(rec) + "\n").encode())
         with self._lock:
