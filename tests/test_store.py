@@ -231,8 +231,8 @@ def _batches(n=40, seed=1):
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("lead", [1 << 20, 64])   # 64: the header never fits in front, every shard moves its rows
 def test_overlapped_writer_equals_synchronous_file_for_file(tmp_path, monkeypatch, dtype, lead):
-    import eyas.store.writer as w
-    monkeypatch.setattr(w, "_LEAD", lead)
+    import eyas.store.shardfile as sf
+    monkeypatch.setattr(sf, "_LEAD", lead)
     batches = _batches()
     for overlap in (False, True):
         out = StoreWriter(tmp_path / str(overlap), header=header(dtype), shard_bytes=1500, threads=3,
@@ -255,7 +255,7 @@ def test_header_is_safetensors_own_with_sorted_metadata():
     """st_header writes exactly safetensors.save's header but for the metadata order, which save randomises."""
     from safetensors.torch import save as st_save
 
-    from eyas.store.writer import _st_order, canonical, st_header
+    from eyas.store.shardfile import _st_order, canonical, st_header
     g = torch.Generator().manual_seed(0)
     tensors = {"offsets": torch.arange(4), "scale": torch.rand(5, 4, generator=g),
                "input_ids": torch.arange(5, dtype=torch.int32), "loss_mask": torch.ones(5, dtype=torch.uint8),
