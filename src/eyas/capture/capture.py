@@ -51,13 +51,13 @@ class CaptureConfig:
 
     def __post_init__(self):
         if self.dtype not in fmt.DTYPES:
-            raise ValueError(f"dtype {self.dtype!r}: expected one of {sorted(fmt.DTYPES)}")
+            raise EyasError(f"dtype {self.dtype!r}: expected one of {sorted(fmt.DTYPES)}")
         if self.batch_tokens < 1 or self.shard_mb <= 0 or self.writer_threads < 1:
-            raise ValueError("batch_tokens, shard_mb and writer_threads must be positive")
+            raise EyasError("batch_tokens, shard_mb and writer_threads must be positive")
         if self.limit is not None and self.limit < 1:
-            raise ValueError(f"limit {self.limit}: must be positive")
+            raise EyasError(f"limit {self.limit}: must be positive")
         if self.device.split(":")[0] not in ("cpu", "cuda"):
-            raise ValueError(f"device {self.device!r}: expected cpu or cuda")
+            raise EyasError(f"device {self.device!r}: expected cpu or cuda")
 
 
 def _samples_sha256(samples: list) -> str:

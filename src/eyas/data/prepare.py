@@ -86,40 +86,40 @@ class PrepareConfig:
 
     def __post_init__(self):
         if self.limit is not None and self.limit < 1:
-            raise ValueError(f"--limit must be >= 1, got {self.limit}")
+            raise EyasError(f"--limit must be >= 1, got {self.limit}")
         if self.max_len < 2:
-            raise ValueError(f"--max-len must be >= 2, got {self.max_len}")
+            raise EyasError(f"--max-len must be >= 2, got {self.max_len}")
         if not 0.0 <= self.heldout_fraction < 1.0:
-            raise ValueError(f"--heldout-fraction must be in [0, 1), got {self.heldout_fraction}")
+            raise EyasError(f"--heldout-fraction must be in [0, 1), got {self.heldout_fraction}")
         if self.regen_temperature < 0:
-            raise ValueError(f"--regen-temperature must be >= 0, got {self.regen_temperature}")
+            raise EyasError(f"--regen-temperature must be >= 0, got {self.regen_temperature}")
         if self.samples_per_prompt < 1:
-            raise ValueError(f"--samples-per-prompt must be >= 1, got {self.samples_per_prompt}")
+            raise EyasError(f"--samples-per-prompt must be >= 1, got {self.samples_per_prompt}")
         if self.samples_per_prompt > 1 and not self.regenerate:
-            raise ValueError("--samples-per-prompt > 1 needs --regenerate (the dataset has one reply per turn)")
+            raise EyasError("--samples-per-prompt > 1 needs --regenerate (the dataset has one reply per turn)")
         if self.samples_per_prompt > 1 and self.regen_temperature == 0:
-            raise ValueError(f"--samples-per-prompt {self.samples_per_prompt} needs --regen-temperature > 0 "
+            raise EyasError(f"--samples-per-prompt {self.samples_per_prompt} needs --regen-temperature > 0 "
                              "(greedy samples would all be the same)")
         if self.self_prompts < 0:
-            raise ValueError(f"--self-prompts must be >= 0, got {self.self_prompts}")
+            raise EyasError(f"--self-prompts must be >= 0, got {self.self_prompts}")
         if self.self_prompts and self.server:
-            raise ValueError("--self-prompts needs local generation (it continues raw template text), not --server")
+            raise EyasError("--self-prompts needs local generation (it continues raw template text), not --server")
         if self.self_prompt_temperature <= 0:
-            raise ValueError(f"--self-prompt-temperature must be > 0, got {self.self_prompt_temperature}")
+            raise EyasError(f"--self-prompt-temperature must be > 0, got {self.self_prompt_temperature}")
         if self.max_new_tokens < 1 or self.batch_size < 1 or self.concurrency < 1 or self.retries < 0:
-            raise ValueError("--max-new-tokens, --batch-size and --concurrency must be >= 1, --retries >= 0")
+            raise EyasError("--max-new-tokens, --batch-size and --concurrency must be >= 1, --retries >= 0")
         if self.gen_batch is not None and self.gen_batch < 1:
-            raise ValueError(f"--gen-batch must be >= 1, got {self.gen_batch}")
+            raise EyasError(f"--gen-batch must be >= 1, got {self.gen_batch}")
         if self.regen_dtype not in (None, "fp32", "bf16", "fp16"):
-            raise ValueError(f"--regen-dtype {self.regen_dtype!r}: expected fp32, bf16 or fp16")
+            raise EyasError(f"--regen-dtype {self.regen_dtype!r}: expected fp32, bf16 or fp16")
         if self.max_turns is not None and self.max_turns < 1:
-            raise ValueError(f"--max-turns must be >= 1, got {self.max_turns}")
+            raise EyasError(f"--max-turns must be >= 1, got {self.max_turns}")
         if self.timeout <= 0:
-            raise ValueError(f"--timeout must be > 0, got {self.timeout}")
+            raise EyasError(f"--timeout must be > 0, got {self.timeout}")
         if self.regenerate_limit is not None and (self.regenerate_limit < 0 or not self.regenerate):
-            raise ValueError("--regenerate-limit must be >= 0 and needs --regenerate")
+            raise EyasError("--regenerate-limit must be >= 0 and needs --regenerate")
         if self.server and not self.regenerate:
-            raise ValueError("--server is only used with --regenerate")
+            raise EyasError("--server is only used with --regenerate")
 
     def identity(self) -> dict:
         """The options that change the written data (a resume must match them)."""

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from eyas.engines.launch_args import VLLM_SERVED_NAME
 from eyas.engines.records import ATTEMPT_SEP
+from eyas.errors import EyasError
 
 FAILURES = "engine-failures.jsonl"
 
@@ -37,13 +38,13 @@ class EngineCaptureConfig:
 
     def __post_init__(self):
         if self.engine not in ("sglang", "vllm"):
-            raise ValueError(f"engine {self.engine!r}: expected sglang or vllm")
+            raise EyasError(f"engine {self.engine!r}: expected sglang or vllm")
         if self.concurrency < 1 or self.retries < 0 or self.timeout_s <= 0 or self.hook_wait_s <= 0:
-            raise ValueError("concurrency >= 1, retries >= 0, timeout_s > 0 and hook_wait_s > 0 are required")
+            raise EyasError("concurrency >= 1, retries >= 0, timeout_s > 0 and hook_wait_s > 0 are required")
         if self.engine == "vllm" and not self.vllm_dir:
-            raise ValueError("vllm needs vllm_dir (the connector's shared_storage_path)")
+            raise EyasError("vllm needs vllm_dir (the connector's shared_storage_path)")
         if self.engine == "vllm" and not self.target_config:
-            raise ValueError("vllm needs target_config: its last slot is pre-norm, and the target's final norm "
+            raise EyasError("vllm needs target_config: its last slot is pre-norm, and the target's final norm "
                              "(read from the checkpoint beside config.json) turns it into the final state")
 
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import sdpa_kernel
 
+from eyas.errors import EyasError
 from eyas.sdpa import INFERENCE_SDPA
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -75,19 +76,19 @@ class DrafterConfig:
                      "num_key_value_heads", "head_dim", "max_position_embeddings", "vocab_size",
                      "draft_vocab_size"):
             if int(getattr(self, name)) <= 0:
-                raise ValueError(f"drafter config: {name} must be positive, got {getattr(self, name)}")
+                raise EyasError(f"drafter config: {name} must be positive, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"drafter config: num_attention_heads {self.num_attention_heads} is not a multiple "
+            raise EyasError(f"drafter config: num_attention_heads {self.num_attention_heads} is not a multiple "
                              f"of num_key_value_heads {self.num_key_value_heads}")
         if self.head_dim % 2:
-            raise ValueError(f"drafter config: head_dim must be even for RoPE, got {self.head_dim}")
+            raise EyasError(f"drafter config: head_dim must be even for RoPE, got {self.head_dim}")
         if self.draft_vocab_size > self.vocab_size:
-            raise ValueError(f"drafter config: draft_vocab_size {self.draft_vocab_size} > vocab_size {self.vocab_size}")
+            raise EyasError(f"drafter config: draft_vocab_size {self.draft_vocab_size} > vocab_size {self.vocab_size}")
         if len(self.aux_layer_ids) != 3:
-            raise ValueError(f"drafter config: aux_layer_ids needs 3 ids, got {self.aux_layer_ids}")
+            raise EyasError(f"drafter config: aux_layer_ids needs 3 ids, got {self.aux_layer_ids}")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in ROPE_TYPES:
-            raise ValueError(f"drafter config: rope_type {rope_type!r} is not supported (supported: {ROPE_TYPES})")
+            raise EyasError(f"drafter config: rope_type {rope_type!r} is not supported (supported: {ROPE_TYPES})")
 
     @classmethod
     def from_target(cls, hf_config, *, draft_vocab_size: int, aux_layer_ids, intermediate_size: int | None = None
@@ -121,7 +122,7 @@ class DrafterConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"drafter config: unknown keys {unknown}")
+            raise EyasError(f"drafter config: unknown keys {unknown}")
         return cls(**d)
 
 

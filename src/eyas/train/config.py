@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
+from eyas.errors import EyasError
+
 # Fields that may change between a run and its --resume (they do not change the loss curve).
 DEVICE_DEFAULTS = {"cuda": {"ttt_steps": 7, "draft_vocab": 32000}, "cpu": {"ttt_steps": 3, "draft_vocab": 8192}}
 """Values of the fields a config leaves None, per device kind (the draft vocabulary is also capped at the target's).
@@ -104,45 +106,45 @@ class TrainConfig:
     def __post_init__(self):
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
         if (self.store is None) == (self.data is None):
-            raise ValueError("train: give exactly one of --store (offline) or --data (online)")
+            raise EyasError("train: give exactly one of --store (offline) or --data (online)")
         if self.data is not None and self.target is None:
-            raise ValueError("train: online training (--data) needs --target")
+            raise EyasError("train: online training (--data) needs --target")
         if self.epochs is not None and self.epochs < 1:
-            raise ValueError(f"train: --epochs must be >= 1, got {self.epochs}")
+            raise EyasError(f"train: --epochs must be >= 1, got {self.epochs}")
         if self.steps is not None and self.steps < 1:
-            raise ValueError(f"train: --steps must be >= 1, got {self.steps}")
+            raise EyasError(f"train: --steps must be >= 1, got {self.steps}")
         if self.loss_on not in ("assistant", "all"):
-            raise ValueError(f"train: loss_on must be assistant or all, got {self.loss_on!r}")
+            raise EyasError(f"train: loss_on must be assistant or all, got {self.loss_on!r}")
         if self.attention not in ("auto", "dense", "flex"):
-            raise ValueError(f"train: attention must be auto, dense or flex, got {self.attention!r}")
+            raise EyasError(f"train: attention must be auto, dense or flex, got {self.attention!r}")
         if self.pack not in ("auto", "on", "off"):
-            raise ValueError(f"train: pack must be auto, on or off, got {self.pack!r}")
+            raise EyasError(f"train: pack must be auto, on or off, got {self.pack!r}")
         if self.autocast not in ("auto", "bf16", "off"):
-            raise ValueError(f"train: autocast must be auto, bf16 or off, got {self.autocast!r}")
+            raise EyasError(f"train: autocast must be auto, bf16 or off, got {self.autocast!r}")
         if not self.lr > 0:
-            raise ValueError(f"train: --lr must be positive, got {self.lr}")
+            raise EyasError(f"train: --lr must be positive, got {self.lr}")
         if not 0.0 <= self.min_lr_ratio <= 1.0 or not 0.0 <= self.warmup_ratio < 1.0:
-            raise ValueError("train: min_lr_ratio must be in [0, 1] and warmup_ratio in [0, 1)")
+            raise EyasError("train: min_lr_ratio must be in [0, 1] and warmup_ratio in [0, 1)")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ValueError(f"train: betas must be two numbers in [0, 1), got {self.betas}")
+            raise EyasError(f"train: betas must be two numbers in [0, 1), got {self.betas}")
         if self.draft_vocab is not None and self.draft_vocab < 1:
-            raise ValueError(f"train: draft_vocab must be >= 1, got {self.draft_vocab}")
+            raise EyasError(f"train: draft_vocab must be >= 1, got {self.draft_vocab}")
         for name in ("grad_accum", "batch_tokens", "max_len", "ttt_steps", "log_every",
                      "keep_checkpoints"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"train: {name} must be >= 1, got {getattr(self, name)}")
+                raise EyasError(f"train: {name} must be >= 1, got {getattr(self, name)}")
         if self.max_len < 3:
-            raise ValueError(f"train: max_len must be >= 3 (TTT predicts x[t+2]), got {self.max_len}")
+            raise EyasError(f"train: max_len must be >= 3 (TTT predicts x[t+2]), got {self.max_len}")
         if self.checkpoint_every < 0 or self.grad_clip < 0 or self.eval_every < 0:
-            raise ValueError("train: checkpoint_every, eval_every and grad_clip must be >= 0")
+            raise EyasError("train: checkpoint_every, eval_every and grad_clip must be >= 0")
         if not 0.0 <= self.eval_fraction < 1.0:
-            raise ValueError(f"train: eval_fraction must be in [0, 1), got {self.eval_fraction}")
+            raise EyasError(f"train: eval_fraction must be in [0, 1), got {self.eval_fraction}")
         if not 0.0 < self.decay <= 1.0:
-            raise ValueError(f"train: decay must be in (0, 1], got {self.decay}")
+            raise EyasError(f"train: decay must be in (0, 1], got {self.decay}")
         if self.intermediate_size is not None and self.intermediate_size < 1:
-            raise ValueError(f"train: intermediate_size must be >= 1, got {self.intermediate_size}")
+            raise EyasError(f"train: intermediate_size must be >= 1, got {self.intermediate_size}")
         if self.chunk_size is not None and self.chunk_size < 1:
-            raise ValueError(f"train: chunk_size must be >= 1, got {self.chunk_size}")
+            raise EyasError(f"train: chunk_size must be >= 1, got {self.chunk_size}")
 
     def for_device(self, device) -> tuple["TrainConfig", str | None]:
         """This config with the fields left None that have per-device defaults filled in, and a line saying what was
@@ -172,7 +174,7 @@ class TrainConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"train config: unknown keys {unknown}")
+            raise EyasError(f"train config: unknown keys {unknown}")
         return cls(**d)
 
     def identity(self) -> dict:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from eyas.errors import EyasError
 from eyas.train.soft_ce import fused_soft_ce
 
 
@@ -43,15 +44,15 @@ class TTTConfig:
 
     def __post_init__(self):
         if self.num_steps < 1:
-            raise ValueError(f"ttt: num_steps must be >= 1, got {self.num_steps}")
+            raise EyasError(f"ttt: num_steps must be >= 1, got {self.num_steps}")
         if not 0.0 < self.decay <= 1.0:
-            raise ValueError(f"ttt: decay must be in (0, 1], got {self.decay}")
+            raise EyasError(f"ttt: decay must be in (0, 1], got {self.decay}")
         if self.chunk_size is not None and self.chunk_size < 1:
-            raise ValueError(f"ttt: chunk_size must be >= 1 or None, got {self.chunk_size}")
+            raise EyasError(f"ttt: chunk_size must be >= 1 or None, got {self.chunk_size}")
         if self.attention not in ("auto", "dense", "flex"):
-            raise ValueError(f"ttt: attention must be auto, dense or flex, got {self.attention!r}")
+            raise EyasError(f"ttt: attention must be auto, dense or flex, got {self.attention!r}")
         if self.reduction not in ("mean", "sum"):
-            raise ValueError(f"ttt: reduction must be 'mean' or 'sum', got {self.reduction!r}")
+            raise EyasError(f"ttt: reduction must be 'mean' or 'sum', got {self.reduction!r}")
 
 
 @dataclass
