@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from eyas.decode.spec import SpecStats
+from eyas.decode.spec import SpecStats, fit_drafter
 from eyas.errors import EyasError
 
 
@@ -139,13 +139,8 @@ class BatchChainDecoder:
             raise EyasError("batched chains need a drafter")
         if cfg.k + 2 > runner.cfg.max_seq:
             raise EyasError(f"a draft of {cfg.k} tokens does not fit a target cache of {runner.cfg.max_seq} slots")
-        if drafter.config.vocab_size != runner.cfg.vocab_size:
-            raise EyasError(f"drafter vocab {drafter.config.vocab_size} != target vocab {runner.cfg.vocab_size}")
-        if drafter.config.target_hidden_size != runner.cfg.hidden_size:
-            raise EyasError(f"drafter expects target hidden size {drafter.config.target_hidden_size}, "
-                            f"target has {runner.cfg.hidden_size}")
         self.runner, self.cfg = runner, cfg
-        drafter = drafter.to(device=runner.device, dtype=runner.dtype).eval()
+        drafter = fit_drafter(runner, drafter)
         self.aux_ids = tuple(drafter.config.aux_layer_ids)
         self.drafting = BatchChainDrafting(drafter, runner.embed, runner.cfg.max_batch, runner.cfg.max_seq)
         self._verify_fn = runner.step_fn(self.aux_ids)  # compiled when the runner is

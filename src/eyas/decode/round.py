@@ -29,7 +29,7 @@ from torch import Tensor
 
 from eyas.decode.batch import accept
 from eyas.decode.graphed import GraphedChainDrafting
-from eyas.decode.spec import SpecConfig, SpecStats, prefill
+from eyas.decode.spec import SpecConfig, SpecStats, fit_drafter, prefill
 from eyas.errors import EyasError
 from eyas.target.graphs import capture
 
@@ -64,13 +64,8 @@ class RoundChainDecoder:
         M, K, dev = runner.cfg.max_seq, cfg.k, runner.device
         if K + 2 > M:
             raise EyasError(f"a draft of {K} tokens does not fit a target cache of {M} slots")
-        if drafter.config.vocab_size != runner.cfg.vocab_size:
-            raise EyasError(f"drafter vocab {drafter.config.vocab_size} != target vocab {runner.cfg.vocab_size}")
-        if drafter.config.target_hidden_size != runner.cfg.hidden_size:
-            raise EyasError(f"drafter expects target hidden size {drafter.config.target_hidden_size}, "
-                            f"target has {runner.cfg.hidden_size}")
         self.runner, self.cfg, self.K = runner, cfg, K
-        drafter = drafter.to(device=runner.device, dtype=runner.dtype).eval()
+        drafter = fit_drafter(runner, drafter)
         self.aux_ids = tuple(drafter.config.aux_layer_ids)
         self.drafting = RoundDrafting(drafter, runner.embed, M, K)
         self._verify = runner.step_fn(self.aux_ids)  # compiled when the runner is

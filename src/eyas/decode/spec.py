@@ -115,6 +115,17 @@ def prefill(runner, prompt: list[int], aux_ids: tuple[int, ...], chunk: int = 51
     return logits[0, -1], (torch.cat(auxs, 1) if auxs else None)
 
 
+def fit_drafter(runner, drafter):
+    """The drafter on the runner's device and dtype, in eval mode; refused when it was made for another target
+    shape (vocabulary, hidden size). Every decoder (this one, batch.py, round.py) takes its drafter through here."""
+    if drafter.config.vocab_size != runner.cfg.vocab_size:
+        raise EyasError(f"drafter vocab {drafter.config.vocab_size} != target vocab {runner.cfg.vocab_size}")
+    if drafter.config.target_hidden_size != runner.cfg.hidden_size:
+        raise EyasError(f"drafter expects target hidden size {drafter.config.target_hidden_size}, "
+                        f"target has {runner.cfg.hidden_size}")
+    return drafter.to(device=runner.device, dtype=runner.dtype).eval()
+
+
 class SpecDecoder:
     """Speculative decoding with a target `Runner` and an optional EAGLE-3 drafter (batch 1, cache row 0)."""
 
@@ -134,13 +145,8 @@ class SpecDecoder:
             from eyas.decode.round import RoundChainDecoder
             self._round = RoundChainDecoder(runner, drafter, cfg)
         elif drafter is not None and cfg.method in ("chain", "tree"):
-            drafter = drafter.to(device=runner.device, dtype=runner.dtype).eval()
+            drafter = fit_drafter(runner, drafter)
             self.aux_ids = tuple(drafter.config.aux_layer_ids)
-            if drafter.config.vocab_size != runner.cfg.vocab_size:
-                raise EyasError(f"drafter vocab {drafter.config.vocab_size} != target vocab {runner.cfg.vocab_size}")
-            if drafter.config.target_hidden_size != runner.cfg.hidden_size:
-                raise EyasError(f"drafter expects target hidden size {drafter.config.target_hidden_size}, "
-                                f"target has {runner.cfg.hidden_size}")
             if fast is None:
                 fast = runner.device.type == "cuda"
             if fast and cfg.method == "chain" and cfg.temperature == 0:
