@@ -331,3 +331,38 @@ def test_report_bench_table_shows_both_checks(tiny_bf16, prompts, tmp_path):
             f"identical, mean identical prefix {a['mean_prefix_tokens']:.1f} tokens") in md
     s = rep["seconds"]
     assert f"| b | {s['load']:.1f} | {s['warmup']:.1f} | {s['decode']:.1f} | {s['lossless_check']:.1f} | {s['total']:.1f} |" in md
+
+
+def test_bench_config_holds_one_spec_config():
+    """The decode knobs are SpecConfig's, declared and validated there once: BenchConfig takes them as `spec` or
+    flat (recipes' [[bench]] tables), and loads the flat configs that bench JSONs and run.json files hold."""
+    from dataclasses import fields, replace
+
+    from eyas.decode.spec import SpecConfig
+
+    nested = BenchConfig(spec=SpecConfig(method="tree", top_k=3, depth=3, total_tokens=8), limit=2)
+    flat = BenchConfig(method="tree", top_k=3, depth=3, total_tokens=8, limit=2)
+    assert nested == flat and flat.spec == SpecConfig(method="tree", top_k=3, depth=3, total_tokens=8)
+    assert "k" not in {f.name for f in fields(BenchConfig)}                       # one home: SpecConfig
+    assert replace(flat, k=3).spec.k == 3 and replace(flat, k=3).spec.method == "tree"
+    assert BenchConfig().spec == SpecConfig()
+    assert flat.lookup == SpecConfig(method="lookup", top_k=3, depth=3, total_tokens=8)
+    # SpecConfig's checks apply to a bench, with its message; bench narrows the method to the drafter's
+    with pytest.raises(EyasError, match="top_p must be in"):
+        BenchConfig(top_p=0.0)
+    with pytest.raises(EyasError, match="bench method 'lookup': expected chain or tree"):
+        BenchConfig(method="lookup")
+    with pytest.raises(TypeError, match="nope"):
+        BenchConfig(nope=1)
+    # a bench config written before `spec` (the report's "config" of an older eyas) still loads
+    old = {"target": "smollm2-135m", "drafter": "runs/x", "prompts": "humaneval", "method": "chain", "k": 3,
+           "top_k": 10, "depth": 6, "total_tokens": 60, "temperature": 0.0, "top_p": 1.0, "max_new_tokens": 64,
+           "limit": 5, "max_turns": None, "max_prompt_tokens": 1536, "max_seq": 2048, "device": "cpu",
+           "dtype": "fp32", "compile": False, "baselines": True, "lossless_turns": 4, "seed": 0,
+           "json_out": "runs/x/bench/humaneval-chain3.json"}
+    cfg = BenchConfig.from_dict(old)
+    assert cfg.spec == SpecConfig(method="chain", k=3) and cfg.limit == 5 and cfg.json_out == old["json_out"]
+    assert BenchConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg   # the new form round-trips
+    assert cfg.to_dict()["spec"]["k"] == 3 and "k" not in cfg.to_dict()
+    with pytest.raises(EyasError, match="unknown keys.*'kk'"):
+        BenchConfig.from_dict({**old, "kk": 3})

@@ -129,7 +129,7 @@ def resolve_stages(cfg: RunConfig, run: Path, *, vocab_size: int | None, progres
                    # prompts that leave room for a reply inside the training budget (RoPE positions seen)
                    max_prompt_tokens=max(1, prepare.max_len - prepare.max_new_tokens), compile=dev == "cuda",
                    json_out=None)
-        name = f"{label}-{bc.method}" + (f"{bc.k}" if bc.method == "chain" else "")
+        name = f"{label}-{bc.spec.method}" + (f"{bc.spec.k}" if bc.spec.method == "chain" else "")
         if name in bench:
             raise EyasError(f"recipe {r.name}: two [[bench]] tables write bench/{name}.json")
         bench[name] = replace(bc, json_out=str(run / "bench" / f"{name}.json"))
@@ -340,7 +340,7 @@ def _export(cfg, c: Stages, run, target, redo=False) -> dict:
 
     drafter, meta = open_drafter(run)  # the target is checked once, by export_drafter
     served = str(resolve(cfg.target)[0])  # the engines need an HF directory (the GGUF's safetensors cache)
-    chain = max((b.k for b in c.bench.values() if b.method == "chain"), default=3)
+    chain = max((b.spec.k for b in c.bench.values() if b.spec.method == "chain"), default=3)
     path = export_drafter(drafter, run / "export", meta=meta, target=target, target_ref=served,
                           num_speculative_tokens=chain)
     return {"path": str(path), "served_target": served}

@@ -13,7 +13,7 @@ import json
 import sys
 import time
 import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -27,28 +27,23 @@ from eyas.errors import EyasError
 PROMPT_SETS = ("sharegpt-heldout", "humaneval")
 
 
-@dataclass(frozen=True, kw_only=True)
+SPEC_KNOBS = tuple(f.name for f in fields(SpecConfig))
+"""The decode knobs BenchConfig also takes flat (recipes' [[bench]] tables, bench configs written before `spec`)."""
+
+
+@dataclass(frozen=True, kw_only=True, init=False)
 class BenchConfig:
+    """One benchmark. The decode knobs live in `spec`; BenchConfig(method="tree", k=3, ...) also takes them flat,
+    the form of recipes' [[bench]] tables and of the bench configs written before `spec` (see __init__)."""
+
     target: str = "smollm2-135m"
     """Target spec (embedded name, HF dir, GGUF)."""
     drafter: str | None = None
     """Drafter: eyas run dir, drafter dir or exported EAGLE-3 dir; None = baselines only."""
     prompts: str = "sharegpt-heldout"
     """sharegpt-heldout | humaneval | a .jsonl with `prompt` or `turns`."""
-    method: str = "chain"
-    """chain | tree."""
-    k: int = 5
-    """Chain length (and prompt-lookup tokens per round)."""
-    top_k: int = 10
-    """Tree: children per node."""
-    depth: int = 6
-    """Tree: depth."""
-    total_tokens: int = 60
-    """Tree: draft tokens per round."""
-    temperature: float = 0.0
-    """0 = greedy (lossless check on); > 0 rejection sampling."""
-    top_p: float = 1.0
-    """Nucleus filter when sampling."""
+    spec: SpecConfig = SpecConfig()
+    """The drafter's decoding: method chain | tree, its shape and sampling; prompt lookup takes k and max_ngram."""
     max_new_tokens: int = 128
     """New tokens per turn."""
     limit: int | None = 20
@@ -75,11 +70,21 @@ class BenchConfig:
     json_out: str | None = None
     """Write the report here (and the plot next to it as .png)."""
 
+    def __init__(self, *, spec: SpecConfig | None = None, **kw):
+        """The fields by name; a decode knob given flat (one of SPEC_KNOBS) is set in `spec`, on top of `spec` when
+        both are given (so `dataclasses.replace(cfg, k=3)` works too)."""
+        flat = {k: kw.pop(k) for k in SPEC_KNOBS if k in kw}
+        own = [f for f in fields(BenchConfig) if f.name != "spec"]
+        if unknown := sorted(set(kw) - {f.name for f in own}):
+            raise TypeError(f"BenchConfig got unexpected keyword arguments {unknown}")
+        for f in own:
+            object.__setattr__(self, f.name, kw.get(f.name, f.default))
+        object.__setattr__(self, "spec", replace(spec or SpecConfig(), **flat))
+        self.__post_init__()
+
     def __post_init__(self):
-        if self.temperature < 0:
-            raise EyasError(f"temperature must be >= 0, got {self.temperature}")
-        if self.method not in ("chain", "tree"):
-            raise EyasError(f"bench method {self.method!r}: expected chain or tree")
+        if self.spec.method not in ("chain", "tree"):
+            raise EyasError(f"bench method {self.spec.method!r}: expected chain or tree")
         if self.max_new_tokens < 1:
             raise EyasError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.dtype not in (None, "fp32", "bf16", "fp16"):
@@ -91,9 +96,25 @@ class BenchConfig:
         if self.lossless_turns < 0:
             raise EyasError(f"lossless_turns must be >= 0, got {self.lossless_turns}")
 
-    def spec(self, method: str) -> SpecConfig:
-        return SpecConfig(method=method, k=self.k, top_k=self.top_k, depth=self.depth, total_tokens=self.total_tokens,
-                          temperature=self.temperature, top_p=self.top_p)
+    @property
+    def lookup(self) -> SpecConfig:
+        """The prompt-lookup baseline's decoding: the drafter's k, max_ngram and sampling."""
+        return replace(self.spec, method="lookup", graph_round=False)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BenchConfig":
+        """A config as to_dict writes it ({"spec": {...}, ...}), or flat as bench JSONs and run.json files written
+        before `spec` hold it ({"method": "chain", "k": 5, ...})."""
+        d = dict(d)
+        spec = d.pop("spec", None)
+        known = {f.name for f in fields(cls)} | set(SPEC_KNOBS)
+        unknown = sorted(set(d) - known) + sorted(set(spec or {}) - set(SPEC_KNOBS))
+        if unknown:
+            raise EyasError(f"bench config: unknown keys {unknown}")
+        return cls(spec=None if spec is None else SpecConfig(**spec), **d)
 
 
 def load_bench_prompts(cfg: BenchConfig, tokenizer=None) -> tuple[list[dict], int]:
@@ -202,10 +223,10 @@ def _run(cfg, target, drafter, drafter_meta, records, out) -> dict:
                                       compile=cfg.compile)
     runner = runners[key]
     eos = target.eos_token_ids
-    room = cfg.max_seq - cfg.max_new_tokens - max(cfg.spec(cfg.method).draft_size, cfg.k) - 2
+    room = cfg.max_seq - cfg.max_new_tokens - max(cfg.spec.draft_size, cfg.spec.k) - 2
     if room < 8:
         raise EyasError(f"max_seq {cfg.max_seq} leaves no room for prompts with {cfg.max_new_tokens} new tokens "
-                        f"and a {cfg.spec(cfg.method).draft_size}-token draft")
+                        f"and a {cfg.spec.draft_size}-token draft")
     methods = _methods(cfg, runner, drafter, eos)
     seconds = {"load": time.perf_counter() - clock}
 
@@ -228,7 +249,7 @@ def _run(cfg, target, drafter, drafter_meta, records, out) -> dict:
               f"include that time", file=out)
     if truncated:
         print(f"warning: {truncated} prompt(s) longer than {room} tokens were left-truncated", file=out)
-    report = {"config": asdict(cfg), "target": target.fingerprint, "drafter": meta.get("source"),
+    report = {"config": cfg.to_dict(), "target": target.fingerprint, "drafter": meta.get("source"),
               "device": str(runner.device), "dtype": DTYPE_NAMES.get(runner.dtype, str(runner.dtype)),
               "records": len(records), "turns": sum(len(r["turns"]) for r in records),
               "truncated": truncated, "skipped_long_prompts": too_long, "methods": {m.name: m.report() for m in methods},
@@ -240,7 +261,7 @@ def _run(cfg, target, drafter, drafter_meta, records, out) -> dict:
             report["methods"][m.name]["speedup"] = round(
                 (m.stats.tokens / m.seconds) / (plain.stats.tokens / plain.seconds), 3)
     clock = time.perf_counter()
-    if cfg.temperature == 0:
+    if cfg.spec.temperature == 0:
         spec = {m.name: m.outputs for m in methods if m is not plain}
         if plain is not None:
             report["agreement"] = {n: {"dtype": report["dtype"], **agreement(o, plain.outputs)} for n, o in spec.items()}
@@ -258,29 +279,28 @@ def _methods(cfg, runner, drafter, eos, *, baselines=None) -> list[_Method]:
     methods = []
     if baselines:
         methods.append(_Method("plain", lambda p, seed: _plain(runner, p, cfg, eos, seed)))
-        lk = SpecDecoder(runner, None, cfg.spec("lookup"))
+        lk = SpecDecoder(runner, None, cfg.lookup)
         methods.append(_Method("lookup", lambda p, seed: lk.generate(p, cfg.max_new_tokens, eos_ids=eos, seed=seed),
                                lk))
     if drafter is not None:
-        dec = SpecDecoder(runner, drafter, cfg.spec(cfg.method))
-        methods.append(_Method(f"eagle-{cfg.method}", lambda p, seed: dec.generate(p, cfg.max_new_tokens, eos_ids=eos,
+        dec = SpecDecoder(runner, drafter, cfg.spec)
+        methods.append(_Method(f"eagle-{cfg.spec.method}", lambda p, seed: dec.generate(p, cfg.max_new_tokens, eos_ids=eos,
                                                                                     seed=seed), dec))
     return methods
 
 
 def _warm_up(cfg, runner, methods, drafter) -> int:
     """Compile and capture the fixed shape set of this bench's methods (see startup.py)."""
-    steps, drafters = [], []
+    steps, drafters, c = [], [], cfg.spec
     for m in methods:
         if m.decoder is None:
-            steps.append((None, verify_shapes("plain", cfg.k, 0)))
+            steps.append((None, verify_shapes("plain", c.k, 0)))
             continue
-        kind = "lookup" if m.name == "lookup" else cfg.method
-        size = tree_nodes(cfg.top_k, cfg.depth, cfg.total_tokens, drafter.config.draft_vocab_size) \
-            if kind == "tree" else 0
-        steps.append((runner.step_fn(m.decoder.aux_ids), verify_shapes(kind, cfg.k, size)))
+        kind = "lookup" if m.name == "lookup" else c.method
+        size = tree_nodes(c.top_k, c.depth, c.total_tokens, drafter.config.draft_vocab_size) if kind == "tree" else 0
+        steps.append((runner.step_fn(m.decoder.aux_ids), verify_shapes(kind, c.k, size)))
         if isinstance(m.decoder.drafting, GraphedChainDrafting):  # static drafters (chains, trees): extends of 1..K+1
-            depth = cfg.k if kind == "chain" else cfg.depth  # a tree accepts up to `depth` drafts + the bonus
+            depth = c.k if kind == "chain" else c.depth  # a tree accepts up to `depth` drafts + the bonus
             drafters.append((m.decoder.drafting, len(m.decoder.aux_ids) * runner.cfg.hidden_size, depth))
     return warm_up(runner, steps, drafters)
 
@@ -331,7 +351,7 @@ def _fp32_rerun(cfg, target, runner, drafter, records, tok, room, eos, benched) 
 def _plain(runner, prompt, cfg, eos, seed):
     # window=0: every step attends over all max_seq slots, like the speculative verify steps, so plain decoding
     # has one graph shape (the warmed one) instead of one per prompt-length window compiled inside the clock
-    out = runner.generate([prompt], cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+    out = runner.generate([prompt], cfg.max_new_tokens, temperature=cfg.spec.temperature, top_p=cfg.spec.top_p,
                           eos_ids=eos, seed=seed, window=0)[0]
     return out, SpecStats(tokens=len(out), target_forwards=len(out))
 

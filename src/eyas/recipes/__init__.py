@@ -4,7 +4,8 @@
     [prepare]  eyas.data.prepare.PrepareConfig
     [capture]  eyas.capture.capture.CaptureConfig
     [train]    eyas.train.config.TrainConfig
-    [[bench]]  eyas.bench.bench.BenchConfig, one table per benchmark
+    [[bench]]  eyas.bench.bench.BenchConfig, one table per benchmark; its decode knobs (method, k, top_k, ...:
+               the fields of eyas.decode.spec.SpecConfig, BenchConfig.spec) are keys of the table itself
 
 A key is a field name of its dataclass, with a value of the field's type. A key or table left out takes the
 dataclass default (TOML has no null: leave the key out, or `--set KEY=null`); no [[bench]] table means no
@@ -25,6 +26,7 @@ from importlib import resources
 from pathlib import Path
 
 from eyas.errors import EyasError
+from eyas.knobs import knobs
 
 DTYPES = ("fp32", "bf16", "fp16")
 
@@ -133,7 +135,7 @@ class Recipe:
         classes = stage_classes()
 
         def sparse(name, table):
-            defaults = {f.name: f.default for f in fields(classes[name])}
+            defaults = {k.name: k.default for k in knobs(classes[name]).values()}
             return {k: v for k, v in table.items() if v != defaults.get(k, dataclasses.MISSING)}
 
         t = self.tables()
@@ -192,7 +194,7 @@ def _hints(cls) -> dict:
 
 def _check_key(table: str, key: str, where: str) -> None:
     cls = stage_classes()[table]
-    names = [f.name for f in fields(cls)]
+    names = list(knobs(cls))
     if key in OWNED.get(table, {}):
         raise EyasError(f"{where}: [{table}] {key} is set by eyas run (from {OWNED[table][key]}), not by a recipe")
     if key not in names:
@@ -204,7 +206,7 @@ def _check_key(table: str, key: str, where: str) -> None:
 def _value(table: str, key: str, value, what: str):
     """Check one key of a table and return its value converted to the field type."""
     try:
-        return _convert(value, _hints(stage_classes()[table])[key])
+        return _convert(value, knobs(stage_classes()[table])[key].type)
     except TypeError as e:
         raise EyasError(f"{what}: expected {e} for [{table}] {key}, got {type(value).__name__} "
                         f"{json.dumps(value, default=str)}") from None
@@ -305,13 +307,13 @@ def resolve_key(key: str) -> tuple:
         if key in LEGACY:
             return LEGACY[key]
         homes = [t for t, cls in stage_classes().items() if t != "bench"
-                 and key in {f.name for f in fields(cls)} and key not in OWNED.get(t, {})]
+                 and key in knobs(cls) and key not in OWNED.get(t, {})]
         if len(homes) == 1:
             return (homes[0], key)
         if len(homes) > 1:
             raise EyasError(f"--set {key}: ambiguous, say which table: " + ", ".join(f"{t}.{key}" for t in homes))
-    known = [f"{t}.{f.name}" for t, cls in stage_classes().items() if t != "bench" for f in fields(cls)
-             if f.name not in OWNED.get(t, {})]
+    known = [f"{t}.{k}" for t, cls in stage_classes().items() if t != "bench" for k in knobs(cls)
+             if k not in OWNED.get(t, {})]
     close = difflib.get_close_matches(key, known + list(LEGACY), n=1)
     raise EyasError(f"--set {key}: unknown key (expected TABLE.FIELD with TABLE one of {', '.join(TABLES[:-1])}, "
                     f"or bench.N.FIELD, or bench=[...]" + (f"; did you mean {close[0]}?)" if close else ")"))
