@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from eyas.errors import EyasError
 from eyas.manifest import atomic_write_bytes, diff_dicts
-from eyas.recipes import Recipe, from_legacy_knobs, load_recipe, with_overrides
+from eyas.recipes import Recipe, from_legacy_knobs, load_recipe, resolve_key, with_overrides
 from eyas.recipes import preset as preset_recipe
 from eyas.recipes import resolve_dtype
 
@@ -113,6 +113,11 @@ def resolve_stages(cfg: RunConfig, run: Path, *, vocab_size: int | None, progres
                     device=dev, progress=progress, **r.capture) if r.run.capture else None
     train = dict(r.train)
     if train.get("draft_vocab") is not None and vocab_size is not None:
+        # a recipe's value is capped at the target's vocabulary (a preset serves every target); a --set one is refused
+        asked = [k for k in cfg.overrides if resolve_key(k) == ("train", "draft_vocab")]
+        if asked and train["draft_vocab"] > vocab_size:
+            raise EyasError(f"--set {asked[-1]}={train['draft_vocab']}: larger than the target's vocabulary "
+                            f"({vocab_size} tokens of {cfg.target}); use at most {vocab_size}")
         train["draft_vocab"] = min(train["draft_vocab"], vocab_size)  # no larger than the target's vocabulary
     src = dict(data=str(run / "prepared")) if r.run.online else dict(store=str(run / "store"))
     train = build("train", TrainConfig, out=str(run / "train"), target=cfg.target, device=dev,

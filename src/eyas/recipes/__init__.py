@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -203,8 +204,17 @@ def _check_key(table: str, key: str, where: str) -> None:
                         + (f"; did you mean {close[0]!r}?)" if close else ")"))
 
 
+def _finite(value) -> bool:
+    """False for a NaN or infinite float anywhere in `value` (JSON and TOML both spell them; no field takes one)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return all(_finite(v) for v in value) if isinstance(value, (list, tuple)) else True
+
+
 def _value(table: str, key: str, value, what: str):
     """Check one key of a table and return its value converted to the field type."""
+    if not _finite(value):
+        raise EyasError(f"{what}: expected a finite number for [{table}] {key}, got {json.dumps(value)}")
     try:
         return _convert(value, knobs(stage_classes()[table])[key].type)
     except TypeError as e:

@@ -1,0 +1,114 @@
+"""Bad input of issue 12, each refused (or counted) with one line naming the knob, file or record:
+a --set value that is no finite number, a --set draft vocabulary larger than the target's, a training max_len
+shorter than the chat template's framing, a sampled-reply count of 0 under eyas run, and a regeneration server
+(a real loopback HTTP server) whose replies are empty, null or only an end-of-turn token."""
+
+import json
+
+import pytest
+
+from conftest import make_tiny_llama
+from test_chat_masks import make_tokenizer
+
+from eyas.cli import main
+from eyas.data.chat import first_turn_framing
+from eyas.errors import EyasError
+from eyas.recipes import load_recipe
+from eyas.run import RunConfig, resolve_stages
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory, tok):
+    """A tiny HF target directory (ChatML template with a default system prompt) and a few conversations."""
+    root = tmp_path_factory.mktemp("issue12")
+    make_tiny_llama(vocab=len(tok), max_pos=512).save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    with open(root / "chats.jsonl", "w") as f:
+        for i in range(12):
+            msgs = [{"role": "user", "content": f"hello there {i}"}, {"role": "assistant", "content": "the quick fox"},
+                    {"role": "user", "content": "and paris?"}, {"role": "assistant", "content": "return 42"}]
+            f.write(json.dumps({"id": f"c{i}", "messages": msgs}) + "\n")
+    return root
+
+
+def run_args(root, out, *sets):
+    args = ["run", "--target", str(root / "target"), "--data", str(root / "chats.jsonl"), "--preset", "cpu-demo",
+            "--out", str(out), "--quiet", "--until", "prepare"]
+    for s in ("prepare.regenerate=false", "prepare.regenerate_limit=null", "prepare.limit=4", "prepare.heldout_fraction=0.0", *sets):
+        args += ["--set", s]
+    return args
+
+
+# ---- 1. a --set value of the wrong type: NaN and infinities are no number any field takes ------------------------
+
+def test_non_finite_numbers_are_refused_naming_the_knob(tmp_path, monkeypatch, capsys):
+    import eyas.run
+
+    for key, bad, shown in (("train.lr", float("inf"), "Infinity"), ("train.grad_clip", float("nan"), "NaN"),
+                            ("capture.shard_mb", float("inf"), "Infinity"), ("lr", float("-inf"), "-Infinity"),
+                            ("prepare.timeout", float("inf"), "Infinity")):
+        with pytest.raises(EyasError, match=rf"--set {key}={shown}: expected a finite number for \[\w+\] \w+, "
+                                            rf"got {shown}$"):
+            RunConfig(preset="cpu-demo", overrides={key: bad})
+    with pytest.raises(EyasError, match=r"--set train\.betas=\[0\.9, NaN\]: expected a finite number"):
+        RunConfig(preset="cpu-demo", overrides={"train.betas": [0.9, float("nan")]})
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[run]\ndevice = "cpu"\n\n[train]\nlr = inf\n')
+    with pytest.raises(EyasError, match=rf"^{recipe}: \[train\] lr = Infinity: expected a finite number"):
+        load_recipe(recipe)
+    # through the CLI: one line, exit 2, before the pipeline starts (JSON's Infinity parses as a float)
+    started = []
+    monkeypatch.setattr(eyas.run, "run_pipeline", started.append)
+    assert main(["run", "--preset", "cpu-demo", "--out", str(tmp_path / "r"), "--set", "train.lr=Infinity"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["eyas run: error: --set train.lr=Infinity: expected a finite number for [train] lr, got Infinity"]
+    assert not started
+    RunConfig(preset="cpu-demo", overrides={"train.lr": 1e-3, "train.grad_clip": 0})  # finite values still pass
+
+
+# ---- 2. a draft vocabulary larger than the target's -----------------------------------------------------------
+
+def test_set_draft_vocab_larger_than_the_target_is_refused(tmp_path):
+    for key in ("train.draft_vocab", "draft_vocab"):  # the table key and the pre-recipe flat name
+        cfg = RunConfig(preset="cpu-demo", target="t", overrides={key: 5000})
+        with pytest.raises(EyasError, match=rf"^--set {key}=5000: larger than the target's vocabulary "
+                                            rf"\(100 tokens of t\); use at most 100$"):
+            resolve_stages(cfg, tmp_path, vocab_size=100)
+    assert resolve_stages(RunConfig(preset="cpu-demo", overrides={"train.draft_vocab": 100}), tmp_path,
+                          vocab_size=100).train.draft_vocab == 100
+    # the preset's own value (8192) is capped: a preset serves targets of every vocabulary size
+    assert resolve_stages(RunConfig(preset="cpu-demo"), tmp_path, vocab_size=100).train.draft_vocab == 100
+
+
+def test_set_draft_vocab_larger_than_the_target_fails_before_prepare(target_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(run_args(target_dir, out, "train.draft_vocab=100000")) == 2
+    err = [x for x in capsys.readouterr().err.strip().splitlines() if "error" in x]
+    assert err == [f"eyas run: error: --set train.draft_vocab=100000: larger than the target's vocabulary "
+                   f"(320 tokens of {target_dir / 'target'}); use at most 320"]
+    assert not (out / "prepared").exists()
+
+
+# ---- 3. max_len shorter than the template's framing of a first turn ----------------------------------------------
+
+def test_run_prepare_max_len_shorter_than_the_template_is_one_line(target_dir, tmp_path, tok, capsys):
+    n = first_turn_framing(tok)
+    assert main(run_args(target_dir, tmp_path / "run", "prepare.max_len=50")) == 2
+    err = [x for x in capsys.readouterr().err.strip().splitlines() if "error" in x]
+    assert len(err) == 1 and err[0].startswith("eyas run: error: --max-len 50 is too short for target ")
+    assert err[0].endswith(f"{n} tokens (system prompt and user/assistant headers), so no reply token would fit; "
+                           f"use --max-len >= {n + 2}")
+
+
+# ---- 4. a sampled-reply count of 0 --------------------------------------------------------------------------------
+
+def test_samples_per_prompt_zero_is_one_line_under_eyas_run():
+    for key in ("prepare.samples_per_prompt", "samples_per_prompt"):
+        with pytest.raises(EyasError, match=r"^recipe cpu-demo \[prepare\]: --samples-per-prompt must be >= 1, "
+                                            r"got 0$"):
+            RunConfig(preset="cpu-demo", overrides={key: 0})
