@@ -11,10 +11,11 @@ from conftest import make_tiny_llama
 from test_chat_masks import make_tokenizer
 
 from eyas.cli import main
-from eyas.data.chat import first_turn_framing
+from eyas.data.chat import encode_prompt, first_turn_framing
 from eyas.errors import EyasError
 from eyas.recipes import load_recipe
 from eyas.run import RunConfig, resolve_stages
+from eyas.target import target_from_model
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +104,46 @@ def test_run_prepare_max_len_shorter_than_the_template_is_one_line(target_dir, t
     assert len(err) == 1 and err[0].startswith("eyas run: error: --max-len 50 is too short for target ")
     assert err[0].endswith(f"{n} tokens (system prompt and user/assistant headers), so no reply token would fit; "
                            f"use --max-len >= {n + 2}")
+
+
+def test_train_max_len_shorter_than_the_template_is_refused(tmp_path, tok, capsys):
+    from eyas.capture.capture import CaptureConfig, run_capture
+    from eyas.data.prepare import PrepareConfig, run_prepare
+    from eyas.train.config import TrainConfig
+    from eyas.train.trainer import run_train
+
+    target = target_from_model(make_tiny_llama(vocab=len(tok)), tok, name="tiny")
+    data = tmp_path / "d.jsonl"
+    with open(data, "w") as f:
+        for i in range(10):
+            words = " ".join(["hello there"] * (1 + 3 * (i % 2)))   # odd ids: a longer user turn
+            f.write(json.dumps({"id": f"c{i}", "messages": [{"role": "user", "content": words},
+                                                             {"role": "assistant", "content": "the quick fox"}]}) + "\n")
+    run_prepare(PrepareConfig(data=str(data), out=str(tmp_path / "p"), max_len=200, heldout_fraction=0.0), target,
+                progress=False)
+    run_capture(CaptureConfig(out=str(tmp_path / "s"), data=str(tmp_path / "p"), progress=False), target)
+    n = first_turn_framing(tok)
+
+    def train(name, max_len, **src):
+        return run_train(TrainConfig(out=str(tmp_path / name), target="tiny", max_len=max_len, steps=1,
+                                     batch_tokens=256, draft_vocab=64, ttt_steps=2, eval_fraction=0.0,
+                                     progress=False, **src), target=target)
+
+    # online and offline alike: refused before any work, naming the knob and the template's framing
+    for name, src in (("on", dict(data=str(tmp_path / "p"))), ("off", dict(store=str(tmp_path / "s")))):
+        with pytest.raises(EyasError, match=rf"^--max-len 40 is too short for target tiny: .* {n} tokens .* "
+                                            rf">= {n + 2}$"):
+            train(name, 40, **src)
+    # long enough for the framing but not for a user turn: the error still names --max-len
+    with pytest.raises(EyasError, match=rf"no trainable \(loss-masked\) tokens within the first --max-len {n + 2} "
+                                        rf"tokens of its 10 samples"):
+        train("framing", n + 2, data=str(tmp_path / "p"))
+    # room for the short user turns only: the long ones are counted and the first is named, not silently kept
+    short = len(encode_prompt(tok, [{"role": "user", "content": "hello there"}])) + 2
+    capsys.readouterr()
+    train("some", short, data=str(tmp_path / "p"))
+    assert (f"eyas train: 5 of 10 training samples of {tmp_path / 'p'} have no trainable token within --max-len "
+            f"{short} (first: 'c1'); they add no loss") in capsys.readouterr().err
 
 
 # ---- 4. a sampled-reply count of 0 --------------------------------------------------------------------------------

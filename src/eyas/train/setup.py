@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -59,6 +60,7 @@ def open_source(cfg: TrainConfig, target, device: torch.device):
             target = load_target(cfg.target, device=device, dtype=dtype)
         data = PreparedData(cfg.data, target=target)
         ref = {"data": str(Path(cfg.data).resolve()), "data_manifest": data.manifest.get("config")}
+        check_max_len_fits(cfg, target)
         return PreparedSource(data, max_len=cfg.max_len), target, ref
     from eyas.store.reader import Store
 
@@ -76,7 +78,25 @@ def open_source(cfg: TrainConfig, target, device: torch.device):
         raise EyasError(f"{store.path}: store hidden size {store.hidden_size} != the target's {target.hidden_size}")
     ref = {"store": str(Path(cfg.store).resolve()), "store_samples": len(store), "store_dtype": store.store_dtype,
            "aux_layer_ids": list(store.aux_layer_ids), **({"target_mismatch": warning} if warning else {})}
+    check_max_len_fits(cfg, target)
     return StoreSource(store, max_len=cfg.max_len, feature_dtype=dtype), target, ref
+
+
+def check_max_len_fits(cfg: TrainConfig, target) -> None:
+    """Refuse a --max-len that cannot hold the target's chat-template framing of a first turn (its system prompt and
+    headers) plus a reply token, the rule prepare applies: every sample would be cut before its first reply. A target
+    without a (working) chat template is not checked."""
+    from eyas.data.chat import TemplateError, first_turn_framing
+    from eyas.data.prepare import check_max_len
+
+    tok = getattr(target, "tokenizer", None)
+    if tok is None or not getattr(tok, "chat_template", None):
+        return
+    try:
+        first_turn_framing(tok)
+    except TemplateError:
+        return
+    check_max_len(tok, cfg.max_len, f"target {getattr(target, 'name', None) or cfg.target}")
 
 
 def build_vocab(cfg: TrainConfig, source, train_idx, V: int, init_vocab, run: Path | None):
@@ -85,14 +105,22 @@ def build_vocab(cfg: TrainConfig, source, train_idx, V: int, init_vocab, run: Pa
     from eyas.model.vocab import DraftVocab, build_draft_vocab, save_draft_vocab
 
     counts = torch.zeros(V, dtype=torch.int64)
+    untrainable = []  # samples with no loss-masked token within max_len: they add no loss
     for i in train_idx:
         ids, mask = source.tokens(i)
         picked = ids[mask]
         if picked.numel() and (int(picked.min()) < 0 or int(picked.max()) >= V):
             raise EyasError(f"{source.where}: sample {source.ids[i]!r} has a token id outside [0, {V})")
+        if not picked.numel():
+            untrainable.append(source.ids[i])
         counts += torch.bincount(picked, minlength=V)
     if int(counts.sum()) == 0:
-        raise EyasError(f"{source.where}: the training split has no trainable (loss-masked) tokens")
+        raise EyasError(f"{source.where}: the training split has no trainable (loss-masked) tokens within the "
+                        f"first --max-len {cfg.max_len} tokens of its {len(train_idx)} samples")
+    if untrainable and run is not None:
+        print(f"eyas train: {len(untrainable)} of {len(train_idx)} training samples of {source.where} have no "
+              f"trainable token within --max-len {cfg.max_len} (first: {untrainable[0]!r}); they add no loss",
+              file=sys.stderr)
     if init_vocab is not None:
         d2t, t2d = init_vocab
         tok = torch.arange(d2t.numel()) + d2t
