@@ -4,6 +4,8 @@ shorter than the chat template's framing, a sampled-reply count of 0 under eyas 
 (a real loopback HTTP server) whose replies are empty, null or only an end-of-turn token."""
 
 import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -153,3 +155,84 @@ def test_samples_per_prompt_zero_is_one_line_under_eyas_run():
         with pytest.raises(EyasError, match=r"^recipe cpu-demo \[prepare\]: --samples-per-prompt must be >= 1, "
                                             r"got 0$"):
             RunConfig(preset="cpu-demo", overrides={key: 0})
+
+
+# ---- 5. a regeneration server whose replies are empty -------------------------------------------------------------
+
+class EmptyServer(BaseHTTPRequestHandler):
+    """OpenAI-compatible chat completions: reply k to a conversation is REPLIES[its first user text][k]."""
+
+    REPLIES = {"hello there 0": ["first reply", "<|im_end|>"],    # an end-of-turn token only, unskipped
+               "hello there 1": [""], "hello there 2": [None], "hello there 3": [" <|im_end|>\n"],
+               "hello there 4": ["ok one", "ok two"]}
+
+    def log_message(self, *a):
+        pass
+
+    def _send(self, obj):
+        body = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):  # /v1/models
+        self._send({"object": "list", "data": [{"id": "served", "object": "model"}]})
+
+    def do_POST(self):  # /v1/chat/completions
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        k = sum(m["role"] == "assistant" for m in req["messages"])
+        replies = self.REPLIES[req["messages"][0]["content"]]
+        text = replies[k] if k < len(replies) else "a later reply"
+        self._send({"object": "chat.completion", "model": req["model"],
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                 "finish_reason": "stop"}],
+                    "usage": {"completion_tokens": 0 if not text else 2}})
+
+
+@pytest.fixture
+def empty_server():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), EmptyServer)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}/v1"
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_empty_server_replies_are_counted_reported_and_never_trained(target_dir, tmp_path, tok, empty_server,
+                                                                     capsys):
+    from eyas.data.prepared import SKIPS, PreparedData
+
+    data = tmp_path / "d.jsonl"
+    lines = (target_dir / "chats.jsonl").read_text().splitlines()[:5]
+    data.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "p"
+    assert main(["prepare", "--target", str(target_dir / "target"), "--data", str(data), "--out", str(out),
+                 "--heldout-fraction", "0", "--regenerate", "--server", empty_server, "--retries", "0"]) == 0
+    std = capsys.readouterr()
+    assert "empty 4" in std.out
+    assert [x for x in std.err.splitlines() if x.startswith("eyas prepare:")] == [
+        f"eyas prepare: dropped 3 samples (empty regenerated reply 3); 4 regenerated replies were empty (not "
+        f"trained on: each conversation is cut before its empty reply); details in {out / SKIPS}"]
+    counts = json.loads((out / "manifest.json").read_text())["counts"]
+    assert counts["empty_replies"] == 4 and counts["regenerated_turns"] == 7 and counts["kept"] == 2
+    assert counts["dropped"] == {"empty regenerated reply": 3}
+    log = [json.loads(x) for x in (out / SKIPS).read_text().splitlines()]
+    assert sorted((x["reason"], x["where"]) for x in log) == [
+        ("cut at an empty regenerated reply", f"{data} line 1 (id c0)"),
+        *[("empty regenerated reply", f"{data} line {i + 1} (id c{i})") for i in (1, 2, 3)]]
+    got = {s.id: s for s in PreparedData(out)}
+    assert sorted(got) == ["c0", "c4"]
+
+    def trained(s):  # the text of each trainable run
+        runs, cur = [], []
+        for t, m in zip(s.input_ids, s.loss_mask):
+            if m:
+                cur.append(t)
+            elif cur:
+                runs.append(tok.decode(cur))
+                cur = []
+        return runs + ([tok.decode(cur)] if cur else [])
+    assert trained(got["c0"]) == ["first reply<|im_end|>"]          # cut before its end-of-turn-only reply
+    assert trained(got["c4"]) == ["ok one<|im_end|>", "ok two<|im_end|>"]

@@ -2,8 +2,8 @@
 
 User (and system) turns are kept; reply k is generated from the conversation with replies
 0..k-1 already replaced, so the data follows the target's own distribution (the EAGLE-3 paper
-regenerates before training). An empty reply is never kept: the conversation is cut before it
-(dropped when it was the first) and counted. Two backends behind one interface,
+regenerates before training). An empty reply (whitespace, or a server's unskipped special tokens only) is
+never kept: the conversation is cut before it (dropped when it was the first) and counted. Two backends behind one interface,
 `regenerate(convs, temperature=None) -> list[Conversation | Skipped]`:
 
 * `LocalBackend`: batched generation with the loaded target, through the static-cache
@@ -23,7 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from eyas.data.chat import TemplateError, encode_prompt, user_header
+from eyas.data.chat import TemplateError, encode_prompt, special_strings, user_header
 from eyas.data.sources import Conversation, Skipped
 from eyas.errors import EyasError
 
@@ -52,6 +52,14 @@ class RegenStats:
 def _seed(base: int, conv_id: str, turn: int) -> int:
     h = hashlib.sha256(f"{base}:{conv_id}:{turn}".encode("utf-8", "surrogatepass")).digest()
     return int.from_bytes(h[:4], "big")
+
+
+def is_empty_reply(text: str, specials=()) -> bool:
+    """True when a reply holds nothing but whitespace and special-token text (e.g. a server that returns
+    "<|im_end|>" unskipped): training on it would teach an empty reply."""
+    for s in specials:
+        text = text.replace(s, "")
+    return not text.strip()
 
 
 def _assistant_turns(c: Conversation) -> list[int]:
@@ -234,7 +242,7 @@ class ServerBackend:
 
     def __init__(self, server: str, *, model: str | None, max_new_tokens: int, temperature: float, seed: int,
                  concurrency: int = 8, timeout: float = 120.0, retries: int = 3, backoff: float = 1.0,
-                 max_backoff: float = 30.0, client=None):
+                 max_backoff: float = 30.0, client=None, specials=()):
         import httpx
 
         self.url, self.max_new, self.temperature, self.seed = chat_url(server), max_new_tokens, temperature, seed
@@ -246,6 +254,7 @@ class ServerBackend:
         self.notes: list[Skipped] = []
         self._lock = threading.Lock()
         self.sleeps: list[float] = []  # backoff delays taken (for the report and tests)
+        self.specials = tuple(specials)  # the target's special-token texts: a reply of only these is empty
 
     def _first_model(self) -> str:
         import httpx
@@ -307,7 +316,7 @@ class ServerBackend:
             except _Rejected as e:
                 with self._lock:
                     return _finish(c, msgs[:i], f"server rejected: {e}", self.notes)
-            empty = not out["text"].strip()
+            empty = is_empty_reply(out["text"], self.specials)
             with self._lock:
                 self.stats.turns += 1
                 self.stats.new_tokens += out["tokens"]
@@ -344,7 +353,8 @@ def make_backend(cfg, target):
     if cfg.server:
         return ServerBackend(cfg.server, model=cfg.model, max_new_tokens=cfg.max_new_tokens,
                              temperature=cfg.regen_temperature, seed=cfg.seed, concurrency=cfg.concurrency,
-                             timeout=cfg.timeout, retries=cfg.retries)
+                             timeout=cfg.timeout, retries=cfg.retries,
+                             specials=special_strings(target.tokenizer) if target is not None else ())
     return LocalBackend(target, max_len=cfg.max_len, max_new_tokens=cfg.max_new_tokens,
                         temperature=cfg.regen_temperature, seed=cfg.seed, batch_size=cfg.batch_size,
                         dtype=cfg.regen_dtype, gen_batch=cfg.gen_batch)
