@@ -262,6 +262,44 @@ def test_nan_in_features_names_sample_and_step(tmp_path):
         run_train(cfg(tmp_path, store, steps=50, eval_fraction=0.0), target=t)
 
 
+def test_nan_between_logged_steps_is_named_before_anything_is_saved(tmp_path):
+    """Steps between log steps read nothing back from the device; their NaN checks are read at the next logged
+    step, eval or checkpoint. The error names the same step and sample as a run that checks every step, and no
+    checkpoint of that step or a later one is written."""
+    t = tiny_target()
+    store = _store_with(tmp_path, t, make_samples(30), bad="s17")
+    msgs = []
+    for name, every in (("each", 1), ("sparse", 7)):
+        with pytest.raises(EyasError) as e:
+            run_train(cfg(tmp_path, store, name, steps=50, eval_fraction=0.0, log_every=every, checkpoint_every=5),
+                      target=t)
+        msgs.append(str(e.value))
+    assert msgs[0] == msgs[1] and "NaN/Inf in features, sample(s) 's17'" in msgs[0]
+    bad = int(msgs[0].split()[1].rstrip(":"))
+    saved = [int(p.name.split("-")[1]) for p in (tmp_path / "sparse" / "checkpoints").glob("step-*")]
+    assert all(s < bad for s in saved), (bad, saved)
+    assert bad % 5 and bad % 7, bad   # so the sparse run raised at a later step than the one it names
+    metrics = tmp_path / "sparse" / "metrics.jsonl"
+    logged = [r["step"] for r in records(tmp_path / "sparse")] if metrics.exists() else []
+    assert all(s % 7 == 0 and s < bad for s in logged), (bad, logged)
+
+
+def test_sparse_logging_trains_the_same_drafter(tmp_path):
+    """log_every only changes which steps are read back: the weights, the logged steps' records and the tokens
+    seen are those of a run that reads every step."""
+    t = tiny_target()
+    store = capture(tmp_path, t, make_samples(24))
+    run_train(cfg(tmp_path, store, "each", steps=9, log_every=1), target=t)
+    run_train(cfg(tmp_path, store, "sparse", steps=9, log_every=3), target=t)
+    each, sparse = records(tmp_path / "each"), records(tmp_path / "sparse")
+    assert [r["step"] for r in sparse] == [3, 6, 9]
+    assert [r for r in each if r["step"] % 3 == 0] == sparse
+    full = [json.loads(x) for x in open(tmp_path / "each" / "metrics.jsonl") if '"train"' in x]
+    assert sum(r["tokens"] for r in full) == full[-1]["tokens_seen"]
+    sa, sb = drafter_state(tmp_path / "each"), drafter_state(tmp_path / "sparse")
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
 def test_store_target_mismatch_refused(tmp_path):
     t = tiny_target()
     store = capture(tmp_path, t, make_samples(8))

@@ -58,10 +58,20 @@ class Batch:
         return int(self.valid.sum())
 
     def to(self, device, dtype: torch.dtype | None = None) -> "Batch":
-        f = (lambda t: None if t is None else t.to(device, dtype=dtype or t.dtype, non_blocking=True))
-        g = (lambda t: None if t is None else t.to(device))
-        return Batch(self.ids, self.input_ids.to(device), self.loss_mask.to(device), self.valid.to(device),
-                     f(self.aux), f(self.final), g(self.segment_ids), g(self.position_ids))
+        """On the device; from the CPU to CUDA through pinned memory without waiting (no host sync)."""
+        f = (lambda t: None if t is None else h2d(t, device).to(dtype or t.dtype))
+        g = (lambda t: None if t is None else h2d(t, device))
+        return Batch(self.ids, g(self.input_ids), g(self.loss_mask), g(self.valid), f(self.aux), f(self.final),
+                     g(self.segment_ids), g(self.position_ids))
+
+
+def h2d(x: Tensor, device) -> Tensor:
+    """x on `device`. A CPU tensor goes to CUDA through pinned memory with non_blocking: a copy from pageable
+    memory makes the host wait for everything queued on the stream, which starves the GPU between steps."""
+    device = torch.device(device)
+    if device.type == "cuda" and x.device.type == "cpu":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
 
 
 # ------------------------------------------------------------------------------------------------ sources
@@ -110,11 +120,12 @@ class PreparedSource:
         self.ids = [s.id for s in self.samples]
         self.lengths = [min(len(s.input_ids), max_len) for s in self.samples]
         self.where = str(getattr(data, "path", "prepared data"))
+        # tensors once, not per step: a step's collate would otherwise convert ~30k Python ints
+        self._tokens = [(torch.tensor(s.input_ids[:max_len], dtype=torch.int64),
+                         torch.tensor(s.loss_mask[:max_len], dtype=torch.bool)) for s in self.samples]
 
     def tokens(self, i: int) -> tuple[Tensor, Tensor]:
-        s = self.samples[i]
-        return (torch.as_tensor(s.input_ids[: self.max_len], dtype=torch.int64),
-                torch.as_tensor(s.loss_mask[: self.max_len]).bool())
+        return self._tokens[i]
 
     def collate(self, idx: list[int]) -> Batch:
         return _pad([self.ids[i] for i in idx], [self.tokens(i) for i in idx], self.max_len)
@@ -133,26 +144,27 @@ def _pad(ids: list[str], toks: list[tuple[Tensor, Tensor]], max_len: int) -> Bat
 
 
 @torch.no_grad()
-def target_features(target, batch: Batch, sub_tokens: int | None = None) -> Batch:
+def target_features(target, batch: Batch, sub_tokens: int | None = None, lengths: list[int] | None = None) -> Batch:
     """Online: run the target's decoder stack on the batch; fill aux (B,T,3h) and final (B,T,h) in place.
 
     Forward pre-hooks on layers[i] give hidden_states[i] (the residual entering layer i); the decoder stack's
     last_hidden_state is the final-norm output. No lm_head call, so no (T, V) logits; nothing is stored.
     With sub_tokens, rows run in length-sorted groups of at most that many padded tokens (each group cut to
-    its own longest row), so short rows do not pay for the longest one.
+    its own longest row), so short rows do not pay for the longest one. `lengths`: each row's valid count, when
+    the caller knows it on the host (else it is read back from the device, a host sync).
     """
     from eyas.target.hooks import LayerInputs, decoder_stack
 
     base = decoder_stack(target.model)
     n = len(base.layers)
     dev = target.device
-    lengths = batch.valid.sum(-1).tolist()
+    lengths = batch.valid.sum(-1).tolist() if lengths is None else lengths
     order = sorted(range(len(lengths)), key=lambda r: lengths[r])
     groups = group(order, lengths, sub_tokens) if sub_tokens else [list(range(len(lengths)))]
     B, T = batch.input_ids.shape
     for rows in groups:
         Tg = max(1, max(lengths[r] for r in rows)) if sub_tokens else T
-        ri = torch.tensor(rows, device=batch.input_ids.device)
+        ri = h2d(torch.tensor(rows), batch.input_ids.device)
         with LayerInputs(base.layers, target.aux_layer_ids) as cap:
             final = base(input_ids=batch.input_ids[ri, :Tg].to(dev), attention_mask=batch.valid[ri, :Tg].to(dev).long(),
                          use_cache=False).last_hidden_state                    # (b, Tg, h)
@@ -163,7 +175,7 @@ def target_features(target, batch: Batch, sub_tokens: int | None = None) -> Batc
         if batch.aux is None:
             batch.aux = aux.new_zeros(B, T, aux.shape[-1])                     # (B, T, 3h)
             batch.final = final.new_zeros(B, T, final.shape[-1])               # (B, T, h)
-        ri = ri.to(dev)
+        ri = h2d(ri, dev)
         batch.aux[ri, :Tg] = aux
         batch.final[ri, :Tg] = final
     return batch
@@ -182,27 +194,24 @@ def pack_rows(lengths: list[int], rows: int, row_len: int) -> list[list[int]] | 
     return out
 
 
-def pack(batch: Batch, rows: int, row_len: int) -> Batch:
+def pack(batch: Batch, rows: int, row_len: int, lengths: list[int] | None = None) -> Batch:
     """A right-padded per-sample batch (features filled or not) -> `rows` packed rows of exactly `row_len` tokens,
-    with segment and position ids. The placement is pack_rows' first fit, so it is a function of the batch."""
-    lengths = batch.valid.sum(-1).tolist()
+    with segment and position ids. The placement is pack_rows' first fit, so it is a function of the batch.
+    `lengths`: each sample's valid count when the caller knows it on the host (else read back: a host sync)."""
+    lengths = batch.valid.sum(-1).tolist() if lengths is None else lengths
     plan = pack_rows(lengths, rows, row_len)
     if plan is None:
         raise ValueError(f"pack: samples of lengths {lengths} do not fit {rows} rows of {row_len} tokens")
-    src_b, src_t, dst_b, dst_t, seg, pos = [], [], [], [], [], []
-    for r, members in enumerate(plan):
-        at = 0
-        for s, j in enumerate(members, start=1):
-            n = lengths[j]
-            src_b += [j] * n
-            src_t += range(n)
-            dst_b += [r] * n
-            dst_t += range(at, at + n)
-            seg += [s] * n
-            pos += range(n)
-            at += n
+    # one entry per sample, in placement order; then one per token by repeat_interleave (no per-token Python)
+    order = [(r, s, j) for r, members in enumerate(plan) for s, j in enumerate(members, start=1)]
+    n = torch.tensor([lengths[j] for _, _, j in order], dtype=torch.long)                 # (S,)
+    at = torch.tensor([sum(lengths[i] for i in plan[r][:s - 1]) for r, s, _ in order], dtype=torch.long)
+    rep = lambda v: torch.repeat_interleave(torch.tensor(v, dtype=torch.long), n)         # noqa: E731 (S,) -> (N,)
+    pos = torch.arange(int(n.sum())) - torch.repeat_interleave(n.cumsum(0) - n, n)       # (N,) 0..n-1 per sample
     dev = batch.input_ids.device
-    sb, st, db, dt = (torch.tensor(x, dtype=torch.long, device=dev) for x in (src_b, src_t, dst_b, dst_t))
+    sb, st, db, dt, sg, ps = (h2d(x, dev) for x in (rep([j for *_, j in order]), pos, rep([r for r, *_ in order]),
+                                                    torch.repeat_interleave(at, n) + pos, rep([s for _, s, _ in order]),
+                                                    pos))
 
     def move(x: Tensor | None, fill=0) -> Tensor | None:
         if x is None:
@@ -213,17 +222,21 @@ def pack(batch: Batch, rows: int, row_len: int) -> Batch:
     out = Batch(batch.ids, move(batch.input_ids), move(batch.loss_mask, False), move(batch.valid, False),
                 move(batch.aux), move(batch.final))
     out.segment_ids = torch.zeros(rows, row_len, dtype=torch.long, device=dev)            # (R, L)
-    out.segment_ids[db, dt] = torch.tensor(seg, dtype=torch.long, device=dev)
+    out.segment_ids[db, dt] = sg
     out.position_ids = torch.zeros(rows, row_len, dtype=torch.long, device=dev)           # (R, L)
-    out.position_ids[db, dt] = torch.tensor(pos, dtype=torch.long, device=dev)
+    out.position_ids[db, dt] = ps
     return out
+
+
+def nonfinite_flags(batch: Batch) -> Tensor:
+    """(B,) bool on the features' device: rows whose aux or final hold NaN/Inf on valid positions (no host sync)."""
+    bad = ~(torch.isfinite(batch.aux).all(-1) & torch.isfinite(batch.final).all(-1))  # (B, T)
+    return (bad & batch.valid.to(bad.device)).any(-1)                                   # (B,)
 
 
 def nonfinite_rows(batch: Batch) -> list[str]:
     """Ids of rows whose aux or final features hold NaN/Inf on valid positions."""
-    bad = ~(torch.isfinite(batch.aux).all(-1) & torch.isfinite(batch.final).all(-1))  # (B, T)
-    bad = (bad & batch.valid.to(bad.device)).any(-1)                                    # (B,)
-    return [batch.ids[r] for r in bad.nonzero().flatten().tolist()]
+    return [batch.ids[r] for r in nonfinite_flags(batch).nonzero().flatten().tolist()]
 
 
 # ----------------------------------------------------------------------------------------------- planning

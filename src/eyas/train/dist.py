@@ -85,6 +85,13 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     return t.item() > 0
 
 
+def max_over_ranks(t: torch.Tensor) -> torch.Tensor:
+    """Elementwise max of `t` over the ranks, on every rank (in place; `t` itself in one process)."""
+    if _on():
+        tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+    return t
+
+
 def gather_lists(local: list) -> list:
     """Every rank's `local` list, concatenated in rank order, on every rank."""
     if not _on():

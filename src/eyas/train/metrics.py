@@ -173,12 +173,14 @@ class MetricsSink:
                     for i, x in enumerate(v):
                         self.tb.add_scalar(f"{split}/{k[:-2]}_{i}", x, step)
 
-    def step(self, n_tokens: int, postfix: dict) -> float:
-        """Advance the bar; returns tokens/s since the sink was created."""
+    def step(self, n_tokens: int, postfix: dict | None) -> float:
+        """Advance the bar; returns tokens/s since the sink was created. postfix None keeps the last one's values
+        (steps that do not read their metrics back from the device)."""
         self.tokens += n_tokens
         rate = self.tokens / max(time.perf_counter() - self.t0, 1e-9)
         if self.bar is not None:
-            self.bar.set_postfix({**postfix, "tok/s": f"{rate:,.0f}"}, refresh=False)
+            self.postfix = {**getattr(self, "postfix", {}), **(postfix or {})}
+            self.bar.set_postfix({**self.postfix, "tok/s": f"{rate:,.0f}"}, refresh=False)
             self.bar.update(1)
         return rate
 

@@ -30,7 +30,7 @@ from eyas.manifest import check_same, write_manifest
 from eyas.train import checkpoint as ckpt
 from eyas.train import dist
 from eyas.train.config import TrainConfig
-from eyas.train.data import (epoch_batches, group, group_packed, nonfinite_rows, pack, rank_batches, split_indices,
+from eyas.train.data import (epoch_batches, group, group_packed, nonfinite_flags, pack, rank_batches, split_indices,
                              target_features)
 from eyas.train.metrics import MetricsSink, Sums, frequency_baseline, round_counts, truncate_metrics
 from eyas.train.setup import KIND, build_vocab, check_run_dir, init_head_from_target, schedule
@@ -133,6 +133,8 @@ class Trainer:
 
         # --- the plan: steps per epoch are fixed by (seed, epoch, lengths)
         self._plan: tuple[int, list] = (-1, [])
+        self._step_tokens: tuple[int, list[int]] = (-1, [])
+        self._watched: list[tuple[int, str, list[str], torch.Tensor]] = []   # NaN/Inf flags not yet read back
         if not self.plan(0):
             raise EyasError(f"{self.source.where}: {len(self.train_idx)} training samples make fewer micro-batches "
                             f"than one step needs ({self.world} rank(s) x grad_accum {cfg.grad_accum}); lower "
@@ -154,6 +156,18 @@ class Trainer:
             self._plan = (epoch, rank_batches(mb, rank=self.rank, world_size=self.world,
                                               grad_accum=self.cfg.grad_accum))
         return self._plan[1]
+
+    def tokens_of_step(self, epoch: int, pos: int) -> int:
+        """Counted tokens (valid, all ranks) of step `pos` of `epoch`, from the plan: no host sync."""
+        if self._step_tokens[0] != epoch:
+            cfg, lengths = self.cfg, self.source.lengths
+            mb = epoch_batches(self.train_idx, lengths, batch_tokens=cfg.batch_tokens, seed=cfg.seed, epoch=epoch,
+                               packed=self.packed)
+            per_rank = [rank_batches(mb, rank=r, world_size=self.world, grad_accum=cfg.grad_accum)
+                        for r in range(self.world)]
+            self._step_tokens = (epoch, [sum(lengths[i] for p in per_rank for idx in p[s] for i in idx)
+                                         for s in range(len(per_rank[0]))])
+        return self._step_tokens[1][pos]
 
     def next_batch(self) -> list[list[int]]:
         """The micro-batches of the step at the data position (epoch, pos)."""
@@ -199,41 +213,73 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """RUN/checkpoints/step-N at the current step (atomic; every rank writes its RNG state)."""
+        self.check_finite()
         state = self.state_dict()
         ckpt.save_checkpoint(self.run, self.step, state if self.rank == 0 else None, rank=self.rank,
                              barrier=dist.barrier, keep=self.cfg.keep_checkpoints)
 
     # ------------------------------------------------------------------------------------------ steps
-    def train_step(self, batch: list[list[int]]) -> tuple[dict, float, float]:
+    def train_step(self, batch: list[list[int]], sync: bool = True) -> tuple[dict | None, float, float | None]:
         """One optimizer step over `batch` (this rank's micro-batches); advances step, data position and tokens seen.
-        Returns (the step's train summary over all ranks, the lr it used, the gradient norm before clipping)."""
+        Returns (the step's train summary over all ranks, the lr it used, the gradient norm before clipping).
+
+        With sync=False nothing is read back from the device (summary and norm are None), so the host can queue
+        the next step while this one runs; the NaN/Inf checks of such steps are read at the next check_finite()
+        (every synced step, eval, checkpoint and the end), before anything is evaluated or saved."""
         cfg, model = self.cfg, self.model
         sums = Sums(cfg.ttt_steps, self.device)
+        step = self.step + 1
         for a, idx in enumerate(batch):
-            b = self._features(idx)
-            bad = nonfinite_rows(b)
+            b, n_tok = self._features(idx)
+            self._watch(step, "features", b.ids, nonfinite_flags(b))
             with dist.sync_grads(model, last=a == len(batch) - 1):
                 with self.amp:
                     lmask = b.valid if cfg.loss_on == "all" else b.loss_mask
                     o = TTTOutput(*model(b.input_ids, lmask, b.valid, b.aux, b.final, self.embed_w, self.lm_w,
                                          b.segment_ids, b.position_ids))
-                _stop_if_nonfinite(bad, o.loss, b.ids, self.step + 1, "features" if bad else "loss")
+                self._watch(step, "loss", b.ids, ~torch.isfinite(o.loss.detach()))
                 (o.loss / len(batch)).backward()
-            sums.add(o, b.num_tokens)
+            sums.add(o, n_tok)
         gnorm = nn.utils.clip_grad_norm_(self.params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-        _stop_if_nonfinite([], gnorm, [self.source.ids[j] for idx in batch for j in idx], self.step + 1,
-                           "gradient norm")
+        self._watch(step, "gradient norm", [self.source.ids[j] for idx in batch for j in idx], ~torch.isfinite(gnorm))
         lr = self.sched.get_last_lr()[0]
         self.optim.step()
         self.sched.step()
         self.optim.zero_grad(set_to_none=True)
-        self.step, self.pos = self.step + 1, self.pos + 1
-        summary = sums.all_reduce().summary()
-        self.seen += summary["tokens"]  # all ranks: the x axis of the scaling curve
-        return summary, lr, float(gnorm)
+        self.seen += self.tokens_of_step(self.epoch, self.pos)  # all ranks: the x axis of the scaling curve
+        self.step, self.pos = step, self.pos + 1
+        if not sync:
+            return None, lr, None
+        self.check_finite()
+        return sums.all_reduce().summary(), lr, float(gnorm)
+
+    def _watch(self, step: int, what: str, ids: list[str], flags: torch.Tensor) -> None:
+        if hasattr(flags, "full_tensor"):  # FSDP2's gradient norm is a DTensor
+            flags = flags.full_tensor()
+        self._watched.append((step, what, ids, flags.detach().reshape(-1)))
+
+    def check_finite(self) -> None:
+        """Read back the NaN/Inf flags of the steps since the last check (one host sync); raise for the first bad
+        one on any rank, naming its step and sample(s). Every rank calls it at the same steps."""
+        watched, self._watched = self._watched, []
+        if not watched:
+            return
+        bad = dist.max_over_ranks(torch.stack([f.any() for *_, f in watched]).float())     # (entries,)
+        if not bool(bad.any()):
+            return
+        j = int(bad.nonzero()[0])
+        step, what, ids, flags = watched[j]
+        local = flags.tolist()
+        if what == "features":
+            names = [ids[r] for r, x in enumerate(local) if x]
+        else:
+            names = list(ids) if any(local) else []
+        names = dist.gather_lists(names)
+        raise EyasError(f"step {step}: NaN/Inf in {what}, sample(s) {', '.join(map(repr, names)) or '(another rank)'}")
 
     def evaluate(self) -> dict:
         """Token-weighted TTT metrics and the frequency baseline on the held-out split ({} when there is none)."""
+        self.check_finite()
         if not self.eval_idx:
             return {}
         cfg, rank, world, packed = self.cfg, self.rank, self.world, self.packed
@@ -247,23 +293,28 @@ class Trainer:
         with torch.no_grad():
             for j in range(rounds):
                 k = j * world + rank
-                b = self._features(batches[k % len(batches)])
+                b, _ = self._features(batches[k % len(batches)])
                 with self.amp:  # DDP: the plain module (ranks may run different numbers of eval batches)
                     o = TTTOutput(*self.module(b.input_ids, b.loss_mask, b.valid, b.aux, b.final, self.embed_w,
                                                self.lm_w, b.segment_ids, b.position_ids))
                     base = frequency_baseline(b.input_ids, b.loss_mask, b.valid, b.final, self.lm_w,
                                               self.module.drafter.t2d, self.top_id)
                 if k < len(batches):
-                    sums.add(o, b.num_tokens, base,
+                    sums.add(o, sum(self.source.lengths[i] for i in batches[k]), base,
                              rounds=round_counts(o.accept_len, b.loss_mask, b.valid, b.segment_ids, cfg.ttt_steps))
         self.model.train()
         return sums.all_reduce().summary(token_weighted=True)
 
     def _features(self, idx: list[int]):
-        b = self.source.collate(idx).to(self.device)
+        """(the micro-batch on the device, with features and packed as configured; its token count). The lengths
+        are taken on the host, so nothing here waits for the device."""
+        b = self.source.collate(idx)
+        lengths = b.valid.sum(-1).tolist()                                     # on the CPU: no host sync
+        b = b.to(self.device)
         if self.cfg.online:
-            b = target_features(self.target, b, sub_tokens=self.cfg.batch_tokens if self.packed else None)
-        return pack(b, *self.packed) if self.packed else b
+            b = target_features(self.target, b, sub_tokens=self.cfg.batch_tokens if self.packed else None,
+                                lengths=lengths)
+        return (pack(b, *self.packed, lengths=lengths) if self.packed else b), sum(lengths)
 
     # ------------------------------------------------------------------------------------------- loop
     def train(self) -> dict:
@@ -279,11 +330,13 @@ class Trainer:
         train_summary: dict = {}
         self.model.train()
         while self.step < self.total:
-            train_summary, lr, gnorm = self.train_step(self.next_batch())
+            n = self.tokens_of_step(self.epoch, self.pos)
+            logged = (self.step + 1) % cfg.log_every == 0 or self.step + 1 == self.total
+            summary, lr, gnorm = self.train_step(self.next_batch(), sync=logged)   # others: no read-back
             step = self.step
-            rate = sink.step(train_summary["tokens"], {"loss": f"{train_summary['loss']:.3f}",
-                                                       "acc0": f"{train_summary['acc_k'][0]:.3f}"})
-            if step % cfg.log_every == 0 or step == self.total:
+            rate = sink.step(n, summary and {"loss": f"{summary['loss']:.3f}", "acc0": f"{summary['acc_k'][0]:.3f}"})
+            if logged:
+                train_summary = summary
                 sink.log({"step": step, "split": "train", "epoch": self.epoch, "tokens_seen": self.seen, "lr": lr,
                           "grad_norm": gnorm, "tokens_per_s": rate, **train_summary})
             end_of_epoch = self.pos == len(self.plan(self.epoch))
@@ -301,6 +354,7 @@ class Trainer:
             if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == self.total:
                 self.save_checkpoint()
         sink.close()
+        self.check_finite()
 
         # --- the final drafter
         m, _ = dist.full_state_dict(self.module, None, cfg.fsdp)
@@ -321,12 +375,3 @@ class Trainer:
                 "world_size": self.world, "total_steps": self.total,
                 "vocab": {"size": self.vocab.size, "coverage": self.vocab.coverage},
                 "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-
-
-# ------------------------------------------------------------------------------------------- helpers
-def _stop_if_nonfinite(bad_ids: list[str], value: torch.Tensor, ids: list[str], step: int, what: str) -> None:
-    """All ranks agree whether any rank saw NaN/Inf; then every rank raises, naming the samples it holds."""
-    finite = bool(torch.isfinite(value).all())
-    if dist.any_rank(bool(bad_ids) or not finite, value.device):
-        names = dist.gather_lists(bad_ids or ([] if finite else ids))
-        raise EyasError(f"step {step}: NaN/Inf in {what}, sample(s) {', '.join(map(repr, names)) or '(another rank)'}")
