@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import inspect
 import textwrap
+import types
 import typing
 from dataclasses import dataclass
 
@@ -64,3 +65,67 @@ def knobs(cls) -> dict[str, Knob]:
             assert k.name not in out, f"{cls.__name__}: knob {k.name!r} appears twice"
             out[k.name] = k
     return out
+
+
+# ---- command-line flags ----------------------------------------------------------------------------------------
+
+def flag_name(name: str) -> str:
+    """A field name as a flag: max_new_tokens -> --max-new-tokens."""
+    return "--" + name.replace("_", "-")
+
+
+def add_flags(parser, cls, names=None, **special: dict) -> None:
+    """One argparse flag per knob of `cls` (`names`, default every int, float, str and bool knob, in field order)
+    on `parser` (or an argument group).
+
+    Derived from the field: the flag --field-name, its type (int, float, str; `X | None` takes an X), its default
+    (a field without one is a required flag) and its help (the field's docstring). A bool field is a switch:
+    --name (store_true) when its default is False, --no-name (store_false) when it is True; dest is always the
+    field name, so `from_args` finds it. special[name] holds argparse keywords that replace the derived ones
+    (choices, required, default, metavar, help, type), plus flags=(...) for other option strings."""
+    every = knobs(cls)
+    if names is None:  # every knob a flag can carry: a tuple or dict field needs its own type=, so it is named
+        names = [n for n, k in every.items() if _flag_type(k.type) is not None or "type" in special.get(n, {})]
+    for name in names:
+        k, kw = every[name], dict(special.get(name, {}))
+        tp = _flag_type(k.type)
+        if tp is None and "type" not in kw:
+            raise TypeError(f"{cls.__name__}.{name}: a {k.type} field needs type= in add_flags")
+        args = {"dest": name, "help": _escape(k.doc)}
+        if tp is bool:
+            off = k.default is True
+            flags = (flag_name("no_" + name),) if off else (flag_name(name),)
+            args["action"] = "store_false" if off else "store_true"
+            if off:
+                args["help"] = "turn off: " + args["help"][:1].lower() + args["help"][1:]
+        else:
+            flags = (flag_name(name),)
+            if tp not in (str, None):
+                args["type"] = tp
+            if k.default is dataclasses.MISSING:
+                args["required"] = True
+            else:
+                args["default"] = k.default
+        flags = kw.pop("flags", flags)
+        args.update(kw)
+        if args.get("default") is not None and tp is not bool and "help" not in kw:
+            args["help"] += " (default: %(default)s)"
+        parser.add_argument(*flags, **args)
+
+
+def from_args(cls, args, **values):
+    """cls built from the parsed flags named after its knobs, with `values` on top (what a command sets itself)."""
+    given = {n: getattr(args, n) for n in knobs(cls) if hasattr(args, n)}
+    return cls(**{**given, **values})
+
+
+def _flag_type(tp):
+    """int, float, str or bool for a field type (the X of `X | None`); None for any other (a tuple, a dict)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        rest = [a for a in typing.get_args(tp) if a is not type(None)]
+        tp = rest[0] if len(rest) == 1 else None
+    return tp if tp in (int, float, str, bool) else None
+
+
+def _escape(text: str) -> str:
+    return text.replace("%", "%%")

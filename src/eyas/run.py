@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from eyas.errors import EyasError
+from eyas.knobs import add_flags, from_args
 from eyas.manifest import atomic_write_bytes, diff_dicts
 from eyas.recipes import Recipe, from_legacy_knobs, load_recipe, resolve_key, with_overrides
 from eyas.recipes import preset as preset_recipe
@@ -367,34 +368,29 @@ def _knob(text: str) -> tuple[str, object]:
 def register(subparsers) -> None:
     p = subparsers.add_parser("run", help="the whole pipeline in one resumable command",
                               description="prepare -> capture -> train -> bench -> export -> report.md")
-    p.add_argument("--target", default="smollm2-135m", help="target model (default: the embedded SmolLM2-135M)")
-    p.add_argument("--data", default="sharegpt", help="conversations (default: the embedded ShareGPT)")
+    add_flags(p, RunConfig, ["target", "data"])
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--preset", default=None,
-                       help="a shipped recipe: cpu-demo or gpu (default: gpu when a CUDA GPU is present, else cpu-demo)")
-    which.add_argument("--recipe", default=None, metavar="FILE",
-                       help="a recipe TOML file ([run], [prepare], [capture], [train], [[bench]]; docs/run.md)")
-    p.add_argument("--out", default=None, help="run directory (default: runs/<preset or recipe name>)")
+    add_flags(which, RunConfig, ["preset", "recipe_file"],
+              preset={"default": None, "help": "a shipped recipe: cpu-demo or gpu (default: gpu when a CUDA GPU is "
+                                               "present, else cpu-demo)"},
+              recipe_file={"flags": ("--recipe",), "metavar": "FILE",
+                           "help": "a recipe TOML file ([run], [prepare], [capture], [train], [[bench]]; docs/run.md)"})
+    add_flags(p, RunConfig, ["out"], out={"default": None, "help": "run directory (default: runs/<preset or recipe "
+                                                                  "name>)"})
     p.add_argument("--set", dest="overrides", action="append", type=_knob, default=[], metavar="KEY=VALUE",
                    help="change one recipe value, e.g. --set train.epochs=3 or --set prepare.limit=100; VALUE is "
                         "JSON (null for None); pre-recipe flat names such as limit=100 still work (repeatable)")
-    p.add_argument("--overwrite", action="store_true", help="replace a run directory of another configuration")
-    p.add_argument("--quiet", action="store_true", help="no progress bars, only the summary")
-    p.add_argument("--verbose", action="store_true",
-                   help="print every skipped record and dropped sample (always in RUN/logs/skipped.jsonl)")
-    p.add_argument("--until", choices=STAGES, help="stop after this stage (a rerun without it continues)")
+    add_flags(p, RunConfig, ["overwrite", "quiet", "verbose", "until"], until={"choices": STAGES})
     p.set_defaults(func=_main)
 
 
 def _main(args) -> int:
     name = args.preset
-    if args.recipe:
-        name = Path(args.recipe).stem
+    if args.recipe_file:
+        name = Path(args.recipe_file).stem
     elif name is None:
         import torch
         name = "gpu" if torch.cuda.is_available() else "cpu-demo"
-    cfg = RunConfig(target=args.target, data=args.data, preset=name, recipe_file=args.recipe,
-                    out=args.out or f"runs/{name}", overrides=dict(args.overrides), overwrite=args.overwrite,
-                    quiet=args.quiet, verbose=args.verbose, until=args.until)
+    cfg = from_args(RunConfig, args, preset=name, out=args.out or f"runs/{name}", overrides=dict(args.overrides))
     run_pipeline(cfg)
     return 0

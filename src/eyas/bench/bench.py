@@ -39,7 +39,8 @@ class BenchConfig:
     target: str = "smollm2-135m"
     """Target spec (embedded name, HF dir, GGUF)."""
     drafter: str | None = None
-    """Drafter: eyas run dir, drafter dir or exported EAGLE-3 dir; None = baselines only."""
+    """Drafter: eyas run dir (RUN/, e.g. runs/cpu-demo), train run dir, drafter dir, or exported/published EAGLE-3
+    dir (None: baselines only)."""
     prompts: str = "sharegpt-heldout"
     """sharegpt-heldout | humaneval | a .jsonl with `prompt` or `turns`."""
     spec: SpecConfig = SpecConfig()

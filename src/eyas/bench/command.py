@@ -4,37 +4,31 @@ from __future__ import annotations
 
 import argparse
 
+from eyas.knobs import add_flags, from_args
+
+
+# Flags that are not a BenchConfig field: --chain K | --tree set method and k together; the mismatch override is
+# handled here, where the drafter is opened.
+NOT_FIELDS = ("chain", "tree", "allow_target_mismatch")
+
 
 def register(subparsers) -> argparse.ArgumentParser:
+    from eyas.bench.bench import BenchConfig
+
     p = subparsers.add_parser("bench", help="measure acceptance length and real speedup of a drafter",
                               description="Speculative decoding benchmark with plain and prompt-lookup baselines.")
-    p.add_argument("--target", default="smollm2-135m", help="target model (embedded name, HF dir, GGUF)")
-    p.add_argument("--drafter", help="eyas run dir (RUN/, e.g. runs/cpu-demo), train run dir, drafter dir, or exported/published "
-                        "EAGLE-3 dir (omit: baselines only)")
-    p.add_argument("--prompts", default="sharegpt-heldout", help="sharegpt-heldout | humaneval | FILE.jsonl")
+    add_flags(p, BenchConfig, ["target", "drafter", "prompts"])
     shape = p.add_mutually_exclusive_group()
     shape.add_argument("--chain", type=int, metavar="K", help="chain of K draft tokens (default 5)")
     shape.add_argument("--tree", action="store_true", help="EAGLE-2 dynamic tree")
-    p.add_argument("--top-k", type=int, default=10, help="tree: children per node")
-    p.add_argument("--depth", type=int, default=6, help="tree: depth")
-    p.add_argument("--total-tokens", type=int, default=60, help="tree: draft tokens per round")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--limit", type=int, default=20, help="number of prompt records (default 20)")
-    p.add_argument("--max-turns", type=int, default=None, help="answer only the first N turns of each record")
-    p.add_argument("--max-prompt-tokens", type=int, default=None,
-                   help="skip records whose first prompt is longer (counted in the report)")
-    p.add_argument("--max-seq", type=int, default=2048, help="target cache length; longer prompts are left-truncated")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="default: bf16 on CUDA, fp32 on the CPU")
-    p.add_argument("--compile", action="store_true", help="torch.compile the target's decode steps (CUDA)")
-    p.add_argument("--no-baselines", action="store_true", help="skip plain decoding and prompt lookup")
-    p.add_argument("--lossless-turns", type=int, default=4, metavar="N",
-                   help="greedy benches in bf16/fp16: decode the first N turns again in fp32 as the exact "
-                        "lossless check (0 = off; default 4)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", dest="json_out", help="write the report here (plot next to it as .png)")
+    add_flags(p, BenchConfig, ["top_k", "depth", "total_tokens", "temperature", "top_p", "max_new_tokens", "limit",
+                               "max_turns", "max_prompt_tokens", "max_seq", "device", "dtype", "compile",
+                               "baselines", "lossless_turns", "seed", "json_out"],
+              device={"default": None, "help": "cpu or cuda (default: cuda if available)"},
+              dtype={"choices": ["fp32", "bf16", "fp16"]},
+              baselines={"help": "skip plain decoding and prompt lookup"},
+              lossless_turns={"metavar": "N"},
+              json_out={"flags": ("--json",)})
     p.add_argument("--allow-target-mismatch", action="store_true",
                    help="bench a drafter whose recorded target fingerprint differs from --target's (a warning, "
                         "kept in the report's target_mismatch)")
@@ -48,13 +42,8 @@ def main(args: argparse.Namespace) -> int:
     from eyas.bench.bench import BenchConfig, run_bench
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = BenchConfig(target=args.target, drafter=args.drafter, prompts=args.prompts,
-                      method="tree" if args.tree else "chain", k=args.chain or 5, top_k=args.top_k,
-                      depth=args.depth, total_tokens=args.total_tokens, temperature=args.temperature,
-                      top_p=args.top_p, max_new_tokens=args.max_new_tokens, limit=args.limit, max_turns=args.max_turns, max_prompt_tokens=args.max_prompt_tokens,
-                      max_seq=args.max_seq, device=device, dtype=args.dtype, compile=args.compile,
-                      baselines=not args.no_baselines, lossless_turns=args.lossless_turns, seed=args.seed,
-                      json_out=args.json_out)
+    shape = {"method": "tree"} if args.tree else {"method": "chain", **({"k": args.chain} if args.chain else {})}
+    cfg = from_args(BenchConfig, args, **shape, device=device)
     if not args.allow_target_mismatch or not args.drafter:
         run_bench(cfg)
         return 0

@@ -7,6 +7,7 @@ import json
 import os
 
 from eyas.errors import EyasError
+from eyas.knobs import add_flags, from_args
 
 
 def _layers(text: str) -> tuple[int, ...]:
@@ -17,18 +18,13 @@ def _layers(text: str) -> tuple[int, ...]:
 
 
 def register(subparsers) -> None:
+    from eyas.capture.capture import CaptureConfig
+    from eyas.store.format import DTYPES
+
     p = subparsers.add_parser("capture", help="store the target's aux + final hidden states for prepared data")
-    p.add_argument("--target", default="smollm2-135m", help="target spec (default: the embedded smollm2-135m)")
-    p.add_argument("--data", required=True, help="prepared data directory (eyas prepare output)")
-    p.add_argument("--out", required=True, help="store directory to write or resume")
-    p.add_argument("--layers", type=_layers, default=None,
-                   help="three HF hidden_states indices low,mid,high (default 2,N//2,N-3)")
-    p.add_argument("--dtype", choices=["bf16", "fp8"], default="bf16")
-    p.add_argument("--batch-tokens", type=int, default=16384, help="token budget per forward batch")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--overwrite", action="store_true", help="replace a store of another configuration")
-    p.add_argument("--limit", type=int, default=None, help="capture only the first N samples")
-    p.add_argument("--shard-mb", type=float, default=512, help="shard size in MiB")
+    add_flags(p, CaptureConfig, ["target", "data", "out", "layers", "dtype", "batch_tokens", "device", "overwrite",
+                                 "limit", "shard_mb"],
+              data={"required": True}, layers={"type": _layers}, dtype={"choices": list(DTYPES)})
     p.add_argument("--target-config", default=None,
                    help="with --engine: the served target's config.json (its layer count, hidden and vocab size)")
     from eyas.engines.capture import add_engine_args
@@ -73,9 +69,7 @@ def _main(args) -> int:
         if device == "cuda":
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
     try:
-        cfg = CaptureConfig(target=args.target, data=args.data, out=args.out, layers=args.layers, dtype=args.dtype,
-                            batch_tokens=args.batch_tokens, device=device, overwrite=args.overwrite,
-                            limit=args.limit, shard_mb=args.shard_mb)
+        cfg = from_args(CaptureConfig, args, device=device)
     except ValueError as e:
         raise EyasError(f"capture: {e}") from None
     m = run_capture(cfg)

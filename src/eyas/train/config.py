@@ -12,6 +12,10 @@ DEVICE_DEFAULTS = {"cuda": {"ttt_steps": 7, "draft_vocab": 32000}, "cpu": {"ttt_
 CUDA: EAGLE-3's K and vocabulary. CPU: on 2 cores K=7 with a 32k vocabulary trains at about 80 tok/s, K=3 with 8k
 (the cpu-demo's) about 20x faster."""
 
+CHOICES = {"loss_on": ("assistant", "all"), "attention": ("auto", "dense", "flex"), "pack": ("auto", "on", "off"),
+           "autocast": ("auto", "bf16", "off")}
+"""The fields that take one of a few names, and those names (checked here; the choices of `eyas train`'s flags)."""
+
 RESUME_FREE = ("resume", "progress", "checkpoint_every", "keep_checkpoints", "target", "device", "compile",
                "eval_every", "allow_target_mismatch")
 
@@ -113,14 +117,10 @@ class TrainConfig:
             raise EyasError(f"train: --epochs must be >= 1, got {self.epochs}")
         if self.steps is not None and self.steps < 1:
             raise EyasError(f"train: --steps must be >= 1, got {self.steps}")
-        if self.loss_on not in ("assistant", "all"):
-            raise EyasError(f"train: loss_on must be assistant or all, got {self.loss_on!r}")
-        if self.attention not in ("auto", "dense", "flex"):
-            raise EyasError(f"train: attention must be auto, dense or flex, got {self.attention!r}")
-        if self.pack not in ("auto", "on", "off"):
-            raise EyasError(f"train: pack must be auto, on or off, got {self.pack!r}")
-        if self.autocast not in ("auto", "bf16", "off"):
-            raise EyasError(f"train: autocast must be auto, bf16 or off, got {self.autocast!r}")
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise EyasError(f"train: {name} must be {', '.join(allowed[:-1])} or {allowed[-1]}, "
+                                f"got {getattr(self, name)!r}")
         if not self.lr > 0:
             raise EyasError(f"train: --lr must be positive, got {self.lr}")
         if not 0.0 <= self.min_lr_ratio <= 1.0 or not 0.0 <= self.warmup_ratio < 1.0:
