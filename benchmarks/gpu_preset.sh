@@ -50,7 +50,7 @@ poll)  # wait up to $2 seconds for the background run, then copy what there is
     cp /root/bg.log $OUT/ 2>/dev/null; cp /root/gputests.log $OUT/ 2>/dev/null
     (cd "$RUN" && tar czf "$OUT/run.tgz" --ignore-failed-read report.md run.json logs bench plots \
        train/metrics.jsonl train/manifest.json export/config.json data/manifest.json 2>/dev/null)
-    # PACK=data / PACK=export: that run directory as xz tar parts of 15 MB (the prepared data carries back into a
+    # PACK=prepared / PACK=export: that run subdirectory as xz tar parts of 15 MB (the prepared data carries back into a
     # later lease for training-only experiments; the export is the drafter)
     for d in ${PACK:-}; do [ -d "$RUN/$d" ] && tar cf - -C "$RUN" "$d" | xz -T0 -6 | split -b 15000000 - "$OUT/${d//\//_}.tar.xz.part-"; done
     [ -f $RUN.done ] && python3 benchmarks/run_report.py "$RUN" --command "eyas run --preset gpu --target $STAGE/smollm2.gguf --out $RUN (one background process)" --md "$OUT/BENCH.md"

@@ -166,6 +166,51 @@ def bench(shape: str, T: int, K: int, steps: int, chunk: int | None, device: tor
             "peak_gib": peak}
 
 
+def trainer_bench(T: int, K: int, steps: int, device: torch.device, *, rows: int, log_every: int,
+                  attention: str, compile_layer: bool) -> dict:
+    """The real loop: eyas.train.trainer.Trainer on prepared data (random token samples of 128..T, all
+    trainable) with the online SmolLM2-shaped target, as `eyas train --online` runs it (collate, host-to-device
+    copies, target forward, packing, NaN checks, metrics). Steps whose metrics are not read back (log_every) do
+    not wait for the device. Rate = counted tokens / wall time of `steps` steps after warm-up."""
+    import tempfile
+
+    from eyas.data.prepared import PreparedWriter, Sample
+    from eyas.train.config import TrainConfig
+    from eyas.train.trainer import Trainer
+
+    target = smollm2_target(device)
+    g = torch.Generator().manual_seed(2)
+    tmp = Path(tempfile.mkdtemp(prefix="eyas-train-bench-"))
+    w = PreparedWriter(tmp / "prep", identity={"bench": 1})
+    n_samples = 0
+    while n_samples < (steps + 8) * rows * T // ((128 + T) // 2) * 2:
+        n = int(torch.randint(128, T + 1, (1,), generator=g))
+        w.add(Sample(f"s{n_samples}", torch.randint(0, 49152, (n,), generator=g).tolist(), [1] * n))
+        n_samples += 1
+    w.commit(n_samples, {})
+    w.finish({"target": target.fingerprint, "counts": {"kept": n_samples}})
+    cfg = TrainConfig(out=str(tmp / "run"), data=str(tmp / "prep"), target="random smollm2-shaped", device=str(device), max_len=T,
+                      batch_tokens=rows * T, ttt_steps=K, draft_vocab=32000, pack="on", attention=attention,
+                      compile=compile_layer, eval_fraction=0.0, checkpoint_every=0, eval_every=0,
+                      log_every=log_every, progress=False, steps=steps + 4)
+    tr = Trainer(cfg, target)
+    for _ in range(3):   # compile and warm up
+        tr.train_step(tr.next_batch())
+    t0, tok0, lengths = time.perf_counter(), tr.seen, []
+    for i in range(steps):
+        batch = tr.next_batch()
+        lengths += [tr.source.lengths[j] for idx in batch for j in idx]
+        tr.train_step(batch, sync=(i + 1) % log_every == 0 or i == steps - 1)
+    sync(device)
+    dt = (time.perf_counter() - t0) / steps
+    tokens = (tr.seen - tok0) / steps
+    flops = (sum(useful_flops(tr.dcfg, n, K) for n in lengths) + 2 * 135e6 * sum(lengths)) / steps
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    return {"shape": "smollm2 (Trainer)", "seq": T, "rows": rows, "tokens": int(tokens), "attention": attention,
+            "compile": compile_layer, "online": True, "chunk": None, "ms_step": dt * 1e3, "tok_s": tokens / dt,
+            "flops_step": flops, "peak_gib": peak}
+
+
 def pack_rows_fit(lengths, rows, T) -> bool:
     from eyas.train.data import pack_rows
     return pack_rows(lengths, rows, T) is not None
@@ -185,6 +230,9 @@ def main() -> int:
     ap.add_argument("--compile", default="0", help="comma list of 0/1: torch.compile the decoder layer")
     ap.add_argument("--online", action="store_true", help="include a SmolLM2-shaped target forward (random weights)")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one more step per row")
+    ap.add_argument("--trainer", type=int, default=0, metavar="LOG_EVERY",
+                    help="also time the real Trainer loop (online SmolLM2 target, prepared random samples), reading "
+                         "metrics back every LOG_EVERY steps (0: skip; 1: every step, as before issue 12's change)")
     ap.add_argument("--no-record", action="store_true", help="do not append to BENCHMARKS.md")
     args = ap.parse_args()
 
@@ -214,6 +262,14 @@ def main() -> int:
                     rows.append(r)
                     if rank == 0:
                         print(r, flush=True)
+    if args.trainer and world == 1:
+        for T in (int(s) for s in args.seqs.split(",")):
+            for attention in args.attention.split(","):
+                for comp in (c == "1" for c in args.compile.split(",")):
+                    r = trainer_bench(T, args.ttt_steps, args.steps, device, rows=max(1, args.batch_tokens // T),
+                                      log_every=args.trainer, attention=attention, compile_layer=comp)
+                    rows.append(r)
+                    print(r, flush=True)
     if rank != 0:
         return 0
     what = "bf16" if device.type == "cuda" else "fp32"
@@ -232,7 +288,9 @@ def main() -> int:
     table = "\n".join(lines)
     note = (f"Measured {what} matmul rate: {peak / 1e12:.1f} TFLOP/s per device; MFU = useful "
             f"FLOPs / time / that rate. K = {args.ttt_steps} TTT steps; per rank and step, packed rows of random "
-            f"samples of 128..row-len tokens, all trainable; random features unless the online target runs.")
+            f"samples of 128..row-len tokens, all trainable; random features unless the online target runs. "
+            f"'(Trainer)' rows time the real training loop (eyas.train.trainer.Trainer) on such samples"
+            + (f", reading metrics back every {args.trainer} steps." if args.trainer else "."))
     print(table)
     print(note)
     if not args.no_record:
