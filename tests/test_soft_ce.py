@@ -31,6 +31,27 @@ def test_fused_soft_ce_equals_reference(chunk):
     torch.testing.assert_close(w.grad, gw_r, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [3, 4096])
+def test_weighted_rows_equal_the_kept_subset(chunk):
+    """Rows weighted 0 add nothing to the loss or to either gradient: the weighted call equals the reference on
+    the rows weighted 1 (the fixed-size row sets of TTT without host syncs)."""
+    x, w, f, wt = _case(N=23)
+    keep = torch.tensor([i % 3 != 1 for i in range(23)])
+    loss_r, pred_r = soft_ce_reference(x[keep], w, f[keep], wt)
+    loss_r.backward()
+    gx_r, gw_r = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    loss, pred = fused_soft_ce(x, w, f, wt, chunk=chunk, weight=keep.float())
+    loss.backward()
+    torch.testing.assert_close(loss, loss_r, rtol=1e-5, atol=1e-5)
+    assert torch.equal(pred[keep], pred_r)
+    torch.testing.assert_close(x.grad[keep], gx_r[keep], rtol=1e-5, atol=1e-5)
+    assert torch.equal(x.grad[~keep], torch.zeros_like(x.grad[~keep]))
+    torch.testing.assert_close(w.grad, gw_r, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="weight"):
+        fused_soft_ce(x, w, f, wt, weight=keep[:5].float())
+
+
 def test_fused_soft_ce_bf16_autocast_is_close_and_empty_is_zero():
     x, w, f, wt = _case(N=64, h=32, Vd=200)
     loss_r, _ = soft_ce_reference(x, w, f, wt)

@@ -186,6 +186,31 @@ def test_fast_path_equals_naive_reference(K):
             assert getattr(out, key).tolist() == met_n[key], key
 
 
+@pytest.mark.parametrize("bound", ["tight", "all"])
+def test_fixed_size_row_sets_equal_boolean_selection(bound):
+    """max_counted (an upper bound on the loss positions, known on the host) gathers fixed-size row sets instead
+    of boolean indexing, so no step waits for the device: same counts, accept lengths and loss, same gradients.
+    'tight' is the count of the largest row set (the positions whose next token is a loss position)."""
+    K = 4
+    d, c = make_case(seed=5, B=3, T=11)
+    ref, grads_r = run_fast(d, c, K, chunk_size=4)
+    tight = int((c["loss_mask"] & c["valid"])[:, 1:].sum())
+    n = tight if bound == "tight" else c["valid"].numel()
+    d.zero_grad()
+    short = ttt_forward(d, **ttt_inputs(c), cfg=TTTConfig(num_steps=K, chunk_size=4),
+                        max_counted=int(ref.count_k.max()) - 1)
+    assert not torch.allclose(short.loss, ref.loss)   # a bound too small drops a row: the test can see it
+    d.zero_grad()
+    out = ttt_forward(d, **ttt_inputs(c), cfg=TTTConfig(num_steps=K, chunk_size=4), max_counted=n)
+    out.loss.backward()
+    for key in ("count_k", "correct_k", "cond_count_k", "cond_correct_k", "accept_len"):
+        assert torch.equal(getattr(out, key), getattr(ref, key)), key
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out.loss_k, ref.loss_k, rtol=1e-6, atol=1e-6)
+    for name, g in grads_r.items():
+        torch.testing.assert_close(d.get_parameter(name).grad, g, rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("mutation", [dict(tgt_shift=2), dict(tgt_shift=0, pred_shift=1), dict(rope_step=False),
                                       dict(keys_rule="own_step_causal"), dict(mask_at_pred=False)])
 def test_reference_is_sensitive_to_alignment(mutation):
@@ -264,3 +289,31 @@ def test_cuda_matches_cpu_and_bf16_autocast_runs():
         bf, bf_grads = run_fast(dc, cc, K, chunk_size=8)
     assert torch.isfinite(bf.loss) and abs(float(bf.loss) - float(cpu.loss)) < 0.1 * float(cpu.loss)
     assert bf.count_k.tolist() == cpu.count_k.tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("attention", ["dense", "flex"])
+def test_fixed_size_step_equals_boolean_and_does_not_sync_on_cuda(attention):
+    """On CUDA, with max_counted the TTT forward and backward never wait for the device (sync debug mode
+    'error' raises on any synchronising call), and they equal the boolean-selection path."""
+    K = 3
+    d, c = make_case(seed=9, B=2, T=64, h=64, head_dim=16)
+    d = d.cuda()
+    c = {k: v.cuda() for k, v in c.items()}
+    n = int((c["loss_mask"] & c["valid"]).sum())
+    cfg = TTTConfig(num_steps=K, chunk_size=16, attention=attention)
+    ref = ttt_forward(d, **ttt_inputs(c), cfg=cfg)
+    for _ in range(2):   # warm up: compiles and caches that may synchronise once
+        ttt_forward(d, **ttt_inputs(c), cfg=cfg, max_counted=n).loss.backward()
+    d.zero_grad()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = ttt_forward(d, **ttt_inputs(c), cfg=cfg, max_counted=n)
+        out.loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for key in ("count_k", "correct_k", "accept_len"):
+        assert torch.equal(getattr(out, key), getattr(ref, key)), key
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-5)

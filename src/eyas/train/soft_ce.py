@@ -33,6 +33,19 @@ def _chunk(z: Tensor, zt: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return (lse - (p * z).sum(-1)).sum(), z.argmax(-1), torch.exp(z - lse[:, None]) - p
 
 
+def _chunk_weighted(z: Tensor, zt: Tensor, wr: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """_chunk with a weight per row wr (c,): 0 drops a row (loss and gradient), 1 keeps it."""
+    z = z.float()                                                                # (c, Vd)
+    lse = torch.logsumexp(z, dim=-1)                                             # (c,)
+    p = torch.softmax(zt.float(), dim=-1)                                        # (c, Vd)
+    return ((lse - (p * z).sum(-1)) * wr).sum(), z.argmax(-1), (torch.exp(z - lse[:, None]) - p) * wr[:, None]
+
+
+@functools.cache
+def _compiled_chunk_weighted():
+    return torch.compile(_chunk_weighted)
+
+
 @functools.cache
 def _compiled_chunk():
     # dynamic=None: the last chunk's row count changes every step (the counted positions vary); after the first
@@ -43,7 +56,7 @@ def _compiled_chunk():
 
 class _FusedSoftCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, f, wt, chunk: int, dtype: torch.dtype):
+    def forward(ctx, x, w, f, wt, chunk: int, dtype: torch.dtype, weight):
         N = x.shape[0]
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
@@ -54,9 +67,12 @@ class _FusedSoftCE(torch.autograd.Function):
             wc, wtc = w.to(dtype), wt.to(dtype)
             # on CUDA the elementwise/reduction part is one compiled kernel set (a few passes over (c, Vd))
             part = _compiled_chunk() if x.is_cuda else _chunk
+            wpart = _compiled_chunk_weighted() if x.is_cuda else _chunk_weighted
             for i in range(0, N, chunk):
                 xc = x[i:i + chunk].to(dtype)                                    # (c, h)
-                ls, pr, dz = part(xc @ wc.T, f[i:i + chunk].to(dtype) @ wtc.T)   # dz (c, Vd) softmax(z) - p
+                z, zt = xc @ wc.T, f[i:i + chunk].to(dtype) @ wtc.T              # (c, Vd) each
+                # dz (c, Vd) = softmax(z) - p, times the row weights when given
+                ls, pr, dz = part(z, zt) if weight is None else wpart(z, zt, weight[i:i + chunk].float())
                 loss += ls
                 pred[i:i + chunk] = pr
                 if need_grad:
@@ -73,19 +89,24 @@ class _FusedSoftCE(torch.autograd.Function):
         gx, gw = ctx.saved_tensors
         dx = (gx * g_loss).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
         dw = (gw * g_loss).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None
 
 
-def fused_soft_ce(x: Tensor, w: Tensor, f: Tensor, wt: Tensor, *, chunk: int = 4096) -> tuple[Tensor, Tensor]:
+def fused_soft_ce(x: Tensor, w: Tensor, f: Tensor, wt: Tensor, *, chunk: int = 4096,
+                  weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(sum over rows of soft CE, drafter argmax per row). x (N, h) normed drafter states, w (Vd, h) the drafter's
     lm_head weight, f (N, h_t) the target's final states, wt (Vd, h_t) the target's lm_head rows of the draft vocab.
+    weight (N,) of 0/1, optional: rows weighted 0 add nothing to the loss or the gradients (fixed-size row sets).
 
     Matmuls run in the autocast dtype when autocast is on (else x's dtype); logsumexp/softmax in fp32."""
     if x.shape[0] != f.shape[0]:
         raise ValueError(f"fused_soft_ce: {x.shape[0]} drafter rows but {f.shape[0]} target rows")
     if x.shape[0] == 0:
         return (x.sum() + w.sum()) * 0.0, torch.empty(0, dtype=torch.long, device=x.device)
-    return _FusedSoftCE.apply(x, w, f.detach(), wt.detach(), int(chunk), _compute_dtype(x))
+    if weight is not None and weight.shape != x.shape[:1]:
+        raise ValueError(f"fused_soft_ce: weight {tuple(weight.shape)} for {x.shape[0]} rows")
+    return _FusedSoftCE.apply(x, w, f.detach(), wt.detach(), int(chunk), _compute_dtype(x),
+                              None if weight is None else weight.detach())
 
 
 def soft_ce_reference(x: Tensor, w: Tensor, f: Tensor, wt: Tensor) -> tuple[Tensor, Tensor]:

@@ -46,10 +46,10 @@ class TTTModule(nn.Module):
         self.drafter, self.ttt = drafter, ttt
 
     def forward(self, input_ids, loss_mask, valid, aux, final, embed_weight, lm_head_weight, segment_ids=None,
-                position_ids=None):
+                position_ids=None, max_counted=None):
         o = ttt_forward(self.drafter, input_ids=input_ids, loss_mask=loss_mask, valid=valid, aux=aux, final=final,
                         embed=embed_weight, lm_head_weight=lm_head_weight, cfg=self.ttt, segment_ids=segment_ids,
-                        position_ids=position_ids)
+                        position_ids=position_ids, max_counted=max_counted)
         return o.loss, o.loss_k, o.count_k, o.correct_k, o.cond_count_k, o.cond_correct_k, o.accept_len
 
 
@@ -230,13 +230,13 @@ class Trainer:
         sums = Sums(cfg.ttt_steps, self.device)
         step = self.step + 1
         for a, idx in enumerate(batch):
-            b, n_tok = self._features(idx)
+            b, n_tok, n_loss = self._features(idx)
             self._watch(step, "features", b.ids, nonfinite_flags(b))
             with dist.sync_grads(model, last=a == len(batch) - 1):
                 with self.amp:
                     lmask = b.valid if cfg.loss_on == "all" else b.loss_mask
                     o = TTTOutput(*model(b.input_ids, lmask, b.valid, b.aux, b.final, self.embed_w, self.lm_w,
-                                         b.segment_ids, b.position_ids))
+                                         b.segment_ids, b.position_ids, n_loss))
                 self._watch(step, "loss", b.ids, ~torch.isfinite(o.loss.detach()))
                 (o.loss / len(batch)).backward()
             sums.add(o, n_tok)
@@ -293,7 +293,7 @@ class Trainer:
         with torch.no_grad():
             for j in range(rounds):
                 k = j * world + rank
-                b, _ = self._features(batches[k % len(batches)])
+                b, _, _ = self._features(batches[k % len(batches)])
                 with self.amp:  # DDP: the plain module (ranks may run different numbers of eval batches)
                     o = TTTOutput(*self.module(b.input_ids, b.loss_mask, b.valid, b.aux, b.final, self.embed_w,
                                                self.lm_w, b.segment_ids, b.position_ids))
@@ -306,15 +306,17 @@ class Trainer:
         return sums.all_reduce().summary(token_weighted=True)
 
     def _features(self, idx: list[int]):
-        """(the micro-batch on the device, with features and packed as configured; its token count). The lengths
-        are taken on the host, so nothing here waits for the device."""
+        """(the micro-batch on the device, with features and packed as configured; its token count; its count of
+        loss positions, an upper bound on what the TTT loss counts). Counts are taken on the host, so nothing here
+        waits for the device."""
         b = self.source.collate(idx)
         lengths = b.valid.sum(-1).tolist()                                     # on the CPU: no host sync
+        n_loss = int((b.valid if self.cfg.loss_on == "all" else b.loss_mask & b.valid).sum())
         b = b.to(self.device)
         if self.cfg.online:
             b = target_features(self.target, b, sub_tokens=self.cfg.batch_tokens if self.packed else None,
                                 lengths=lengths)
-        return (pack(b, *self.packed, lengths=lengths) if self.packed else b), sum(lengths)
+        return (pack(b, *self.packed, lengths=lengths) if self.packed else b), sum(lengths), n_loss
 
     # ------------------------------------------------------------------------------------------- loop
     def train(self) -> dict:

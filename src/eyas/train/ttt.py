@@ -123,16 +123,32 @@ def flex_mask(seg: Tensor, k: int):
     return create_block_mask(rule, B, None, T, (k + 1) * T, device=seg.device, _compile=seg.is_cuda)
 
 
+def _select(m: Tensor, n: int | None) -> tuple[Tensor, Tensor | None]:
+    """Flat positions (into B*T) of m's True entries, in order, and a 0/1 weight per entry (None: all 1).
+
+    n None: exactly the True ones (their count is read back from the device: a host sync). n an upper bound on
+    m.sum() that the caller knows on the host: exactly n entries, the True ones first and then False positions
+    weighted 0, so the shapes are known and nothing waits for the device."""
+    flat = m.reshape(-1)                                                          # (B*T,)
+    if n is None:
+        return flat.nonzero().squeeze(1), None
+    order = torch.sort((~flat).to(torch.uint8), stable=True).indices[:n]        # (n,) True first, in order
+    return order, flat[order].float()
+
+
 def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, valid: Tensor, aux: Tensor,
                 final: Tensor, embed: nn.Module | Tensor, lm_head_weight: Tensor, cfg: TTTConfig = TTTConfig(),
-                segment_ids: Tensor | None = None, position_ids: Tensor | None = None) -> TTTOutput:
+                segment_ids: Tensor | None = None, position_ids: Tensor | None = None,
+                max_counted: int | None = None) -> TTTOutput:
     """TTT loss and metrics for one batch.
 
     input_ids, loss_mask, valid: (B, T) (valid False on padding); aux (B, T, 3h_t) concat(low, mid, high);
     final (B, T, h_t) the target's final-norm output; embed: the frozen target nn.Embedding (or its weight);
     lm_head_weight (V, h_t) the target's lm_head weight. Packed rows (several samples per row) pass
     segment_ids (B, T) int (one id per sample, 0 on padding) and position_ids (B, T) (RoPE position within the
-    sample); by default each row is one sample (segment = valid) at positions 0..T-1.
+    sample); by default each row is one sample (segment = valid) at positions 0..T-1. max_counted: an upper bound
+    on the positions with loss_mask & valid, known on the host (the trainer counts them before the copy); with
+    it the counted positions are gathered into fixed-size row sets and the forward never waits for the device.
     """
     B, T = input_ids.shape
     if loss_mask.shape != (B, T) or valid.shape != (B, T) or aux.shape[:2] != (B, T) or final.shape[:2] != (B, T):
@@ -154,11 +170,13 @@ def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, val
         # Only positions s with loss_mask[s+1] can ever be counted (as t+k+1 of some step), so the full-vocab
         # product runs there only; elsewhere tgt_id stays 0 and is never read.
         need = _shift(lmask, 1)                                                    # (B, T)
-        tgt_id = torch.zeros(B, T, dtype=torch.long, device=dev)                   # (B, T)
-        rows, step = final[need], cfg.chunk_size or 4096                           # (N, h_t)
-        if rows.numel():
-            tgt_id[need] = torch.cat([target_logits_from_final(rows[i:i + step], lm_head_weight).argmax(-1)
-                                      for i in range(0, rows.shape[0], step)])
+        tgt_id = torch.zeros(B * T, dtype=torch.long, device=dev)                  # (B*T,)
+        at, _ = _select(need, max_counted)                                         # (N,) (extra ones: not read)
+        rows, step = final.reshape(B * T, -1)[at], cfg.chunk_size or 4096          # (N, h_t)
+        if rows.shape[0]:
+            tgt_id[at] = torch.cat([target_logits_from_final(rows[i:i + step], lm_head_weight).argmax(-1)
+                                    for i in range(0, rows.shape[0], step)])
+        tgt_id = tgt_id.view(B, T)                                                 # (B, T)
         in_draft = t2d[tgt_id]                                                     # (B, T)
         tgt_draft = torch.searchsorted(token_ids, tgt_id).clamp(max=token_ids.numel() - 1)  # (B, T)
         w_draft = lm_head_weight[token_ids]                                        # (Vd, h_t)
@@ -178,10 +196,13 @@ def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, val
         span = ((seg > 0) & (seg == _shift(seg, k + 2)) & (holes == _shift(holes, k + 2))
                 & _shift(lmask, k + 2))                                            # (B, T) drafted in decoding
         m = span & _shift(in_draft, k + 1)                                         # (B, T) counted (loss, acc_k)
-        ls, pr = fused_soft_ce(drafter.norm(out[m]), drafter.lm_head.weight, _shift(final, k + 1)[m], w_draft,
-                               chunk=cfg.chunk_size or 4096)
-        pred = torch.full((B, T), -1, dtype=torch.long, device=dev)                # (B, T)
-        pred[m] = pr
+        at, wt = _select(m, max_counted)                                           # (N,), weights (N,) or None
+        ls, pr = fused_soft_ce(drafter.norm(out.reshape(B * T, -1)[at]), drafter.lm_head.weight,
+                               _shift(final, k + 1).reshape(B * T, -1)[at], w_draft, chunk=cfg.chunk_size or 4096,
+                               weight=wt)
+        pred = torch.full((B * T,), -1, dtype=torch.long, device=dev)              # (B*T,)
+        pred[at] = pr                                     # extra (weight 0) entries land where m is False
+        pred = pred.view(B, T)                                                     # (B, T): read only where m
         count = m.sum()
         loss_k = ls / count.clamp(min=1) if cfg.reduction == "mean" else ls
         total = total + cfg.decay ** k * loss_k
