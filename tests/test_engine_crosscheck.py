@@ -4,7 +4,7 @@ import torch
 from conftest import make_tiny_llama
 
 from eyas.engines.crosscheck import crosscheck, reference_states
-from eyas.engines.launch_args import sglang_capture_ids, sglang_layer_ids
+from eyas.target.layers import sglang_capture_ids, sglang_layer_ids
 
 
 def test_off_by_one_is_named():

@@ -6,8 +6,8 @@ import pytest
 
 from conftest import make_tiny_llama
 from eyas.errors import EyasError
-from eyas.target.layers import (check_aux_layer_ids, default_aux_layer_ids, is_deepseek, sglang_capture_ids,
-                                sglang_layer_ids)
+from eyas.target.layers import (check_aux_layer_ids, default_aux_layer_ids, is_deepseek, resolve_aux_layer_ids,
+                                sglang_capture_ids, sglang_capture_readings, sglang_layer_ids)
 
 LLAMA, DSV3, KIMI = "LlamaForCausalLM", "DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration"
 
@@ -40,6 +40,13 @@ def test_range_bound_is_n_minus_1():
             check_aux_layer_ids(ids, 4 if max(ids) < 10 else 30)
 
 
+def test_given_ids_are_checked_and_none_means_the_default():
+    assert resolve_aux_layer_ids(None, 30) == (2, 15, 27) and resolve_aux_layer_ids(None, 4) == (1, 2, 3)
+    assert resolve_aux_layer_ids([3, 10, 29], 30) == (3, 10, 29)
+    with pytest.raises(EyasError, match="out of range"):
+        resolve_aux_layer_ids([2, 15, 30], 30)
+
+
 @pytest.mark.parametrize("ids", [(2, 2, 3), (3, 2, 1), (1, 2), (1, 2, 3, 3)])
 def test_bad_shapes_refused(ids):
     with pytest.raises(EyasError):
@@ -65,6 +72,9 @@ def test_deepseek_first_id_quirk():
         sglang_layer_ids([1, 30, 58], DSV3)
     assert sglang_layer_ids([2, 30, 58], KIMI) == [1, 29, 57]
     assert is_deepseek("X", "kimi_k2") and is_deepseek("X", "deepseek_v2") and not is_deepseek(LLAMA, "llama")
+    # architecture unknown: both readings of SGLang ids, one when they agree (first id 1)
+    assert sglang_capture_readings([1, 29, 57]) == [[2, 30, 58]]
+    assert sglang_capture_readings([2, 29, 57]) == [[3, 30, 58], [2, 29, 57]]
 
 
 @pytest.mark.parametrize("arch", [LLAMA, DSV3, None])
@@ -139,6 +149,10 @@ def test_one_definition_each():
     import re
 
     src = pathlib.Path(__file__).resolve().parents[1] / "src"
-    for name in ("default_aux", "sglang_layer_ids", "sglang_capture_ids", "check_aux_layer_ids", "is_deepseek"):
+    for name in ("default_aux", "sglang_layer_ids", "sglang_capture_ids", "sglang_capture_readings",
+                 "check_aux_layer_ids", "resolve_aux_layer_ids", "is_deepseek"):
         hits = [p for p in src.rglob("*.py") if re.search(rf"^def {name}", p.read_text(), re.M)]
         assert len(hits) == 1, (name, hits)
+    # the DeepSeek quirk is keyed on architectures named in target/layers.py only
+    quirk = [p for p in src.rglob("*.py") if "DeepseekV3ForCausalLM\"" in p.read_text()]
+    assert [p.relative_to(src).as_posix() for p in quirk] == ["eyas/target/layers.py"]

@@ -36,7 +36,7 @@ def register(subparsers) -> None:
 def _engine_main(args) -> int:
     """`eyas capture --engine sglang|vllm`: the target runs in a server; only its config is read here."""
     from eyas.engines.capture import config_from_args, run_engine_capture
-    from eyas.target import check_aux_layer_ids, default_aux_layer_ids
+    from eyas.target.layers import resolve_aux_layer_ids
 
     if not args.target_config:
         raise EyasError("capture --engine needs --target-config CONFIG.json (the served model's config)")
@@ -49,7 +49,7 @@ def _engine_main(args) -> int:
         n, h, v = int(raw["num_hidden_layers"]), int(raw["hidden_size"]), int(raw["vocab_size"])
     except (KeyError, TypeError, ValueError) as e:
         raise EyasError(f"{args.target_config}: missing num_hidden_layers/hidden_size/vocab_size ({e})") from None
-    ids = check_aux_layer_ids(args.layers, n) if args.layers else default_aux_layer_ids(n)
+    ids = resolve_aux_layer_ids(args.layers or None, n)
     m = run_engine_capture(config_from_args(args), aux_layer_ids=ids, hidden_size=h, vocab_size=v)
     print(json.dumps({k: m.get(k) for k in ("complete", "num_samples", "num_tokens", "num_shards", "dtype")}))
     return 0 if m.get("complete") else 1

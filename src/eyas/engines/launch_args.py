@@ -16,8 +16,7 @@ import shlex
 from pathlib import Path
 
 from eyas.errors import EyasError
-from eyas.target.layers import (check_aux_layer_ids, default_aux_layer_ids, sglang_capture_ids,  # noqa: F401
-                               sglang_layer_ids)
+from eyas.target.layers import resolve_aux_layer_ids, sglang_layer_ids
 
 # Read from the wheels (tests/engine_sglang_layouts.py records each release; the tests check it):
 FIRST_HOOKS_VERSION = (0, 5, 6)       # --forward-hooks and model_executor/hook_manager.py
@@ -119,7 +118,7 @@ def sglang_args(target_config, version: str, *, model: str = "MODEL", store: str
     check_sglang_version(version)
     head = lm_head_module(info, lm_head)
     n = info["num_layers"]
-    hf = list(check_aux_layer_ids(aux_layer_ids, n) if aux_layer_ids is not None else default_aux_layer_ids(n))
+    hf = list(resolve_aux_layer_ids(aux_layer_ids, n))
     sg = sglang_layer_ids(hf, info["architecture"], info.get("model_type"))
     aux_flag = v >= FIRST_AUX_FLAG_VERSION
     args = ["python", "-m", "sglang.launch_server", "--model-path", model, "--tp-size", str(tp)]
@@ -147,7 +146,7 @@ def vllm_args(target_config, *, model: str = "MODEL", out_dir: str = "VLLM_OUT",
     """
     info = read_target_config(target_config) if not isinstance(target_config, dict) else target_config
     n = info["num_layers"]
-    hf = list(check_aux_layer_ids(aux_layer_ids, n) if aux_layer_ids is not None else default_aux_layer_ids(n))
+    hf = list(resolve_aux_layer_ids(aux_layer_ids, n))
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [*hf, n]}}}
     kv = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",

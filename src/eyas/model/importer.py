@@ -23,7 +23,8 @@ import torch
 
 from eyas.errors import EyasError
 from eyas.manifest import check_target
-from eyas.target.layers import check_aux_layer_ids, default_aux_layer_ids, sglang_capture_ids
+from eyas.target.layers import (check_aux_layer_ids, default_aux_layer_ids, sglang_capture_ids,
+                               sglang_capture_readings)
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def resolve_layer_ids(raw: dict, *, num_target_layers: int | None, where: str, w
     from_sg = sglang_capture_ids(sg, arch, model_type) if sg else None
     if top and from_sg:
         top = [int(i) for i in top]
-        agree = [from_sg] if arch or model_type else [from_sg, sglang_capture_ids(sg, "DeepseekV3ForCausalLM")]
+        agree = [from_sg] if arch or model_type else sglang_capture_readings(sg)
         if top not in agree:
             raise EyasError(f"{where}: layer ids disagree: top-level (HF/vLLM) {top} vs eagle_config (SGLang) "
                             f"{list(sg)}, which means HF {from_sg}")

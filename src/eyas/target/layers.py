@@ -47,6 +47,11 @@ def check_aux_layer_ids(ids, num_layers: int) -> tuple[int, int, int]:
     return ids
 
 
+def resolve_aux_layer_ids(ids, num_layers: int) -> tuple[int, int, int]:
+    """The ids a user gave, checked against the target's depth, or the default when none were given (None)."""
+    return check_aux_layer_ids(ids, num_layers) if ids is not None else default_aux_layer_ids(num_layers)
+
+
 def is_deepseek(arch: str | None, model_type: str | None = None) -> bool:
     """Whether SGLang serves this target with deepseek_v2.py (the first-id quirk)."""
     return (arch or "") in DEEPSEEK_ARCHS or (model_type or "").startswith(DEEPSEEK_MODEL_TYPES)
@@ -76,3 +81,11 @@ def sglang_capture_ids(sglang_ids, arch: str | None = None, model_type: str | No
     if is_deepseek(arch, model_type) and (not ids or ids[0] != 1):
         return ids
     return [i + SGLANG_OFFSET for i in ids]
+
+
+def sglang_capture_readings(sglang_ids) -> list[list[int]]:
+    """The HF ids an SGLang eagle_config may mean when the target's architecture is unknown: the common +1
+    reading, and DeepSeek's (+1 only when the first id is 1) where it differs."""
+    common = sglang_capture_ids(sglang_ids)
+    deepseek = sglang_capture_ids(sglang_ids, DEEPSEEK_ARCHS[1])
+    return [common] if deepseek == common else [common, deepseek]

