@@ -128,7 +128,16 @@ def run_capture(cfg: CaptureConfig, target=None, *, samples: Iterable | None = N
         return _run_capture(cfg, target, samples, rank, world_size)
 
 
+def _reload_spec(spec: str) -> str:
+    """A target spec that loads the same target from another working directory."""
+    p = Path(spec).expanduser()
+    return str(p.resolve()) if p.exists() else spec
+
+
 def _run_capture(cfg: CaptureConfig, target, samples: Iterable | None, rank: int, world_size: int) -> dict:
+    # config.target is what `eyas train --store S` loads when it is given no --target: the spec this capture loaded
+    # (a local path made absolute: a directory's identity is only its name), or the name of a target passed in
+    spec = target.name if target is not None else _reload_spec(cfg.target)
     if target is None:
         from eyas.target import load_target
         dtype = torch.bfloat16 if cfg.device.startswith("cuda") else torch.float32
@@ -147,7 +156,7 @@ def _run_capture(cfg: CaptureConfig, target, samples: Iterable | None, rank: int
     if cfg.limit is not None:
         all_samples = all_samples[: cfg.limit]
 
-    header = {"config": {**asdict(cfg), "target": target.name, "layers": list(aux), "world_size": world_size},
+    header = {"config": {**asdict(cfg), "target": spec, "layers": list(aux), "world_size": world_size},
               "target": target.fingerprint, "layers": {"aux": list(aux)}, "dtype": cfg.dtype,
               "hidden_size": target.hidden_size, "vocab_size": target.vocab_size, "data": data_id}
     kw = dict(header=header, rank=rank, world_size=world_size, overwrite=cfg.overwrite,
