@@ -6,7 +6,6 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from eyas.errors import EyasError
 
-# Fields that may change between a run and its --resume (they do not change the loss curve).
 DEVICE_DEFAULTS = {"cuda": {"ttt_steps": 7, "draft_vocab": 32000}, "cpu": {"ttt_steps": 3, "draft_vocab": 8192}}
 """Values of the fields a config leaves None, per device kind (the draft vocabulary is also capped at the target's).
 CUDA: EAGLE-3's K and vocabulary. CPU: on 2 cores K=7 with a 32k vocabulary trains at about 80 tok/s, K=3 with 8k
@@ -16,6 +15,7 @@ CHOICES = {"loss_on": ("assistant", "all"), "attention": ("auto", "dense", "flex
            "autocast": ("auto", "bf16", "off")}
 """The fields that take one of a few names, and those names (checked here; the choices of `eyas train`'s flags)."""
 
+# Fields that may change between a run and its --resume (they do not change the loss curve).
 RESUME_FREE = ("resume", "progress", "checkpoint_every", "keep_checkpoints", "target", "device", "compile",
                "eval_every", "allow_target_mismatch")
 
