@@ -16,6 +16,8 @@ import types
 import typing
 from dataclasses import dataclass
 
+from eyas.errors import EyasError
+
 
 @dataclass(frozen=True)
 class Knob:
@@ -27,6 +29,19 @@ class Knob:
     """The field's default (dataclasses.MISSING when it has none or a default_factory)."""
     doc: str
     """The attribute docstring under the field, on one line ('' when it has none)."""
+
+
+def to_json(cfg) -> dict:
+    """A config as a JSON-ready dict: dataclasses.asdict with its tuple fields as lists (what from_known reads)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()}
+
+
+def from_known(cls, d: dict, what: str):
+    """cls(**d), refusing keys that are not fields of cls by name (a config read back from JSON)."""
+    unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise EyasError(f"{what}: unknown keys {unknown}")
+    return cls(**d)
 
 
 def field_docs(cls) -> dict[str, str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.nn.attention import sdpa_kernel
 
 from eyas.errors import EyasError
+from eyas.knobs import from_known, to_json
 from eyas.sdpa import INFERENCE_SDPA
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -113,17 +114,11 @@ class DrafterConfig:
         )
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["aux_layer_ids"] = list(self.aux_layer_ids)
-        return d
+        return to_json(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "DrafterConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise EyasError(f"drafter config: unknown keys {unknown}")
-        return cls(**d)
+        return from_known(cls, d, "drafter config")
 
 
 def rope_inv_freq(cfg: DrafterConfig) -> Tensor:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 from eyas.errors import EyasError
+from eyas.knobs import from_known, to_json
 
 DEVICE_DEFAULTS = {"cuda": {"ttt_steps": 7, "draft_vocab": 32000}, "cpu": {"ttt_steps": 3, "draft_vocab": 8192}}
 """Values of the fields a config leaves None, per device kind (the draft vocabulary is also capped at the target's).
@@ -165,17 +166,11 @@ class TrainConfig:
         return self.data is not None
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["betas"] = list(self.betas)
-        return d
+        return to_json(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise EyasError(f"train config: unknown keys {unknown}")
-        return cls(**d)
+        return from_known(cls, d, "train config")
 
     def identity(self) -> dict:
         """The fields a --resume must match."""
