@@ -31,6 +31,8 @@ def test_train_with_no_flags_takes_the_cpu_defaults_and_says_so(tmp_path, capsys
     cpu = DEVICE_DEFAULTS["cpu"]
     assert (cpu["ttt_steps"], cpu["draft_vocab"]) == (3, 8192)
     assert "eyas train: on cpu: ttt_steps 3, draft_vocab 8192 (defaults for cpu; set them to change)" in err
+    from eyas.target.device import cpu_bf16_fast
+    assert f"eyas train: autocast {'bf16' if cpu_bf16_fast() else 'off (fp32)'} on cpu: " in err   # and why
 
     config = json.loads((tmp_path / "run" / "manifest.json").read_text())["config"]
     assert (config["device"], config["ttt_steps"], config["draft_vocab"]) == ("auto", 3, 8192)

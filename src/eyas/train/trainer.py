@@ -145,6 +145,11 @@ class Trainer:
                                                                            or cpu_bf16_fast()))
         self.amp = (torch.autocast(self.device.type, dtype=torch.bfloat16) if use_bf16 and not cfg.deterministic
                     else contextlib.nullcontext())
+        if cfg.autocast == "auto" and self.rank == 0:  # the device picked it: say which (issue 15 item 8)
+            why = ("CUDA" if self.device.type == "cuda" else
+                   "this CPU has native bf16" if use_bf16 else "this CPU has no native bf16 (AVX512-BF16/AMX)")
+            print(f"eyas train: autocast {'bf16' if use_bf16 else 'off (fp32)'} on {self.device.type}: {why} "
+                  f"(--autocast bf16|off to choose)", file=sys.stderr)
         self.step, self.epoch, self.pos, self.seen = 0, 0, 0, 0
         self._restore()
 
