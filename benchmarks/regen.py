@@ -33,9 +33,11 @@ from capture import smollm2_shaped  # noqa: E402
 from eyas.target.runner import Layer, Runner  # noqa: E402
 
 MODES = {"full": dict(window=0, compact=False), "window": dict(window=256, compact=False),
-         "window+compact": dict(window=256, compact=True), "matmul": dict(window=256, compact=True)}
+         "window+compact": dict(window=256, compact=True), "matmul": dict(window=256, compact=True),
+         "compiled": dict(window=256, compact=True)}
 """matmul: window+compact with the decode attention forced onto the matmul path (the default takes fused SDPA at
-batch x kv heads >= Layer.sdpa_rows on CUDA)."""
+batch x kv heads >= Layer.sdpa_rows on CUDA). compiled: window+compact on a runner whose decode step is
+torch.compile'd with dynamic shapes (prepare --regen-compile); its compile time is in the warm-up column."""
 
 
 def main() -> int:
@@ -63,22 +65,26 @@ def main() -> int:
     eos = torch.randint(3, V, (a.eos,), generator=g).tolist()
     runner = Runner.from_hf(target.model, max_batch=a.batch, max_seq=a.max_seq, dtype=dtype)
     sync = torch.cuda.synchronize if a.device.startswith("cuda") else (lambda: None)
-    rows = []
+    rows, warm = [], {}
     for name in a.modes.split(","):
         kw = MODES[name]
-        Layer.sdpa_rows = 512 if name == "window+compact" else 1 << 30
-        runner.generate(prompts[:a.batch], 20, temperature=1.0, eos_ids=eos, seed=1, **kw)  # graphs, warm-up
-        sync()
+        Layer.sdpa_rows = 512 if name in ("window+compact", "compiled") else 1 << 30
+        r = runner if name != "compiled" else Runner.from_hf(target.model, max_batch=a.batch, max_seq=a.max_seq,
+                                                              dtype=dtype, compile=True, dynamic=True)
         t0 = time.perf_counter()
-        out = runner.generate(prompts, a.max_new, temperature=1.0, eos_ids=eos, seed=0, **kw)
+        r.generate(prompts[:a.batch], 20, temperature=1.0, eos_ids=eos, seed=1, **kw)  # graphs, warm-up
+        sync()
+        warm[name] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = r.generate(prompts, a.max_new, temperature=1.0, eos_ids=eos, seed=0, **kw)
         sync()
         dt = time.perf_counter() - t0
         new = sum(map(len, out))
         rows.append((name, new, dt, new / dt))
         print(f"{name}: {new} tokens in {dt:.1f} s = {new / dt:,.0f} tok/s", flush=True)
     base = rows[0][3]
-    table = "| mode | generated tokens | seconds | tok/s | vs " + rows[0][0] + " |\n|---|---|---|---|---|\n" + "\n".join(
-        f"| {n} | {t:,} | {s:.1f} | {r:,.0f} | {r / base:.2f}x |" for n, t, s, r in rows)
+    table = ("| mode | warm-up s | generated tokens | seconds | tok/s | vs " + rows[0][0] + " |\n|---|---|---|---|---|---|\n"
+             + "\n".join(f"| {n} | {warm[n]:.1f} | {t:,} | {s:.1f} | {r:,.0f} | {r / base:.2f}x |" for n, t, s, r in rows))
     dev = torch.cuda.get_device_name() if a.device.startswith("cuda") else platform.processor() or "cpu"
     cmd = "python benchmarks/regen.py " + " ".join(sys.argv[1:])
     mean_prompt = sum(lens) / len(lens)

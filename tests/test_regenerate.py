@@ -2,6 +2,7 @@
 backend retries with backoff against a real loopback HTTP server and names the conversation on failure."""
 
 import json
+from dataclasses import replace
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -58,6 +59,22 @@ def reference(model, tok, eos, c, *, max_new, max_len):
             break
     last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=-1)
     return msgs[: last + 1] if last >= 0 else None
+
+
+def test_regen_compile_reaches_the_runner_and_not_the_identity():
+    """--regen-compile builds the regeneration runner with a dynamic-shape torch.compile of its decode step (the
+    compile itself runs on first use; tests/test_runner.py checks its tokens on CUDA), and, like gen_batch, it is
+    a speed knob: the prepared data's identity does not change."""
+    from eyas.data.prepare import PrepareConfig
+    from eyas.data.regenerate import make_backend
+
+    tok = make_tokenizer()
+    target = target_from_model(make_tiny_llama(vocab=len(tok), seed=3), tok, name="tiny")
+    cfg = PrepareConfig(target="tiny", out="unused", regenerate=True, max_len=100, max_new_tokens=8)
+    on = replace(cfg, regen_compile=True)
+    assert make_backend(on, target).runner._compiled is not None
+    assert make_backend(cfg, target).runner._compiled is None
+    assert on.identity() == cfg.identity()
 
 
 @pytest.mark.parametrize("use_runner", [True, False])

@@ -166,6 +166,29 @@ def test_compacted_windowed_generate_equals_one_prompt_at_a_time():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_dynamic_compiled_generate_equals_eager_cpu():
+    """Regeneration's compiled runner (--regen-compile: one dynamic-shape compile for every batch and window)
+    decodes the same greedy tokens as the CPU, through compaction (batch 12 -> 8 -> 4 ...) and windows, and
+    compiles once for those shapes, not once per shape."""
+    from torch._dynamo.utils import counters
+
+    model = make_tiny_llama(seed=7)
+    cpu = Runner.from_hf(model, max_batch=12, max_seq=96)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 17, 9, 30, 2, 11, 23, 8, 14, 3, 19, 6)]
+    free = cpu.generate(prompts, 48)
+    eos = sorted({row[j] for row, j in zip(free, (1, 2, 3, 4, 6, 8, 10, 12)) if len(row) > j})
+    ref = cpu.generate(prompts, 48, eos_ids=eos, window=8)
+    gpu = Runner.from_hf(model, max_batch=12, max_seq=96, device="cuda", compile=True, dynamic=True)
+    counters.clear()
+    assert gpu.generate(prompts, 48, eos_ids=eos, window=8) == ref
+    shapes = {(k[0], k[3]) for k in gpu._graphs}          # (batch, slots) of each captured step
+    assert len(shapes) >= 3, shapes                       # compaction replayed several batch sizes
+    assert counters["stats"]["unique_graphs"] < len(shapes), (dict(counters["stats"]), shapes)  # not one per shape
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_batched_sdpa_decode_equals_eager_cpu(monkeypatch):
     """The fused-SDPA decode step that large batches take on CUDA (forced here at batch 6) decodes the same
     greedy tokens as the CPU matmul path, with the window and compaction on."""

@@ -151,8 +151,10 @@ class Runner(nn.Module):
     @classmethod
     @torch.no_grad()
     def from_hf(cls, model, *, max_batch: int = 1, max_seq: int = 2048, dtype=None, device=None,
-                compile: bool = False) -> "Runner":
-        """Copy the weights of an HF LlamaForCausalLM into a Runner with a static KV cache."""
+                compile: bool = False, dynamic: bool = False) -> "Runner":
+        """Copy the weights of an HF LlamaForCausalLM into a Runner with a static KV cache. compile: torch.compile
+        the decode step (each CUDA graph then replays fused kernels); dynamic: one compile for every batch and
+        slot count (batched generation meets many: compaction and windows), instead of one per shape."""
         hf = model.config
         if getattr(hf, "model_type", "llama") not in ("llama", "mistral", "qwen2") or getattr(hf, "attention_bias", False) \
                 or getattr(hf, "mlp_bias", False) or getattr(hf, "hidden_act", "silu") != "silu":
@@ -189,7 +191,7 @@ class Runner(nn.Module):
         r.sin.copy_(sin[0])
         r.eval().requires_grad_(False)
         if compile:
-            r._compiled = torch.compile(r._decode, fullgraph=True, dynamic=False)
+            r._compiled = torch.compile(r._decode, fullgraph=True, dynamic=dynamic)
         return r
 
     @property
