@@ -7,6 +7,8 @@
 # or, in the background (one lease, no 10-minute cut; GPU.md "Long jobs"):
 #   call 2, carry .stage2/b:  bash benchmarks/gpu_preset.sh stage-b bg        (assemble, install, start the whole run)
 #   later calls:              bash benchmarks/gpu_preset.sh poll 540          (wait for it up to N s, copy results to $OUT)
+#   AFTER='command' on the stage-b call runs that command once the preset is done (e.g. benchmarks/decode.py on the
+#   new drafter), in the same lease; poll waits for it too and brings back /root/after.log and /root/after.md.
 # Training-only experiments reuse an earlier run's prepared data (`poll` with PACK=prepared brought it back):
 #   here: PREPARED_TXZ=/path/prepared.tar.xz bash benchmarks/gpu_preset.sh split   (also fills .stage2/c)
 #   between calls 1 and 2, carry .stage2/c:  bash benchmarks/gpu_preset.sh stage-c  (unpacks it as $RUN/prepared;
@@ -48,16 +50,17 @@ stage-b)
   until=${2:-prepare} ;;
 poll)  # wait up to $2 seconds for the background run, then copy what there is
   end=$(( $(date +%s) + ${2:-540} ))
-  while [ ! -f $RUN.done ] && [ $(date +%s) -lt $end ]; do sleep 5; done
+  finished() { [ -f $RUN.done ] && { [ ! -s /root/after.cmd ] || [ -f /root/after.done ]; }; }
+  while ! finished && [ $(date +%s) -lt $end ]; do sleep 5; done
   [ -f $RUN.done ] && echo "background run finished: exit $(cat $RUN.done)" || echo "background run still going"
   tail -n 30 $RUN/logs/run.log 2>/dev/null; tail -c 1500 /root/bg.log 2>/dev/null; echo
   tail -n 2 $RUN/train/metrics.jsonl 2>/dev/null | cut -c1-600
   [ -f /root/gputests.log ] && tail -n 4 /root/gputests.log
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
   if [ -n "${OUT:-}" ]; then
-    cp /root/bg.log $OUT/ 2>/dev/null; cp /root/gputests.log $OUT/ 2>/dev/null
+    cp /root/bg.log $OUT/ 2>/dev/null; cp /root/gputests.log $OUT/ 2>/dev/null; cp /root/after.log /root/after.md $OUT/ 2>/dev/null
     (cd "$RUN" && tar czf "$OUT/run.tgz" --ignore-failed-read report.md run.json logs bench plots \
-       train/metrics.jsonl train/manifest.json export/config.json data/manifest.json 2>/dev/null)
+       train/metrics.jsonl train/manifest.json export/config.json prepared/manifest.json 2>/dev/null)
     # PACK=prepared / PACK=export: that run subdirectory as xz tar parts of 15 MB (the prepared data carries back into a
     # later lease for training-only experiments; the export is the drafter)
     for d in ${PACK:-}; do [ -d "$RUN/$d" ] && tar cf - -C "$RUN" "$d" | xz -T0 -6 | split -b 15000000 - "$OUT/${d//\//_}.tar.xz.part-"; done
@@ -76,8 +79,13 @@ if [ "$until" = bg ]; then  # the whole run in its own session, outliving this c
   rm -rf /root/src && cp -r src /root/src  # later calls re-sync the tree under the running process
   [ -n "${GPU_TESTS:-}" ] && (cd "$PWD" && setsid nohup env PYTHONPATH=src:tests:/tmp/site python3 -m pytest -m gpu -q \
      -p no:cacheprovider tests > /root/gputests.log 2>&1 < /dev/null &)
+  # AFTER='a command': run it once the preset is done (its output in after.log; poll brings it back), e.g. the
+  # one-graph round on the new drafter: AFTER='python3 benchmarks/decode.py --round graph --chain 3,5
+  # --drafter /root/run/export --compile --target /root/stage/smollm2.gguf --md /root/after.md'
+  printf '%s' "${AFTER:-}" > /root/after.cmd; rm -f /root/after.done /root/after.log
   setsid nohup env PYTHONPATH=/root/src:/tmp/site bash -c "python3 -m eyas run --preset gpu --target $STAGE/smollm2.gguf --out $RUN --quiet ${EYAS_ARGS:-}; \
-     echo \$? > $RUN.done" > /root/bg.log 2>&1 < /dev/null &
+     echo \$? > $RUN.done; [ -s /root/after.cmd ] && cd $PWD && PYTHONPATH=/root/src:/tmp/site bash /root/after.cmd > /root/after.log 2>&1; touch /root/after.done" \
+     > /root/bg.log 2>&1 < /dev/null &
   sleep 20; tail -n 5 /root/bg.log; echo "started in the background; collect with: gpu_preset.sh poll SECONDS"
   exit 0
 fi
