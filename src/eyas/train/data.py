@@ -116,13 +116,14 @@ class PreparedSource:
 
     def __init__(self, data, *, max_len: int):
         self.data, self.max_len = data, max_len
-        self.samples = [data[i] for i in range(len(data))]
-        self.ids = [s.id for s in self.samples]
-        self.lengths = [min(len(s.input_ids), max_len) for s in self.samples]
+        samples = [data[i] for i in range(len(data))]
+        self.ids = [s.id for s in samples]
+        self.lengths = [min(len(s.input_ids), max_len) for s in samples]
         self.where = str(getattr(data, "path", "prepared data"))
-        # tensors once, not per step: a step's collate would otherwise convert ~30k Python ints
+        # tensors once, not per step (a step's collate would otherwise convert ~30k Python ints); the Python
+        # lists are not kept
         self._tokens = [(torch.tensor(s.input_ids[:max_len], dtype=torch.int64),
-                         torch.tensor(s.loss_mask[:max_len], dtype=torch.bool)) for s in self.samples]
+                         torch.tensor(s.loss_mask[:max_len], dtype=torch.bool)) for s in samples]
 
     def tokens(self, i: int) -> tuple[Tensor, Tensor]:
         return self._tokens[i]
