@@ -236,3 +236,39 @@ def test_empty_server_replies_are_counted_reported_and_never_trained(target_dir,
         return runs + ([tok.decode(cur)] if cur else [])
     assert trained(got["c0"]) == ["first reply<|im_end|>"]          # cut before its end-of-turn-only reply
     assert trained(got["c4"]) == ["ok one<|im_end|>", "ok two<|im_end|>"]
+
+
+class RunOnServer(EmptyServer):
+    """Replies with an unskipped end-of-turn after real text, or running on into the next turn."""
+    REPLIES = {f"hello there {i}": ["ok one<|im_end|>", "ok two<|im_end|>\n<|im_start|>user\nleaked"]
+               for i in range(5)}
+
+
+def test_server_replies_end_at_their_first_special_token(target_dir, tmp_path, tok):
+    """A server reply that keeps its end-of-turn text, or runs on into the next turn, is cut at its first
+    special token, as local regeneration ends at eos: no doubled end-of-turn and no leaked next turn is
+    trained on."""
+    from eyas.data.prepared import PreparedData
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), RunOnServer)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        data = tmp_path / "d.jsonl"
+        data.write_text("\n".join((target_dir / "chats.jsonl").read_text().splitlines()[4:5]) + "\n")
+        out = tmp_path / "p"
+        assert main(["prepare", "--target", str(target_dir / "target"), "--data", str(data), "--out", str(out),
+                     "--heldout-fraction", "0", "--regenerate", "--server",
+                     f"http://127.0.0.1:{srv.server_address[1]}/v1", "--retries", "0"]) == 0
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    (s,) = list(PreparedData(out))
+    runs, cur = [], []
+    for t, m in zip(s.input_ids + [0], s.loss_mask + [0]):
+        if m:
+            cur.append(t)
+        elif cur:
+            runs.append(tok.decode(cur))
+            cur = []
+    assert runs == ["ok one<|im_end|>", "ok two<|im_end|>"]
+    assert "leaked" not in tok.decode(s.input_ids)

@@ -62,6 +62,14 @@ def is_empty_reply(text: str, specials=()) -> bool:
     return not text.strip()
 
 
+def cut_at_special(text: str, specials=()) -> str:
+    """A server reply up to its first special-token text: an unskipped end-of-turn ("Hello<|im_end|>"), or a
+    server that ran on into the next turn. Local regeneration stops at eos and decodes with
+    skip_special_tokens; kept whole, the chat template would add a second end-of-turn after the first."""
+    cut = min((i for i in (text.find(s) for s in specials if s) if i >= 0), default=len(text))
+    return text[:cut]
+
+
 def _assistant_turns(c: Conversation) -> list[int]:
     return [i for i, m in enumerate(c.messages) if m["role"] == "assistant"]
 
@@ -317,7 +325,8 @@ class ServerBackend:
             except _Rejected as e:
                 with self._lock:
                     return _finish(c, msgs[:i], f"server rejected: {e}", self.notes)
-            empty = is_empty_reply(out["text"], self.specials)
+            text = cut_at_special(out["text"], self.specials)
+            empty = is_empty_reply(text, self.specials)
             with self._lock:
                 self.stats.turns += 1
                 self.stats.new_tokens += out["tokens"]
@@ -325,7 +334,7 @@ class ServerBackend:
                 self.stats.empty += empty
                 if empty:
                     return _finish(c, msgs[:i], "empty regenerated reply", self.notes)
-            msgs[i] = {"role": "assistant", "content": out["text"]}
+            msgs[i] = {"role": "assistant", "content": text}
         return replace(c, messages=tuple(msgs))
 
     def regenerate(self, convs: list[Conversation], progress=None,
