@@ -144,17 +144,22 @@ def test_cuda_graphed_generate_and_speculative_equal_eager_cpu(compile):
         assert [dec.generate(p, 20, eos_ids=[2])[0] for p in prompts] == ref
 
 
+def ragged_case(runner):
+    """12 prompts of 2-30 tokens and eos ids taken from early tokens of most rows' free replies, so the rows of a
+    batch finish at different times and a long tail stays (compaction and windows get exercised)."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 17, 9, 30, 2, 11, 23, 8, 14, 3, 19, 6)]
+    free = runner.generate(prompts, 48)
+    return prompts, sorted({row[j] for row, j in zip(free, (1, 2, 3, 4, 6, 8, 10, 12)) if len(row) > j})
+
+
 def test_compacted_windowed_generate_equals_one_prompt_at_a_time():
     """Moving the live rows to the front once half the batch has finished, and attending over a window of
     slots, leaves every row's greedy tokens as if it had been decoded alone (mutation: copying only the key
     cache, or keeping the stale row order, changes them)."""
     model = make_tiny_llama(seed=7)
     r = Runner.from_hf(model, max_batch=12, max_seq=96)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 17, 9, 30, 2, 11, 23, 8, 14, 3, 19, 6)]
-    free = r.generate(prompts, 48)
-    # eos = early tokens of most rows, so rows finish at different times and a long tail stays
-    eos = sorted({row[j] for row, j in zip(free, (1, 2, 3, 4, 6, 8, 10, 12)) if len(row) > j})
+    prompts, eos = ragged_case(r)
     ours = r.generate(prompts, 48, eos_ids=eos, window=8)
     assert any(k[0] < 12 for k in r._graphs), "no compaction happened: the test would prove nothing"
     lengths = sorted(len(o) for o in ours)
@@ -174,10 +179,7 @@ def test_cuda_dynamic_compiled_generate_equals_eager_cpu():
 
     model = make_tiny_llama(seed=7)
     cpu = Runner.from_hf(model, max_batch=12, max_seq=96)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 17, 9, 30, 2, 11, 23, 8, 14, 3, 19, 6)]
-    free = cpu.generate(prompts, 48)
-    eos = sorted({row[j] for row, j in zip(free, (1, 2, 3, 4, 6, 8, 10, 12)) if len(row) > j})
+    prompts, eos = ragged_case(cpu)
     ref = cpu.generate(prompts, 48, eos_ids=eos, window=8)
     gpu = Runner.from_hf(model, max_batch=12, max_seq=96, device="cuda", compile=True, dynamic=True)
     counters.clear()

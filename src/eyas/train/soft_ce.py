@@ -25,32 +25,24 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
-def _chunk(z: Tensor, zt: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(loss sum, drafter argmax, dloss/dz) of one chunk from drafter logits z and target logits zt, (c, Vd)."""
+def _chunk(z: Tensor, zt: Tensor, wr: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss sum, drafter argmax, dloss/dz) of one chunk from drafter logits z and target logits zt, (c, Vd);
+    wr (c,) optional row weights: 0 drops a row from the loss and the gradient, 1 keeps it."""
     z = z.float()                                                                # (c, Vd)
     lse = torch.logsumexp(z, dim=-1)                                             # (c,)
     p = torch.softmax(zt.float(), dim=-1)                                        # (c, Vd)
-    return (lse - (p * z).sum(-1)).sum(), z.argmax(-1), torch.exp(z - lse[:, None]) - p
-
-
-def _chunk_weighted(z: Tensor, zt: Tensor, wr: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """_chunk with a weight per row wr (c,): 0 drops a row (loss and gradient), 1 keeps it."""
-    z = z.float()                                                                # (c, Vd)
-    lse = torch.logsumexp(z, dim=-1)                                             # (c,)
-    p = torch.softmax(zt.float(), dim=-1)                                        # (c, Vd)
-    return ((lse - (p * z).sum(-1)) * wr).sum(), z.argmax(-1), (torch.exp(z - lse[:, None]) - p) * wr[:, None]
-
-
-@functools.cache
-def _compiled_chunk_weighted():
-    return torch.compile(_chunk_weighted)
+    ce, dz = lse - (p * z).sum(-1), torch.exp(z - lse[:, None]) - p              # (c,), (c, Vd)
+    if wr is not None:
+        ce, dz = ce * wr, dz * wr[:, None]
+    return ce.sum(), z.argmax(-1), dz
 
 
 @functools.cache
 def _compiled_chunk():
     # dynamic=None: the last chunk's row count changes every step (the counted positions vary); after the first
-    # change dynamo makes the row dimension symbolic, so two compiles in all. dynamic=False compiled one graph per
-    # row count and hit the recompile limit (8) in the first steps of a packed run, then ran eagerly.
+    # change dynamo makes the row dimension symbolic, so two compiles in all (per weighted / unweighted use).
+    # dynamic=False compiled one graph per row count and hit the recompile limit (8) in the first steps of a
+    # packed run, then ran eagerly.
     return torch.compile(_chunk)
 
 
@@ -67,12 +59,10 @@ class _FusedSoftCE(torch.autograd.Function):
             wc, wtc = w.to(dtype), wt.to(dtype)
             # on CUDA the elementwise/reduction part is one compiled kernel set (a few passes over (c, Vd))
             part = _compiled_chunk() if x.is_cuda else _chunk
-            wpart = _compiled_chunk_weighted() if x.is_cuda else _chunk_weighted
             for i in range(0, N, chunk):
                 xc = x[i:i + chunk].to(dtype)                                    # (c, h)
-                z, zt = xc @ wc.T, f[i:i + chunk].to(dtype) @ wtc.T              # (c, Vd) each
-                # dz (c, Vd) = softmax(z) - p, times the row weights when given
-                ls, pr, dz = part(z, zt) if weight is None else wpart(z, zt, weight[i:i + chunk].float())
+                wr = None if weight is None else weight[i:i + chunk].float()     # (c,)
+                ls, pr, dz = part(xc @ wc.T, f[i:i + chunk].to(dtype) @ wtc.T, wr)  # dz (c, Vd) softmax(z) - p
                 loss += ls
                 pred[i:i + chunk] = pr
                 if need_grad:
