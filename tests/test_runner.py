@@ -184,8 +184,11 @@ def test_cuda_dynamic_compiled_generate_equals_eager_cpu():
     gpu = Runner.from_hf(model, max_batch=12, max_seq=96, device="cuda", compile=True, dynamic=True)
     counters.clear()
     assert gpu.generate(prompts, 48, eos_ids=eos, window=8) == ref
+    # A second length gives another window (slots 56, not 80): on the H200 the first call alone captured only
+    # (12, 80) and (1, 80), too few shapes to tell one compile per shape from one for all.
+    assert gpu.generate(prompts, 24, eos_ids=eos, window=8) == cpu.generate(prompts, 24, eos_ids=eos, window=8)
     shapes = {(k[0], k[3]) for k in gpu._graphs}          # (batch, slots) of each captured step
-    assert len(shapes) >= 3, shapes                       # compaction replayed several batch sizes
+    assert any(b < 12 for b, _ in shapes) and len({s for _, s in shapes}) >= 2, shapes  # compaction and 2 windows
     assert counters["stats"]["unique_graphs"] < len(shapes), (dict(counters["stats"]), shapes)  # not one per shape
 
 
