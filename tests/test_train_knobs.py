@@ -56,3 +56,25 @@ def test_device_defaults_fill_what_is_left_open_and_say_so(tmp_path, capsys):
     assert "ttt_steps 3, draft_vocab 8192" in capsys.readouterr().err
     run_train(cfg(tmp_path, store, "explicit", ttt_steps=2, draft_vocab=V, steps=1), target=t)
     assert "defaults for" not in capsys.readouterr().err
+
+
+def test_evals_follow_eval_every_when_set_else_each_epoch_end(tmp_path):
+    """eval_every N: held-out evals at multiples of N and after the last step, none extra at epoch ends (each eval is
+    a full pass over the held-out split); eval_every 0: one at each epoch's end."""
+    t = tiny_target()
+    store = capture(tmp_path, t, make_samples(40))
+
+    def eval_steps(name, **kw):
+        run_train(cfg(tmp_path, store, name, epochs=3, steps=None, batch_tokens=256, eval_fraction=0.3, **kw), target=t)
+        rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        total = json.loads((tmp_path / name / "manifest.json").read_text())["total_steps"]
+        return [r["step"] for r in rows if r["split"] == "eval"], total
+
+    per_epoch, total = eval_steps("epochs", eval_every=0)
+    e = total // 3
+    assert total == 3 * e and e >= 2, total           # equal epochs of 2+ steps
+    assert per_epoch == [e, 2 * e, 3 * e]
+    every, total2 = eval_steps("every", eval_every=e + 1)  # an interval that misses the epoch ends
+    assert total2 == total
+    assert every == sorted(set(range(e + 1, total + 1, e + 1)) | {total}), every
+    assert e not in every and 2 * e not in every

@@ -96,7 +96,7 @@ class TrainConfig:
     eval_fraction: float = 0.05
     """Share of samples held out for evaluation, by a hash of the sample id (0 disables eval)."""
     eval_every: int = 0
-    """Also evaluate on the held-out split every N optimizer steps (0: only at the end of each epoch)."""
+    """Evaluate on the held-out split every N optimizer steps and after the last (0: at the end of each epoch)."""
     checkpoint_every: int = 0
     """Checkpoint every N optimizer steps (0: only at the end). A checkpoint is also written at the end."""
     keep_checkpoints: int = 2

@@ -5,7 +5,7 @@ RUN/
   vocab/                 draft_vocab.safetensors (token_ids, d2t, t2d) + summary.json (size, coverage)
   checkpoints/step-N/    Trainer.state_dict() (model, optimizer, scheduler, data position) + RNG states (checkpoint.py)
   drafter/               config.json + model.safetensors (eyas.model.checkpoint.save_drafter)
-  metrics.jsonl, tb/     train records every log_every steps, eval records at the end of each epoch
+  metrics.jsonl, tb/     train records every log_every steps, eval records every eval_every steps (0: at the end of each epoch) and after the last step
 
 One optimizer step on a rank = grad_accum micro-batches (data.rank_batches); the loss of a micro-batch is the TTT
 loss (mean over its counted positions) / grad_accum, and DDP averages over ranks, so W ranks x A micro-batches
@@ -325,8 +325,8 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------- loop
     def train(self) -> dict:
-        """Step to the last step: metrics, evals (end of epoch, every eval_every, the last step) and checkpoints;
-        then write the drafter and the complete manifest. Returns {step, train, eval, vocab_coverage}."""
+        """Step to the last step: metrics, evals (every eval_every steps, or at each epoch's end when it is 0; and
+        after the last step) and checkpoints; then write the drafter and the complete manifest. Returns {step, train, eval, vocab_coverage}."""
         from eyas.model.checkpoint import save_drafter
         from eyas.model.drafter import Eagle3Drafter
 
@@ -347,7 +347,10 @@ class Trainer:
                 sink.log({"step": step, "split": "train", "epoch": self.epoch, "tokens_seen": self.seen, "lr": lr,
                           "grad_norm": gnorm, "tokens_per_s": rate, **train_summary})
             end_of_epoch = self.pos == len(self.plan(self.epoch))
-            if end_of_epoch or step == self.total or (cfg.eval_every and step % cfg.eval_every == 0):  # held-out
+            # held-out: a fixed interval when one is set (an eval costs ~6 s on the gpu preset: epoch-end evals on top
+            # of eval_every 100 were a sixth of its training time), else each epoch's end
+            due = step % cfg.eval_every == 0 if cfg.eval_every else end_of_epoch
+            if due or step == self.total:
                 last_eval = self.evaluate()
                 if last_eval:
                     sink.log({"step": step, "split": "eval", "epoch": self.epoch, "tokens_seen": self.seen,
@@ -356,8 +359,8 @@ class Trainer:
                               f"{last_eval.get('baseline_acc_0', float('nan')):.3f}), tau_est "
                               f"{last_eval['tau_est']:.2f}, replayed chain-{cfg.ttt_steps} tau "
                               f"{last_eval.get('round_tau_by_chain', [float('nan')])[-1]:.2f}")
-                if end_of_epoch:
-                    self.epoch, self.pos = self.epoch + 1, 0
+            if end_of_epoch:
+                self.epoch, self.pos = self.epoch + 1, 0
             if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == self.total:
                 self.save_checkpoint()
         sink.close()
