@@ -366,3 +366,28 @@ def test_bench_config_holds_one_spec_config():
     assert cfg.to_dict()["spec"]["k"] == 3 and "k" not in cfg.to_dict()
     with pytest.raises(EyasError, match="unknown keys.*'kk'"):
         BenchConfig.from_dict({**old, "kk": 3})
+
+
+def test_lookup_shares_the_eagle_verify_step(tiny):
+    """With a drafter, the bench's lookup verifies through the same runner step function as the eagle chain (one
+    compile on CUDA, not two) and decodes exactly what a lookup with its own step does; a capture that contradicts
+    the drafter's aux ids is refused."""
+    from eyas.bench.bench import _methods
+    from eyas.target.runner import Runner
+
+    target, drafter = tiny
+    runner = Runner.from_hf(target.model, max_seq=128)
+    cfg = BenchConfig(method="chain", k=3, max_new_tokens=20)
+    plain, lookup, eagle = _methods(cfg, runner, drafter, [257])
+    assert lookup.decoder._verify_fn is eagle.decoder._verify_fn
+    assert lookup.decoder.verify_capture == eagle.decoder.aux_ids == (1, 2, 3) and lookup.decoder.aux_ids == ()
+    alone = SpecDecoder(runner, None, cfg.lookup)
+    assert alone.verify_capture == () and alone._verify_fn is not eagle.decoder._verify_fn
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]
+    out, st = lookup.decoder.generate(prompt, 20, eos_ids=[257])
+    ref, rst = alone.generate(prompt, 20, eos_ids=[257])
+    assert out == ref and st.accepted == rst.accepted and st.target_forwards == rst.target_forwards
+    assert max(rst.accepted) > 0                       # the lookup did accept something: the test sees drafts
+    assert [m.name for m in _methods(cfg, runner, None, [257])] == ["plain", "lookup"]
+    with pytest.raises(EyasError, match="verify_capture"):
+        SpecDecoder(runner, drafter, cfg.spec, verify_capture=(0, 1))

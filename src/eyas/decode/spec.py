@@ -129,9 +129,12 @@ def fit_drafter(runner, drafter):
 class SpecDecoder:
     """Speculative decoding with a target `Runner` and an optional EAGLE-3 drafter (batch 1, cache row 0)."""
 
-    def __init__(self, runner, drafter=None, cfg: SpecConfig = SpecConfig(), *, fast: bool | None = None):
+    def __init__(self, runner, drafter=None, cfg: SpecConfig = SpecConfig(), *, fast: bool | None = None,
+                 verify_capture: tuple[int, ...] | None = None):
         """fast: use the static-cache drafters, one CUDA graph per step (default: on CUDA): graphed.py for greedy
-        chains, tree_static.py for trees."""
+        chains, tree_static.py for trees. verify_capture: the aux ids the verify step returns (default: the
+        drafter's, none without one); a drafter-less decoder given a drafter's ids shares that decoder's compiled
+        verify step (the bench: one compile fewer) and ignores the extra output."""
         if cfg.method in ("chain", "tree") and drafter is None:
             raise EyasError(f"decode method {cfg.method!r} needs a drafter")
         if cfg.draft_size + 2 > runner.cfg.max_seq:
@@ -158,7 +161,10 @@ class SpecDecoder:
                                                    depth=cfg.depth, total=cfg.total_tokens)
             else:
                 self.drafting = EagleDrafting(drafter, runner.embed)
-        self._verify_fn = runner.step_fn(self.aux_ids)  # compiled when the runner is
+        if verify_capture is not None and self.aux_ids and tuple(verify_capture) != self.aux_ids:
+            raise EyasError(f"verify_capture {tuple(verify_capture)} differs from the drafter's aux ids {self.aux_ids}")
+        self.verify_capture = self.aux_ids if verify_capture is None else tuple(verify_capture)
+        self._verify_fn = runner.step_fn(self.verify_capture)  # compiled when the runner is
 
     def _prefill(self, prompt: list[int], chunk: int = 512):
         return prefill(self.runner, prompt, self.aux_ids, chunk)
