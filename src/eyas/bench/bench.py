@@ -282,7 +282,8 @@ def _methods(cfg, runner, drafter, eos, *, baselines=None) -> list[_Method]:
         methods.append(_Method("plain", lambda p, seed: _plain(runner, p, cfg, eos, seed)))
         # With a drafter, lookup verifies through the eagle decoder's step (its aux output unused): one compiled
         # S-generic function for both instead of two, about 40 s of a cold bench's warm-up on the H200.
-        share = tuple(drafter.config.aux_layer_ids) if drafter is not None and not cfg.spec.graph_round else None
+        share = (tuple(drafter.config.aux_layer_ids)
+                 if drafter is not None and not cfg.spec.graph_round else None)
         lk = SpecDecoder(runner, None, cfg.lookup, verify_capture=share)
         methods.append(_Method("lookup", lambda p, seed: lk.generate(p, cfg.max_new_tokens, eos_ids=eos, seed=seed),
                                lk))

@@ -5,7 +5,8 @@ RUN/
   vocab/                 draft_vocab.safetensors (token_ids, d2t, t2d) + summary.json (size, coverage)
   checkpoints/step-N/    Trainer.state_dict() (model, optimizer, scheduler, data position) + RNG states (checkpoint.py)
   drafter/               config.json + model.safetensors (eyas.model.checkpoint.save_drafter)
-  metrics.jsonl, tb/     train records every log_every steps, eval records every eval_every steps (0: at the end of each epoch) and after the last step
+  metrics.jsonl, tb/     train records every log_every steps; eval records every eval_every steps (0: at the end of
+                         each epoch) and after the last step
 
 One optimizer step on a rank = grad_accum micro-batches (data.rank_batches); the loss of a micro-batch is the TTT
 loss (mean over its counted positions) / grad_accum, and DDP averages over ranks, so W ranks x A micro-batches
@@ -326,7 +327,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------------- loop
     def train(self) -> dict:
         """Step to the last step: metrics, evals (every eval_every steps, or at each epoch's end when it is 0; and
-        after the last step) and checkpoints; then write the drafter and the complete manifest. Returns {step, train, eval, vocab_coverage}."""
+        after the last step) and checkpoints; then write the drafter and the complete manifest.
+        Returns {step, train, eval, vocab_coverage}."""
         from eyas.model.checkpoint import save_drafter
         from eyas.model.drafter import Eagle3Drafter
 
