@@ -9,8 +9,8 @@
 #   later calls:              bash benchmarks/gpu_preset.sh poll 540          (wait for it up to N s, copy results to $OUT)
 #   Do not pipe the stage-b bg call (`... stage-b bg | tail`): on 2026-12-01 that call then ran into its 300 s
 #   timeout with no output (5 minutes of the lease); `> /root/stageb.log 2>&1; tail /root/stageb.log` returns at once.
-#   EYAS_ARGS='--until prepare' stops after prepare; a second stage-b bg call then continues with the same recipe
-#   (a changed knob makes eyas refuse the run directory: decide epochs etc. before the first call).
+#   EYAS_ARGS='--until prepare' stops after prepare; a second stage-b bg call then continues. A [train] value changed
+#   on that call (EYAS_ARGS='--set train.epochs=5 --overwrite') keeps the finished prepare and redoes train onwards.
 #   AFTER='command' on the stage-b call runs that command once the preset is done (e.g. benchmarks/decode.py on the
 #   new drafter), in the same lease; poll waits for it too and brings back /root/after.log and /root/after.md.
 # Training-only experiments reuse an earlier run's prepared data (`poll` with PACK=prepared brought it back):

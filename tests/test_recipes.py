@@ -281,7 +281,7 @@ def test_pre_recipe_run_json_is_resumed_or_refused(tmp_path):
     # a run.json of an older eyas (knobs that predate these): refused with a way out
     run = tmp_path / "b"
     _legacy_run_json(run, {k: v for k, v in PRESETS_NOW["cpu-demo"].items() if k not in ("pack", "attention")})
-    with pytest.raises(EyasError, match=r"older eyas.*'attention', 'pack'.*use another --out or pass --overwrite"):
+    with pytest.raises(EyasError, match=r"older eyas.*'attention', 'pack'.*use another --out, or --overwrite to start it again"):
         _open_state(RunConfig(out=str(run)), run)
     state = _open_state(RunConfig(out=str(run), overwrite=True), run)
     assert state["stages"] == {} and state["identity"] == RunConfig().identity()

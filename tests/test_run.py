@@ -149,3 +149,40 @@ def test_skipped_records_go_to_run_logs_and_verbose_prints_each(tiny_run_inputs,
             assert len(each) == 2 and any(f"{data} line 6" in x for x in each), err
         else:
             assert each == []
+
+
+def test_overwrite_redoes_from_the_first_changed_stage(tiny_run_inputs, tmp_path):
+    """A changed [train] value with --overwrite keeps the finished prepare and capture (same files, skipped after
+    verification) and trains again with the new value; without --overwrite it is refused, saying what would be kept.
+    A changed [[bench]] keeps the drafter; a changed [prepare] value starts again."""
+    run = tmp_path / "run"
+    run_pipeline(RunConfig(**{**_cfg(tiny_run_inputs, run).__dict__, "until": "train"}))
+    shard = next((run / "store").glob("*.safetensors"))
+    prepared = run / "prepared" / "samples.jsonl"
+    stamps = (shard.stat().st_mtime_ns, prepared.stat().st_mtime_ns)
+    with pytest.raises(EyasError, match=r"lr.*--overwrite to redo train, bench, export and keep prepare, capture"):
+        run_pipeline(_cfg(tiny_run_inputs, run, lr=2e-3))
+    log = run / "logs" / "run.log"
+    before = log.read_text()
+    state = run_pipeline(RunConfig(**{**_cfg(tiny_run_inputs, run, lr=2e-3).__dict__, "overwrite": True}))
+    new = log.read_text()[len(before):]
+    assert "prepare: done earlier" in new and "capture: done earlier" in new and "train: starting\n" in new
+    assert (shard.stat().st_mtime_ns, prepared.stat().st_mtime_ns) == stamps      # kept, not rewritten
+    assert json.loads((run / "train" / "manifest.json").read_text())["config"]["lr"] == 2e-3
+    assert all(state["stages"][s]["done"] for s in ("prepare", "capture", "train", "bench", "export"))
+    drafter = (run / "train" / "drafter" / "model.safetensors").stat().st_mtime_ns
+
+    bench = [dict(prompts="heldout", method="chain", k=2, limit=2, max_turns=1, max_new_tokens=8)]
+    before = log.read_text()
+    run_pipeline(RunConfig(**{**_cfg(tiny_run_inputs, run, lr=2e-3, bench=bench).__dict__, "overwrite": True}))
+    new = log.read_text()[len(before):]
+    assert "train: done earlier" in new and "bench: starting" in new
+    assert (run / "train" / "drafter" / "model.safetensors").stat().st_mtime_ns == drafter
+    assert sorted(p.name for p in (run / "bench").glob("*.json")) == ["heldout-chain2.json"]  # the old one is gone
+
+    with pytest.raises(EyasError, match="max_new_tokens.*--overwrite to start it again|--overwrite to redo prepare"):
+        run_pipeline(_cfg(tiny_run_inputs, run, lr=2e-3, bench=bench, max_new_tokens=6))
+    run_pipeline(RunConfig(**{**_cfg(tiny_run_inputs, run, lr=2e-3, bench=bench, max_new_tokens=6).__dict__,
+                              "overwrite": True}))
+    new = log.read_text()
+    assert "prepare: done earlier" not in new and "prepare: starting" in new   # the log itself started again

@@ -56,7 +56,8 @@ class RunConfig:
     overrides: dict = field(default_factory=dict)
     """Recipe values changed on the command line (e.g. {"train.epochs": 3}; flat pre-recipe names work too)."""
     overwrite: bool = False
-    """Delete a run directory of another configuration instead of refusing."""
+    """Rerun a run directory of another configuration instead of refusing: the finished stages before the first
+    one whose configuration changed are kept (after verification), that stage and the later ones are redone."""
     quiet: bool = False
     """No progress bars; only the final summary."""
     verbose: bool = False
@@ -158,31 +159,58 @@ class Log:
 
 
 def _open_state(cfg: RunConfig, run: Path) -> dict:
+    """The run directory's state: a new one, the same run resumed, or (--overwrite) a changed run that keeps the
+    finished stages before the first one whose configuration changed."""
     path = run / "run.json"
     if path.exists():
         state = json.loads(path.read_text())
-        diffs = _identity_diffs(state["identity"], cfg.identity())
-        if diffs and not cfg.overwrite:
-            raise EyasError(f"{run}: holds a run of another configuration ({'; '.join(diffs)}); "
-                            f"use another --out or pass --overwrite")
+        old = _comparable(state["identity"])
+        diffs = diff_dicts(old, cfg.identity())
         if not diffs:
             state["identity"] = cfg.identity()  # a run.json of flat preset knobs is rewritten as a recipe
+            return state
+        first = _first_changed_stage(old, cfg.identity())
+        redo = STAGES[STAGES.index(first):]
+        kept = [s for s in STAGES[:STAGES.index(first)] if state["stages"].get(s, {}).get("done")]
+        if not cfg.overwrite:
+            hint = (f"--overwrite to redo {', '.join(redo)} and keep {', '.join(kept)}" if kept
+                    else "--overwrite to start it again")
+            raise EyasError(f"{run}: holds a run of another configuration ({'; '.join(diffs)}); "
+                            f"use another --out, or {hint}")
+        if first != "prepare":
+            for stage in redo:
+                shutil.rmtree(run / _stage_dir(stage), ignore_errors=True)
+                state["stages"].pop(stage, None)
+            state["identity"] = cfg.identity()
             return state
         shutil.rmtree(run)
     run.mkdir(parents=True, exist_ok=True)
     return {"identity": cfg.identity(), "stages": {}, "created": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
-def _identity_diffs(old: dict, new: dict) -> list[str]:
-    """How a run.json's identity differs from this run's; one written before recipes (flat preset knobs) is read
-    as the recipe it describes: its preset with each knob in its table."""
+def _comparable(old: dict) -> dict:
+    """A run.json identity as this version writes it: one written before recipes (flat preset knobs) is read as
+    the recipe it describes, its preset with each knob in its table."""
     if "knobs" in old and "recipe" not in old:
         try:
             recipe = from_legacy_knobs(old.get("preset"), old["knobs"]).identity()
-        except EyasError as e:
-            return [f"run.json {e}"]
+        except EyasError as e:  # unreadable: differs from any run (the message names why)
+            return {"run.json": str(e)}
         old = {**{k: v for k, v in old.items() if k != "knobs"}, "recipe": recipe}
-    return diff_dicts(old, new)
+    return old
+
+
+def _first_changed_stage(old: dict, new: dict) -> str:
+    """The first stage whose inputs differ between two identities: a recipe table maps to its stage (the bench
+    tables to bench); the target, the data, the preset name and the [run] table (device, dtypes, online or
+    offline) to prepare, that is, to everything."""
+    if any(old.get(k) != new.get(k) for k in set(old) | set(new) if k != "recipe"):
+        return "prepare"
+    ro, rn = old.get("recipe", {}), new.get("recipe", {})
+    for table in ("run", "prepare", "capture", "train", "bench"):
+        if ro.get(table) != rn.get(table):
+            return "prepare" if table == "run" else table
+    return "prepare"  # a difference in a table this version does not know: start again
 
 
 def _save_state(run: Path, state: dict) -> None:
