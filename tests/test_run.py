@@ -154,7 +154,7 @@ def test_skipped_records_go_to_run_logs_and_verbose_prints_each(tiny_run_inputs,
 def test_overwrite_redoes_from_the_first_changed_stage(tiny_run_inputs, tmp_path):
     """A changed [train] value with --overwrite keeps the finished prepare and capture (same files, skipped after
     verification) and trains again with the new value; without --overwrite it is refused, saying what would be kept.
-    A changed [[bench]] keeps the drafter; a changed [prepare] value starts again."""
+    A changed [[bench]] or bench dtype keeps the drafter; a changed [prepare] value starts again."""
     run = tmp_path / "run"
     run_pipeline(RunConfig(**{**_cfg(tiny_run_inputs, run).__dict__, "until": "train"}))
     shard = next((run / "store").glob("*.safetensors"))
@@ -180,9 +180,46 @@ def test_overwrite_redoes_from_the_first_changed_stage(tiny_run_inputs, tmp_path
     assert (run / "train" / "drafter" / "model.safetensors").stat().st_mtime_ns == drafter
     assert sorted(p.name for p in (run / "bench").glob("*.json")) == ["heldout-chain2.json"]  # the old one is gone
 
+    # the dtype of the bench's target alone reaches the bench stage
+    before = log.read_text()
+    run_pipeline(RunConfig(**{**_cfg(tiny_run_inputs, run, lr=2e-3, bench=bench, bench_dtype="bf16").__dict__,
+                              "overwrite": True}))
+    new = log.read_text()[len(before):]
+    assert "train: done earlier" in new and "bench: starting" in new
+    assert json.loads((run / "bench" / "heldout-chain2.json").read_text())["dtype"] == "bf16"
+
     with pytest.raises(EyasError, match="max_new_tokens.*--overwrite to start it again|--overwrite to redo prepare"):
-        run_pipeline(_cfg(tiny_run_inputs, run, lr=2e-3, bench=bench, max_new_tokens=6))
-    run_pipeline(RunConfig(**{**_cfg(tiny_run_inputs, run, lr=2e-3, bench=bench, max_new_tokens=6).__dict__,
+        run_pipeline(_cfg(tiny_run_inputs, run, lr=2e-3, bench=bench, bench_dtype="bf16", max_new_tokens=6))
+    run_pipeline(RunConfig(**{**_cfg(tiny_run_inputs, run, lr=2e-3, bench=bench, bench_dtype="bf16",
+                                   max_new_tokens=6).__dict__,
                               "overwrite": True}))
     new = log.read_text()
     assert "prepare: done earlier" not in new and "prepare: starting" in new   # the log itself started again
+
+
+def test_first_changed_stage_maps_each_difference_to_the_first_stage_it_reaches():
+    from eyas.run import _first_changed_stage
+
+    base = {"target": "t", "data": "d", "preset": "p",
+            "recipe": {"run": {"device": "cpu"}, "prepare": {"limit": 4}, "capture": {}, "train": {"lr": 1e-3},
+                       "bench": [{"k": 3}]}}
+
+    def first(table, value, top=None):
+        new = json.loads(json.dumps(base))
+        if top:
+            new[top] = value
+        else:
+            new["recipe"][table] = value
+        return _first_changed_stage(base, new)
+
+    assert first("bench", [{"k": 5}]) == "bench"
+    assert first("train", {"lr": 2e-3}) == "train"
+    assert first("capture", {"dtype": "fp8"}) == "capture"
+    assert first("prepare", {"limit": 5}) == "prepare"
+    assert first("run", {"device": "cpu", "bench_dtype": "fp32"}) == "bench"
+    assert first("run", {"device": "cpu", "online": True}) == "capture"
+    assert first("run", {"device": "cpu", "online": True, "bench_dtype": "fp32"}) == "capture"  # the earliest
+    assert first("run", {"device": "cuda"}) == "prepare"
+    assert first("run", {"device": "cpu", "dtype": "bf16"}) == "prepare"
+    assert first(None, "other-target", top="target") == "prepare"
+    assert first("newtable", {"x": 1}) == "prepare"      # a table this version does not know

@@ -200,17 +200,27 @@ def _comparable(old: dict) -> dict:
     return old
 
 
+_RUN_KEY_STAGE = {"bench_dtype": "bench", "capture": "capture", "online": "capture"}
+"""The first stage a [run] value reaches; the others (device, dtype) reach prepare."""
+
+
 def _first_changed_stage(old: dict, new: dict) -> str:
     """The first stage whose inputs differ between two identities: a recipe table maps to its stage (the bench
-    tables to bench); the target, the data, the preset name and the [run] table (device, dtypes, online or
-    offline) to prepare, that is, to everything."""
+    tables to bench), a [run] value to the first stage that reads it; the target, the data and the preset name to
+    prepare, that is, to everything."""
     if any(old.get(k) != new.get(k) for k in set(old) | set(new) if k != "recipe"):
         return "prepare"
     ro, rn = old.get("recipe", {}), new.get("recipe", {})
-    for table in ("run", "prepare", "capture", "train", "bench"):
-        if ro.get(table) != rn.get(table):
-            return "prepare" if table == "run" else table
-    return "prepare"  # a difference in a table this version does not know: start again
+    changed = set()
+    for table in set(ro) | set(rn):
+        a, b = ro.get(table), rn.get(table)
+        if a == b:
+            continue
+        if table == "run" and isinstance(a, dict) and isinstance(b, dict):
+            changed |= {_RUN_KEY_STAGE.get(k, "prepare") for k in set(a) | set(b) if a.get(k) != b.get(k)}
+        else:  # a table this version does not know: start again
+            changed.add(table if table in STAGES else "prepare")
+    return min(changed, key=STAGES.index) if changed else "prepare"
 
 
 def _save_state(run: Path, state: dict) -> None:
