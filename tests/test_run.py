@@ -156,12 +156,15 @@ def test_overwrite_redoes_from_the_first_changed_stage(tiny_run_inputs, tmp_path
     verification) and trains again with the new value; without --overwrite it is refused, saying what would be kept.
     A changed [[bench]] or bench dtype keeps the drafter; a changed [prepare] value starts again."""
     run = tmp_path / "run"
-    run_pipeline(RunConfig(**{**_cfg(tiny_run_inputs, run).__dict__, "until": "train"}))
+    run_pipeline(_cfg(tiny_run_inputs, run))
+    assert (run / "report.md").exists()
     shard = next((run / "store").glob("*.safetensors"))
     prepared = run / "prepared" / "samples.jsonl"
     stamps = (shard.stat().st_mtime_ns, prepared.stat().st_mtime_ns)
     with pytest.raises(EyasError, match=r"lr.*--overwrite to redo train, bench, export and keep prepare, capture"):
         run_pipeline(_cfg(tiny_run_inputs, run, lr=2e-3))
+    run_pipeline(RunConfig(**{**_cfg(tiny_run_inputs, run, lr=2e-3).__dict__, "overwrite": True, "until": "prepare"}))
+    assert not (run / "train").exists() and not (run / "report.md").exists()  # nothing stale left to read
     log = run / "logs" / "run.log"
     before = log.read_text()
     state = run_pipeline(RunConfig(**{**_cfg(tiny_run_inputs, run, lr=2e-3).__dict__, "overwrite": True}))

@@ -181,6 +181,8 @@ def _open_state(cfg: RunConfig, run: Path) -> dict:
             for stage in redo:
                 shutil.rmtree(run / _stage_dir(stage), ignore_errors=True)
                 state["stages"].pop(stage, None)
+            shutil.rmtree(run / "plots", ignore_errors=True)  # the report is rebuilt at the end
+            (run / "report.md").unlink(missing_ok=True)
             state["identity"] = cfg.identity()
             return state
         shutil.rmtree(run)
