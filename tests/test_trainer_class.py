@@ -160,3 +160,27 @@ def test_dist_collectives_and_teardown_on_two_ranks(tmp_path):
         seen = json.loads((tmp_path / f"r{r}.json").read_text())
         assert seen == {"rank": r, "world": 2, "owns": True, "any_1": True, "any_none": False,
                         "gathered": ["r0", "r1", "r1"], "after_teardown": False}
+
+
+def test_evaluate_with_fixed_size_row_sets_equals_boolean_selection(tmp_path, monkeypatch):
+    """evaluate() gathers the counted positions into row sets of the host-known bound (no host sync inside the
+    forward), as training does; its metrics equal those of exact boolean selection."""
+    from eyas.train import ttt
+
+    t = tiny_target()
+    store = capture(tmp_path, t, make_samples(40))
+    tr = Trainer(cfg(tmp_path, store, "e", steps=2, eval_fraction=0.3, device="cpu"), target=t)
+    tr.train_step(tr.next_batch())
+    bounds = []
+    real = ttt._select
+    monkeypatch.setattr(ttt, "_select", lambda m, n: (bounds.append(n), real(m, n))[1])
+    fixed = tr.evaluate()
+    assert bounds and all(n is not None for n in bounds)           # the bounded path ran
+    monkeypatch.setattr(ttt, "_select", lambda m, n: real(m, None))
+    exact = tr.evaluate()
+    assert set(fixed) == set(exact) and fixed["positions_k"][0] > 0
+    for key in fixed:  # counts and accuracies exactly; the losses to float rounding (other chunk sums)
+        if key.startswith("loss"):
+            assert fixed[key] == pytest.approx(exact[key], rel=1e-6), key
+        else:
+            assert fixed[key] == exact[key], key

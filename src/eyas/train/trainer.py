@@ -299,10 +299,10 @@ class Trainer:
         with torch.no_grad():
             for j in range(rounds):
                 k = j * world + rank
-                b, _, _ = self._features(batches[k % len(batches)])
+                b, _, n_loss = self._features(batches[k % len(batches)])  # n_loss bounds the counted positions
                 with self.amp:  # DDP: the plain module (ranks may run different numbers of eval batches)
                     o = TTTOutput(*self.module(b.input_ids, b.loss_mask, b.valid, b.aux, b.final, self.embed_w,
-                                               self.lm_w, b.segment_ids, b.position_ids))
+                                               self.lm_w, b.segment_ids, b.position_ids, n_loss))
                     base = frequency_baseline(b.input_ids, b.loss_mask, b.valid, b.final, self.lm_w,
                                               self.module.drafter.t2d, self.top_id)
                 if k < len(batches):
