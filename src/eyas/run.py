@@ -163,13 +163,13 @@ def _open_state(cfg: RunConfig, run: Path) -> dict:
     finished stages before the first one whose configuration changed."""
     path = run / "run.json"
     if path.exists():
-        state = json.loads(path.read_text())
+        state, new = json.loads(path.read_text()), cfg.identity()
         old = _comparable(state["identity"])
-        diffs = diff_dicts(old, cfg.identity())
+        diffs = diff_dicts(old, new)
         if not diffs:
-            state["identity"] = cfg.identity()  # a run.json of flat preset knobs is rewritten as a recipe
+            state["identity"] = new  # a run.json of flat preset knobs is rewritten as a recipe
             return state
-        first = _first_changed_stage(old, cfg.identity())
+        first = _first_changed_stage(old, new)
         redo = STAGES[STAGES.index(first):]
         kept = [s for s in STAGES[:STAGES.index(first)] if state["stages"].get(s, {}).get("done")]
         if not cfg.overwrite:
@@ -183,7 +183,7 @@ def _open_state(cfg: RunConfig, run: Path) -> dict:
                 state["stages"].pop(stage, None)
             shutil.rmtree(run / "plots", ignore_errors=True)  # the report is rebuilt at the end
             (run / "report.md").unlink(missing_ok=True)
-            state["identity"] = cfg.identity()
+            state["identity"] = new
             return state
         shutil.rmtree(run)
     run.mkdir(parents=True, exist_ok=True)
@@ -220,7 +220,7 @@ def _first_changed_stage(old: dict, new: dict) -> str:
             continue
         if table == "run" and isinstance(a, dict) and isinstance(b, dict):
             changed |= {_RUN_KEY_STAGE.get(k, "prepare") for k in set(a) | set(b) if a.get(k) != b.get(k)}
-        else:  # a table this version does not know: start again
+        else:  # a stage's table reaches that stage; a table this version does not know, everything
             changed.add(table if table in STAGES else "prepare")
     return min(changed, key=STAGES.index) if changed else "prepare"
 
