@@ -162,8 +162,10 @@ def round_compare(args) -> int:
         drafter = Eagle3Drafter(DrafterConfig.from_target(target.config, draft_vocab_size=32000,
                                                           aux_layer_ids=target.aux_layer_ids))
     eos, r = target.eos_token_ids, Runner.from_hf(target.model, max_batch=1, max_seq=M, compile=args.compile)
-    r.generate(prompts[:1], 4)
-    plain, t_plain = timed(lambda: [r.generate([p], N, eos_ids=eos)[0] for p in prompts], dev)
+    # window=0: every plain step attends over all max_seq slots, one graph shape warmed here, as in `eyas bench`
+    # (with windows, each prompt length compiled a new shape inside the clock: 14 tok/s on 2026-12-01)
+    r.generate(prompts[:1], 4, window=0)
+    plain, t_plain = timed(lambda: [r.generate([p], N, eos_ids=eos, window=0)[0] for p in prompts], dev)
     rows = [("plain, batch 1", f"{sum(map(len, plain)) / t_plain:.0f} tok/s")]
     for K in Ks:
         for name, graph in (("host rounds", False), ("one-graph rounds", True)):
