@@ -124,14 +124,15 @@ def test_sampled_generate_is_seeded_and_batch_independent_in_distribution():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("compile", [False, True, "regions"])
 def test_cuda_graphed_generate_and_speculative_equal_eager_cpu(compile):
     from eyas.decode.spec import SpecConfig, SpecDecoder
     from eyas.model.drafter import DrafterConfig, Eagle3Drafter
 
     model = make_tiny_llama(seed=8)
     cpu = Runner.from_hf(model, max_batch=4, max_seq=96)
-    gpu = Runner.from_hf(model, max_batch=4, max_seq=96, device="cuda", compile=compile)
+    gpu = Runner.from_hf(model, max_batch=4, max_seq=96, device="cuda", compile=bool(compile),
+                         regions=compile == "regions")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 17, 2, 30, 9)]
     ref = cpu.generate(prompts, 20, eos_ids=[2])
@@ -171,7 +172,8 @@ def test_compacted_windowed_generate_equals_one_prompt_at_a_time():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_dynamic_compiled_generate_equals_eager_cpu():
+@pytest.mark.parametrize("regions", [False, True])
+def test_cuda_dynamic_compiled_generate_equals_eager_cpu(regions):
     """Regeneration's compiled runner (--regen-compile: one dynamic-shape compile for every batch and window)
     decodes the same greedy tokens as the CPU, through compaction (batch 12 -> 8 -> 4 ...) and windows, and
     compiles once for those shapes, not once per shape."""
@@ -181,7 +183,7 @@ def test_cuda_dynamic_compiled_generate_equals_eager_cpu():
     cpu = Runner.from_hf(model, max_batch=12, max_seq=96)
     prompts, eos = ragged_case(cpu)
     ref = cpu.generate(prompts, 48, eos_ids=eos, window=8)
-    gpu = Runner.from_hf(model, max_batch=12, max_seq=96, device="cuda", compile=True, dynamic=True)
+    gpu = Runner.from_hf(model, max_batch=12, max_seq=96, device="cuda", compile=True, dynamic=True, regions=regions)
     counters.clear()
     assert gpu.generate(prompts, 48, eos_ids=eos, window=8) == ref
     # A second length gives another window (slots 56, not 80): on the H200 the first call alone captured only
@@ -209,3 +211,48 @@ def test_cuda_batched_sdpa_decode_equals_eager_cpu(monkeypatch):
     eos = sorted({row[j] for row, j in zip(free, (1, 3, 5, 8)) if len(row) > j})
     ref = cpu.generate(prompts, 40, eos_ids=eos, window=8)
     assert gpu.generate(prompts, 40, eos_ids=eos, window=8) == ref
+
+
+def _invoke_subgraphs(gm) -> tuple[int, int]:
+    """(invoke_subgraph calls, distinct subgraphs they call) in a dynamo graph."""
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+    return len(calls), len({n.args[0].target for n in calls})
+
+
+def test_compile_regions_trace_one_layer_body_for_all_layers():
+    """With regions, the graph dynamo hands the compiler calls ONE layer subgraph once per layer (so inductor
+    compiles the layer once); without them the N layers are unrolled and there is no subgraph."""
+    model = make_tiny_llama(layers=5, seed=4)
+    ids, pos = torch.tensor([[5, 9, 7]]), torch.arange(3)[None]
+    for regions, want in ((True, (5, 1)), (False, (0, 0))):
+        r = Runner.from_hf(model, max_batch=1, max_seq=16, compile=True, regions=regions)
+        graphs = []
+        fn = torch.compile(r._decode, fullgraph=True, backend=lambda gm, _: graphs.append(gm) or gm.forward)
+        fn(ids, pos, pos.clone(), causal_mask(3, 16))
+        assert len(graphs) == 1 and _invoke_subgraphs(graphs[0]) == want
+
+
+def test_compile_regions_decode_the_eager_tokens():
+    """The region-compiled runner (inductor, CPU) decodes the eager runner's greedy tokens, plain and as the
+    target of a speculative chain (its capture step compiled the same way), and its cache writes land (the
+    cache is mutated inside the region): a wrong cache would change the continuation."""
+    from eyas.decode.spec import SpecConfig, SpecDecoder
+    from eyas.model.drafter import DrafterConfig, Eagle3Drafter
+
+    model = make_tiny_llama(seed=8)
+    eager = Runner.from_hf(model, max_batch=1, max_seq=64)
+    # dynamic: on the CPU a decode step attends exactly the used slots, a new shape per token
+    comp = Runner.from_hf(model, max_batch=1, max_seq=64, compile=True, dynamic=True, regions=True)
+    prompts = [[5, 17, 2, 30, 9], [44, 3]]
+    ref = [eager.generate([p], 12, window=0)[0] for p in prompts]
+    assert [comp.generate([p], 12, window=0)[0] for p in prompts] == ref
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(DrafterConfig.from_target(model.config, draft_vocab_size=256, aux_layer_ids=(1, 2, 3)))
+    dec = SpecDecoder(comp, drafter, SpecConfig(method="chain", k=3))
+    assert [dec.generate(p, 12)[0] for p in prompts] == ref
+
+
+def test_compile_regions_without_compile_change_nothing():
+    model = make_tiny_llama(seed=2)
+    r = Runner.from_hf(model, max_batch=1, max_seq=16, regions=True)  # eager: the plain layer call
+    assert r._compiled is None and r._call_layer.__name__ == "_layer_body"
