@@ -34,10 +34,11 @@ from eyas.target.runner import Layer, Runner  # noqa: E402
 
 MODES = {"full": dict(window=0, compact=False), "window": dict(window=256, compact=False),
          "window+compact": dict(window=256, compact=True), "matmul": dict(window=256, compact=True),
-         "compiled": dict(window=256, compact=True)}
+         "compiled": dict(window=256, compact=True), "compiled+regions": dict(window=256, compact=True)}
 """matmul: window+compact with the decode attention forced onto the matmul path (the default takes fused SDPA at
 batch x kv heads >= Layer.sdpa_rows on CUDA). compiled: window+compact on a runner whose decode step is
-torch.compile'd with dynamic shapes (prepare --regen-compile); its compile time is in the warm-up column."""
+torch.compile'd with dynamic shapes (prepare --regen-compile); its compile time is in the warm-up column.
+compiled+regions: the same with the decoder layer compiled once for all layers (Runner.from_hf regions=True)."""
 
 
 def main() -> int:
@@ -68,9 +69,10 @@ def main() -> int:
     rows, warm = [], {}
     for name in a.modes.split(","):
         kw = MODES[name]
-        Layer.sdpa_rows = 512 if name in ("window+compact", "compiled") else 1 << 30
-        r = runner if name != "compiled" else Runner.from_hf(target.model, max_batch=a.batch, max_seq=a.max_seq,
-                                                              dtype=dtype, compile=True, dynamic=True)
+        Layer.sdpa_rows = 512 if name in ("window+compact", "compiled", "compiled+regions") else 1 << 30
+        r = runner if not name.startswith("compiled") else Runner.from_hf(
+            target.model, max_batch=a.batch, max_seq=a.max_seq, dtype=dtype, compile=True, dynamic=True,
+            regions=name == "compiled+regions")
         t0 = time.perf_counter()
         r.generate(prompts[:a.batch], 20, temperature=1.0, eos_ids=eos, seed=1, **kw)  # graphs, warm-up
         sync()

@@ -167,8 +167,8 @@ class Runner(nn.Module):
         the decode step (each CUDA graph then replays fused kernels); dynamic: one compile for every batch and
         slot count (batched generation meets many: compaction and windows), instead of one per shape; regions
         (with compile): inductor compiles the decoder layer once for all layers, not the whole unrolled stack
-        (torch.compiler.nested_compile_region: on the CPU 9 s instead of 44 s for a 30-layer step; the layers
-        then do not fuse across their boundary)."""
+        (torch.compiler.nested_compile_region; SmolLM2's two bench steps compiled in 29 s instead of 103 s on a
+        2-core CPU, BENCHMARKS.md; the layers then do not fuse across their boundary)."""
         hf = model.config
         if getattr(hf, "model_type", "llama") not in ("llama", "mistral", "qwen2") or getattr(hf, "attention_bias", False) \
                 or getattr(hf, "mlp_bias", False) or getattr(hf, "hidden_act", "silu") != "silu":
