@@ -9,7 +9,8 @@ against batched plain decoding (`Runner.generate`), at each batch size; this run
     PYTHONPATH=src python benchmarks/decode.py --batch 1,4,16 --tiny --dtype fp32 --max-new-tokens 64  # CPU smoke
 
 Greedy chains at batch 1 with each round ONE CUDA graph (`eyas.decode.round`) against today's host-driven rounds
-(`SpecDecoder`, graphed drafter and verify) and plain decoding, on the same prompts and runner:
+(`SpecDecoder`, graphed drafter and verify) and plain decoding, on the same prompts and runner; with --compile
+both also with the drafter's steps compiled (`compile_drafter`):
 
     PYTHONPATH=src python benchmarks/decode.py --round graph --chain 3,5 [--drafter RUN | --random-drafter] [--compile]
     PYTHONPATH=src python benchmarks/decode.py --round graph --tiny --dtype fp32 --max-new-tokens 64  # CPU smoke
@@ -138,6 +139,10 @@ def round_compare(args) -> int:
     from eyas.target.runner import Runner
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.compile and dev.type != "cuda":
+        print("--round graph --compile needs CUDA: on the CPU each step attends its own number of slots, a new "
+              "compiled shape per token", file=sys.stderr)
+        return 2
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     N, M, Ks = args.max_new_tokens, args.max_seq, [int(k) for k in str(args.chain).split(",")]
     if args.tiny:
@@ -167,9 +172,12 @@ def round_compare(args) -> int:
     r.generate(prompts[:1], 4, window=0)
     plain, t_plain = timed(lambda: [r.generate([p], N, eos_ids=eos, window=0)[0] for p in prompts], dev)
     rows = [("plain, batch 1", f"{sum(map(len, plain)) / t_plain:.0f} tok/s")]
+    variants = [("host rounds", False, False), ("one-graph rounds", True, False)]
+    if args.compile:  # the drafter's steps compiled too (SpecDecoder compile_drafter)
+        variants += [("host rounds, compiled drafter", False, True), ("one-graph rounds, compiled drafter", True, True)]
     for K in Ks:
-        for name, graph in (("host rounds", False), ("one-graph rounds", True)):
-            dec = SpecDecoder(r, drafter, SpecConfig(method="chain", k=K, graph_round=graph))
+        for name, graph, cd in variants:
+            dec = SpecDecoder(r, drafter, SpecConfig(method="chain", k=K, graph_round=graph), compile_drafter=cd)
             dec.generate(prompts[0], N, eos_ids=eos)  # warm-up: captures and compiles
             res, t = timed(lambda: [dec.generate(p, N, eos_ids=eos) for p in prompts], dev)
             toks, fw, rounds = (sum(getattr(s, f) for _, s in res) for f in ("tokens", "target_forwards", "rounds"))

@@ -200,16 +200,16 @@ def test_bad_input_refused(setup):
 # ---------------------------------------------------------------- CUDA graph == CPU eager
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("compile", [False, True, "drafter"])
 def test_cuda_graph_round_equals_cpu_eager(setup, compile, monkeypatch):
     """On CUDA every round replays one graph (the round's Python body ran only for the capture), launching a
     round never syncs with the host, and the tokens and accepted counts equal the CPU eager run's, for K = 1, 3,
     5 with mid-round eos, and with the cache filled to the end."""
     model, cpu, drafter, prompts, ref, eos = setup
-    gpu = Runner.from_hf(model, max_batch=1, max_seq=320, device="cuda", compile=compile)
+    gpu = Runner.from_hf(model, max_batch=1, max_seq=320, device="cuda", compile=bool(compile))
     for k in (1, 3, 5):
         want = decode_all(RoundChainDecoder(cpu, drafter, chain(k)), prompts, [eos])
-        dec = RoundChainDecoder(gpu, copy.deepcopy(drafter), chain(k))
+        dec = RoundChainDecoder(gpu, copy.deepcopy(drafter), chain(k), compile_drafter=compile == "drafter")
         bodies = []
         body = dec._round
         monkeypatch.setattr(dec, "_round", lambda: bodies.append(1) or body())
@@ -229,7 +229,27 @@ def test_cuda_graph_round_equals_cpu_eager(setup, compile, monkeypatch):
         host = decode_all(SpecDecoder(gpu, copy.deepcopy(drafter), chain(k)), prompts, [eos])  # today's CUDA path
         assert [s.accepted for s in got[1]] == [s.accepted for s in host[1]]
         assert sum(s.rounds for s in got[1]) > 50
-    full = Runner.from_hf(model, max_batch=1, max_seq=200 + NEW + 5 + 1, device="cuda", compile=compile)
+    full = Runner.from_hf(model, max_batch=1, max_seq=200 + NEW + 5 + 1, device="cuda", compile=bool(compile))
     long = [p for p in prompts if len(p) == 200]
     got = decode_all(RoundChainDecoder(full, copy.deepcopy(drafter), chain(5)), long, [])
     assert got[0] == cpu.generate(long, NEW)
+
+
+@pytest.mark.parametrize("graph_round", [True, False])
+def test_compiled_drafter_decodes_like_the_eager_drafter(setup, graph_round):
+    """compile_drafter (torch.compile of the static chain drafter's draft and extend steps; inductor on the CPU):
+    the one-graph round and the host-driven graphed chain give plain greedy's tokens and the eager chain's
+    per-round acceptance, so the compiled draft steps propose exactly what the eager ones do."""
+    from torch._dynamo.utils import counters
+
+    _, runner, drafter, prompts, ref, eos = setup
+    cfg = SpecConfig(method="chain", k=3, graph_round=graph_round)
+    dec = SpecDecoder(runner, drafter, cfg, fast=True, compile_drafter=True)
+    drafting = dec._round.drafting if graph_round else dec.drafting
+    assert hasattr(drafting._chain_fn, "_torchdynamo_orig_callable")  # torch.compile's wrapper
+    assert hasattr(drafting._extend_fn, "_torchdynamo_orig_callable")
+    counters.clear()
+    outs, stats = decode_all(dec, prompts[:4], [eos])
+    assert counters["stats"]["unique_graphs"] >= 2  # the draft steps and an extend were compiled and ran
+    assert outs == ref[:4]
+    assert [s.accepted for s in stats] == batch1_accepted(runner, drafter, prompts[:4], eos, 3)

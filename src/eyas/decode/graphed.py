@@ -17,7 +17,10 @@ from eyas.target.graphs import capture
 
 
 class GraphedChainDrafting:
-    def __init__(self, drafter, embed, max_len: int, K: int):
+    def __init__(self, drafter, embed, max_len: int, K: int, compile: bool = False):
+        """compile: torch.compile the fixed-shape bodies (the K draft steps, the extends of 1..K+1 entries), so each
+        CUDA graph replays fused kernels instead of the drafter's eager ones. The prompt's extend (once per prompt,
+        of its length) stays eager."""
         self.d, self.embed, self.M, self.K = drafter, embed, max_len, K
         cfg = drafter.config
         p = next(drafter.parameters())
@@ -30,6 +33,8 @@ class GraphedChainDrafting:
         self.cols = torch.arange(max_len, device=dev)
         self._extend: dict[int, tuple] = {}
         self._chain = None
+        self._chain_fn = torch.compile(self._chain_body, fullgraph=True) if compile else self._chain_body
+        self._extend_fn = torch.compile(self._extend_body, fullgraph=True) if compile else self._extend_body
 
     def reset(self) -> None:
         self.n.zero_()
@@ -61,7 +66,7 @@ class GraphedChainDrafting:
             if S not in self._extend:
                 a = torch.zeros_like(aux)
                 t = torch.zeros_like(next_tokens)
-                self._extend[S] = (capture(self._extend_body, a, t), a, t)
+                self._extend[S] = (capture(self._extend_fn, a, t), a, t)
             run, a, t = self._extend[S]
             a.copy_(aux)
             t.copy_(next_tokens)
@@ -95,5 +100,5 @@ class GraphedChainDrafting:
     def propose_chain(self, root: int, K: int, temperature: float, top_p: float, gen, vocab: int) -> Draft:
         assert temperature == 0 and K == self.K
         if self._chain is None:
-            self._chain = capture(self._chain_body, cuda=self.k.device.type == "cuda")
+            self._chain = capture(self._chain_fn, cuda=self.k.device.type == "cuda")
         return chain(root, self._chain().tolist())

@@ -42,12 +42,12 @@ class RoundDrafting(GraphedChainDrafting):
 
     def propose(self) -> Tensor:
         """K greedy draft tokens (K,) target ids from entry n-1; draft keys go to slots n..n+K-2."""
-        return self._chain_body()
+        return self._chain_fn()
 
     def commit(self, aux: Tensor, tokens: Tensor, acc: Tensor) -> None:
         """Entries for slots n..n+K: aux (1,K+1,3h_t) the verify's features there, tokens (K+1,) the token after
         each (the accepted drafts, the bonus at index acc, junk past it), acc (1,). Entries 0..acc count."""
-        out = self._extend_body(aux, tokens[None])  # (1,K+1,h), keys written at slots n..n+K
+        out = self._extend_fn(aux, tokens[None])  # (1,K+1,h), keys written at slots n..n+K
         self.last.copy_(out.index_select(1, acc))  # (1,1,h) output of entry n+acc
         self.n.add_(acc[0] + 1)
 
@@ -55,7 +55,8 @@ class RoundDrafting(GraphedChainDrafting):
 class RoundChainDecoder:
     """Greedy EAGLE-3 chains on a target `Runner` (batch 1, cache row 0), each round one CUDA graph on CUDA."""
 
-    def __init__(self, runner, drafter, cfg: SpecConfig = SpecConfig()):
+    def __init__(self, runner, drafter, cfg: SpecConfig = SpecConfig(), *, compile_drafter: bool = False):
+        """compile_drafter: torch.compile the drafter's part of the round (graphed.GraphedChainDrafting)."""
         if cfg.method != "chain" or cfg.temperature != 0:
             raise EyasError(f"the one-graph round runs greedy chains only (method chain, temperature 0), got "
                             f"method {cfg.method!r}, temperature {cfg.temperature}")
@@ -67,7 +68,7 @@ class RoundChainDecoder:
         self.runner, self.cfg, self.K = runner, cfg, K
         drafter = fit_drafter(runner, drafter)
         self.aux_ids = tuple(drafter.config.aux_layer_ids)
-        self.drafting = RoundDrafting(drafter, runner.embed, M, K)
+        self.drafting = RoundDrafting(drafter, runner.embed, M, K, compile=compile_drafter)
         self._verify = runner.step_fn(self.aux_ids)  # compiled when the runner is
         self.pending = torch.zeros(1, dtype=torch.long, device=dev)
         self.info = torch.zeros(K + 2, dtype=torch.long, device=dev)  # a round's [accepted, K+1 tokens]

@@ -130,11 +130,12 @@ class SpecDecoder:
     """Speculative decoding with a target `Runner` and an optional EAGLE-3 drafter (batch 1, cache row 0)."""
 
     def __init__(self, runner, drafter=None, cfg: SpecConfig = SpecConfig(), *, fast: bool | None = None,
-                 verify_capture: tuple[int, ...] | None = None):
+                 verify_capture: tuple[int, ...] | None = None, compile_drafter: bool = False):
         """fast: use the static-cache drafters, one CUDA graph per step (default: on CUDA): graphed.py for greedy
         chains, tree_static.py for trees. verify_capture: the aux ids the verify step returns (default: the
         drafter's, none without one); a drafter-less decoder given a drafter's ids shares that decoder's compiled
-        verify step (the bench: one compile fewer) and ignores the extra output."""
+        verify step (the bench: one compile fewer) and ignores the extra output. compile_drafter: torch.compile the
+        static greedy chain drafter's draft and extend steps (graphed.py; with graph_round, the round's)."""
         if cfg.method in ("chain", "tree") and drafter is None:
             raise EyasError(f"decode method {cfg.method!r} needs a drafter")
         if cfg.draft_size + 2 > runner.cfg.max_seq:
@@ -146,7 +147,7 @@ class SpecDecoder:
         self._round = None
         if cfg.graph_round:
             from eyas.decode.round import RoundChainDecoder
-            self._round = RoundChainDecoder(runner, drafter, cfg)
+            self._round = RoundChainDecoder(runner, drafter, cfg, compile_drafter=compile_drafter)
         elif drafter is not None and cfg.method in ("chain", "tree"):
             drafter = fit_drafter(runner, drafter)
             self.aux_ids = tuple(drafter.config.aux_layer_ids)
@@ -154,7 +155,8 @@ class SpecDecoder:
                 fast = runner.device.type == "cuda"
             if fast and cfg.method == "chain" and cfg.temperature == 0:
                 from eyas.decode.graphed import GraphedChainDrafting
-                self.drafting = GraphedChainDrafting(drafter, runner.embed, runner.cfg.max_seq, cfg.k)
+                self.drafting = GraphedChainDrafting(drafter, runner.embed, runner.cfg.max_seq, cfg.k,
+                                                     compile=compile_drafter)
             elif fast and cfg.method == "tree":  # trees are top-k (deterministic) at every temperature
                 from eyas.decode.tree_static import StaticTreeDrafting
                 self.drafting = StaticTreeDrafting(drafter, runner.embed, runner.cfg.max_seq, top_k=cfg.top_k,
