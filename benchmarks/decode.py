@@ -96,7 +96,9 @@ def batch_compare(args) -> int:
     results: dict = {}
     for B in [int(b) for b in args.batch.split(",")]:
         batch = (prompts * ((B + len(prompts) - 1) // len(prompts)))[:B]
-        r = Runner.from_hf(target.model, max_batch=B, max_seq=M, compile=args.compile)
+        # dynamic with --compile: batched plain decoding meets a (rows, window) shape per compaction and window,
+        # more than dynamo's recompile limit; one dynamic compile serves them all (as prepare's regeneration)
+        r = Runner.from_hf(target.model, max_batch=B, max_seq=M, compile=args.compile, dynamic=args.compile)
         dec = BatchChainDecoder(r, drafter, BatchSpecConfig(k=K))
         # warm-up: on CUDA every shape the timed runs reach (compaction shrinks the batch), else a few tokens
         warm = N if dev.type == "cuda" else min(N, 4)
