@@ -8,6 +8,8 @@ Two injected bugs show that each property is checked: another row's bonus token 
 row's aux features in the drafter's cache keep (a) (verification makes any drafter lossless) but break (b).
 """
 
+import copy
+
 import pytest
 import torch
 
@@ -75,16 +77,22 @@ def test_fixture_covers_the_cases(setup):
     assert len({len(p) for p in prompts}) >= 10 and max(map(len, prompts)) == 240
 
 
-@pytest.mark.parametrize("k,max_batch,compact,max_seq", [(4, 8, True, 320), (4, 20, False, 320), (1, 8, True, 320),
-                                                         (3, 5, True, 200 + NEW + 3 + 1)],
-                         ids=["k4-b8", "k4-b20-nocompact", "k1-b8", "k3-b5-full-cache"])
-def test_rows_equal_plain_greedy_and_batch1_acceptance(setup, k, max_batch, compact, max_seq, monkeypatch):
-    """The last case fills the 200-token prompt's cache row to the end: finished rows must not write past it."""
+@pytest.mark.parametrize("k,max_batch,compact,max_seq,graphs", [
+    (4, 8, True, 320, False), (4, 20, False, 320, False), (1, 8, True, 320, False),
+    (3, 5, True, 200 + NEW + 3 + 1, False), (4, 8, True, 320, True), (3, 5, True, 200 + NEW + 3 + 1, True)],
+    ids=["k4-b8", "k4-b20-nocompact", "k1-b8", "k3-b5-full-cache", "k4-b8-graphs", "k3-b5-full-cache-graphs"])
+def test_rows_equal_plain_greedy_and_batch1_acceptance(setup, k, max_batch, compact, max_seq, graphs, monkeypatch):
+    """The last cases fill the 200-token prompt's cache row to the end: finished rows must not write past it.
+    graphs: the CUDA path's fixed-width drafter steps with static inputs (eager replays on the CPU); their
+    warm-up calls run for real inside a decoding, so they must leave the committed cache as it was."""
     model, _, drafter, prompts, ref, eos = setup
     keep = [i for i, p in enumerate(prompts) if len(p) + NEW + k + 1 <= max_seq]
     prompts, ref = [prompts[i] for i in keep], [ref[i] for i in keep]
     runner = Runner.from_hf(model, max_batch=max_batch, max_seq=max_seq)
-    dec = BatchChainDecoder(runner, drafter, BatchSpecConfig(k=k, compact=compact))
+    if graphs:  # the CUDA capture's real warm-up calls, then replays (graphs.capture runs neither on the CPU)
+        monkeypatch.setattr(batch_mod, "capture", lambda fn, *a, cuda=None: [fn(*a) for _ in range(2)] and
+                            (lambda: fn(*a)))
+    dec = BatchChainDecoder(runner, drafter, BatchSpecConfig(k=k, compact=compact), graphs=graphs)
     moves = []
     move = dec._move_rows
     monkeypatch.setattr(dec, "_move_rows", lambda keep, w: moves.append(keep.numel()) or move(keep, w))
@@ -98,6 +106,9 @@ def test_rows_equal_plain_greedy_and_batch1_acceptance(setup, k, max_batch, comp
     acc = sum((s.accepted for s in stats), [])
     assert k in acc and 0 in acc and sum(acc) / len(acc) > 0.3
     assert bool(moves) == compact  # finished rows were (or were not) moved out of the batch
+    if graphs:  # one propose and one extend graph per batch size met (chunks and compaction: several), not per round
+        sizes = {b for _, b in dec._graphs}
+        assert {max_batch, *moves} <= sizes and len(dec._graphs) == 2 * len(sizes)
 
 
 def record(seen: list, lg):
@@ -181,3 +192,18 @@ def test_bad_input_refused(setup):
         dec.generate([[5], [5] * 300], NEW)
     with pytest.raises(EyasError, match="max_new_tokens"):
         dec.generate([[5]], 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compile", [False, True])
+def test_cuda_batched_chains_equal_cpu(setup, compile):
+    """On CUDA (graphed drafter steps and verify, compiled or not) every row's tokens and per-round acceptance
+    equal the CPU's, through compaction."""
+    model, cpu, drafter, prompts, ref, eos = setup
+    gpu = Runner.from_hf(model, max_batch=8, max_seq=320, device="cuda", compile=compile, dynamic=compile)
+    dec = BatchChainDecoder(gpu, copy.deepcopy(drafter), BatchSpecConfig(k=4))
+    outs, stats = dec.generate(prompts, NEW, eos_ids=[eos])
+    assert dec.graphs and dec._graphs
+    assert outs == ref
+    assert [s.accepted for s in stats] == batch1_accepted(cpu, drafter, prompts, eos, 4)

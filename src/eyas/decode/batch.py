@@ -16,6 +16,9 @@ of its own row only. Once at most half the rows are live, the live rows move to 
 and the batch shrinks to the next power of two (filler rows are finished copies), like
 `Runner.generate`. The caches' rows are moved here, not through the runner (its API is unchanged).
 
+On CUDA the drafter's propose and extend attend all cache slots, so their shapes depend on the batch only, and
+each runs as one CUDA graph per batch size, as the verify does; the host syncs once per round.
+
 Greedy only: every row's output equals the target's greedy output of that prompt alone, and its per-round
 acceptance counts equal the batch-1 chain decoder's (tests/test_batch_spec.py).
 """
@@ -29,6 +32,7 @@ from torch import Tensor
 
 from eyas.decode.spec import SpecStats, fit_drafter
 from eyas.errors import EyasError
+from eyas.target.graphs import capture
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,7 +138,9 @@ class BatchChainDrafting:
 class BatchChainDecoder:
     """Greedy EAGLE-3 chains for a batch of prompts on a target `Runner` (rows 0..max_batch-1)."""
 
-    def __init__(self, runner, drafter, cfg: BatchSpecConfig = BatchSpecConfig()):
+    def __init__(self, runner, drafter, cfg: BatchSpecConfig = BatchSpecConfig(), *, graphs: bool | None = None):
+        """graphs (default: on CUDA): the drafter's propose and extend attend all cache slots (shapes that depend
+        on the batch only) and run as one CUDA graph each per batch size, like the verify step."""
         if drafter is None:
             raise EyasError("batched chains need a drafter")
         if cfg.k + 2 > runner.cfg.max_seq:
@@ -144,6 +150,35 @@ class BatchChainDecoder:
         self.aux_ids = tuple(drafter.config.aux_layer_ids)
         self.drafting = BatchChainDrafting(drafter, runner.embed, runner.cfg.max_batch, runner.cfg.max_seq)
         self._verify_fn = runner.step_fn(self.aux_ids)  # compiled when the runner is
+        self.graphs = runner.device.type == "cuda" if graphs is None else graphs
+        self._graphs: dict = {}
+
+    def _propose(self, n: Tensor, width: int) -> Tensor:
+        """(B,K) drafts; with graphs, a replay over all slots."""
+        K, M = self.cfg.k, self.runner.cfg.max_seq
+        if not self.graphs:
+            return self.drafting.propose(n, K, width)
+        key = ("propose", n.shape[0])
+        if key not in self._graphs:
+            n_s = n.clone()  # the warm-up calls run for real: they write draft keys past each row's n only
+            self._graphs[key] = (capture(self.drafting.propose, n_s, K, M, cuda=n.is_cuda), n_s)
+        run, n_s = self._graphs[key]
+        n_s.copy_(n)
+        return run()
+
+    def _extend(self, aux: Tensor, tokens: Tensor, n: Tensor, count: Tensor, width: int) -> None:
+        """The round's drafter entries; with graphs, a replay over all slots (extend is idempotent for fixed
+        inputs: it reads slots < n and writes slots >= n, so the warm-up calls change nothing)."""
+        if not self.graphs:
+            return self.drafting.extend(aux, tokens, n, count, width)
+        key = ("extend", n.shape[0])
+        if key not in self._graphs:
+            bufs = (aux.clone(), tokens.clone(), n.clone(), count.clone())
+            self._graphs[key] = (capture(self.drafting.extend, *bufs, self.runner.cfg.max_seq, cuda=n.is_cuda), bufs)
+        run, bufs = self._graphs[key]
+        for b, x in zip(bufs, (aux, tokens, n, count)):
+            b.copy_(x)
+        run()
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, *, eos_ids=()
@@ -239,10 +274,10 @@ class BatchChainDecoder:
                 live = list(range(len(live)))
             assert max(n) + S <= M, "a live row outgrew its checked cache bound"
             n_t = torch.tensor(n, device=dev)  # (B,)
-            draft = self.drafting.propose(n_t, K, max(n) + K - 1)  # (B,K)
+            draft = self._propose(n_t, max(n) + K - 1)  # (B,K)
             ids = torch.cat([pending[:, None], draft], 1)  # (B,S)
             slots = n_t[:, None] + ar  # (B,S) slot = RoPE position
-            W = M if dev.type == "cuda" else max(n) + S  # a CUDA graph needs the full static mask
+            W = M if dev.type == "cuda" or self.graphs else max(n) + S  # a CUDA graph needs the full static mask
             mask = cols[:W][None, None] <= slots[:, :, None]  # (B,S,W) the row's own prefix, causal
             logits, vaux = r.graphed(len(rows), S, self._verify_fn)(ids, slots, slots, mask)
             acc, bonus = accept(draft, logits.argmax(-1))  # (B,), (B,)
@@ -250,7 +285,7 @@ class BatchChainDecoder:
             is_live = torch.zeros(len(rows), dtype=torch.bool, device=dev)
             is_live[live] = True
             count = torch.where(is_live, acc + 1, 0)  # (B,) entries the drafter gains per row
-            self.drafting.extend(vaux, new, n_t, count, max(n))
+            self._extend(vaux, new, n_t, count, max(n))
             pending = bonus
             acc_l, new_l = acc.tolist(), new.tolist()  # the round's one host sync
             for i in live:
