@@ -389,5 +389,21 @@ def test_lookup_shares_the_eagle_verify_step(tiny):
     assert out == ref and st.accepted == rst.accepted and st.target_forwards == rst.target_forwards
     assert max(rst.accepted) > 0                       # the lookup did accept something: the test sees drafts
     assert [m.name for m in _methods(cfg, runner, None, [257])] == ["plain", "lookup"]
+    _, lookup, eagle = _methods(BenchConfig(method="chain", k=3, graph_round=True), runner, drafter, [257])
+    assert lookup.decoder._verify_fn is eagle.decoder._round._verify  # graph rounds: the round's step, shared
     with pytest.raises(EyasError, match="verify_capture"):
         SpecDecoder(runner, drafter, cfg.spec, verify_capture=(0, 1))
+
+
+def test_bench_runs_graph_rounds_like_host_rounds(tiny, prompts):
+    """graph_round through a whole bench (warm-up, timed decoding, fp32 rerun; the gpu recipe's chains): the same
+    tokens and counts as host rounds, lossless, and the config records it. The random drafter here accepts
+    nothing; tests/test_round.py checks the round's per-round acceptance with a trained drafter."""
+    target, drafter = tiny
+    reps = [run_bench(BenchConfig(prompts=prompts, k=3, max_new_tokens=12, max_seq=160, graph_round=g),
+                      target=target, drafter=drafter) for g in (False, True)]
+    host, graph = (r["methods"]["eagle-chain"] for r in reps)
+    for key in ("tokens", "tau", "target_forwards", "acceptance_by_position"):
+        assert graph[key] == host[key], key
+    assert graph["tokens"] == reps[1]["methods"]["plain"]["tokens"]
+    assert reps[1]["lossless"]["eagle-chain"]["held"] and reps[1]["config"]["spec"]["graph_round"]

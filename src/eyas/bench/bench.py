@@ -280,10 +280,9 @@ def _methods(cfg, runner, drafter, eos, *, baselines=None) -> list[_Method]:
     methods = []
     if baselines:
         methods.append(_Method("plain", lambda p, seed: _plain(runner, p, cfg, eos, seed)))
-        # With a drafter, lookup verifies through the eagle decoder's step (its aux output unused): one compiled
-        # S-generic function for both instead of two, about 40 s of a cold bench's warm-up on the H200.
-        share = (tuple(drafter.config.aux_layer_ids)
-                 if drafter is not None and not cfg.spec.graph_round else None)
+        # With a drafter, lookup verifies through the eagle decoder's step (its aux output unused; with graph rounds,
+        # the round's): one compiled S-generic function for both instead of two, one cold compile fewer.
+        share = tuple(drafter.config.aux_layer_ids) if drafter is not None else None
         lk = SpecDecoder(runner, None, cfg.lookup, verify_capture=share)
         methods.append(_Method("lookup", lambda p, seed: lk.generate(p, cfg.max_new_tokens, eos_ids=eos, seed=seed),
                                lk))
@@ -303,7 +302,8 @@ def _warm_up(cfg, runner, methods, drafter) -> int:
             continue
         kind = "lookup" if m.name == "lookup" else c.method
         size = tree_nodes(c.top_k, c.depth, c.total_tokens, drafter.config.draft_vocab_size) if kind == "tree" else 0
-        steps.append((runner.step_fn(m.decoder.verify_capture), verify_shapes(kind, c.k, size)))
+        verify = m.decoder._round.aux_ids if m.decoder._round is not None else m.decoder.verify_capture
+        steps.append((runner.step_fn(verify), verify_shapes(kind, c.k, size)))
         if isinstance(m.decoder.drafting, GraphedChainDrafting):  # static drafters (chains, trees): extends of 1..K+1
             depth = c.k if kind == "chain" else c.depth  # a tree accepts up to `depth` drafts + the bonus
             drafters.append((m.decoder.drafting, len(m.decoder.aux_ids) * runner.cfg.hidden_size, depth))
