@@ -160,7 +160,8 @@ def round_compare(args) -> int:
         target = load_target(args.target, device=dev, dtype=dtype)
         recs = load_prompts(args.prompts.split(",")[0], limit=args.limit)
         prompts = [encode_prompt(target.tokenizer, [{"role": "user", "content": r["turns"][0]}]) for r in recs]
-    prompts = [p[-(M - N - max(Ks) - 2):] for p in prompts]
+    draft = max(Ks + ([SpecConfig(method="tree").draft_size] if args.tree else []))
+    prompts = [p[-(M - N - draft - 2):] for p in prompts]
     if args.drafter:
         from eyas.model.checkpoint import open_drafter
         drafter, _ = open_drafter(args.drafter, target=target)
@@ -177,17 +178,21 @@ def round_compare(args) -> int:
     variants = [("host rounds", False, False), ("one-graph rounds", True, False)]
     if args.compile:  # the drafter's steps compiled too (SpecDecoder compile_drafter)
         variants += [("host rounds, compiled drafter", False, True), ("one-graph rounds, compiled drafter", True, True)]
-    for K in Ks:
-        for name, graph, cd in variants:
-            dec = SpecDecoder(r, drafter, SpecConfig(method="chain", k=K, graph_round=graph), compile_drafter=cd)
-            dec.generate(prompts[0], N, eos_ids=eos)  # warm-up: captures and compiles
-            res, t = timed(lambda: [dec.generate(p, N, eos_ids=eos) for p in prompts], dev)
-            toks, fw, rounds = (sum(getattr(s, f) for _, s in res) for f in ("tokens", "target_forwards", "rounds"))
-            same = sum(o == q for (o, _), q in zip(res, plain))
-            rows.append((f"eagle chain-{K}, {name}", f"{toks / t:.0f} tok/s, tau {toks / fw:.2f}, "
-                         f"{1e3 * t / max(rounds, 1):.2f} ms/round (prefill included), "
-                         f"{toks / t / (sum(map(len, plain)) / t_plain):.2f}x plain, identical {same}/{len(prompts)}"))
-            print(rows[-1], flush=True)
+    runs = [(f"eagle chain-{K}, {name}", SpecConfig(method="chain", k=K, graph_round=graph), cd)
+            for K in Ks for name, graph, cd in variants]
+    if args.tree:  # the default EAGLE-2 tree (static proposer), its proposer also compiled with --compile
+        runs += [(f"eagle tree, {'compiled' if cd else 'eager'} proposer", SpecConfig(method="tree"), cd)
+                 for cd in ([False, True] if args.compile else [False])]
+    for label, spec, cd in runs:
+        dec = SpecDecoder(r, drafter, spec, compile_drafter=cd)
+        dec.generate(prompts[0], N, eos_ids=eos)  # warm-up: captures and compiles
+        res, t = timed(lambda: [dec.generate(p, N, eos_ids=eos) for p in prompts], dev)
+        toks, fw, rounds = (sum(getattr(s, f) for _, s in res) for f in ("tokens", "target_forwards", "rounds"))
+        same = sum(o == q for (o, _), q in zip(res, plain))
+        rows.append((label, f"{toks / t:.0f} tok/s, tau {toks / fw:.2f}, "
+                     f"{1e3 * t / max(rounds, 1):.2f} ms/round (prefill included), "
+                     f"{toks / t / (sum(map(len, plain)) / t_plain):.2f}x plain, identical {same}/{len(prompts)}"))
+        print(rows[-1], flush=True)
     machine = (torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor() or "cpu")
     table = (f"\n## one-graph chain rounds, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
              f"- machine: {machine}; torch {torch.__version__}; dtype {args.dtype}; threads {torch.get_num_threads()}\n"
@@ -235,6 +240,7 @@ def main() -> int:
     ap.add_argument("--chain", default="3", help="--batch: draft tokens per round; --round: comma-separated list")
     ap.add_argument("--round", default=None, choices=["graph"],
                     help="batch-1 greedy chains with each round one CUDA graph vs host rounds vs plain; runs only this")
+    ap.add_argument("--tree", action="store_true", help="--round: also time the default tree (static proposer)")
     ap.add_argument("--tiny", action="store_true",
                     help="--batch/--round: a tiny random Llama target and random drafter, random prompts (CPU smoke test)")
     ap.add_argument("--md", default="BENCHMARKS.md")

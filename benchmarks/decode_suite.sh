@@ -11,7 +11,7 @@ MD=${MD:-/root/after.md}
 export PYTHONPATH=${PYTHONPATH:-src}
 step() { local limit=$1; shift; echo "== $(date -u +%H:%M:%S) $*"; timeout "$limit" "$@" || echo "!! exit $? from: $*"; }
 step 400 python3 benchmarks/compile_regions.py --target "$T" --md "$MD"
-step 600 python3 benchmarks/decode.py --round graph --chain 3,5 --limit 10 --drafter "$D" --target "$T" --compile --md "$MD"
+step 600 python3 benchmarks/decode.py --round graph --chain 3,5 --tree --limit 10 --drafter "$D" --target "$T" --compile --md "$MD"
 step 600 python3 benchmarks/decode.py --batch 1,4,16,64 --chain 3 --limit 64 --max-new-tokens 128 --drafter "$D" \
   --target "$T" --compile --md "$MD"
 step 400 python3 benchmarks/regen.py --modes window+compact,compiled,compiled+regions --md "$MD"

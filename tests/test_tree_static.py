@@ -295,16 +295,18 @@ def test_injected_bugs_are_caught(setup, monkeypatch, bug):
 # ----------------------------------------------------------------------------- (c) CUDA
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("setting", [("trained", 4, 5, 16), ("trained", 10, 6, 60)], ids=["4x5-16", "default"])
-def test_cuda_graphed_static_tree_equals_cpu(setup, setting):
-    """The proposer on CUDA (one CUDA graph per round) proposes the CPU proposer's trees and decodes the same
-    tokens with the same acceptance; its round, run eagerly under the sync debugger, never syncs."""
+@pytest.mark.parametrize("setting,compile", [(("trained", 4, 5, 16), False), (("trained", 10, 6, 60), False),
+                                             (("trained", 10, 6, 60), True)], ids=["4x5-16", "default", "compiled"])
+def test_cuda_graphed_static_tree_equals_cpu(setup, setting, compile):
+    """The proposer on CUDA (one CUDA graph per round; compiled or not) proposes the CPU proposer's trees and
+    decodes the same tokens with the same acceptance; its round, run eagerly under the sync debugger, never syncs."""
     model, runner, drafters, prompts, ref, eos = setup
     name, top_k, depth, total = setting
     cfg = SpecConfig(method="tree", top_k=top_k, depth=depth, total_tokens=total)
     _, (outs_cpu, acc_cpu, trees_cpu) = runs(setup, setting)
     gpu = Runner.from_hf(model, max_batch=1, max_seq=runner.cfg.max_seq, device="cuda")
-    dec = static_decoder(gpu, copy.deepcopy(drafters[name]), cfg)
+    dec = SpecDecoder(gpu, copy.deepcopy(drafters[name]), cfg, compile_drafter=compile)  # fast: the CUDA default
+    assert isinstance(dec.drafting, StaticTreeDrafting)
     outs, acc, trees = decode(dec, prompts, eos)
     assert dec.drafting._tree is not None and dec.drafting.k.is_cuda
     assert outs == ref == outs_cpu
@@ -316,3 +318,20 @@ def test_cuda_graphed_static_tree_equals_cpu(setup, setting):
         dec.drafting._tree_body()  # eagerly: a sync inside would raise here (and would break the capture)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def test_compiled_static_tree_equals_eager(setup):
+    """compile_drafter for trees (torch.compile of the proposer and the extends; inductor on the CPU): the same
+    trees round by round, the same tokens and acceptance as the eager proposer."""
+    from torch._dynamo.utils import counters
+
+    model, runner, drafters, prompts, ref, eos = setup
+    cfg = SpecConfig(method="tree", top_k=4, depth=5, total_tokens=16)
+    dec = SpecDecoder(runner, drafters["trained"], cfg, fast=True, compile_drafter=True)
+    assert hasattr(dec.drafting._tree_fn, "_torchdynamo_orig_callable")
+    counters.clear()
+    outs, acc, trees = decode(dec, prompts[:4], eos)
+    assert counters["stats"]["unique_graphs"] >= 1
+    eager = decode(SpecDecoder(runner, drafters["trained"], cfg, fast=False), prompts[:4], eos)
+    assert outs == ref[:4] and acc == eager[1]
+    assert_same_trees(trees, eager[2])

@@ -135,7 +135,8 @@ class SpecDecoder:
         chains, tree_static.py for trees. verify_capture: the aux ids the verify step returns (default: the
         drafter's, none without one); a drafter-less decoder given a drafter's ids shares that decoder's compiled
         verify step (the bench: one compile fewer) and ignores the extra output. compile_drafter: torch.compile the
-        static greedy chain drafter's draft and extend steps (graphed.py; with graph_round, the round's)."""
+        static drafters' proposers and extends (greedy chains: graphed.py, with graph_round the round's; trees:
+        tree_static.py)."""
         if cfg.method in ("chain", "tree") and drafter is None:
             raise EyasError(f"decode method {cfg.method!r} needs a drafter")
         if cfg.draft_size + 2 > runner.cfg.max_seq:
@@ -160,7 +161,7 @@ class SpecDecoder:
             elif fast and cfg.method == "tree":  # trees are top-k (deterministic) at every temperature
                 from eyas.decode.tree_static import StaticTreeDrafting
                 self.drafting = StaticTreeDrafting(drafter, runner.embed, runner.cfg.max_seq, top_k=cfg.top_k,
-                                                   depth=cfg.depth, total=cfg.total_tokens)
+                                                   depth=cfg.depth, total=cfg.total_tokens, compile=compile_drafter)
             else:
                 self.drafting = EagleDrafting(drafter, runner.embed)
         if verify_capture is not None and self.aux_ids and tuple(verify_capture) != self.aux_ids:

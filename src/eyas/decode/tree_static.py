@@ -144,7 +144,9 @@ class StaticTreeDrafting(GraphedChainDrafting):
     The cache has `max_len` live slots (entry t at slot t, as for chains) plus a scratch region for the draft
     keys of levels 2..depth. A drop-in replacement for `EagleDrafting` in `SpecDecoder` tree rounds."""
 
-    def __init__(self, drafter, embed, max_len: int, *, top_k: int = 10, depth: int = 6, total: int = 60):
+    def __init__(self, drafter, embed, max_len: int, *, top_k: int = 10, depth: int = 6, total: int = 60,
+                 compile: bool = False):
+        """compile: torch.compile the round's proposer and the graphed extends (as for chains)."""
         if min(top_k, depth, total) < 1:
             raise ValueError(f"tree top_k, depth and total must be >= 1, got {top_k}, {depth}, {total}")
         self.top_k, self.depth, self.total = top_k, depth, total
@@ -152,7 +154,7 @@ class StaticTreeDrafting(GraphedChainDrafting):
         self.sizes = tree_plan(top_k, depth, drafter.config.draft_vocab_size)
         self.live = max_len
         # extends of up to depth+1 entries (an accepted path + bonus) are graphed, longer ones (prefill) eager
-        super().__init__(drafter, embed, max_len + sum(self.sizes), depth)
+        super().__init__(drafter, embed, max_len + sum(self.sizes), depth, compile=compile)
         dev = self.k.device
         offs = [max_len + sum(self.sizes[:j]) for j in range(len(self.sizes))]
         self.slots = [torch.arange(o, o + f, device=dev) for o, f in zip(offs, self.sizes)]  # per level
@@ -163,6 +165,7 @@ class StaticTreeDrafting(GraphedChainDrafting):
         self.pool_depths = torch.cat(depths).to(dev)  # (P,)
         self.root = torch.zeros(1, dtype=torch.long, device=dev)
         self._tree = None
+        self._tree_fn = torch.compile(self._tree_body, fullgraph=True) if compile else self._tree_body
 
     def _tree_body(self) -> StaticTree:
         d, M, live, kk = self.d, self.M, self.live, self.kk
@@ -209,7 +212,7 @@ class StaticTreeDrafting(GraphedChainDrafting):
         else:
             self.root.fill_(int(root))
         if self._tree is None:
-            self._tree = capture(self._tree_body, cuda=self.k.device.type == "cuda")
+            self._tree = capture(self._tree_fn, cuda=self.k.device.type == "cuda")
         return self._tree()
 
     def propose_tree(self, root: int, top_k: int, depth: int, total: int) -> TreeDraft:
