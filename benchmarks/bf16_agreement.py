@@ -10,6 +10,10 @@ tokens, and the argmax at every position is compared with the reference token. C
 whose argmax differs, prompts with at least one difference, and the mean top-2 logit margin at the positions
 that differ (near-ties flip). A tree verifies about 60 nodes at once, prompt lookup at most K + 1.
 
+With --drafter, it also decodes every prompt with prompt lookup (K=5), the eagle chain (K=5) and the default
+tree in the same dtype and counts, per method, the turns identical to the plain reference and the share of
+verify forwards that carried at least one draft token (a forward wider than plain decoding's).
+
 Prints a table and appends it, with date, machine and command, to BENCHMARKS.md (or --md).
 """
 
@@ -50,6 +54,37 @@ def forced_argmax(runner, prompt: list[int], cont: list[int], S: int) -> tuple[l
     return preds, margins
 
 
+def decode_methods(runner, target, drafter_dir, prompts, conts, n) -> list[tuple]:
+    """Per method: (name, identical turns, mean identical prefix, share of verify forwards with drafts, tau)."""
+    from eyas.decode.spec import SpecConfig, SpecDecoder
+    from eyas.model.checkpoint import open_drafter
+
+    drafter, _ = open_drafter(drafter_dir, target=target)
+    out = []
+    for name, cfg in (("lookup-5", SpecConfig(method="lookup", k=5)), ("eagle chain-5", SpecConfig(method="chain", k=5)),
+                      ("eagle tree", SpecConfig(method="tree"))):
+        dec = SpecDecoder(runner, None if name.startswith("lookup") else drafter, cfg)
+        widths = []  # verify forward widths: root + draft nodes
+        propose = dec._propose
+
+        def record(toks, gen, propose=propose, widths=widths):
+            d = propose(toks, gen)
+            widths.append(len(d))
+            return d
+        dec._propose = record
+        same = prefix = tokens = forwards = 0
+        for p, ref in zip(prompts, conts):
+            got, st = dec.generate(p, n)
+            same += got == ref
+            prefix += next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+            tokens, forwards = tokens + st.tokens, forwards + st.target_forwards
+        wide = sum(w > 1 for w in widths) / max(len(widths), 1)
+        out.append((name, f"{same} of {len(prompts)}", f"{prefix / len(prompts):.1f} of {n}", f"{wide:.2f}",
+                    f"{tokens / forwards:.2f}"))
+        print(out[-1], flush=True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="smollm2-135m")
@@ -59,6 +94,7 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--max-prompt-tokens", type=int, default=400)
     ap.add_argument("--widths", default="1,6,61")
+    ap.add_argument("--drafter", default=None, help="also decode with lookup, the eagle chain and the tree")
     ap.add_argument("--md", default="BENCHMARKS.md")
     args = ap.parse_args()
     from eyas.data.chat import encode_prompt
@@ -89,6 +125,7 @@ def main() -> int:
         mean_flip = sum(flip_margins) / len(flip_margins) if flip_margins else float("nan")
         rows.append((S, diff, positions, prompts_hit, len(prompts), mean_flip, sum(all_margins) / len(all_margins)))
         print(rows[-1], flush=True)
+    decoded = decode_methods(runner, target, args.drafter, prompts, conts, args.max_new_tokens) if args.drafter else []
     machine = torch.cuda.get_device_name() if dev.type == "cuda" else (platform.processor() or "cpu")
     table = (f"\n## Verify width and greedy agreement ({args.dtype}), "
              f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
@@ -99,7 +136,11 @@ def main() -> int:
              f"steps; each width re-reads that continuation in forwards of S tokens\n\n"
              "| forward width S | positions whose argmax differs | prompts with a difference | mean top-2 margin "
              "there | mean top-2 margin, all positions |\n|---|---|---|---|---|\n"
-             + "".join(f"| {S} | {d} of {n} | {h} of {m} | {fm:.3f} | {am:.3f} |\n" for S, d, n, h, m, fm, am in rows))
+             + "".join(f"| {S} | {d} of {n} | {h} of {m} | {fm:.3f} | {am:.3f} |\n" for S, d, n, h, m, fm, am in rows)
+             + ("" if not decoded else
+                f"\nDecoded with {args.drafter} in {args.dtype}, against the same plain reference:\n\n"
+                "| method | turns identical to plain | mean identical prefix | verify forwards carrying drafts | tau |\n"
+                "|---|---|---|---|---|\n" + "".join(f"| {a} | {b} | {c} | {d} | {e} |\n" for a, b, c, d, e in decoded)))
     print(table)
     with open(args.md, "a") as f:
         f.write(table)

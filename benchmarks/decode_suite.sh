@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The decoding measurements of issue 14 in one go, for a GPU lease (e.g. as gpu_preset.sh's AFTER, or alone in the
 # background): compile regions, one-graph rounds with and without the compiled drafter, batched chains against
-# batched plain decoding (all compiled), and regeneration with the compiled and region-compiled runner. Each step
+# batched plain decoding (all compiled), regeneration with the compiled and region-compiled runner, and how the
+# width of a bf16 verify forward changes greedy decisions. Each step
 # appends its table to $MD and has its own time limit, so one failure does not stop the others.
 #   bash benchmarks/decode_suite.sh DRAFTER [TARGET]     (DRAFTER: an eyas export or train/drafter directory)
 set -u
@@ -15,4 +16,5 @@ step 600 python3 benchmarks/decode.py --round graph --chain 3,5 --tree --limit 1
 step 600 python3 benchmarks/decode.py --batch 1,4,16,64 --chain 3 --limit 64 --max-new-tokens 128 --drafter "$D" \
   --target "$T" --compile --md "$MD"
 step 400 python3 benchmarks/regen.py --modes window+compact,compiled,compiled+regions --md "$MD"
+step 300 python3 benchmarks/bf16_agreement.py --target "$T" --widths 1,2,6,16,61 --md "$MD"
 echo "== $(date -u +%H:%M:%S) done"
