@@ -39,7 +39,10 @@ def forced_argmax(runner, prompt: list[int], cont: list[int], S: int) -> tuple[l
     toks = prompt + cont
     n0 = len(prompt)
     L = len(toks)
-    cols = torch.arange(L, device=dev)
+    cols = torch.arange(runner.cfg.max_seq, device=dev)
+    # decode-step masks as plain decoding builds them (window=0): all max_seq slots on CUDA (one graph shape),
+    # the used slots on the CPU; width 1 must then reproduce the reference exactly (the table's control row)
+    span = (lambda s1: runner.cfg.max_seq) if dev.type == "cuda" else (lambda s1: s1)
     ids = torch.tensor([toks], device=dev)
     pos = torch.arange(n0, device=dev)[None]
     runner(ids[:, :n0], pos, pos, cols[None, None, :n0] <= pos[..., None])
@@ -47,7 +50,7 @@ def forced_argmax(runner, prompt: list[int], cont: list[int], S: int) -> tuple[l
     for s0 in range(n0, L - 1, S):  # the forward whose first token is toks[s0] predicts toks[s0 + 1]
         s1 = min(L - 1, s0 + S)
         pos = torch.arange(s0, s1, device=dev)[None]
-        logits, _ = runner(ids[:, s0:s1], pos, pos, cols[None, None, :s1] <= pos[..., None])
+        logits, _ = runner(ids[:, s0:s1], pos, pos, cols[None, None, :span(s1)] <= pos[..., None])
         preds += logits[0].argmax(-1).tolist()  # as greedy decoding picks: the first of tied maxima
         top = logits[0].float().topk(2, dim=-1).values
         margins += (top[:, 0] - top[:, 1]).tolist()
@@ -108,7 +111,10 @@ def main() -> int:
     recs = load_prompts(args.prompts, limit=args.limit)
     prompts = [encode_prompt(target.tokenizer, [{"role": "user", "content": r["turns"][0]}])[-args.max_prompt_tokens:]
                for r in recs]
-    runner = Runner.from_hf(target.model, max_batch=1, max_seq=args.max_prompt_tokens + args.max_new_tokens + 8)
+    from eyas.decode.spec import SpecConfig
+
+    room = max(SpecConfig(method="tree").draft_size, 5) + 2  # the --drafter decodes: a tree verifies 60 drafts
+    runner = Runner.from_hf(target.model, max_batch=1, max_seq=args.max_prompt_tokens + args.max_new_tokens + room)
     conts = [continuation(runner, p, args.max_new_tokens) for p in prompts]
     rows = []
     for S in [int(w) for w in args.widths.split(",")]:

@@ -7,7 +7,7 @@ conversation, later turns with the earlier regenerated replies in context); `eya
 only. This decodes each turn of the first `--limit` training-eval conversations (train.data.is_eval, the
 trainer's split) with real speculative chains: the prompt is the conversation up to that reply, as the training
 sample holds it, and the reply is the target's own greedy continuation (at most --max-new-tokens). Reported per
-turn index: turns, tokens, target forwards and tau = tokens / forwards.
+turn index: turns, tokens, target forwards and tau = tokens / forwards. One conversation part per ShareGPT chat.
 
 Prints a table and appends it, with date, machine and command, to BENCHMARKS.md (or --md).
 """
@@ -31,11 +31,12 @@ def main() -> int:
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--dtype", default="fp32", choices=["bf16", "fp32"])
     ap.add_argument("--k", type=int, default=5)
-    ap.add_argument("--limit", type=int, default=30, help="training-eval conversations decoded")
+    ap.add_argument("--limit", type=int, default=30, help="training-eval conversations decoded (distinct chats)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--eval-fraction", type=float, default=0.05, help="the training run's eval_fraction")
     ap.add_argument("--md", default="BENCHMARKS.md")
     args = ap.parse_args()
+    from eyas.data.split import split_key
     from eyas.decode.spec import SpecConfig, SpecDecoder
     from eyas.model.checkpoint import open_drafter
     from eyas.target import load_target
@@ -45,11 +46,13 @@ def main() -> int:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target(args.target, device=dev, dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype])
     drafter, _ = open_drafter(args.drafter, target=target)
-    samples = []
+    samples, chats = [], set()
     with open(Path(args.prepared) / "samples.jsonl") as f:
-        for line in f:
+        for line in f:  # one part per ShareGPT chat (its parts `<id>_N` follow each other and share the split)
             r = json.loads(line)
-            if is_eval(r["id"], args.eval_fraction):
+            chat = split_key(r["id"], sharegpt=True)
+            if is_eval(r["id"], args.eval_fraction) and chat not in chats:
+                chats.add(chat)
                 samples.append(r)
             if len(samples) == args.limit:
                 break

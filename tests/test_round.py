@@ -253,3 +253,22 @@ def test_compiled_drafter_decodes_like_the_eager_drafter(setup, graph_round):
     assert counters["stats"]["unique_graphs"] >= 2  # the draft steps and an extend were compiled and ran
     assert outs == ref[:4]
     assert [s.accepted for s in stats] == batch1_accepted(runner, drafter, prompts[:4], eos, 3)
+
+
+def test_many_compiled_drafters_in_one_process(setup, monkeypatch):
+    """Every compiled drafter body is one code object with guards on K and the class: ten decoders (host and
+    one-graph rounds, K = 1..5) exceed dynamo's default 8 entries, where fullgraph would raise instead of falling
+    back. `graphed.compiled` leaves room. (dynamo's eager backend here: the guards, not inductor, are the point.)"""
+    from torch._dynamo.utils import counters
+
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": "eager"}))
+    torch._dynamo.reset()
+    counters.clear()
+    _, runner, drafter, prompts, ref, eos = setup
+    for k in (1, 2, 3, 4, 5):
+        for graph_round in (False, True):
+            dec = SpecDecoder(runner, drafter, SpecConfig(method="chain", k=k, graph_round=graph_round), fast=True,
+                              compile_drafter=True)
+            assert dec.generate(prompts[0], 8, eos_ids=[eos])[0] == ref[0][:8]
+    assert counters["stats"]["unique_graphs"] > 8  # more entries than the default limit: the test is not vacuous

@@ -315,7 +315,7 @@ def test_cuda_graphed_static_tree_equals_cpu(setup, setting, compile):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        dec.drafting._tree_body()  # eagerly: a sync inside would raise here (and would break the capture)
+        dec.drafting._tree_fn()  # outside the graph (compiled or eager): a sync inside would raise here
     finally:
         torch.cuda.set_sync_debug_mode(0)
 

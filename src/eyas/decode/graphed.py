@@ -16,6 +16,16 @@ from eyas.decode.tree import Draft, chain
 from eyas.target.graphs import capture
 
 
+def compiled(fn):
+    """torch.compile(fn, fullgraph=True) for a static drafter's body. Every drafter instance compiles the same code
+    object, with guards on its K, class and shapes, so a process with several decoders (a bench: chains of two
+    lengths, the tree, fp32 reruns) needs more than dynamo's default 8 entries; past the limit fullgraph raises."""
+    from torch import _dynamo
+
+    _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, 64)
+    return torch.compile(fn, fullgraph=True)
+
+
 class GraphedChainDrafting:
     def __init__(self, drafter, embed, max_len: int, K: int, compile: bool = False):
         """compile: torch.compile the fixed-shape bodies (the K draft steps, the extends of 1..K+1 entries), so each
@@ -33,8 +43,8 @@ class GraphedChainDrafting:
         self.cols = torch.arange(max_len, device=dev)
         self._extend: dict[int, tuple] = {}
         self._chain = None
-        self._chain_fn = torch.compile(self._chain_body, fullgraph=True) if compile else self._chain_body
-        self._extend_fn = torch.compile(self._extend_body, fullgraph=True) if compile else self._extend_body
+        self._chain_fn = compiled(self._chain_body) if compile else self._chain_body
+        self._extend_fn = compiled(self._extend_body) if compile else self._extend_body
 
     def reset(self) -> None:
         self.n.zero_()

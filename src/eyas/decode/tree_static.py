@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from eyas.decode.graphed import GraphedChainDrafting
+from eyas.decode.graphed import GraphedChainDrafting, compiled
 from eyas.decode.tree import Draft
 from eyas.target.graphs import capture
 
@@ -165,7 +165,7 @@ class StaticTreeDrafting(GraphedChainDrafting):
         self.pool_depths = torch.cat(depths).to(dev)  # (P,)
         self.root = torch.zeros(1, dtype=torch.long, device=dev)
         self._tree = None
-        self._tree_fn = torch.compile(self._tree_body, fullgraph=True) if compile else self._tree_body
+        self._tree_fn = compiled(self._tree_body) if compile else self._tree_body
 
     def _tree_body(self) -> StaticTree:
         d, M, live, kk = self.d, self.M, self.live, self.kk
