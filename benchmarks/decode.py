@@ -194,7 +194,8 @@ def round_compare(args) -> int:
                      f"{toks / t / (sum(map(len, plain)) / t_plain):.2f}x plain, identical {same}/{len(prompts)}"))
         print(rows[-1], flush=True)
     machine = (torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor() or "cpu")
-    table = (f"\n## one-graph chain rounds, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
+    title = "one-graph chain rounds" + (" and the tree" if args.tree else "")
+    table = (f"\n## {title}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
              f"- machine: {machine}; torch {torch.__version__}; dtype {args.dtype}; threads {torch.get_num_threads()}\n"
              f"- command: `{' '.join(['python'] + sys.argv)}`\n"
              f"- target: {'tiny random Llama' if args.tiny else args.target}; drafter: "
