@@ -166,7 +166,8 @@ class SpecDecoder:
                 self.drafting = EagleDrafting(drafter, runner.embed)
         if verify_capture is not None and self.aux_ids and tuple(verify_capture) != self.aux_ids:
             raise EyasError(f"verify_capture {tuple(verify_capture)} differs from the drafter's aux ids {self.aux_ids}")
-        self.verify_capture = self.aux_ids if verify_capture is None else tuple(verify_capture)
+        own = self._round.aux_ids if self._round is not None else self.aux_ids  # what this decoder's verify captures
+        self.verify_capture = own if verify_capture is None else tuple(verify_capture)
         self._verify_fn = runner.step_fn(self.verify_capture)  # compiled when the runner is
 
     def _prefill(self, prompt: list[int], chunk: int = 512):
