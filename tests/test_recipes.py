@@ -51,7 +51,7 @@ OLD_PRESETS: dict[str, dict] = {
 # chain benches run each round as one CUDA graph (graph_round; 1.09-1.37x the host rounds' speed on the H200).
 PRESETS_NOW: dict[str, dict] = {name: {**k, **({"dtype": "auto", "autocast": "auto", "bench_dtype": None}
                                           if name == "cpu-demo" else {}),
-                                       **({"epochs": 5, "eval_every": 200,
+                                       **({"epochs": 5, "eval_every": 400,
                                            "bench": [{**k["bench"][j], **({"graph_round": True} if k["bench"][j]["method"]
                                                                           == "chain" else {})} for j in (1, 3, 0, 2)]}
                                           if name == "gpu" else {})}
