@@ -41,7 +41,8 @@ def section(run: Path, command: str) -> str:
         ev = tr.get("eval") or {}
         acc = " / ".join(f"{a:.3f}" for a in ev.get("acc_k", []))
         lines.append(f"- train: {tr.get('step')} steps; held-out acc_k {acc}; tau_est {ev.get('tau_est', 0):.2f}; "
-                     f"replayed tau by chain {' / '.join(f'{t:.2f}' for t in ev.get('round_tau_by_chain', []))}; "
+                     f"replayed tau by chain {' / '.join(f'{t:.2f}' for t in ev.get('round_tau_by_chain', []))} "
+                     f"(first replies {' / '.join(f'{t:.2f}' for t in ev.get('round_tau_first_by_chain', []))}); "
                      f"draft-vocab coverage {tr.get('vocab_coverage')}")
         metrics = run / "train" / "metrics.jsonl"
         if metrics.exists():

@@ -89,3 +89,29 @@ def test_round_counts_by_hand():
     assert c[2].item() == 7 and c[3 + 2].item() == 3
     # chain-1: prefill + rounds from t=2 (a=1), t=4 (a=0), t=5 (a=1), t=7 (a=0): x_9 is the last bonus
     assert c[0].item() == 7 and c[3].item() == 5
+
+
+def test_round_counts_first_replies_are_each_samples_first_run():
+    """A packed row of two samples: sample 1 holds two replies (turns 1 and 2), sample 2 one. The first-reply counts
+    are the replay of exactly the runs that open a sample, the same as replaying a mask holding only those runs."""
+    T, K = 24, 3
+    seg = torch.tensor([[1] * 14 + [2] * 8 + [0] * 2])
+    valid = seg > 0
+    lm = torch.zeros(1, T, dtype=torch.bool)
+    lm[0, 3:7] = True      # sample 1, reply 1 (turn 1)
+    lm[0, 9:14] = True     # sample 1, reply 2 (turn 2): not a first reply
+    lm[0, 16:22] = True    # sample 2, reply 1
+    acc = torch.tensor([[0, 1, 2, 3, 1, 0, 2, 1, 3, 3, 2, 1, 0, 2, 1, 0, 3, 2, 1, 3, 0, 1, 0, 0]])
+    c = round_counts(acc, lm, valid, seg, K)
+    assert c.shape == (4 * K,)
+    first_only = lm.clone()
+    first_only[0, 9:14] = False
+    ref = round_counts(acc, first_only, valid, seg, K)
+    assert torch.equal(c[2 * K:], ref[:2 * K])                       # first replies: runs 1 and 3
+    assert torch.equal(ref[:2 * K], ref[2 * K:])                     # a mask of first replies only: all are first
+    assert (c[:2 * K] > c[2 * K:]).all()                             # the second turn adds tokens and forwards
+    # without segment ids (one sample per row) the row's first run is the only first reply
+    one = round_counts(acc, lm & (seg == 1), valid, None, K)
+    only_first = lm & (seg == 1)
+    only_first[0, 9:14] = False
+    assert torch.equal(one[2 * K:], round_counts(acc, only_first, valid, None, K)[:2 * K])

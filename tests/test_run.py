@@ -66,6 +66,7 @@ def test_run_end_to_end_resume_and_redo(tiny_run_inputs, tmp_path, capsys):
     seen = [m["tokens_seen"] for m in evals if m["split"] == "eval"]
     assert len(seen) == state["stages"]["train"]["summary"]["step"] >= 2 and seen == sorted(set(seen))
     assert "### Scaling" in report and (run / "plots" / "scaling.png").stat().st_size > 0
+    assert "replayed round by round" in report and "each held-out sample's first reply only" in report
     drafter, _ = load_eagle3_checkpoint(run / "export")
     assert drafter.config.aux_layer_ids == (1, 2, 3)
 

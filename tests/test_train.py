@@ -48,7 +48,8 @@ def cfg(tmp_path, store, name="run", **kw):
 
 def records(run, split="train"):
     lines = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
-    keys = ("step", "loss", "loss_k", "acc_k", "cond_acc_k", "lr", "grad_norm", "positions_k", "round_tau_by_chain")
+    keys = ("step", "loss", "loss_k", "acc_k", "cond_acc_k", "lr", "grad_norm", "positions_k", "round_tau_by_chain",
+            "round_tau_first_by_chain")
     return [{k: r.get(k) for k in keys} for r in lines if r["split"] == split]
 
 
@@ -235,6 +236,7 @@ def test_ddp_two_ranks_equals_single_process(tmp_path, fsdp):
     # the replayed decoding tau (metrics.round_counts) is summed over ranks like every other eval count
     assert len(ea["round_tau_by_chain"]) == len(ea["acc_k"]) and all(t >= 1.0 for t in ea["round_tau_by_chain"])
     assert ea["round_tau_by_chain"] == pytest.approx(eb["round_tau_by_chain"], rel=1e-9)
+    assert ea["round_tau_first_by_chain"] == pytest.approx(eb["round_tau_first_by_chain"], rel=1e-9)
 
 
 # ------------------------------------------------------------------------------------- bad input

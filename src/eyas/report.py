@@ -139,6 +139,10 @@ def write_report(run: Path, state: dict, cfg) -> str:
               + ", ".join(f"chain-{j + 1} {t:.2f}" for j, t in enumerate(ev["round_tau_by_chain"]))
               + ". tau_est averages over every position, so it counts easy stretches once per token where "
               "decoding spends one round on several of them.", ""]
+    if ev.get("round_tau_first_by_chain"):
+        L += ["- the same replay over each held-out sample's first reply only (the bench decodes first turns; "
+              "later turns, with earlier replies in context, accept more): "
+              + ", ".join(f"chain-{j + 1} {t:.2f}" for j, t in enumerate(ev["round_tau_first_by_chain"])), ""]
     for key in ("loss", "acc_k"):
         if key in plots:
             L.append(f"![{key}]({plots[key]})")

@@ -18,8 +18,8 @@ class Sums:
     def __init__(self, K: int, device):
         self.K = K
         # [n_micro, loss, tokens, base_count, base_correct, loss_k*K, lsum_k*K, count_k*K, correct_k*K,
-        #  cond_count_k*K, cond_correct_k*K, round_tokens_j*K, round_forwards_j*K]
-        self.t = torch.zeros(5 + 8 * K, dtype=torch.float64, device=device)
+        #  cond_count_k*K, cond_correct_k*K, round_tokens_j*K, round_forwards_j*K, the same two over first replies]
+        self.t = torch.zeros(5 + 10 * K, dtype=torch.float64, device=device)
 
     def add(self, out, tokens: int, baseline: tuple[Tensor, Tensor] | None = None,
             rounds: Tensor | None = None) -> None:
@@ -51,7 +51,7 @@ class Sums:
         v = self.t.cpu().tolist()
         n, loss, tokens = max(v[0], 1.0), v[1], v[2]
         sec = lambda j: v[5 + j * K:5 + (j + 1) * K]   # noqa: E731
-        loss_k, lsum_k, count, correct, ccount, ccorrect, rtok, rfw = (sec(j) for j in range(8))
+        loss_k, lsum_k, count, correct, ccount, ccorrect, rtok, rfw, ftok, ffw = (sec(j) for j in range(10))
         acc = [c / max(m, 1.0) for c, m in zip(correct, count)]
         cond = [c / max(m, 1.0) for c, m in zip(ccorrect, ccount)]
         if token_weighted:
@@ -66,6 +66,9 @@ class Sums:
             # what greedy decoding of these replies would measure: tokens per target forward with rounds starting
             # where the previous round ended (round_counts), for chains of 1..K drafts
             out["round_tau_by_chain"] = [a / max(b, 1.0) for a, b in zip(rtok, rfw)]
+            # the same over each sample's first reply only: what `eyas bench` decodes (first turns), so the
+            # number to hold a bench of the same prompt distribution against (later turns accept more)
+            out["round_tau_first_by_chain"] = [a / max(b, 1.0) for a, b in zip(ftok, ffw)]
         if v[3] > 0:
             out["baseline_acc_0"] = v[4] / v[3]
             out["baseline_positions"] = int(v[3])
@@ -73,22 +76,26 @@ class Sums:
 
 
 def round_counts(accept_len: Tensor, loss_mask: Tensor, valid: Tensor, segment_ids: Tensor | None, K: int) -> Tensor:
-    """Replay greedy chain decoding over the batch's replies: (2K,) float64 = [tokens per chain length j=1..K,
-    target forwards per j], to be summed over batches; tokens / forwards is the tau such decoding measures.
+    """Replay greedy chain decoding over the batch's replies: (4K,) float64 = [tokens per chain length j=1..K,
+    target forwards per j, the same two over first replies only], to be summed over batches; tokens / forwards is
+    the tau such decoding measures.
 
     Each maximal run [P, E) of loss-masked tokens within one sample is one reply decoded after the prompt x_<P:
     the prefill forward gives x_P; a round from position t (features up to t, last token x_{t+1}) accepts
     a = min(accept_len[t], j) drafts (ttt.TTTOutput.accept_len), adds the bonus token, and the next round starts
     at t + a + 1. Unlike the per-position average (chain_acceptance), rounds skip the positions inside accepted
-    drafts, so easy stretches weigh as few rounds: this is the estimate to hold a bench against.
+    drafts, so easy stretches weigh as few rounds: this is the estimate to hold a bench against. A sample's first
+    reply (its first run; a sample is a segment of a packed row, else the row) is also counted on its own: a bench
+    decodes first turns.
     """
     B, T = loss_mask.shape
     live = (loss_mask.bool() & valid.bool()).tolist()
     seg = (segment_ids if segment_ids is not None else valid.long()).tolist()
     acc = accept_len.tolist()
-    out = [0.0] * (2 * K)
+    out = [0.0] * (4 * K)
     for b in range(B):
         lm, sg, ac = live[b], seg[b], acc[b]
+        seen: set[int] = set()
         t = 0
         while t < T:
             if not lm[t] or t == 0:
@@ -97,6 +104,8 @@ def round_counts(accept_len: Tensor, loss_mask: Tensor, valid: Tensor, segment_i
             E = t
             while E < T and lm[E] and sg[E] == sg[t]:
                 E += 1
+            first = sg[t] not in seen
+            seen.add(sg[t])
             for j in range(1, K + 1):
                 pos, tokens, forwards = t - 1, 1, 1   # the prefill forward produced x_P
                 while pos + 2 < E:                     # x_P .. x_{pos+1} are out; x_{pos+2} is next
@@ -107,6 +116,9 @@ def round_counts(accept_len: Tensor, loss_mask: Tensor, valid: Tensor, segment_i
                     pos += a + 1
                 out[j - 1] += tokens
                 out[K + j - 1] += forwards
+                if first:
+                    out[2 * K + j - 1] += tokens
+                    out[3 * K + j - 1] += forwards
             t = E
     return torch.tensor(out, dtype=torch.float64)
 

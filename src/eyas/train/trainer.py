@@ -360,7 +360,8 @@ class Trainer:
                     sink.note(f"eval @ step {step}: acc_0 {last_eval['acc_k'][0]:.3f} (frequency baseline "
                               f"{last_eval.get('baseline_acc_0', float('nan')):.3f}), tau_est "
                               f"{last_eval['tau_est']:.2f}, replayed chain-{cfg.ttt_steps} tau "
-                              f"{last_eval.get('round_tau_by_chain', [float('nan')])[-1]:.2f}")
+                              f"{last_eval.get('round_tau_by_chain', [float('nan')])[-1]:.2f} (first replies "
+                              f"{last_eval.get('round_tau_first_by_chain', [float('nan')])[-1]:.2f})")
             if end_of_epoch:
                 self.epoch, self.pos = self.epoch + 1, 0
             if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == self.total:
