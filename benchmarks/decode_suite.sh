@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The decoding measurements of issue 14 in one go, for a GPU lease (e.g. as gpu_preset.sh's AFTER, or alone in the
-# background): compile regions, one-graph rounds with and without the compiled drafter, batched chains against
-# batched plain decoding (all compiled), regeneration with the compiled and region-compiled runner, and how the
-# width of a bf16 verify forward changes greedy decisions. Each step
-# appends its table to $MD and has its own time limit, so one failure does not stop the others.
+# background): runner compile variants (regions, Triton tuning, max-autotune, combo kernels), one-graph rounds with
+# and without the compiled drafter, batched chains against batched plain decoding (all compiled), regeneration with
+# the compiled and region-compiled runner, and how the width of a bf16 verify forward changes greedy decisions.
+# Each step appends its table to $MD and has its own time limit, so one failure does not stop the others.
 #   bash benchmarks/decode_suite.sh DRAFTER [TARGET]     (DRAFTER: an eyas export or train/drafter directory)
 set -u
 D=${1:?usage: decode_suite.sh DRAFTER [TARGET]}
@@ -11,7 +11,7 @@ T=${2:-smollm2-135m}
 MD=${MD:-/root/after.md}
 export PYTHONPATH=${PYTHONPATH:-src}
 step() { local limit=$1; shift; echo "== $(date -u +%H:%M:%S) $*"; timeout "$limit" "$@" || echo "!! exit $? from: $*"; }
-step 400 python3 benchmarks/compile_regions.py --target "$T" --md "$MD"
+step 1000 python3 benchmarks/compile_variants.py --target "$T" --variant-timeout 240 --md "$MD"
 step 600 python3 benchmarks/decode.py --round graph --chain 3,5 --tree --limit 10 --drafter "$D" --target "$T" --compile --md "$MD"
 step 600 python3 benchmarks/decode.py --batch 1,4,16,64 --chain 3 --limit 64 --max-new-tokens 128 --drafter "$D" \
   --target "$T" --compile --md "$MD"

@@ -256,3 +256,21 @@ def test_compile_regions_without_compile_change_nothing():
     model = make_tiny_llama(seed=2)
     r = Runner.from_hf(model, max_batch=1, max_seq=16, regions=True)  # eager: the plain layer call
     assert r._compiled is None and r._call_layer.__name__ == "_layer_body"
+
+
+def test_compile_options_reach_inductor_and_keep_the_tokens(monkeypatch):
+    """compile_options go to torch.compile as inductor options (benchmarks/compile_variants.py measures them); the
+    compiled runner still decodes the eager tokens; an option inductor does not know is refused at construction."""
+    model = make_tiny_llama(seed=9)
+    eager = Runner.from_hf(model, max_batch=1, max_seq=48)
+    seen = []
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw.get("options")) or real(fn, **kw))
+    opts = {"coordinate_descent_tuning": True, "epilogue_fusion": True}
+    # dynamic: on the CPU a decode step attends exactly the used slots, a new shape per token
+    comp = Runner.from_hf(model, max_batch=1, max_seq=48, compile=True, dynamic=True, compile_options=opts)
+    assert seen == [opts]
+    prompt = [5, 17, 2, 30, 9]
+    assert comp.generate([prompt], 10)[0] == eager.generate([prompt], 10)[0]
+    with pytest.raises(EyasError, match="unknown inductor option.*no_such_knob"):
+        Runner.from_hf(model, max_batch=1, max_seq=48, compile=True, compile_options={"no_such_knob": 1})

@@ -157,18 +157,22 @@ class Runner(nn.Module):
         self._compiled = None
         self._step_fns: dict = {}
         self._call_layer = _layer_body
+        self._compile_options: dict = {}
 
     # ------------------------------------------------------------------ construction
     @classmethod
     @torch.no_grad()
     def from_hf(cls, model, *, max_batch: int = 1, max_seq: int = 2048, dtype=None, device=None,
-                compile: bool = False, dynamic: bool = False, regions: bool = False) -> "Runner":
+                compile: bool = False, dynamic: bool = False, regions: bool = False,
+                compile_options: dict | None = None) -> "Runner":
         """Copy the weights of an HF LlamaForCausalLM into a Runner with a static KV cache. compile: torch.compile
         the decode step (each CUDA graph then replays fused kernels); dynamic: one compile for every batch and
         slot count (batched generation meets many: compaction and windows), instead of one per shape; regions
         (with compile): inductor compiles the decoder layer once for all layers, not the whole unrolled stack
         (torch.compiler.nested_compile_region; SmolLM2's two bench steps compiled in 29 s instead of 103 s on a
-        2-core CPU, BENCHMARKS.md; the layers then do not fuse across their boundary)."""
+        2-core CPU, BENCHMARKS.md; the layers then do not fuse across their boundary); compile_options: inductor
+        options for those compiles (torch.compile `options`, e.g. {"coordinate_descent_tuning": True};
+        benchmarks/compile_variants.py measures them)."""
         hf = model.config
         if getattr(hf, "model_type", "llama") not in ("llama", "mistral", "qwen2") or getattr(hf, "attention_bias", False) \
                 or getattr(hf, "mlp_bias", False) or getattr(hf, "hidden_act", "silu") != "silu":
@@ -204,6 +208,13 @@ class Runner(nn.Module):
         r.cos.copy_(cos[0])
         r.sin.copy_(sin[0])
         r.eval().requires_grad_(False)
+        r._compile_options = dict(compile_options or {})
+        if r._compile_options:
+            from torch._inductor import config as inductor_config
+
+            unknown = sorted(set(r._compile_options) - set(inductor_config.get_config_copy()))
+            if unknown:
+                raise EyasError(f"runner: unknown inductor option(s) {', '.join(unknown)} (torch {torch.__version__})")
         if regions and compile:
             if _layer_region is None:
                 raise EyasError(f"runner: compile regions need torch.compiler.nested_compile_region, which torch "
@@ -214,7 +225,7 @@ class Runner(nn.Module):
         return r
 
     def _compile(self, fn, dynamic):
-        c = torch.compile(fn, fullgraph=True, dynamic=dynamic)
+        c = torch.compile(fn, fullgraph=True, dynamic=dynamic, options=self._compile_options or None)
         if self._call_layer is _layer_region:
             # with dynamic shapes the norms' eps would become a symbolic float, which a compile region
             # mishandles (torch 2.13: "Argument ... does not belong to this Graph"); it is a constant anyway

@@ -1,15 +1,19 @@
-"""Compile regions against the whole-step compile: compile time and step time of the target runner.
+"""Compile variants of the target runner: compile time and step time (issue 14: bench start-up, plain decoding).
 
-    PYTHONPATH=src python benchmarks/compile_regions.py [--target smollm2-135m] [--dtype bf16] [--k 5]
+    PYTHONPATH=src python benchmarks/compile_variants.py [--target smollm2-135m] [--dtype bf16] [--k 5] \
+        [--variants whole,regions,cdt,autotune,combo]
 
-`Runner.from_hf(compile=True)` compiles the whole unrolled N-layer step; with `regions=True` inductor compiles
-the decoder layer once (torch.compiler.nested_compile_region) and calls it N times. Each variant runs in its own
-process with empty inductor and Triton caches, and measures:
+`Runner.from_hf(compile=True)` compiles the whole unrolled N-layer step ("whole"). The variants:
+- regions: inductor compiles the decoder layer once (torch.compiler.nested_compile_region) and calls it N times;
+- cdt: inductor's coordinate-descent tuning of each Triton kernel's launch configuration;
+- autotune: max-autotune GEMM templates (matmuls as Triton templates with fused epilogues) plus cdt;
+- combo: combo kernels (independent small kernels fused horizontally, fewer launches per layer).
+Each variant runs in its own process with empty inductor and Triton caches (and a time limit), and measures:
 - compile s: warming the shapes a chain-K bench uses (`eyas.bench.startup.warm_up`): the plain decode step (S=1)
   and the verify step with the drafter's aux capture (S=K+1), compile and CUDA-graph capture included;
 - decode ms / verify ms: the mean of `--reps` calls of each warmed step (CUDA-graph replays on CUDA), attending
-  all max_seq slots as in `eyas bench`;
-- the greedy tokens of one prompt, to compare the variants.
+  all max_seq slots as in `eyas bench`; 1000 / decode ms is the batch-1 plain decoding rate the step allows;
+- the greedy tokens of one prompt, compared with the first variant's.
 
 Prints a table and appends it, with date, machine and command, to BENCHMARKS.md (or --md).
 """
@@ -28,7 +32,9 @@ import time
 
 import torch
 
-VARIANTS = ("whole", "regions")
+VARIANTS = {"whole": {}, "regions": {}, "cdt": {"coordinate_descent_tuning": True},
+            "autotune": {"max_autotune": True, "coordinate_descent_tuning": True}, "combo": {"combo_kernels": True}}
+"""inductor options of each variant (regions: none, its compile regions instead)."""
 
 
 def measure(args) -> dict:
@@ -40,7 +46,8 @@ def measure(args) -> dict:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     target = load_target(args.target, device=dev, dtype=dtype)
     M, S = args.max_seq, args.k + 1
-    r = Runner.from_hf(target.model, max_batch=1, max_seq=M, compile=True, regions=args.variant == "regions")
+    r = Runner.from_hf(target.model, max_batch=1, max_seq=M, compile=True, regions=args.variant == "regions",
+                       compile_options=VARIANTS[args.variant])
     step = r.step_fn(tuple(target.aux_layer_ids))
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
@@ -83,38 +90,55 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=5, help="draft tokens of the chain whose verify step is compiled")
     ap.add_argument("--max-seq", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=200)
-    ap.add_argument("--variant", choices=VARIANTS, default=None, help="(internal) measure one variant, print JSON")
+    ap.add_argument("--variants", default=None,
+                    help=f"comma list of {', '.join(VARIANTS)} (default: all on CUDA; whole,regions on the CPU, the "
+                         "others tune Triton kernels)")
+    ap.add_argument("--variant-timeout", type=float, default=300, help="seconds per variant process")
+    ap.add_argument("--variant", choices=list(VARIANTS), default=None, help="(internal) measure one variant, print JSON")
     ap.add_argument("--md", default="BENCHMARKS.md")
     args = ap.parse_args()
     if args.variant:
         print(json.dumps(measure(args)))
         return 0
+    names = (args.variants or ("whole,regions,cdt,autotune,combo" if torch.cuda.is_available()
+                               else "whole,regions")).split(",")
+    bad = [v for v in names if v not in VARIANTS]
+    if bad:
+        ap.error(f"unknown variant(s) {', '.join(bad)}")
     rows = {}
-    for v in VARIANTS:
+    own = ["--target", args.target, "--dtype", args.dtype, "--k", str(args.k), "--max-seq", str(args.max_seq),
+           "--reps", str(args.reps), "--md", ""]
+    for v in names:
         with tempfile.TemporaryDirectory() as cache:
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"),
                    "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
-            cmd = [sys.executable, __file__, *sys.argv[1:], "--variant", v]
-            p = subprocess.run(cmd, env=env, text=True, capture_output=True)
-            if p.returncode:
-                print(p.stderr[-3000:], file=sys.stderr)
-                return p.returncode
-            rows[v] = json.loads(p.stdout.strip().splitlines()[-1])
+            cmd = [sys.executable, __file__, *own, "--variant", v]
+            try:
+                p = subprocess.run(cmd, env=env, text=True, capture_output=True, timeout=args.variant_timeout)
+            except subprocess.TimeoutExpired:
+                rows[v] = {"error": f"over {args.variant_timeout:.0f} s"}
+            else:
+                rows[v] = (json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else
+                           {"error": (p.stderr.strip().splitlines() or ["exit %d" % p.returncode])[-1][:160]})
             print(v, {k: x for k, x in rows[v].items() if k != "tokens"}, flush=True)
-    w, g = rows["whole"], rows["regions"]
-    same = sum(a == b for a, b in zip(w["tokens"], g["tokens"]))
+    ref = next((r for r in rows.values() if "tokens" in r), None)
     machine = torch.cuda.get_device_name() if torch.cuda.is_available() else (platform.processor() or "cpu")
-    table = (f"\n## compile regions vs whole-step compile, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
+
+    def row(v: str) -> str:
+        r = rows[v]
+        if "error" in r:
+            return f"| {v} | failed: {r['error']} | | | | |\n"
+        same = sum(a == b for a, b in zip(r["tokens"], ref["tokens"]))
+        return (f"| {v} | {r['compile_s']:.1f} | {r['decode_ms']:.3f} | {1e3 / r['decode_ms']:,.0f} | "
+                f"{r['verify_ms']:.3f} | {same}/{len(ref['tokens'])} |\n")
+
+    table = (f"\n## Runner compile variants, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
              f"- machine: {machine}; torch {torch.__version__}; dtype {args.dtype}; threads {torch.get_num_threads()}\n"
-             f"- command: `{' '.join(['python'] + sys.argv)}`\n"
+             f"- command: `python benchmarks/compile_variants.py {' '.join(sys.argv[1:])}`\n"
              f"- target {args.target}; cache {args.max_seq} slots; steps: plain decode (S=1) and chain-{args.k} verify "
              f"with aux capture (S={args.k + 1}); each variant in its own process with empty compile caches\n\n"
-             "| variant | compile + capture s | decode step ms | verify step ms |\n|---|---|---|---|\n"
-             + "".join(f"| {v} | {rows[v]['compile_s']:.1f} | {rows[v]['decode_ms']:.3f} | {rows[v]['verify_ms']:.3f} |\n"
-                       for v in VARIANTS)
-             + f"\n- regions / whole: compile {g['compile_s'] / w['compile_s']:.2f}x, decode step "
-               f"{g['decode_ms'] / w['decode_ms']:.2f}x, verify step {g['verify_ms'] / w['verify_ms']:.2f}x; greedy "
-               f"tokens of one prompt equal at {same}/{len(w['tokens'])} positions\n")
+             "| variant | compile + capture s | decode step ms | plain tok/s bound | verify step ms | greedy tokens "
+             "equal to the first variant's |\n|---|---|---|---|---|---|\n" + "".join(row(v) for v in names))
     print(table)
     with open(args.md, "a") as f:
         f.write(table)
