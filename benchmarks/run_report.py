@@ -53,7 +53,8 @@ def section(run: Path, command: str) -> str:
     lines.append("")
     benches = sorted((run / "bench").glob("*.json")) if (run / "bench").exists() else []
     if benches:
-        lines += ["| bench | method | tau | tok/s | speedup vs plain | lossless turns | acceptance by position |",
+        lines += ["| bench | method | tau (95% interval over prompts) | tok/s | speedup vs plain | lossless turns | "
+                  "acceptance by position |",
                   "|---|---|---|---|---|---|---|"]
         for p in benches:
             r = json.loads(p.read_text())
@@ -61,7 +62,9 @@ def section(run: Path, command: str) -> str:
                 ll = (r.get("lossless") or {}).get(name)
                 lossless = f"{ll['identical_turns']}/{ll['turns']}" if ll else "-"
                 acc = " ".join(f"{a:.2f}" for a in m["acceptance_by_position"][:6])
-                lines.append(f"| {p.stem} ({r['records']} prompts) | {name} | {m['tau']:.2f} | {m['tokens_per_s']} | "
+                ci = m.get("tau_ci95") if name != "plain" else None
+                tau = f"{m['tau']:.2f}" + (f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci else "")
+                lines.append(f"| {p.stem} ({r['records']} prompts) | {name} | {tau} | {m['tokens_per_s']} | "
                              f"{m.get('speedup', 1.0)} | {lossless} | {acc} |")
     return "\n".join(lines) + "\n"
 

@@ -80,6 +80,11 @@ def test_bench_report_lossless_and_files(tiny, prompts, tmp_path, capsys):
         assert rep["lossless"][name]["held"] and rep["lossless"][name]["identical_turns"] == 5
         assert len(m["acceptance_by_position"]) == 3 and m["tau"] >= 1.0 and "speedup" in m
         assert m["tokens"] == rep["methods"]["plain"]["tokens"]
+        # per record (a record's turns together): they sum to the totals, and the interval brackets tau
+        assert len(m["per_record"]) == 4
+        assert [sum(c) for c in zip(*m["per_record"])] == [m["tokens"], m["target_forwards"]]
+        lo, hi = m["tau_ci95"]
+        assert lo <= m["tau"] <= hi
     assert json.loads(out.read_text())["methods"]["eagle-chain"]["tau"] == rep["methods"]["eagle-chain"]["tau"]
     assert out.with_suffix(".png").stat().st_size > 1000
     text = capsys.readouterr().out
@@ -326,7 +331,8 @@ def test_report_bench_table_shows_both_checks(tiny_bf16, prompts, tmp_path):
     write_report(run, {"stages": {}}, SimpleNamespace(preset="test", target="tiny", data="d"))
     md = (run / "report.md").read_text()
     a, ll = rep["agreement"]["eagle-chain"], rep["lossless"]["eagle-chain"]
-    assert (f"| b | eagle-chain | {rep['methods']['eagle-chain']['tau']:.2f} |") in md
+    e = rep["methods"]["eagle-chain"]
+    assert f"| b | eagle-chain | {e['tau']:.2f} ({e['tau_ci95'][0]:.2f}-{e['tau_ci95'][1]:.2f}) |" in md
     assert (f"| {'yes' if ll['held'] else 'NO'} (fp32 rerun of 2 turns) | bf16: {a['identical_turns']}/3 turns "
             f"identical, mean identical prefix {a['mean_prefix_tokens']:.1f} tokens") in md
     s = rep["seconds"]
@@ -407,3 +413,16 @@ def test_bench_runs_graph_rounds_like_host_rounds(tiny, prompts):
         assert graph[key] == host[key], key
     assert graph["tokens"] == reps[1]["methods"]["plain"]["tokens"]
     assert reps[1]["lossless"]["eagle-chain"]["held"] and reps[1]["config"]["spec"]["graph_round"]
+
+
+def test_tau_interval_bootstraps_records():
+    """The 95% interval of tau resamples records: equal records give a point, a spread gives an interval inside the
+    range of per-record tau around the pooled tau, seeded (the same every run); fewer than two records give none."""
+    from eyas.bench.bench import tau_interval
+
+    assert tau_interval([[30, 10]] * 8) == [3.0, 3.0]
+    recs = [[20, 10], [50, 10], [12, 10], [40, 10], [25, 10], [31, 10]]   # per-record tau 1.2 .. 5.0, pooled 2.97
+    lo, hi = tau_interval(recs)
+    assert 1.2 < lo < 178 / 60 < hi < 5.0 and hi - lo > 0.5
+    assert tau_interval(recs) == [lo, hi]
+    assert tau_interval([[5, 2]]) is None and tau_interval([]) is None

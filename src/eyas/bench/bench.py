@@ -10,6 +10,7 @@ outputs must equal the plain greedy outputs (the lossless check).
 from __future__ import annotations
 
 import json
+import random
 import sys
 import time
 import weakref
@@ -155,13 +156,34 @@ class _Method:
     def __init__(self, name, decode, decoder=None):
         self.name, self.decode, self.decoder = name, decode, decoder
         self.stats, self.seconds, self.outputs = SpecStats(), 0.0, []
+        self.per_record: list[list[int]] = []   # [tokens, target forwards] of each record (all its turns)
 
     def report(self) -> dict:
         s = self.stats
         return {"tokens": s.tokens, "seconds": round(self.seconds, 4),
                 "tokens_per_s": round(s.tokens / self.seconds, 2) if self.seconds else None,
-                "tau": round(s.tau, 4), "target_forwards": s.target_forwards, "rounds": s.rounds,
+                "tau": round(s.tau, 4), "tau_ci95": tau_interval(self.per_record), "per_record": self.per_record,
+                "target_forwards": s.target_forwards, "rounds": s.rounds,
                 "acceptance_by_position": [round(a, 4) for a in s.acceptance_by_position()]}
+
+
+def tau_interval(per_record: list[list[int]], reps: int = 2000, seed: int = 0) -> list[float] | None:
+    """95% percentile-bootstrap interval of tau = total tokens / total target forwards, resampling records (a
+    record's turns share context, so they move together); None below two records. How far a tau measured on a
+    few dozen prompts can be trusted: per-prompt tau spreads widely."""
+    n = len(per_record)
+    if n < 2:
+        return None
+    rng = random.Random(seed)
+    taus = []
+    for _ in range(reps):
+        tok = fw = 0
+        for _ in range(n):
+            t, f = per_record[rng.randrange(n)]
+            tok, fw = tok + t, fw + f
+        taus.append(tok / max(fw, 1))
+    taus.sort()
+    return [round(taus[int(0.025 * reps)], 4), round(taus[int(0.975 * reps) - 1], 4)]
 
 
 _RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target model -> {key: Runner}
@@ -323,6 +345,7 @@ def _decode_all(methods, records, tok, room, cfg, device) -> int:
     for ri, rec in enumerate(records):
         for m in methods:
             msgs, outs = [], []
+            m.per_record.append([0, 0])
             for ti, turn in enumerate(rec["turns"]):
                 msgs.append({"role": "user", "content": turn})
                 ids, cut = _prompt(tok, msgs, room)
@@ -333,6 +356,8 @@ def _decode_all(methods, records, tok, room, cfg, device) -> int:
                 _sync(device)
                 m.seconds += time.perf_counter() - t0
                 m.stats.add(st)
+                m.per_record[-1][0] += st.tokens
+                m.per_record[-1][1] += st.target_forwards
                 outs.append(new)
                 msgs.append({"role": "assistant", "content": tok.decode(new, skip_special_tokens=True)})
             m.outputs.append(outs)
