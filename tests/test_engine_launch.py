@@ -45,7 +45,8 @@ def test_deepseek_0_5_14_no_aux_flag(capsys, tmp_path):
     assert "--enable-return-aux-hidden-states" not in out
     spec = json.loads(flag(out, "--forward-hooks")[0].strip("'"))
     assert spec[0]["config"]["aux_layer_ids"] == [2, 30, 58]
-    assert spec[1]["target_modules"] == [""] and spec[1]["config"]["sglang_layer_ids"] == [1, 29, 57]
+    # the enable hook sets the inner model's layers_to_capture itself: HF ids, no DeepSeek +1 quirk to undo
+    assert spec[1]["target_modules"] == ["model"] and spec[1]["config"]["layers_to_capture"] == [2, 30, 58]
 
 
 def test_deepseek_vllm(capsys, tmp_path):

@@ -89,34 +89,25 @@ def test_revert_refuses_foreign_edits(tmp_path):
 
 
 def test_attach_registers_the_same_hook(monkeypatch, tmp_path):
+    """The patched-source path registers what launch-args prints, on the same modules hook_manager would."""
     import json
-    import torch
+
+    from engine_fakes import ForwardMode, make_args
     from eyas.engines import sglang_hook
-
-    class Causal(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.logits_processor = torch.nn.Identity()
-            self.set_ids = None
-
-        def set_eagle3_layers_to_capture(self, ids):
-            self.set_ids = ids
-
-        def forward(self, x):
-            return self.logits_processor(x)
+    from eyas.engines.launch_args import hook_spec
+    from test_engine_client import SAMPLES
+    from test_engine_sglang_forward import LlamaForCausalLM as Causal
 
     made = []
     monkeypatch.setattr(sglang_hook, "make_capture_hook", lambda cfg: made.append(cfg) or (lambda *a: None))
-    spec = [{"name": "c", "target_modules": ["logits_processor"], "hook_factory": sglang_hook.__name__ +
-             ":make_capture_hook", "config": {"store": "S"}},
-            {"name": "a", "target_modules": [""], "hook_factory": sglang_hook.__name__ + ":make_aux_enable_hook",
-             "config": {"sglang_layer_ids": [1, 14, 26]}}]
+    spec = hook_spec("S", "D", [2, 4, 5], num_layers=6, aux_flag=False)     # what launch-args prints
     monkeypatch.setenv(sglang_hook.HOOK_ENV, json.dumps(spec))
     m = Causal()
     sglang_hook.attach(m)
-    assert made == [{"store": "S"}] and len(m.logits_processor._forward_hooks) == 1
-    m(torch.zeros(1))
-    assert m.set_ids == [1, 14, 26]
+    assert made == [spec[0]["config"]] and len(m.logits_processor._forward_hooks) == 1
+    assert len(m.model._forward_hooks) == 1 and not m._forward_hooks   # the inner model: SGLang runs root.forward
+    m.forward(make_args([("warmup", "s0", 0, 3, 0)], SAMPLES, mode=ForwardMode.DECODE))
+    assert m.model.layers_to_capture == [2, 4, 5]
     monkeypatch.delenv(sglang_hook.HOOK_ENV)
     m2 = Causal()
     sglang_hook.attach(m2)                                          # unset -> patched server is unchanged

@@ -53,27 +53,27 @@ def http_engine(post):
 
 
 class Model:
-    """The root module of an SGLang model class without set_eagle3_layers_to_capture (SGLang < 0.5.23)."""
-    layers = None
+    """The inner model of an SGLang model class without layers_to_capture (SGLang < 0.5.23)."""
 
 
 class ModelWithSetter(Model):
-    def set_eagle3_layers_to_capture(self, ids):
-        self.layers = ids
+    """An inner model that captures the stream entering the layers in layers_to_capture."""
+    layers_to_capture: list = []
 
 
 class Sglang:
     """One forward per /generate request, with the two --forward-hooks of launch-args before 0.5.23: the capture
-    hook on the logits processor (absent when its pattern matches no module) and the aux enabler on the root."""
+    hook on the logits processor (absent when its pattern matches no module) and the aux enabler on the inner
+    model. (tests/test_engine_sglang_forward.py runs them in a torch model driven as SGLang drives it.)"""
 
     def __init__(self, store, *, model: Model, hook_matches=True, warmup=True):
         self.capture = CaptureHook(store=store, expected=SAMPLES, loss_masks=MASKS, ranks=lambda: (0, 0, 1),
                                    idle_flush_s=0.2)
-        self.root, self.model, self.hook_matches = make_aux_enable_hook({"sglang_layer_ids": [1, 3, 4]}), model, \
-            hook_matches
+        self.enable, self.model, self.hook_matches = make_aux_enable_hook({"layers_to_capture": [2, 4, 5]}), \
+            model, hook_matches
         self.requests, self.lock = 0, threading.Lock()
         if warmup:                                         # the server's own warm-up request
-            self.root(self.model, (), None)
+            self.enable(self.model, (), None)
 
     def post(self, path, body, timeout):
         assert path == "/generate"
@@ -82,8 +82,8 @@ class Sglang:
             rid = body["rid"]
             if self.hook_matches:
                 self.capture(None, make_args([(rid, sample_id_of(rid), 0, len(body["input_ids"]), 0)], SAMPLES,
-                                             drop_aux=self.model.layers is None))
-            self.root(self.model, (), None)
+                                             drop_aux=not getattr(self.model, "layers_to_capture", None)))
+            self.enable(self.model, (), None)
         return {"text": "x", "meta_info": {"id": rid}}
 
 
@@ -106,17 +106,17 @@ def test_a_hook_that_never_runs_stops_the_capture_after_the_first_reply(tmp_path
 
 
 def test_no_aux_states_on_two_samples_stop_it(tmp_path, capsys):
-    """SGLang < 0.5.23 with a model lacking set_eagle3_layers_to_capture: the hook runs, never with aux states."""
+    """SGLang < 0.5.23 with a model lacking layers_to_capture: the hook runs, never with aux states."""
     srv = Sglang(tmp_path / "store", model=Model())
     with http_engine(srv.post) as url, pytest.raises(EyasError, match="no aux hidden states for samples 's0', 's1'"):
         run_engine_capture(cfg(tmp_path / "store", url), aux_layer_ids=[2, 4, 5], hidden_size=H, vocab_size=1000,
                            samples=PREP)
     assert srv.requests == 2
-    assert "Model has no set_eagle3_layers_to_capture" in capsys.readouterr().err   # said once, by the server side
+    assert "Model has no layers_to_capture" in capsys.readouterr().err   # said once, by the server side
 
 
 def test_one_forward_without_aux_is_the_skipped_warmup_and_the_capture_completes(tmp_path):
-    """Without a warm-up the root hook enables the aux layers only after the first forward: that one sample is
+    """Without a warm-up the enable hook switches the aux layers on only after the first forward: that sample is
     rejected and retried, the rest go through, and each sample is in the store once."""
     out = tmp_path / "store"
     srv = Sglang(out, model=ModelWithSetter(), warmup=False)

@@ -37,6 +37,9 @@ def _crosscheck(a) -> int:
     from eyas.store.reader import Store
     from eyas.target import load_target
     st = Store(a.store, allow_incomplete=True)
+    if len(st) == 0:
+        raise EyasError(f"{a.store}: the store holds no samples, so there is nothing to crosscheck (did the "
+                        f"engine capture write any? see its events and skipped files)")
     t = load_target(a.target, aux_layer_ids=tuple(st.aux_layer_ids))
     n = min(a.n, len(st))
     samples = [st.get(i, dtype=__import__("torch").float32) for i in range(n)]
@@ -88,7 +91,8 @@ def register(subparsers) -> None:
     cc.add_argument("--store", required=True)
     cc.add_argument("--target", required=True)
     cc.add_argument("-n", type=int, default=8)
-    cc.add_argument("--tol", type=float, default=0.05, help="max abs diff counted as equal (bf16 engine)")
+    cc.add_argument("--tol", type=float, default=0.02,
+                    help="largest relative error ||engine - reference|| / ||reference|| counted as equal (bf16 engine)")
     cc.set_defaults(func=_crosscheck)
     iv = sub.add_parser("ingest-vllm", help="vLLM extract_hidden_states files -> store")
     iv.add_argument("--vllm-dir", required=True)

@@ -80,17 +80,25 @@ def lm_head_module(info: dict, override: str | None = None) -> str:
     return "logits_processor"
 
 
-def hook_spec(store: str, data: str, hf_ids, *, num_layers: int, aux_flag: bool, sglang_ids,
+def inner_model_module(lm_head: str) -> str:
+    """The module holding layers_to_capture: the `model` beside the LogitsProcessor (Llama, Qwen, DeepSeek
+    keep their decoder stack in `self.model`; Kimi-K2.5: language_model.model)."""
+    prefix = lm_head[: -len("logits_processor")] if lm_head.endswith("logits_processor") else ""
+    return prefix + "model"
+
+
+def hook_spec(store: str, data: str, hf_ids, *, num_layers: int, aux_flag: bool,
               lm_head: str = "logits_processor") -> list[dict]:
     """The --forward-hooks JSON (format of sglang/srt/model_executor/hook_manager.py)."""
     cfg = {"store": store, "data": data, "aux_layer_ids": list(hf_ids), "num_layers": num_layers}
     spec = [{"name": "eyas_capture", "target_modules": [lm_head],
              "hook_factory": HOOK_FACTORY, "config": cfg}]
     if not aux_flag:
-        # No --enable-return-aux-hidden-states: a hook on the root module (name "") switches aux capture
-        # on after the first forward (the server's warm-up), through the model's own setter.
-        spec.append({"name": "eyas_enable_aux", "target_modules": [""], "hook_factory": AUX_ENABLE_FACTORY,
-                     "config": {"sglang_layer_ids": list(sglang_ids)}})
+        # No --enable-return-aux-hidden-states: a hook on the inner model (the LM head's sibling `model`, which
+        # owns layers_to_capture) switches aux capture on after its first forward (the server's warm-up). Not
+        # the root (name ""): SGLang calls the root's .forward() directly, so its hooks never run.
+        spec.append({"name": "eyas_enable_aux", "target_modules": [inner_model_module(lm_head)],
+                     "hook_factory": AUX_ENABLE_FACTORY, "config": {"layers_to_capture": list(hf_ids)}})
     return spec
 
 
@@ -133,7 +141,7 @@ def sglang_args(target_config, version: str, *, model: str = "MODEL", store: str
         args += ["--enable-return-aux-hidden-states", "--speculative-algorithm", "EAGLE3",
                  "--return-aux-hidden-state-layer-ids", *map(str, sg)]
     args += ["--forward-hooks", json.dumps(hook_spec(store, data, hf, num_layers=n, aux_flag=aux_flag,
-                                                     sglang_ids=sg, lm_head=head), separators=(",", ":"))]
+                                                     lm_head=head), separators=(",", ":"))]
     return args
 
 

@@ -87,6 +87,9 @@ def batch_view(args: tuple, num_aux: int = 3):
     input_ids, hidden = args[0], args[1]
     fb = args[3]
     aux = args[4] if len(args) > 4 else None
+    handed = take_handoff()                           # this forward's aux from the enable hook (before 0.5.23)
+    if aux is None:
+        aux = handed
     mode = getattr(getattr(fb, "forward_mode", None), "name", str(getattr(fb, "forward_mode", "")))
     rids = list(getattr(fb, "rids", None) or [])
     ext = getattr(fb, "extend_seq_lens_cpu", None)    # list[int], or a CPU tensor on some paths (0.5.10+)
@@ -221,25 +224,51 @@ def make_capture_hook(config: dict):
                        idle_flush_s=float(config.get("idle_flush_s", IDLE_FLUSH_S)))
 
 
+# Aux states of the last inner-model forward, handed from the enable hook to the capture hook (one process, one
+# forward at a time: SGLang's scheduler runs the model from one thread).
+_AUX_HANDOFF: list = []
+
+
 def make_aux_enable_hook(config: dict):
-    """--forward-hooks factory for SGLang without --enable-return-aux-hidden-states: after the first
-    forward of the root model (the server warm-up) it calls the model's set_eagle3_layers_to_capture."""
-    ids = list(config["sglang_layer_ids"])
-    done = []
+    """--forward-hooks factory for SGLang releases without --enable-return-aux-hidden-states (before 0.5.23);
+    config {layers_to_capture: the HF aux ids}.
+
+    Its target is the inner model that owns `layers_to_capture` (Llama: `model`; Kimi-K2.5:
+    `language_model.model`), not the root: SGLang's runners call the root's .forward() directly, so a hook on
+    the root never runs (seen live on SGLang 0.5.14: the capture hook got no aux states). The inner model is
+    called as a module, so its hooks run. Its first call (the server's warm-up) sets layers_to_capture; from
+    then on it returns (hidden, aux), and this hook hands the root `hidden` alone, keeping aux for the capture
+    hook, so the root's own switch (capture_aux_hidden_states, which an EAGLE-3 server sets) stays as it was.
+    If layers_to_capture was already set by the server itself, the aux states reach the capture hook through
+    the logits processor's arguments and this hook does nothing.
+    """
+    want = [int(i) for i in config["layers_to_capture"]]
+    state: dict = {}
 
     def hook(module, args, output):
-        if done:
+        if "mode" not in state:
+            if not hasattr(module, "layers_to_capture"):
+                state["mode"] = "absent"  # SGLang says nothing; the capture client stops on its first samples
+                import sys  # noqa: PLC0415
+                print(f"eyas capture hook: {type(module).__name__} has no layers_to_capture, so no aux hidden "
+                      f"states will reach the capture hook (SGLang 0.5.23+: --enable-return-aux-hidden-states)",
+                      file=sys.stderr, flush=True)
+            elif list(module.layers_to_capture):
+                state["mode"] = "native"
+            else:
+                module.layers_to_capture = want
+                state["mode"] = "handoff"
             return None
-        done.append(True)
-        if hasattr(module, "set_eagle3_layers_to_capture"):
-            module.set_eagle3_layers_to_capture(ids)
-        else:                           # SGLang itself says nothing; the capture client stops on its first samples
-            import sys  # noqa: PLC0415
-            print(f"eyas capture hook: {type(module).__name__} has no set_eagle3_layers_to_capture, so no aux "
-                  f"hidden states will reach the capture hook (SGLang 0.5.23+: --enable-return-aux-hidden-states)",
-                  file=sys.stderr, flush=True)
+        if state["mode"] == "handoff" and isinstance(output, tuple) and len(output) == 2:
+            _AUX_HANDOFF[:] = [output[1]]
+            return output[0]
         return None
     return hook
+
+
+def take_handoff():
+    """The aux states the enable hook kept from this forward (None when it kept none)."""
+    return _AUX_HANDOFF.pop() if _AUX_HANDOFF else None
 
 
 HOOK_ENV = "EYAS_SGLANG_HOOK"
@@ -258,6 +287,10 @@ def attach(model) -> None:
     for s in spec:
         cfg = s.get("config") or {}
         if s["hook_factory"].endswith(":make_capture_hook"):
-            model.logits_processor.register_forward_hook(make_capture_hook(cfg))
+            hook = make_capture_hook(cfg)
         elif s["hook_factory"].endswith(":make_aux_enable_hook"):
-            model.register_forward_hook(make_aux_enable_hook(cfg))
+            hook = make_aux_enable_hook(cfg)
+        else:
+            continue
+        for name in s["target_modules"]:          # the names hook_manager would match (exact, as launch-args prints)
+            model.get_submodule(name).register_forward_hook(hook)
