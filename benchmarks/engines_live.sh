@@ -345,6 +345,10 @@ esac
 #           engine's accept length
 #   capture eyas capture --engine through the launch-args server on SAMPLES prepared conversations, then crosscheck
 #           against in-process capture
+#   train   (opt-in) a drafter trained from the engine store against one from an in-process store of the same
+#           conversations, same seed and split: their held-out acc_k (train-compare.json)
+#   prefill (opt-in) the same conversations through a plain server, one new token each: the engine's prefill tok/s
+#           beside its capture tok/s (prefill.json)
 need_engine "${2:-}"; e=$2
 R=$WORK/$e; mkdir -p $R
 t=$(date +%s)
@@ -455,11 +459,71 @@ capture() {
   python3 -m eyas capture "${cap[@]}" > $R/capture.json 2> $R/capture.err; local rc=$?
   tail -n 3 $R/capture.err; cat $R/capture.json | tail -n 3
   say "engine capture: exit $rc in $(( $(date +%s) - t )) s"
+  echo "{\"engine\": \"$e\", \"capture_seconds\": $(( $(date +%s) - t ))}" > $R/capture-time.json
   python3 -m eyas store info $STORE > $R/store-info.json && python3 -c "import json; m=json.load(open('$R/store-info.json')); print('captured', m.get('samples'), 'samples,', m.get('tokens'), 'tokens')"
   stop_server
   python3 -m eyas engine crosscheck --store $STORE --target $HF -n 16 > $R/crosscheck.txt 2>&1; local cc=$?
   tail -n 12 $R/crosscheck.txt; say "crosscheck: exit $cc"
   [ $rc = 0 ] && [ $cc = 0 ]
+}
+
+train() {  # issue 13 item 4: a drafter from the engine store against one from an in-process store, same data
+  [ -f $R/store/manifest.json ] || { say "no engine store at $R/store (run the capture phase first)"; return 1; }
+  local dev=${TRAIN_DEVICE:-cuda} s st
+  rm -rf $R/inproc-store $R/train-engine $R/train-inproc
+  python3 -m eyas capture --target $STAGE/smollm2.gguf --data $WORK/prep --out $R/inproc-store --device $dev \
+    > $R/inproc-capture.log 2>&1 || { tail -n 5 $R/inproc-capture.log; return 1; }
+  for s in engine inproc; do
+    st=$R/store; [ $s = inproc ] && st=$R/inproc-store
+    python3 -m eyas train --store $st --target $STAGE/smollm2.gguf --out $R/train-$s --epochs ${TRAIN_EPOCHS:-3} \
+      --eval-fraction 0.1 --seed 0 --device $dev --no-progress ${TRAIN_ARGS:-} > $R/train-$s.log 2>&1 ||
+      { say "train from the $s store failed:"; tail -n 5 $R/train-$s.log; return 1; }
+  done
+  python3 - $R <<'PY' | tee $R/train-compare.json
+import json, sys
+from pathlib import Path
+out = {}
+for s in ("engine", "inproc"):
+    evals = [json.loads(l) for l in (Path(sys.argv[1]) / f"train-{s}" / "metrics.jsonl").read_text().splitlines()
+             if '"split": "eval"' in l]
+    last = evals[-1]
+    out[s] = {"step": last["step"], "acc_k": [round(a, 4) for a in last["acc_k"]], "loss": round(last["loss"], 4)}
+out["acc_0_diff"] = round(out["engine"]["acc_k"][0] - out["inproc"]["acc_k"][0], 4)
+print(json.dumps(out))
+PY
+}
+prefill() {  # issue 13 item 5: the engine's plain prefill tok/s on the same conversations, beside its capture tok/s
+  [ -f $WORK/prep/manifest.json ] || { say "no prepared data at $WORK/prep (run the capture phase first)"; return 1; }
+  if [ $e = sglang ]; then
+    start_server prefill python3 -m sglang.launch_server --model-path $HF --port $PORT --attention-backend triton \
+      --sampling-backend pytorch --disable-radix-cache --chunked-prefill-size -1 --mem-fraction-static ${SGL_MEM:-0.5} \
+      || return 1
+  else
+    start_server prefill vllm serve $HF --port $PORT --served-model-name eyas --no-enable-prefix-caching \
+      --gpu-memory-utilization ${VLLM_MEM:-0.5} || return 1
+  fi
+  python3 - $e $URL $WORK/prep <<'PY' | tee $R/prefill.json
+import json, sys, time, urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from eyas.data.prepared import PreparedData
+engine, url, prep = sys.argv[1:4]
+samples = [list(s.input_ids) for s in PreparedData(prep)]
+def post(path, body):
+    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.loads(r.read())
+def one(ids):  # one new token: the prompt's prefill is the work, as in capture
+    if engine == "sglang":
+        return post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
+    return post("/v1/completions", {"model": "eyas", "prompt": ids, "max_tokens": 1, "temperature": 0})
+t = time.perf_counter()
+with ThreadPoolExecutor(16) as pool:     # the capture client's default concurrency
+    list(pool.map(one, samples))
+dt = time.perf_counter() - t
+n = sum(map(len, samples))
+print(json.dumps({"engine": engine, "samples": len(samples), "tokens": n, "seconds": round(dt, 2),
+                  "prefill_tok_s": round(n / dt)}))
+PY
 }
 
 only=PHASES_${e^^}                    # PHASES_SGLANG / PHASES_VLLM pick per engine, PHASES for both
