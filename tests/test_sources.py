@@ -135,3 +135,36 @@ def test_embedded_sharegpt_counts():
     convs = [r for r in recs if isinstance(r, Conversation)]
     assert {p["id"] for p in held} == {c.id for c in convs if is_heldout(c.split_key)}
     assert all(p["turns"] and all(t.strip() for t in p["turns"]) for p in held)
+
+
+def test_a_filtered_prompt_load_stops_at_the_limit_and_equals_filter_then_cut(tmp_path):
+    """load_prompts(keep=...) counts only kept records towards the limit and stops reading there (bench's
+    --max-prompt-tokens used to read every held-out ShareGPT conversation first: ~6 s per bench)."""
+    import json as _json
+
+    from eyas.bench.bench import BenchConfig, load_bench_prompts
+    from eyas.data.sources import load_prompts
+
+    p = tmp_path / "p.jsonl"
+    p.write_text("".join(_json.dumps({"prompt": "x " * n}) + "\n" for n in [3, 40, 5, 50, 7, 60, 9, 11, 70, 13]))
+    seen = []
+
+    def short(r):
+        seen.append(r["id"])
+        return len(r["turns"][0]) < 30
+
+    got = load_prompts(str(p), limit=3, keep=short)
+    reference = [r for r in load_prompts(str(p)) if len(r["turns"][0]) < 30][:3]
+    assert got == reference and len(got) == 3
+    assert len(seen) == 5                              # 3 kept + 2 too long, nothing read after the third keep
+
+    from eyas.data.chat import encode_prompt
+    from test_bench import byte_tokenizer
+
+    tok = byte_tokenizer()                             # a real fast tokenizer with a chat template, built here
+    lengths = [len(encode_prompt(tok, [{"role": "user", "content": r["turns"][0]}])) for r in load_prompts(str(p))]
+    cap = sorted(lengths)[5]                           # keeps 6 of the 10
+    naive = [r for r, n in zip(load_prompts(str(p)), lengths) if n <= cap][:3]
+    recs, skipped = load_bench_prompts(BenchConfig(prompts=str(p), limit=3, max_prompt_tokens=cap), tok)
+    read = lengths[: [i for i, n in enumerate(lengths) if n <= cap][2] + 1]   # up to the third kept record
+    assert recs == naive and skipped == sum(n > cap for n in read) > 0

@@ -124,19 +124,17 @@ def load_bench_prompts(cfg: BenchConfig, tokenizer=None) -> tuple[list[dict], in
     from eyas.data.chat import encode_prompt
     from eyas.data.sources import load_prompts
 
-    filtering = cfg.max_prompt_tokens is not None and tokenizer is not None
-    recs = load_prompts(cfg.prompts, limit=None if filtering else cfg.limit)
     skipped = 0
-    if filtering:
-        kept = []
-        for r in recs:
-            if len(encode_prompt(tokenizer, [{"role": "user", "content": r["turns"][0]}])) > cfg.max_prompt_tokens:
-                skipped += 1
-                continue
-            kept.append(r)
-            if cfg.limit is not None and len(kept) >= cfg.limit:
-                break
-        recs = kept
+
+    def short(r: dict) -> bool:
+        nonlocal skipped
+        if len(encode_prompt(tokenizer, [{"role": "user", "content": r["turns"][0]}])) > cfg.max_prompt_tokens:
+            skipped += 1
+            return False
+        return True
+
+    filtering = cfg.max_prompt_tokens is not None and tokenizer is not None
+    recs = load_prompts(cfg.prompts, limit=cfg.limit, keep=short if filtering else None)
     if cfg.max_turns is not None:
         recs = [{**r, "turns": r["turns"][:cfg.max_turns]} for r in recs]
     if not recs:

@@ -306,8 +306,12 @@ _REPORTED: set[str] = set()  # skip summaries already printed by load_prompts in
 
 
 def load_prompts(name_or_path: str, *, heldout_fraction: float = 0.05, limit: int | None = None,
-                 skips: SkipLog | None = None) -> list[dict]:
+                 skips: SkipLog | None = None, keep=None) -> list[dict]:
     """Prompt records {"id": str, "turns": [user turn, ...]} for bench.
+
+    `keep(record) -> bool` filters records before they count towards `limit`, so a filtered load stops as soon as
+    it has `limit` records (bench's --max-prompt-tokens: reading every held-out ShareGPT conversation first took
+    about 6 s per bench).
 
     `sharegpt-heldout`: the user turns of the held-out ShareGPT conversations (the ones
     `prepare` never writes); `heldout:DATA`: the same for any conversation source DATA; `humaneval`: the 164 HumanEval prompts; a .jsonl path: lines with
@@ -316,25 +320,29 @@ def load_prompts(name_or_path: str, *, heldout_fraction: float = 0.05, limit: in
     if skips is None:  # our own log: one summary line at the end instead of a line per record
         own = SkipLog()
         try:
-            return load_prompts(name_or_path, heldout_fraction=heldout_fraction, limit=limit, skips=own)
+            return load_prompts(name_or_path, heldout_fraction=heldout_fraction, limit=limit, skips=own, keep=keep)
         finally:
             line = own.summary(name_or_path)
             if own.counts and line not in _REPORTED:  # `eyas run` loads a prompt set once per bench: say it once
                 _REPORTED.add(line)
                 print(line, file=sys.stderr)
-    out: list[dict] = []
+    kept: list[dict] = []
+
+    def add(rec: dict) -> None:
+        if keep is None or keep(rec):
+            kept.append(rec)
 
     def full() -> bool:
-        return limit is not None and len(out) >= limit
+        return limit is not None and len(kept) >= limit
 
     if name_or_path == "sharegpt-heldout" or name_or_path.startswith("heldout:"):
         data = "sharegpt" if name_or_path == "sharegpt-heldout" else name_or_path.split(":", 1)[1]
         for c in iter_conversations(data, skips):
             if is_heldout(c.split_key, heldout_fraction):
-                out.append({"id": c.id, "turns": [m["content"] for m in c.messages if m["role"] == "user"]})
+                add({"id": c.id, "turns": [m["content"] for m in c.messages if m["role"] == "user"]})
                 if full():
                     break
-        return out
+        return kept
     if name_or_path == "humaneval":
         path = package_file(*HUMANEVAL_FILE)
         try:
@@ -345,19 +353,19 @@ def load_prompts(name_or_path: str, *, heldout_fraction: float = 0.05, limit: in
         for i, line in enumerate(lines, 1):
             if line.strip():
                 obj = json.loads(line)
-                out.append({"id": obj["task_id"], "turns": [obj["prompt"]]})
+                add({"id": obj["task_id"], "turns": [obj["prompt"]]})
                 if full():
                     break
-        return out
+        return kept
     path = Path(name_or_path)
     if not path.exists():
         raise EyasError(f"{name_or_path}: no such file (expected 'sharegpt-heldout', 'humaneval' or a .jsonl/.json file)")
     if path.suffix == ".json":
         for c in iter_conversations(name_or_path, skips):
-            out.append({"id": c.id, "turns": [m["content"] for m in c.messages if m["role"] == "user"]})
+            add({"id": c.id, "turns": [m["content"] for m in c.messages if m["role"] == "user"]})
             if full():
                 break
-        return out
+        return kept
     if path.suffix != ".jsonl":
         raise EyasError(f"{name_or_path}: unknown prompt format {path.suffix!r} (expected .jsonl or .json)")
     for item in _iter_jsonl(path):
@@ -366,10 +374,10 @@ def load_prompts(name_or_path: str, *, heldout_fraction: float = 0.05, limit: in
             continue
         where = f"{path} line {item[0]}"
         try:
-            out.append(_prompt_record(item[1], where))
+            add(_prompt_record(item[1], where))
         except _Bad as e:
             skips.add(Skipped(e.reason, where, e.detail))
             continue
         if full():
             break
-    return out
+    return kept
