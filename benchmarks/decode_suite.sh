@@ -4,17 +4,27 @@
 # and without the compiled drafter, batched chains against batched plain decoding (all compiled), regeneration with
 # the compiled and region-compiled runner, and how the width of a bf16 verify forward changes greedy decisions.
 # Each step appends its table to $MD and has its own time limit, so one failure does not stop the others.
+# Order: chain/tree round cost against plain steps, batched chains against batched plain, the runner's compile
+# variants (plain tok/s, compile time), bf16 agreement, regeneration.
 #   bash benchmarks/decode_suite.sh DRAFTER [TARGET]     (DRAFTER: an eyas export or train/drafter directory)
 set -u
 D=${1:?usage: decode_suite.sh DRAFTER [TARGET]}
 T=${2:-smollm2-135m}
 MD=${MD:-/root/after.md}
 export PYTHONPATH=${PYTHONPATH:-src}
-step() { local limit=$1; shift; echo "== $(date -u +%H:%M:%S) $*"; timeout "$limit" "$@" || echo "!! exit $? from: $*"; }
-step 1000 python3 benchmarks/compile_variants.py --target "$T" --variant-timeout 240 --md "$MD"
+# SUITE_SECONDS (default 1500): the whole suite's budget, so it ends inside a 30-minute lease. Steps run in the
+# order of issue 14's goals; each gets min(its limit, what is left), and one that cannot start is skipped, said.
+END=$(( $(date +%s) + ${SUITE_SECONDS:-1500} ))
+step() {
+  local limit=$1; shift; local left=$(( END - $(date +%s) ))
+  if [ $left -lt 60 ]; then echo "== skipped (suite budget spent): $*"; return; fi
+  [ $limit -gt $left ] && limit=$left
+  echo "== $(date -u +%H:%M:%S) (limit ${limit} s) $*"; timeout "$limit" "$@" || echo "!! exit $? from: $*"
+}
 step 600 python3 benchmarks/decode.py --round graph --chain 3,5 --tree --limit 10 --drafter "$D" --target "$T" --compile --md "$MD"
 step 600 python3 benchmarks/decode.py --batch 1,4,16,64 --chain 3 --limit 64 --max-new-tokens 128 --drafter "$D" \
   --target "$T" --compile --md "$MD"
-step 400 python3 benchmarks/regen.py --modes window+compact,compiled,compiled+regions --md "$MD"
+step 1000 python3 benchmarks/compile_variants.py --target "$T" --variant-timeout 240 --md "$MD"
 step 300 python3 benchmarks/bf16_agreement.py --target "$T" --widths 1,2,6,16,61 --md "$MD"
+step 400 python3 benchmarks/regen.py --modes window+compact,compiled,compiled+regions --md "$MD"
 echo "== $(date -u +%H:%M:%S) done"
