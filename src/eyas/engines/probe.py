@@ -3,14 +3,13 @@
 A server whose hook never runs still answers every request: SGLang only logs "No modules matched" for a
 `--forward-hooks` target that is not in the model, a server started without the hook or with another
 `--store` writes elsewhere, and vLLM started without the extract_hidden_states flags writes no file. Before
-0.5.23, SGLang with a root model lacking `set_eagle3_layers_to_capture` runs the hook but gives it no aux
-states. Without a check each sample would wait for its commit, time out and be retried.
+0.5.23, SGLang with an inner model lacking `layers_to_capture` runs the hook but gives it no aux states. Without a check each sample would wait for its commit, time out and be retried.
 
 So the first round sends its first sample alone and looks for its dump before sending the rest: a hook event
 (STORE/engine-events-r*.jsonl) or a vLLM hidden-states file. No dump within `hook_wait_s` stops the capture
 with one line saying what to check. A hook that saw no aux states on two samples in a row stops it too. One
-such sample can be the server's first forward when it skipped its warm-up: before 0.5.23 eyas's root hook
-enables the aux layers only after that forward. A hook refused the store lock also stops it: a retry cannot
+such sample can be the server's first forward when it skipped its warm-up: before 0.5.23 eyas's enable hook
+switches the aux layers on only after that forward. A hook refused the store lock also stops it: a retry cannot
 fix that.
 """
 
@@ -87,8 +86,9 @@ class Probe:
             raise EyasError(
                 f"{self.cfg.url}: the capture hook ran but got no aux hidden states for samples "
                 f"{', '.join(map(repr, self.no_aux))}: SGLang 0.5.23+ needs --enable-return-aux-hidden-states; "
-                f"before 0.5.23 the root-module hook of `eyas engine launch-args` must be given and the model "
-                f"class must have set_eagle3_layers_to_capture (without it SGLang captures nothing, silently)")
+                f"before 0.5.23 the eyas_enable_aux hook of `eyas engine launch-args` must be given (on the inner "
+                f"model, e.g. `model`) and that module must have layers_to_capture (without it SGLang captures "
+                f"nothing, silently)")
 
     def _check_vllm(self, sid: str, reply: dict, before: set) -> None:
         named = ((reply or {}).get("kv_transfer_params") or {}).get("hidden_states_path")
