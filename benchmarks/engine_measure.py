@@ -12,7 +12,8 @@ Two accept lengths:
   - vLLM: 1 + accepted / drafts, from the server's Prometheus counters before and after;
 - `tau`, eyas bench's unit: completion tokens / (verify steps + 1 prefill per reply), so plain decoding is 1.
 A configuration without a drafter (`--config plain`) has no accept length; it is the speedup's baseline.
-`--dry-run` loads the prompts and prints their token counts without a server.
+`--dry-run` loads the prompts and prints their token counts without a server. `--prefill PREPARED` times the
+capture client's one-token requests of those conversations instead (the engine's plain prefill tok/s).
 """
 
 from __future__ import annotations
@@ -20,23 +21,38 @@ from __future__ import annotations
 import argparse
 import json
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+
+from eyas.engines.client import http_post, request_body
 
 VLLM_COUNTERS = ("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_drafts_total")
 
 
-def post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as r:
-        return json.loads(r.read())
-
-
 def counter(url: str, name: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=60) as r:
-        text = r.read().decode()
+    import httpx
+    text = httpx.get(url + "/metrics", timeout=60).text
     return sum(float(line.split()[-1]) for line in text.splitlines()
                if line.startswith(name) and not line.startswith("#"))
+
+
+def prefill(args) -> int:
+    """Each prepared conversation once, one new token (the capture client's request, `request_body`), 16 in
+    flight: the engine's prefill tok/s on the conversations a capture sends."""
+    from eyas.data.prepared import PreparedData
+    samples = [list(s.input_ids) for s in PreparedData(args.prefill)]
+
+    def one(k: int) -> dict:
+        path, body = request_body(args.engine, f"prefill-{k}", samples[k])
+        return http_post(args.url + path, body, 600)
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(one, range(len(samples))))
+    dt = time.perf_counter() - t
+    n = sum(map(len, samples))
+    print(json.dumps({"engine": args.engine, "samples": len(samples), "tokens": n, "seconds": round(dt, 2),
+                      "prefill_tok_s": round(n / dt)}))
+    return 0
 
 
 def main() -> int:
@@ -53,7 +69,11 @@ def main() -> int:
                     help="skip longer records, as `eyas bench --max-prompt-tokens` does (the same records)")
     ap.add_argument("--config", default="plain", help="a name; `plain` = served without a drafter")
     ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--prefill", metavar="PREPARED", help="instead: time one-token requests of these prepared "
+                    "conversations (the server serves vLLM as launch_args.VLLM_SERVED_NAME)")
     args = ap.parse_args()
+    if args.prefill:
+        return prefill(args)
 
     from transformers import AutoTokenizer
 
@@ -70,12 +90,12 @@ def main() -> int:
 
     def one(ids: list[int]) -> tuple[int, int | None, float | None]:
         if args.engine == "sglang":
-            r = post(args.url + "/generate", {"input_ids": ids, "sampling_params": {
-                "max_new_tokens": args.max_new_tokens, "temperature": 0}})
+            r = http_post(args.url + "/generate", {"input_ids": ids, "sampling_params": {
+                "max_new_tokens": args.max_new_tokens, "temperature": 0}}, 600)
             m = r["meta_info"]
             return m["completion_tokens"], m.get("spec_verify_ct"), m.get("spec_accept_length")
-        r = post(args.url + "/v1/completions", {"model": args.served_name, "prompt": ids,
-                                                "max_tokens": args.max_new_tokens, "temperature": 0})
+        r = http_post(args.url + "/v1/completions", {"model": args.served_name, "prompt": ids,
+                                                     "max_tokens": args.max_new_tokens, "temperature": 0}, 600)
         return r["usage"]["completion_tokens"], None, None
 
     spec = args.config != "plain"

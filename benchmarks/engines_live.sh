@@ -499,31 +499,11 @@ prefill() {  # issue 13 item 5: the engine's plain prefill tok/s on the same con
       --sampling-backend pytorch --disable-radix-cache --chunked-prefill-size -1 --mem-fraction-static ${SGL_MEM:-0.5} \
       || return 1
   else
-    start_server prefill vllm serve $HF --port $PORT --served-model-name eyas --no-enable-prefix-caching \
+    start_server prefill vllm serve $HF --port $PORT --no-enable-prefix-caching --served-model-name \
+      "$(python3 -c 'from eyas.engines.launch_args import VLLM_SERVED_NAME as n; print(n)')" \
       --gpu-memory-utilization ${VLLM_MEM:-0.5} || return 1
   fi
-  python3 - $e $URL $WORK/prep <<'PY' | tee $R/prefill.json
-import json, sys, time, urllib.request
-from concurrent.futures import ThreadPoolExecutor
-from eyas.data.prepared import PreparedData
-engine, url, prep = sys.argv[1:4]
-samples = [list(s.input_ids) for s in PreparedData(prep)]
-def post(path, body):
-    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as r:
-        return json.loads(r.read())
-def one(ids):  # one new token: the prompt's prefill is the work, as in capture
-    if engine == "sglang":
-        return post("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
-    return post("/v1/completions", {"model": "eyas", "prompt": ids, "max_tokens": 1, "temperature": 0})
-t = time.perf_counter()
-with ThreadPoolExecutor(16) as pool:     # the capture client's default concurrency
-    list(pool.map(one, samples))
-dt = time.perf_counter() - t
-n = sum(map(len, samples))
-print(json.dumps({"engine": engine, "samples": len(samples), "tokens": n, "seconds": round(dt, 2),
-                  "prefill_tok_s": round(n / dt)}))
-PY
+  python3 $WORK/bench/engine_measure.py --engine $e --url $URL --target $HF --prefill $WORK/prep | tee $R/prefill.json
 }
 
 only=PHASES_${e^^}                    # PHASES_SGLANG / PHASES_VLLM pick per engine, PHASES for both
