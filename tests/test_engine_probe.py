@@ -52,11 +52,11 @@ def http_engine(post):
         srv.server_close()
 
 
-class Model:
+class BareModel:
     """The inner model of an SGLang model class without layers_to_capture (SGLang < 0.5.23)."""
 
 
-class ModelWithSetter(Model):
+class InnerModel(BareModel):
     """An inner model that captures the stream entering the layers in layers_to_capture."""
     layers_to_capture: list = []
 
@@ -66,7 +66,7 @@ class Sglang:
     hook on the logits processor (absent when its pattern matches no module) and the aux enabler on the inner
     model. (tests/test_engine_sglang_forward.py runs them in a torch model driven as SGLang drives it.)"""
 
-    def __init__(self, store, *, model: Model, hook_matches=True, warmup=True):
+    def __init__(self, store, *, model: BareModel, hook_matches=True, warmup=True):
         self.capture = CaptureHook(store=store, expected=SAMPLES, loss_masks=MASKS, ranks=lambda: (0, 0, 1),
                                    idle_flush_s=0.2)
         self.enable, self.model, self.hook_matches = make_aux_enable_hook({"layers_to_capture": [2, 4, 5]}), \
@@ -94,7 +94,7 @@ def cfg(out, url, **kw):
 
 def test_a_hook_that_never_runs_stops_the_capture_after_the_first_reply(tmp_path, capsys):
     out = tmp_path / "store"
-    srv = Sglang(out, model=ModelWithSetter(), hook_matches=False)   # e.g. Kimi-K2.5 hooked at logits_processor
+    srv = Sglang(out, model=InnerModel(), hook_matches=False)   # e.g. Kimi-K2.5 hooked at logits_processor
     with http_engine(srv.post) as url:
         t = time.monotonic()
         rc = main(["capture", "--engine", "sglang", "--url", url, "--data", str(prepared(tmp_path)), "--out", str(out),
@@ -107,7 +107,7 @@ def test_a_hook_that_never_runs_stops_the_capture_after_the_first_reply(tmp_path
 
 def test_no_aux_states_on_two_samples_stop_it(tmp_path, capsys):
     """SGLang < 0.5.23 with a model lacking layers_to_capture: the hook runs, never with aux states."""
-    srv = Sglang(tmp_path / "store", model=Model())
+    srv = Sglang(tmp_path / "store", model=BareModel())
     with http_engine(srv.post) as url, pytest.raises(EyasError, match="no aux hidden states for samples 's0', 's1'"):
         run_engine_capture(cfg(tmp_path / "store", url), aux_layer_ids=[2, 4, 5], hidden_size=H, vocab_size=1000,
                            samples=PREP)
@@ -119,7 +119,7 @@ def test_one_forward_without_aux_is_the_skipped_warmup_and_the_capture_completes
     """Without a warm-up the enable hook switches the aux layers on only after the first forward: that sample is
     rejected and retried, the rest go through, and each sample is in the store once."""
     out = tmp_path / "store"
-    srv = Sglang(out, model=ModelWithSetter(), warmup=False)
+    srv = Sglang(out, model=InnerModel(), warmup=False)
     with http_engine(srv.post) as url:
         m = run_engine_capture(cfg(out, url), aux_layer_ids=[2, 4, 5], hidden_size=H, vocab_size=1000, samples=PREP)
     assert m["complete"] and sorted(Store(out).ids) == sorted(SAMPLES)
