@@ -174,7 +174,8 @@ def round_compare(args) -> int:
     # (with windows, each prompt length compiled a new shape inside the clock: 14 tok/s on 2026-12-01)
     r.generate(prompts[:1], 4, window=0)
     plain, t_plain = timed(lambda: [r.generate([p], N, eos_ids=eos, window=0)[0] for p in prompts], dev)
-    rows = [("plain, batch 1", f"{sum(map(len, plain)) / t_plain:.0f} tok/s")]
+    rows = [("plain, batch 1", f"{sum(map(len, plain)) / t_plain:.0f} tok/s, "
+                               f"{1e3 * t_plain / sum(map(len, plain)):.3f} ms/step (prefill included)")]
     variants = [("host rounds", False, False), ("one-graph rounds", True, False)]
     if args.compile:  # the drafter's steps compiled too (SpecDecoder compile_drafter)
         variants += [("host rounds, compiled drafter", False, True), ("one-graph rounds, compiled drafter", True, True)]
@@ -189,9 +190,12 @@ def round_compare(args) -> int:
         res, t = timed(lambda: [dec.generate(p, N, eos_ids=eos) for p in prompts], dev)
         toks, fw, rounds = (sum(getattr(s, f) for _, s in res) for f in ("tokens", "target_forwards", "rounds"))
         same = sum(o == q for (o, _), q in zip(res, plain))
-        rows.append((label, f"{toks / t:.0f} tok/s, tau {toks / fw:.2f}, "
-                     f"{1e3 * t / max(rounds, 1):.2f} ms/round (prefill included), "
-                     f"{toks / t / (sum(map(len, plain)) / t_plain):.2f}x plain, identical {same}/{len(prompts)}"))
+        # issue 14's goals: a round in plain steps (both with their prefills), and speed against tau x plain
+        plain_rate, step_ms = sum(map(len, plain)) / t_plain, 1e3 * t_plain / sum(map(len, plain))
+        round_ms, tau = 1e3 * t / max(rounds, 1), toks / fw
+        rows.append((label, f"{toks / t:.0f} tok/s, tau {tau:.2f}, {round_ms:.2f} ms/round (prefill included) = "
+                     f"{round_ms / step_ms:.2f} plain steps, {toks / t / plain_rate:.2f}x plain = "
+                     f"{toks / t / (tau * plain_rate):.2f} x tau x plain, identical {same}/{len(prompts)}"))
         print(rows[-1], flush=True)
     machine = (torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor() or "cpu")
     title = "one-graph chain rounds" + (" and the tree" if args.tree else "")

@@ -21,10 +21,22 @@ step() {
   [ $limit -gt $left ] && limit=$left
   echo "== $(date -u +%H:%M:%S) (limit ${limit} s) $*"; timeout "$limit" "$@" || echo "!! exit $? from: $*"
 }
+# GPU_TESTS=1: the -m gpu equality tests first (issue 14's done-when), their log in $TESTS_LOG
+if [ "${GPU_TESTS:-0}" = 1 ]; then
+  step 420 python3 -m pytest -q -m gpu tests -p no:cacheprovider > "${TESTS_LOG:-/root/gpu_tests.log}" 2>&1
+  tail -3 "${TESTS_LOG:-/root/gpu_tests.log}"
+fi
 step 600 python3 benchmarks/decode.py --round graph --chain 3,5 --tree --limit 10 --drafter "$D" --target "$T" --compile --md "$MD"
+# the gpu recipe's first bench as one `eyas bench` process, twice: a cold inductor cache, then a warm one (the
+# share of a bench process spent decoding, issue 14's start-up goal); its report has bf16 agreement + fp32 check
+BENCH=(python3 -m eyas bench --drafter "$D" --target "$T" --prompts sharegpt-heldout --chain 5 --graph-round --limit 30
+       --max-turns 1 --max-new-tokens 256 --max-prompt-tokens 1664 --compile)
+for run in cold warm; do step 420 "${BENCH[@]}" --json "${BENCH_DIR:-/root}/bench-$run.json"; done
 step 600 python3 benchmarks/decode.py --batch 1,4,16,64 --chain 3 --limit 64 --max-new-tokens 128 --drafter "$D" \
   --target "$T" --compile --md "$MD"
 step 1000 python3 benchmarks/compile_variants.py --target "$T" --variant-timeout 240 --md "$MD"
-step 300 python3 benchmarks/bf16_agreement.py --target "$T" --widths 1,2,6,16,61 --md "$MD"
+for dt in bf16 fp32; do
+  step 300 python3 benchmarks/bf16_agreement.py --target "$T" --dtype $dt --drafter "$D" --widths 1,2,6,61 --md "$MD"
+done
 step 400 python3 benchmarks/regen.py --modes window+compact,compiled,compiled+regions --md "$MD"
 echo "== $(date -u +%H:%M:%S) done"

@@ -9,7 +9,7 @@ from eyas.knobs import add_flags, from_args
 
 # Flags that are not a BenchConfig field: --chain K | --tree set method and k together; the mismatch override is
 # handled here, where the drafter is opened.
-NOT_FIELDS = ("chain", "tree", "allow_target_mismatch")
+NOT_FIELDS = ("chain", "tree", "graph_round", "allow_target_mismatch")
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -21,6 +21,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     shape = p.add_mutually_exclusive_group()
     shape.add_argument("--chain", type=int, metavar="K", help="chain of K draft tokens (default 5)")
     shape.add_argument("--tree", action="store_true", help="EAGLE-2 dynamic tree")
+    p.add_argument("--graph-round", action="store_true",
+                   help="greedy chains: run each whole round on the device, one CUDA graph on CUDA (as the gpu "
+                        "recipe's benches)")
     add_flags(p, BenchConfig, ["top_k", "depth", "total_tokens", "temperature", "top_p", "max_new_tokens", "limit",
                                "max_turns", "max_prompt_tokens", "max_seq", "device", "dtype", "compile",
                                "baselines", "lossless_turns", "seed", "json_out"],
@@ -43,6 +46,8 @@ def main(args: argparse.Namespace) -> int:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     shape = {"method": "tree"} if args.tree else {"method": "chain", **({"k": args.chain} if args.chain else {})}
+    if args.graph_round:
+        shape["graph_round"] = True
     cfg = from_args(BenchConfig, args, **shape, device=device)
     if not args.allow_target_mismatch or not args.drafter:
         run_bench(cfg)
