@@ -130,6 +130,52 @@ def test_cli_parses_into_config():
         ap.parse_args(["bench", "--chain", "3", "--tree"])
 
 
+def test_cli_graph_round_default_follows_the_device():
+    """--graph-round: on for greedy chains on CUDA unless --no-graph-round; off on the CPU, for trees and sampling;
+    asked for a tree, the decode config refuses it in one line."""
+    from eyas.bench.command import bench_config
+
+    ap = argparse.ArgumentParser()
+    register(ap.add_subparsers())
+
+    def graph(argv, device):
+        return bench_config(ap.parse_args(["bench", *argv]), device).spec.graph_round
+
+    assert graph(["--chain", "3"], "cuda") is True and graph([], "cuda:1") is True
+    assert graph([], "cpu") is False and graph(["--tree"], "cuda") is False
+    assert graph(["--temperature", "0.7"], "cuda") is False and graph(["--no-graph-round"], "cuda") is False
+    assert graph(["--graph-round"], "cpu") is True
+    with pytest.raises(EyasError, match="graph_round runs greedy chains only"):
+        graph(["--tree", "--graph-round"], "cuda")
+
+
+def test_compiled_runner_compiles_the_chain_drafter(tiny, monkeypatch):
+    """A bench on a compiled runner builds its chain decoder with the drafter's steps compiled (one-graph rounds:
+    the round's chain function is a dynamo wrapper; host rounds: compile_drafter passed); an eager runner, and
+    trees, keep the drafter eager."""
+    from eyas.bench import bench as bench_mod
+    from eyas.target.runner import Runner
+
+    asked = []
+
+    def spy(*a, **kw):
+        asked.append(kw.get("compile_drafter", False))
+        return SpecDecoder(*a, **kw)
+
+    monkeypatch.setattr(bench_mod, "SpecDecoder", spy)
+    target, drafter = tiny
+    for compile in (False, True):
+        runner = Runner.from_hf(target.model, max_batch=1, max_seq=256, compile=compile)
+        assert runner.compiled is compile
+        for spec in (dict(graph_round=True), dict(graph_round=False), dict(method="tree")):
+            asked.clear()
+            cfg = BenchConfig(max_seq=256, **spec)
+            dec = bench_mod._methods(cfg, runner, copy.deepcopy(drafter), [257], baselines=False)[0].decoder
+            assert asked == [compile and spec.get("method") != "tree"], (compile, spec)
+            if spec.get("graph_round"):
+                assert hasattr(dec._round.drafting._chain_fn, "_torchdynamo_orig_callable") is compile
+
+
 def _drafter_for(model, dtype=torch.float32):
     torch.manual_seed(0)
     d = Eagle3Drafter(DrafterConfig.from_target(model.config, draft_vocab_size=258, aux_layer_ids=(1, 2, 3)))

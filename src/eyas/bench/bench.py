@@ -307,7 +307,10 @@ def _methods(cfg, runner, drafter, eos, *, baselines=None) -> list[_Method]:
         methods.append(_Method("lookup", lambda p, seed: lk.generate(p, cfg.max_new_tokens, eos_ids=eos, seed=seed),
                                lk))
     if drafter is not None:
-        dec = SpecDecoder(runner, drafter, cfg.spec)
+        # A compiled runner compiles the chain drafter's steps too: on the H200, chain-5 one-graph rounds ran at
+        # 982 tok/s against 740 with the drafter eager (BENCHMARKS.md, 2026-12-01 19:16 UTC). Trees stay eager:
+        # their compiled proposer has not passed on CUDA yet.
+        dec = SpecDecoder(runner, drafter, cfg.spec, compile_drafter=runner.compiled and cfg.spec.method == "chain")
         methods.append(_Method(f"eagle-{cfg.spec.method}", lambda p, seed: dec.generate(p, cfg.max_new_tokens, eos_ids=eos,
                                                                                     seed=seed), dec))
     return methods

@@ -7,9 +7,10 @@ import argparse
 from eyas.knobs import add_flags, from_args
 
 
-# Flags that are not a BenchConfig field: --chain K | --tree set method and k together; the mismatch override is
+# Flags that are not a BenchConfig field: --chain K | --tree set method and k together, --graph-round resolves
+# its default (on for greedy chains on CUDA) into spec.graph_round; the mismatch override is
 # handled here, where the drafter is opened.
-NOT_FIELDS = ("chain", "tree", "graph_round", "allow_target_mismatch")
+NOT_FIELDS = ("chain", "tree", "one_graph_round", "allow_target_mismatch")
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -21,9 +22,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     shape = p.add_mutually_exclusive_group()
     shape.add_argument("--chain", type=int, metavar="K", help="chain of K draft tokens (default 5)")
     shape.add_argument("--tree", action="store_true", help="EAGLE-2 dynamic tree")
-    p.add_argument("--graph-round", action="store_true",
-                   help="greedy chains: run each whole round on the device, one CUDA graph on CUDA (as the gpu "
-                        "recipe's benches)")
+    p.add_argument("--graph-round", action=argparse.BooleanOptionalAction, default=None,
+                   dest="one_graph_round",
+                   help="greedy chains: run each whole round on the device, one CUDA graph on CUDA (default: on for "
+                        "greedy chains on CUDA, off otherwise)")
     add_flags(p, BenchConfig, ["top_k", "depth", "total_tokens", "temperature", "top_p", "max_new_tokens", "limit",
                                "max_turns", "max_prompt_tokens", "max_seq", "device", "dtype", "compile",
                                "baselines", "lossless_turns", "seed", "json_out"],
@@ -39,16 +41,25 @@ def register(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def bench_config(args: argparse.Namespace, device: str):
+    """The BenchConfig of parsed `eyas bench` flags on `device` (--chain/--tree and --graph-round resolved)."""
+    from eyas.bench.bench import BenchConfig
+
+    shape = {"method": "tree"} if args.tree else {"method": "chain", **({"k": args.chain} if args.chain else {})}
+    graph_round = args.one_graph_round
+    if graph_round is None:  # one-graph rounds beat host rounds on the H200 (BENCHMARKS.md, 2026-12-01 19:16 UTC)
+        graph_round = device.startswith("cuda") and not args.tree and args.temperature == 0
+    if graph_round:
+        shape["graph_round"] = True
+    return from_args(BenchConfig, args, **shape, device=device)
+
+
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from eyas.bench.bench import BenchConfig, run_bench
+    from eyas.bench.bench import run_bench
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    shape = {"method": "tree"} if args.tree else {"method": "chain", **({"k": args.chain} if args.chain else {})}
-    if args.graph_round:
-        shape["graph_round"] = True
-    cfg = from_args(BenchConfig, args, **shape, device=device)
+    cfg = bench_config(args, args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if not args.allow_target_mismatch or not args.drafter:
         run_bench(cfg)
         return 0

@@ -25,11 +25,12 @@ tie, which bf16 logits make common. This proposer breaks every tie by the LOWER 
 node, the lower draft-vocab id; in the frontier, the lower (row, rank) position; in the final selection, the
 lower pool index. Because pool indices grow with depth, the last is the eager `select_tree` key (-score,
 depth, index) exactly, and a parent (score >= its child's, lower index) is always kept before its child.
-Implementation: each fp32 value is mapped to an int32 that orders like the float (-0.0 and +0.0 as one
-value), shifted left 32 bits and combined with (2^32 - 1 - index): all keys differ and one `topk` on them
-gives value descending, index ascending. Without ties both proposers give the same tree; the eager one
-follows the canonical order when `Tensor.topk` is a stable sort (how tests/test_tree_static.py checks ties).
-NaN draft log-probs are not supported (a NaN ranks above everything).
+Implementation: a stable descending sort (equal values keep their index order; -0.0 and +0.0 compare equal),
+cut to k. An earlier version packed value and index into int64 keys for one `topk`; compiled for CUDA, inductor
+folded the index arithmetic into int32 Triton code that cannot hold 2^32 - 1 (a CompilationError on the H200,
+2026-12-01). Without ties both proposers give the same tree; the eager one follows the canonical order when
+`Tensor.topk` is a stable sort (how tests/test_tree_static.py checks ties).
+NaN draft log-probs are not supported.
 """
 
 from __future__ import annotations
@@ -45,18 +46,10 @@ from eyas.target.graphs import capture
 
 
 # ---------------------------------------------------------------------------------------------- pieces
-def order_keys(x: Tensor) -> Tensor:
-    """fp32 (..., n) -> int64 keys, all distinct along the last dim: larger = higher value, then lower index."""
-    bits = (x.float() + 0.0).view(torch.int32)                     # + 0.0 turns -0.0 into +0.0
-    mono = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()   # orders like the floats
-    idx = torch.arange(x.shape[-1], device=x.device)
-    return (mono << 32) | (0xFFFFFFFF - idx)
-
-
 def stable_topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Top-k along the last dim in the canonical order (value descending, ties by ascending index)."""
-    idx = order_keys(x).topk(k, dim=-1).indices  # (..., k)
-    return x.gather(-1, idx), idx
+    values, idx = x.sort(dim=-1, descending=True, stable=True)
+    return values[..., :k], idx[..., :k]
 
 
 def frontier(cum: Tensor, n: int) -> tuple[Tensor, Tensor]:

@@ -233,6 +233,11 @@ class Runner(nn.Module):
         return c
 
     @property
+    def compiled(self) -> bool:
+        """Whether the decode steps are torch.compile'd (from_hf(compile=True))."""
+        return self._compiled is not None
+
+    @property
     def device(self) -> torch.device:
         return self.embed.weight.device
 
