@@ -4,14 +4,16 @@
 # and without the compiled drafter, batched chains against batched plain decoding (all compiled), regeneration with
 # the compiled and region-compiled runner, and how the width of a bf16 verify forward changes greedy decisions.
 # Each step appends its table to $MD and has its own time limit, so one failure does not stop the others.
-# Order: chain/tree round cost against plain steps, batched chains against batched plain, the runner's compile
-# variants (plain tok/s, compile time), bf16 agreement, regeneration.
+# Order (what session 11's lease left unmeasured first): the bench process cold and warm (start-up share, with the
+# chain drafter compiled since), batched chains against batched plain, the runner's compile variants (plain tok/s,
+# compile time), chain/tree round cost against plain steps (the compiled tree), bf16 agreement, regeneration.
+# Output is unbuffered (PYTHONUNBUFFERED), so a poll sees each row as it is printed.
 #   bash benchmarks/decode_suite.sh DRAFTER [TARGET]     (DRAFTER: an eyas export or train/drafter directory)
 set -u
 D=${1:?usage: decode_suite.sh DRAFTER [TARGET]}
 T=${2:-smollm2-135m}
 MD=${MD:-/root/after.md}
-export PYTHONPATH=${PYTHONPATH:-src}
+export PYTHONPATH=${PYTHONPATH:-src} PYTHONUNBUFFERED=1
 # SUITE_SECONDS (default 1500): the whole suite's budget, so it ends inside a 30-minute lease. Steps run in the
 # order of issue 14's goals; each gets min(its limit, what is left), and one that cannot start is skipped, said.
 END=$(( $(date +%s) + ${SUITE_SECONDS:-1500} ))
@@ -21,12 +23,13 @@ step() {
   [ $limit -gt $left ] && limit=$left
   echo "== $(date -u +%H:%M:%S) (limit ${limit} s) $*"; timeout "$limit" "$@" || echo "!! exit $? from: $*"
 }
-# GPU_TESTS=1: the -m gpu equality tests first (issue 14's done-when), their log in $TESTS_LOG
-if [ "${GPU_TESTS:-0}" = 1 ]; then
-  step 420 python3 -m pytest -q -m gpu tests -p no:cacheprovider > "${TESTS_LOG:-/root/gpu_tests.log}" 2>&1
-  tail -3 "${TESTS_LOG:-/root/gpu_tests.log}"
+# GPU_TESTS: which -m gpu tests run first (issue 14's done-when), their log in $TESTS_LOG: "all" (388 s on
+# 2026-12-01), or test files; unset: none
+if [ -n "${GPU_TESTS:-}" ]; then
+  [ "$GPU_TESTS" = all ] && sel=tests || sel=$GPU_TESTS
+  step 420 python3 -m pytest -q -m gpu $sel -p no:cacheprovider --durations=15 > "${TESTS_LOG:-/root/gpu_tests.log}" 2>&1
+  grep -A40 "slowest\|short test summary" "${TESTS_LOG:-/root/gpu_tests.log}" | grep -v "^$" | head -60
 fi
-step 600 python3 benchmarks/decode.py --round graph --chain 3,5 --tree --limit 10 --drafter "$D" --target "$T" --compile --md "$MD"
 # the gpu recipe's first bench as one `eyas bench` process, twice: a cold inductor cache, then a warm one (the
 # share of a bench process spent decoding, issue 14's start-up goal); its report has bf16 agreement + fp32 check
 BENCH=(python3 -m eyas bench --drafter "$D" --target "$T" --prompts sharegpt-heldout --chain 5 --graph-round --limit 30
@@ -35,6 +38,7 @@ for run in cold warm; do step 420 "${BENCH[@]}" --json "${BENCH_DIR:-/root}/benc
 step 600 python3 benchmarks/decode.py --batch 1,4,16,64 --chain 3 --limit 64 --max-new-tokens 128 --drafter "$D" \
   --target "$T" --compile --md "$MD"
 step 1000 python3 benchmarks/compile_variants.py --target "$T" --variant-timeout 240 --md "$MD"
+step 600 python3 benchmarks/decode.py --round graph --chain 3,5 --tree --limit 10 --drafter "$D" --target "$T" --compile --md "$MD"
 for dt in bf16 fp32; do
   step 300 python3 benchmarks/bf16_agreement.py --target "$T" --dtype $dt --drafter "$D" --widths 1,2,6,61 --md "$MD"
 done
