@@ -8,9 +8,10 @@ against batched plain decoding (`Runner.generate`), at each batch size; this run
     PYTHONPATH=src python benchmarks/decode.py --batch 1,4,16,64 --chain 3 [--drafter RUN | --random-drafter]
     PYTHONPATH=src python benchmarks/decode.py --batch 1,4,16 --tiny --dtype fp32 --max-new-tokens 64  # CPU smoke
 
-Greedy chains at batch 1 with each round ONE CUDA graph (`eyas.decode.round`) against today's host-driven rounds
-(`SpecDecoder`, graphed drafter and verify) and plain decoding, on the same prompts and runner; with --compile
-both also with the drafter's steps compiled (`compile_drafter`):
+Greedy chains (and with --tree the default tree) at batch 1 with each round ONE CUDA graph (`eyas.decode.round`,
+`eyas.decode.round_tree`) against host-driven rounds (`SpecDecoder`, graphed drafter and verify) and plain
+decoding, on the same prompts and runner; with --compile both also with the drafter's steps compiled
+(`compile_drafter`):
 
     PYTHONPATH=src python benchmarks/decode.py --round graph --chain 3,5 [--drafter RUN | --random-drafter] [--compile]
     PYTHONPATH=src python benchmarks/decode.py --round graph --tiny --dtype fp32 --max-new-tokens 64  # CPU smoke
@@ -181,9 +182,11 @@ def round_compare(args) -> int:
         variants += [("host rounds, compiled drafter", False, True), ("one-graph rounds, compiled drafter", True, True)]
     runs = [(f"eagle chain-{K}, {name}", SpecConfig(method="chain", k=K, graph_round=graph), cd)
             for K in Ks for name, graph, cd in variants]
-    if args.tree:  # the default EAGLE-2 tree (static proposer), its proposer also compiled with --compile
-        runs += [(f"eagle tree, {'compiled' if cd else 'eager'} proposer", SpecConfig(method="tree"), cd)
-                 for cd in ([False, True] if args.compile else [False])]
+    if args.tree:  # the default EAGLE-2 tree (static proposer): host rounds and one-graph rounds, with --compile
+        # also with the proposer compiled
+        runs += [(f"eagle tree, {'one-graph' if graph else 'host'} rounds, {'compiled' if cd else 'eager'} proposer",
+                  SpecConfig(method="tree", graph_round=graph), cd)
+                 for cd in ([False, True] if args.compile else [False]) for graph in (False, True)]
     for label, spec, cd in runs:
         try:  # one failing variant (e.g. a compile error) is a row of the table, not the end of the benchmark
             dec = SpecDecoder(r, drafter, spec, compile_drafter=cd)

@@ -131,8 +131,8 @@ def test_cli_parses_into_config():
 
 
 def test_cli_graph_round_default_follows_the_device():
-    """--graph-round: on for greedy chains on CUDA unless --no-graph-round; off on the CPU, for trees and sampling;
-    asked for a tree, the decode config refuses it in one line."""
+    """--graph-round: on for greedy chains on CUDA unless --no-graph-round; off on the CPU, for trees (not yet
+    measured on a GPU) and sampling; asked for with sampling, the decode config refuses it in one line."""
     from eyas.bench.command import bench_config
 
     ap = argparse.ArgumentParser()
@@ -144,9 +144,9 @@ def test_cli_graph_round_default_follows_the_device():
     assert graph(["--chain", "3"], "cuda") is True and graph([], "cuda:1") is True
     assert graph([], "cpu") is False and graph(["--tree"], "cuda") is False
     assert graph(["--temperature", "0.7"], "cuda") is False and graph(["--no-graph-round"], "cuda") is False
-    assert graph(["--graph-round"], "cpu") is True
-    with pytest.raises(EyasError, match="graph_round runs greedy chains only"):
-        graph(["--tree", "--graph-round"], "cuda")
+    assert graph(["--graph-round"], "cpu") is True and graph(["--tree", "--graph-round"], "cuda") is True
+    with pytest.raises(EyasError, match="graph_round runs greedy chains and trees only"):
+        graph(["--temperature", "0.7", "--graph-round"], "cuda")
 
 
 def test_compiled_runner_compiles_the_chain_drafter(tiny, monkeypatch):

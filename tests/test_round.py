@@ -179,10 +179,12 @@ def test_spec_decoder_graph_round_flag_dispatches_here(setup):
 
 def test_bad_input_refused(setup):
     _, runner, drafter, *_ = setup
-    with pytest.raises(EyasError, match="greedy chains only"):
-        SpecConfig(method="tree", graph_round=True)
-    with pytest.raises(EyasError, match="greedy chains only"):
+    with pytest.raises(EyasError, match="greedy chains and trees only"):
+        SpecConfig(method="lookup", graph_round=True)
+    with pytest.raises(EyasError, match="greedy chains and trees only"):
         SpecConfig(method="chain", temperature=0.7, graph_round=True)
+    with pytest.raises(EyasError, match="greedy chains and trees only"):
+        SpecConfig(method="tree", temperature=0.7, graph_round=True)
     with pytest.raises(EyasError, match="greedy chains only"):
         RoundChainDecoder(runner, drafter, SpecConfig(method="lookup"))
     with pytest.raises(EyasError, match="needs a drafter"):

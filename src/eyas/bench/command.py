@@ -24,8 +24,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     shape.add_argument("--tree", action="store_true", help="EAGLE-2 dynamic tree")
     p.add_argument("--graph-round", action=argparse.BooleanOptionalAction, default=None,
                    dest="one_graph_round",
-                   help="greedy chains: run each whole round on the device, one CUDA graph on CUDA (default: on for "
-                        "greedy chains on CUDA, off otherwise)")
+                   help="greedy chains and trees: run each whole round on the device, one CUDA graph on CUDA "
+                        "(default: on for greedy chains on CUDA, off otherwise; trees not yet measured on a GPU)")
     add_flags(p, BenchConfig, ["top_k", "depth", "total_tokens", "temperature", "top_p", "max_new_tokens", "limit",
                                "max_turns", "max_prompt_tokens", "max_seq", "device", "dtype", "compile",
                                "baselines", "lossless_turns", "seed", "json_out"],

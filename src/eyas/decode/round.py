@@ -65,15 +65,21 @@ class RoundChainDecoder:
         M, K, dev = runner.cfg.max_seq, cfg.k, runner.device
         if K + 2 > M:
             raise EyasError(f"a draft of {K} tokens does not fit a target cache of {M} slots")
-        self.runner, self.cfg, self.K = runner, cfg, K
         drafter = fit_drafter(runner, drafter)
-        self.aux_ids = tuple(drafter.config.aux_layer_ids)
+        self._setup(runner, cfg, drafter, K, K + 1)
         self.drafting = RoundDrafting(drafter, runner.embed, M, K, compile=compile_drafter)
-        self._verify = runner.step_fn(self.aux_ids)  # compiled when the runner is
         self.pending = torch.zeros(1, dtype=torch.long, device=dev)
-        self.info = torch.zeros(K + 2, dtype=torch.long, device=dev)  # a round's [accepted, K+1 tokens]
-        self._cols = torch.arange(M, device=dev)
         self._ar = torch.arange(K + 1, device=dev)
+
+    def _setup(self, runner, cfg: SpecConfig, drafter, K: int, width: int) -> None:
+        """What the host loop needs: K = most drafts a round accepts, width = target slots a round writes from
+        the committed count (chains K+1, trees their node count)."""
+        dev = runner.device
+        self.runner, self.cfg, self.K, self.width = runner, cfg, K, width
+        self.aux_ids = tuple(drafter.config.aux_layer_ids)
+        self._verify = runner.step_fn(self.aux_ids)  # compiled when the runner is
+        self.info = torch.zeros(K + 2, dtype=torch.long, device=dev)  # a round's [accepted, K+1 tokens]
+        self._cols = torch.arange(runner.cfg.max_seq, device=dev)
         cuda = dev.type == "cuda"
         # two pinned slots: round r+1 is launched (and its copy queued) before the host reads round r
         self._host = [torch.zeros(K + 2, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
@@ -130,8 +136,8 @@ class RoundChainDecoder:
 
     def _fits_another(self, committed: int) -> bool:
         """Whether a round launched behind the one in flight (which starts at `committed`) stays in the cache
-        whatever the one in flight accepts: it writes slots up to committed + (K+1) + K."""
-        return committed + 2 * (self.K + 1) <= self.runner.cfg.max_seq
+        whatever the one in flight accepts: it writes slots below committed + (K+1) + width."""
+        return committed + self.K + 1 + self.width <= self.runner.cfg.max_seq
 
     # ------------------------------------------------------------------ host loop
     def _prefill(self, prompt: list[int], chunk: int = 512) -> tuple[int, Tensor]:
@@ -148,9 +154,9 @@ class RoundChainDecoder:
         n = len(prompt)
         if n == 0:
             raise EyasError("speculative decoding: empty prompt")
-        if n + max_new_tokens + K + 1 > M:
-            raise EyasError(f"prompt {n} + {max_new_tokens} new + {K} draft tokens exceed the target cache "
-                            f"({M} slots)")
+        if n + max_new_tokens + self.width > M:
+            raise EyasError(f"prompt {n} + {max_new_tokens} new + {self.width - 1} draft tokens exceed the target "
+                            f"cache ({M} slots)")
         self._capture()
         first, aux = self._prefill(prompt)
         d = self.drafting
@@ -164,7 +170,7 @@ class RoundChainDecoder:
         committed, launched = n, 0  # committed: target slots after the rounds read so far
         while not stopped:
             if launched == stats.rounds:  # nothing in flight: launch from the known state
-                assert committed + K + 1 <= M, "a round would write past the checked cache bound"
+                assert committed + self.width <= M, "a round would write past the checked cache bound"
                 self._launch(launched)
                 launched += 1
             # round `stats.rounds` is in flight; queue the next one before waiting for it, unless the one in

@@ -40,7 +40,8 @@ class SpecConfig:
     max_ngram: int = 3
     """Prompt lookup: longest suffix n-gram searched."""
     graph_round: bool = False
-    """Greedy chains: run each whole round on the device, one CUDA graph on CUDA (decode/round.py)."""
+    """Greedy chains and trees: run each whole round on the device, one CUDA graph on CUDA (decode/round.py,
+    decode/round_tree.py)."""
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -51,9 +52,9 @@ class SpecConfig:
             raise EyasError(f"top_p must be in (0, 1], got {self.top_p}")
         if min(self.k, self.top_k, self.depth, self.total_tokens, self.max_ngram) < 1:
             raise EyasError("k, top_k, depth, total_tokens and max_ngram must all be >= 1")
-        if self.graph_round and (self.method != "chain" or self.temperature > 0):
-            raise EyasError(f"graph_round runs greedy chains only (method chain, temperature 0), got method "
-                            f"{self.method!r}, temperature {self.temperature}")
+        if self.graph_round and (self.method not in ("chain", "tree") or self.temperature > 0):
+            raise EyasError(f"graph_round runs greedy chains and trees only (method chain or tree, temperature 0), "
+                            f"got method {self.method!r}, temperature {self.temperature}")
 
     @property
     def draft_size(self) -> int:
@@ -146,7 +147,10 @@ class SpecDecoder:
         self.aux_ids: tuple[int, ...] = ()
         self.drafting = None
         self._round = None
-        if cfg.graph_round:
+        if cfg.graph_round and cfg.method == "tree":
+            from eyas.decode.round_tree import RoundTreeDecoder
+            self._round = RoundTreeDecoder(runner, drafter, cfg, compile_drafter=compile_drafter)
+        elif cfg.graph_round:
             from eyas.decode.round import RoundChainDecoder
             self._round = RoundChainDecoder(runner, drafter, cfg, compile_drafter=compile_drafter)
         elif drafter is not None and cfg.method in ("chain", "tree"):

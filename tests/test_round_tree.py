@@ -1,0 +1,176 @@
+"""The one-graph tree round (decode/round_tree.py) decodes exactly like `SpecDecoder`'s greedy tree.
+
+fp32 on the CPU, where the same round code runs eagerly, with the tiny peaky target, the trained drafter, the
+prompts (1..240 tokens, some ending at eos mid-round) and the tree settings of test_tree_static.py:
+(a) every prompt's tokens == plain greedy decoding of it;
+(b) its per-round accepted counts == the host-driven static tree's (`SpecDecoder(fast=True)`), whose trees
+    test_tree_static.py proves equal to the eager proposer's;
+also with the cache filled to its last checked slot. A round reads nothing back to the host. Injected bugs show
+the properties are checked: without the k/v compaction of an accepted side branch the tokens change (a); a
+drafter continuing from the wrong path entry keeps (a) but changes (b). The gpu test compares the CUDA graph
+(drafter eager and compiled) with the CPU run.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from eyas.decode.round_tree import RoundTreeDecoder
+from eyas.decode.spec import SpecConfig, SpecDecoder
+from eyas.errors import EyasError
+from eyas.target.runner import Runner
+from test_decode import one_thread  # noqa: F401 (autouse)
+from test_tree_static import NEW, SETTINGS, IDS, runs, setup  # noqa: F401 (setup: fixture)
+
+
+def tree(top_k=10, depth=6, total=60) -> SpecConfig:
+    return SpecConfig(method="tree", top_k=top_k, depth=depth, total_tokens=total)
+
+
+def decode_all(dec, prompts, eos, new=NEW):
+    res = [dec.generate(p, new, eos_ids=[eos]) for p in prompts]
+    return [o for o, _ in res], [s.accepted for _, s in res]
+
+
+_rounds = {}
+
+
+def round_runs(setup, setting):
+    if setting not in _rounds:
+        model, runner, drafters, prompts, ref, eos = setup
+        name, top_k, depth, total = setting
+        _rounds[setting] = decode_all(RoundTreeDecoder(runner, drafters[name], tree(top_k, depth, total)),
+                                      prompts, eos)
+    return _rounds[setting]
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=IDS)
+def test_round_equals_plain_greedy_and_host_tree_acceptance(setup, setting):
+    ref = setup[4]
+    outs, acc = round_runs(setup, setting)
+    _, (_, acc_host, trees) = runs(setup, setting)
+    assert outs == ref  # (a)
+    assert acc == acc_host  # (b)
+    if setting[0] == "trained" and setting[3] >= 16:  # not vacuous: paths of 2+ drafts, some through side branches
+        assert max(max(a) for a in acc) >= 2, acc
+
+
+def side_branch_rounds(setup, setting) -> int:
+    """Rounds of the host-driven static tree whose accepted path was not nodes 0..a (k/v had to move)."""
+    model, runner, drafters, prompts, ref, eos = setup
+    name, top_k, depth, total = setting
+    dec = SpecDecoder(runner, drafters[name], tree(top_k, depth, total), fast=True)
+    moved = []
+    copy_slots = runner.copy_slots
+    runner.copy_slots = lambda src, dst, row=0: moved.append(1) or copy_slots(src, dst, row)
+    try:
+        decode_all(dec, prompts, eos)
+    finally:
+        del runner.copy_slots
+    return len(moved)
+
+
+def test_without_compaction_the_tokens_change(setup, monkeypatch):
+    """An accepted side branch leaves its k/v at its tree slots; without moving them next to the prefix the
+    next round attends the wrong keys."""
+    setting = ("trained", 10, 6, 60)
+    assert side_branch_rounds(setup, setting) >= 3  # the default tree accepts side branches here
+    model, runner, drafters, prompts, ref, eos = setup
+    dec = RoundTreeDecoder(runner, drafters["trained"], tree())
+    monkeypatch.setattr(runner, "copy_slots", lambda src, dst, row=0: None)
+    outs, _ = decode_all(dec, prompts, eos)
+    assert outs != ref
+
+
+def test_drafter_continuing_from_the_wrong_entry_changes_acceptance_only(setup, monkeypatch):
+    """`last` taken one entry past the accepted node: the target still decides every token, the drafts change."""
+    model, runner, drafters, prompts, ref, eos = setup
+    dec = RoundTreeDecoder(runner, drafters["trained"], tree(4, 5, 16))
+
+    def commit(self, aux, tokens, acc):
+        out = self._extend_fn(aux, tokens[None])  # (1,P,h)
+        self.last.copy_(out.index_select(1, (acc + 1).clamp(max=tokens.numel() - 1)))
+        self.n.add_(acc[0] + 1)
+    monkeypatch.setattr(type(dec.drafting), "commit", commit)
+    outs, acc = decode_all(dec, prompts, eos)
+    assert outs == ref
+    assert acc != round_runs(setup, ("trained", 4, 5, 16))[1]
+
+
+def test_a_round_never_reads_the_device(setup, monkeypatch):
+    """The round body calls no item/tolist/bool/int/float/nonzero on a tensor (each a host sync on CUDA)."""
+    model, runner, drafters, prompts, ref, eos = setup
+    dec = RoundTreeDecoder(runner, drafters["trained"], tree())
+    dec.generate(prompts[3], 4)  # a committed state after a few rounds
+    calls = []
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "numpy"):
+        orig = getattr(torch.Tensor, name)
+
+        def trap(self, *a, _name=name, _orig=orig, **kw):
+            calls.append(_name)
+            return _orig(self, *a, **kw)
+        monkeypatch.setattr(torch.Tensor, name, trap)
+    info = dec._round()
+    assert calls == [], calls
+    assert info.shape == (dec.P + 1,)
+
+
+def test_cache_filled_to_the_end(setup):
+    """A prompt that leaves exactly room for max_new tokens and one tree: the host waits before launching a round
+    that might not fit, and the tokens are still plain greedy's."""
+    model, runner, drafters, prompts, ref, eos = setup
+    dec = RoundTreeDecoder(runner, drafters["trained"], tree())
+    M = runner.cfg.max_seq
+    prompt = (prompts[-1] * 2)[: M - NEW - dec.S]
+    out, stats = dec.generate(prompt, NEW)
+    assert out == runner.generate([prompt], NEW)[0] and stats.tokens == NEW
+    with pytest.raises(EyasError, match="exceed the target cache"):
+        dec.generate(prompt + [5], NEW)
+
+
+def test_spec_decoder_graph_round_flag_dispatches_here(setup):
+    model, runner, drafters, prompts, ref, eos = setup
+    dec = SpecDecoder(runner, drafters["trained"], SpecConfig(method="tree", graph_round=True))
+    assert isinstance(dec._round, RoundTreeDecoder)
+    outs, acc = decode_all(dec, prompts[::3], eos)
+    direct = round_runs(setup, ("trained", 10, 6, 60))
+    assert outs == ref[::3] == direct[0][::3] and acc == direct[1][::3]
+
+
+def test_bad_input_refused(setup):
+    model, runner, drafters, *_ = setup
+    d = drafters["trained"]
+    with pytest.raises(EyasError, match="greedy trees only"):
+        RoundTreeDecoder(runner, d, SpecConfig(method="chain"))
+    with pytest.raises(EyasError, match="greedy trees only"):
+        RoundTreeDecoder(runner, d, SpecConfig(method="tree", temperature=0.5))
+    with pytest.raises(EyasError, match="needs a drafter"):
+        RoundTreeDecoder(runner, None, tree())
+    with pytest.raises(EyasError, match="400 draft nodes does not fit a target cache of 352"):
+        RoundTreeDecoder(runner, d, tree(10, 6, 400))
+    with pytest.raises(EyasError, match="empty prompt"):
+        RoundTreeDecoder(runner, d, tree()).generate([], NEW)
+
+
+# ---------------------------------------------------------------- CUDA graph == CPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compile", [False, True], ids=["eager-drafter", "compiled-drafter"])
+def test_cuda_graph_round_equals_cpu(setup, compile):
+    """One CUDA graph per round (captured once, replayed): the CPU round's tokens and acceptance; the round body,
+    run outside the graph under the sync debugger, never syncs."""
+    model, runner, drafters, prompts, ref, eos = setup
+    setting = ("trained", 10, 6, 60)
+    outs_cpu, acc_cpu = round_runs(setup, setting)
+    gpu = Runner.from_hf(model, max_batch=1, max_seq=runner.cfg.max_seq, device="cuda")
+    dec = RoundTreeDecoder(gpu, copy.deepcopy(drafters["trained"]), tree(), compile_drafter=compile)
+    outs, acc = decode_all(dec, prompts, eos)
+    assert outs == ref == outs_cpu
+    assert acc == acc_cpu
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        dec._round()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
