@@ -35,6 +35,9 @@ fi
 BENCH=(python3 -m eyas bench --drafter "$D" --target "$T" --prompts sharegpt-heldout --chain 5 --graph-round --limit 30
        --max-turns 1 --max-new-tokens 256 --max-prompt-tokens 1664 --compile)
 for run in cold warm; do step 420 "${BENCH[@]}" --json "${BENCH_DIR:-/root}/bench-$run.json"; done
+# kernels and device-busy time per plain step, chain-5 round and tree round (where the 1,000 tok/s and the round
+# cost goals stand: kernel-bound or gap-bound)
+step 300 python3 benchmarks/kernels.py --target "$T" --drafter "$D" --compile --md "$MD"
 step 600 python3 benchmarks/decode.py --batch 1,4,16,64 --chain 3 --limit 64 --max-new-tokens 128 --drafter "$D" \
   --target "$T" --compile --md "$MD"
 step 1000 python3 benchmarks/compile_variants.py --target "$T" --variant-timeout 240 --md "$MD"
