@@ -1,13 +1,15 @@
 """Compile variants of the target runner: compile time and step time (issue 14: bench start-up, plain decoding).
 
     PYTHONPATH=src python benchmarks/compile_variants.py [--target smollm2-135m] [--dtype bf16] [--k 5] \
-        [--variants whole,regions,cdt,autotune,combo]
+        [--variants whole,regions,cdt,autotune,combo,flex]
 
 `Runner.from_hf(compile=True)` compiles the whole unrolled N-layer step ("whole"). The variants:
 - regions: inductor compiles the decoder layer once (torch.compiler.nested_compile_region) and calls it N times;
 - cdt: inductor's coordinate-descent tuning of each Triton kernel's launch configuration;
 - autotune: max-autotune GEMM templates (matmuls as Triton templates with fused epilogues) plus cdt;
-- combo: combo kernels (independent small kernels fused horizontally, fewer launches per layer).
+- combo: combo kernels (independent small kernels fused horizontally, fewer launches per layer);
+- flex: attention through flex_attention (`Runner.from_hf(attention="flex")`: one fused kernel per layer, split
+  over the keys for few queries) instead of the matmul/softmax/matmul path.
 Each variant runs in its own process with empty inductor and Triton caches (and a time limit), and measures:
 - compile s: warming the shapes a chain-K bench uses (`eyas.bench.startup.warm_up`): the plain decode step (S=1)
   and the verify step with the drafter's aux capture (S=K+1), compile and CUDA-graph capture included; then
@@ -35,8 +37,9 @@ import time
 import torch
 
 VARIANTS = {"whole": {}, "regions": {}, "cdt": {"coordinate_descent_tuning": True},
-            "autotune": {"max_autotune": True, "coordinate_descent_tuning": True}, "combo": {"combo_kernels": True}}
-"""inductor options of each variant (regions: none, its compile regions instead)."""
+            "autotune": {"max_autotune": True, "coordinate_descent_tuning": True}, "combo": {"combo_kernels": True},
+            "flex": {}}
+"""inductor options of each variant (regions: none, its compile regions instead; flex: none, flex attention)."""
 
 
 def measure(args) -> dict:
@@ -49,7 +52,7 @@ def measure(args) -> dict:
     target = load_target(args.target, device=dev, dtype=dtype)
     M, S = args.max_seq, args.k + 1
     r = Runner.from_hf(target.model, max_batch=1, max_seq=M, compile=True, regions=args.variant == "regions",
-                       compile_options=VARIANTS[args.variant])
+                       compile_options=VARIANTS[args.variant], attention="flex" if args.variant == "flex" else "matmul")
     step = r.step_fn(tuple(target.aux_layer_ids))
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
@@ -113,7 +116,7 @@ def main() -> int:
     if args.variant:
         print(json.dumps(measure(args)))
         return 0
-    names = (args.variants or ("whole,regions,cdt,autotune,combo" if torch.cuda.is_available()
+    names = (args.variants or ("whole,regions,cdt,autotune,combo,flex" if torch.cuda.is_available()
                                else "whole,regions")).split(",")
     bad = [v for v in names if v not in VARIANTS]
     if bad:

@@ -85,6 +85,39 @@ def test_tree_mask_and_slot_compaction():
     torch.testing.assert_close(out[0, 0], model(seq3).logits[0, 7], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_flex_attention_equals_hf_and_the_matmul_path(compiled):
+    """attention="flex": prefill, one-token decode over the whole cache and a tree mask over non-contiguous slots
+    give HF's logits (fp32); greedy generation gives the matmul runner's tokens. Compiled on the CPU too (the
+    mask reaches flex as a graph input)."""
+    model = make_tiny_llama(seed=1)
+    r = Runner.from_hf(model, max_batch=2, max_seq=64, attention="flex", compile=compiled)
+    step = r._compiled if compiled else r._decode
+    assert all(layer.flex for layer in r.layers)
+    ids = torch.randint(3, 256, (1, 20))
+    ref = model(ids).logits
+    pos = torch.arange(12)[None]
+    torch.testing.assert_close(step(ids[:, :12], pos, pos, causal_mask(12, 64)), ref[:, :12], atol=1e-5, rtol=1e-5)
+    for t in range(12, 16):
+        p = torch.tensor([[t]])
+        torch.testing.assert_close(step(ids[:, t:t + 1], p, p, causal_mask(1, 64, t))[:, 0], ref[:, t],
+                                   atol=1e-5, rtol=1e-5)
+    toks = torch.tensor([[ids[0, 16], 77, ids[0, 17]]])  # siblings at position 16 (slots 16, 17), a child at 17
+    mask = torch.zeros(1, 3, 64, dtype=torch.bool)
+    mask[0, :, :16] = True
+    mask[0, 0, 16] = mask[0, 1, 17] = mask[0, 2, 17] = mask[0, 2, 18] = True
+    out = step(toks, torch.tensor([[16, 16, 17]]), torch.tensor([[16, 17, 18]]), mask)
+    seq2 = torch.cat([ids[:, :16], torch.tensor([[77, ids[0, 17]]])], 1)
+    torch.testing.assert_close(out[0, 0], ref[0, 16], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[0, 2], model(seq2).logits[0, 17], atol=1e-5, rtol=1e-5)
+    if not compiled:  # the CPU runner compiles a new shape per window; the eager one is enough here
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 17, 2)]
+        assert r.generate(prompts, 12) == Runner.from_hf(model, max_batch=2, max_seq=64).generate(prompts, 12)
+    with pytest.raises(EyasError, match="attention 'sdpa'"):
+        Runner.from_hf(model, max_batch=1, max_seq=8, attention="sdpa")
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_greedy_generate_equals_hf_generate(tie):
     model = make_tiny_llama(tie=tie, seed=5)
@@ -124,7 +157,7 @@ def test_sampled_generate_is_seeded_and_batch_independent_in_distribution():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("compile", [False, True, "regions"])
+@pytest.mark.parametrize("compile", [False, True, "regions", "flex"])
 def test_cuda_graphed_generate_and_speculative_equal_eager_cpu(compile):
     from eyas.decode.spec import SpecConfig, SpecDecoder
     from eyas.model.drafter import DrafterConfig, Eagle3Drafter
@@ -132,7 +165,7 @@ def test_cuda_graphed_generate_and_speculative_equal_eager_cpu(compile):
     model = make_tiny_llama(seed=8)
     cpu = Runner.from_hf(model, max_batch=4, max_seq=96)
     gpu = Runner.from_hf(model, max_batch=4, max_seq=96, device="cuda", compile=bool(compile),
-                         regions=compile == "regions")
+                         regions=compile == "regions", attention="flex" if compile == "flex" else "matmul")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 17, 2, 30, 9)]
     ref = cpu.generate(prompts, 20, eos_ids=[2])

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import sdpa_kernel
+from torch.nn.attention.flex_attention import flex_attention
 
 from eyas.errors import EyasError
 from eyas.sdpa import INFERENCE_SDPA
@@ -91,9 +92,11 @@ class Layer(nn.Module):
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.cfg = cfg
+        self.flex = False  # from_hf(attention="flex"): attend with flex_attention (one fused kernel when compiled)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, bias: Tensor) -> Tensor:
-        """bias: additive attention mask (B,1,rep*S,L) over cache slots 0..L-1, shared by all layers."""
+        """bias: additive attention mask (B,1,rep*S,L) over cache slots 0..L-1, shared by all layers; with flex
+        attention the bool mask (B,S,L) itself."""
         cfg = self.cfg
         B, S, _ = x.shape
         H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -110,7 +113,11 @@ class Layer(nn.Module):
         vc[rows, :, slots] = v.transpose(1, 2)
         # GQA without repeating k/v: each kv head answers its `rep` query heads as rep*S queries.
         qg = q.reshape(B, KV, -1, D)  # (B,KV,rep*S,D)
-        if qg.shape[2] <= 256 and not (x.is_cuda and B * KV >= self.sdpa_rows):
+        if self.flex:  # `bias` is the bool mask (B,S,L) here: a graph input, which compiled flex can read
+            o = flex_attention(q, kc[:, :, :L], vc[:, :, :L], enable_gqa=True,
+                               score_mod=lambda score, b, h, qi, kv: torch.where(bias[b, qi, kv], score, -torch.inf))
+            o = o.reshape(B, KV, -1, D)  # (B,H,S,D) in the layout of the other paths
+        elif qg.shape[2] <= 256 and not (x.is_cuda and B * KV >= self.sdpa_rows):
             # Few queries (decode, verify): plain matmuls parallelise over the keys; the fused SDPA
             # kernels give each (head, query block) one thread block and crawl through long caches.
             if kc.dtype == torch.bfloat16 and x.device.type == "cpu":
@@ -164,7 +171,7 @@ class Runner(nn.Module):
     @torch.no_grad()
     def from_hf(cls, model, *, max_batch: int = 1, max_seq: int = 2048, dtype=None, device=None,
                 compile: bool = False, dynamic: bool = False, regions: bool = False,
-                compile_options: dict | None = None) -> "Runner":
+                compile_options: dict | None = None, attention: str = "matmul") -> "Runner":
         """Copy the weights of an HF LlamaForCausalLM into a Runner with a static KV cache. compile: torch.compile
         the decode step (each CUDA graph then replays fused kernels); dynamic: one compile for every batch and
         slot count (batched generation meets many: compaction and windows), instead of one per shape; regions
@@ -172,7 +179,11 @@ class Runner(nn.Module):
         (torch.compiler.nested_compile_region; SmolLM2's two bench steps compiled in 29 s instead of 103 s on a
         2-core CPU, BENCHMARKS.md; the layers then do not fuse across their boundary); compile_options: inductor
         options for those compiles (torch.compile `options`, e.g. {"coordinate_descent_tuning": True};
-        benchmarks/compile_variants.py measures them)."""
+        benchmarks/compile_variants.py measures them); attention: "matmul" (default: few-query steps as plain
+        matmuls, many as fused SDPA) or "flex" (flex_attention with the mask as a score bias: compiled, one fused
+        kernel per layer with a split over the keys for few queries; eager, a reference implementation)."""
+        if attention not in ("matmul", "flex"):
+            raise EyasError(f"runner: attention {attention!r}: expected matmul or flex")
         hf = model.config
         if getattr(hf, "model_type", "llama") not in ("llama", "mistral", "qwen2") or getattr(hf, "attention_bias", False) \
                 or getattr(hf, "mlp_bias", False) or getattr(hf, "hidden_act", "silu") != "silu":
@@ -186,6 +197,8 @@ class Runner(nn.Module):
             head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
             vocab_size=hf.vocab_size, rms_norm_eps=hf.rms_norm_eps, max_batch=max_batch, max_seq=max_seq)
         r = cls(cfg, dtype=dtype, device=device)
+        for layer in r.layers:
+            layer.flex = attention == "flex"
         base = model.model
         r.embed.weight.copy_(base.embed_tokens.weight)
         r.lm_head.weight.copy_(model.lm_head.weight)
@@ -265,8 +278,11 @@ class Runner(nn.Module):
         x = self.embed(input_ids)  # (B,S,h)
         # One additive mask for all layers, laid out for the grouped-query trick in Layer.forward.
         L, rep = attn_mask.shape[-1], cfg.num_heads // cfg.num_kv_heads
-        bias = torch.zeros(attn_mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~attn_mask, float("-inf"))
-        bias = bias[:, None, None].expand(B, 1, rep, S, L).reshape(B, 1, rep * S, L)  # (B,1,rep*S,L)
+        if self.layers[0].flex:
+            bias = attn_mask
+        else:
+            bias = torch.zeros(attn_mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~attn_mask, float("-inf"))
+            bias = bias[:, None, None].expand(B, 1, rep, S, L).reshape(B, 1, rep * S, L)  # (B,1,rep*S,L)
         captured = {}
         for i, layer in enumerate(self.layers):
             if i in capture:
