@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The decoding measurements of issue 14 in one go, for a GPU lease (e.g. as gpu_preset.sh's AFTER, or alone in the
-# background): runner compile variants (regions, Triton tuning, max-autotune, combo kernels), one-graph rounds with
-# and without the compiled drafter, batched chains against batched plain decoding (all compiled), regeneration with
-# the compiled and region-compiled runner, and how the width of a bf16 verify forward changes greedy decisions.
+# background): the -m gpu tests, the gpu recipe's first bench cold and warm, kernels per step and round, batched
+# chains against batched plain decoding, the runner's compile variants (regions, Triton tuning, max-autotune, combo
+# kernels, flex attention; cold and warm caches), host and one-graph chain and tree rounds with the drafter eager
+# and compiled, bf16 agreement by verify width, regeneration modes.
 # Each step appends its table to $MD and has its own time limit, so one failure does not stop the others.
 # Order (what session 11's lease left unmeasured first): the bench process cold and warm (start-up share, with the
 # chain drafter compiled since), batched chains against batched plain, the runner's compile variants (plain tok/s,
