@@ -21,7 +21,7 @@ from eyas.decode.spec import SpecConfig, SpecDecoder
 from eyas.errors import EyasError
 from eyas.target.runner import Runner
 from test_decode import one_thread  # noqa: F401 (autouse)
-from test_tree_static import NEW, SETTINGS, IDS, runs, setup  # noqa: F401 (setup: fixture)
+from test_tree_static import IDS, NEW, SETTINGS, runs, setup, trap_host_reads  # noqa: F401 (setup: fixture)
 
 
 def tree(top_k=10, depth=6, total=60) -> SpecConfig:
@@ -103,14 +103,7 @@ def test_a_round_never_reads_the_device(setup, monkeypatch):
     model, runner, drafters, prompts, ref, eos = setup
     dec = RoundTreeDecoder(runner, drafters["trained"], tree())
     dec.generate(prompts[3], 4)  # a committed state after a few rounds
-    calls = []
-    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "numpy"):
-        orig = getattr(torch.Tensor, name)
-
-        def trap(self, *a, _name=name, _orig=orig, **kw):
-            calls.append(_name)
-            return _orig(self, *a, **kw)
-        monkeypatch.setattr(torch.Tensor, name, trap)
+    calls = trap_host_reads(monkeypatch)
     info = dec._round()
     assert calls == [], calls
     assert info.shape == (dec.P + 1,)

@@ -205,13 +205,9 @@ def test_stable_topk_order():
 
 
 # ----------------------------------------------------------------------------- no host sync in a round
-def test_a_round_never_reads_the_device(setup, monkeypatch):
-    """propose() calls no item/tolist/bool/int/float on a tensor (each one is a host sync on CUDA); the
-    Draft conversion is one tolist."""
-    model, runner, drafters, prompts, *_ = setup
-    cfg = SpecConfig(method="tree")
-    dec = static_decoder(runner, drafters["trained"], cfg)
-    dec.generate(prompts[3], 4)  # a committed state after a few rounds
+def trap_host_reads(monkeypatch) -> list[str]:
+    """From now on every Tensor method that reads a value back to the host (a sync on CUDA) is recorded, by name,
+    in the returned list."""
     calls = []
     for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "numpy"):
         orig = getattr(torch.Tensor, name)
@@ -220,6 +216,17 @@ def test_a_round_never_reads_the_device(setup, monkeypatch):
             calls.append(_name)
             return _orig(self, *a, **kw)
         monkeypatch.setattr(torch.Tensor, name, trap)
+    return calls
+
+
+def test_a_round_never_reads_the_device(setup, monkeypatch):
+    """propose() calls no item/tolist/bool/int/float on a tensor (each one is a host sync on CUDA); the
+    Draft conversion is one tolist."""
+    model, runner, drafters, prompts, *_ = setup
+    cfg = SpecConfig(method="tree")
+    dec = static_decoder(runner, drafters["trained"], cfg)
+    dec.generate(prompts[3], 4)  # a committed state after a few rounds
+    calls = trap_host_reads(monkeypatch)
     tree = dec.drafting.propose(prompts[3][-1])
     assert calls == [], calls
     dec.drafting.propose_tree(prompts[3][-1], cfg.top_k, cfg.depth, cfg.total_tokens)
