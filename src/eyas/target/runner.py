@@ -184,6 +184,9 @@ class Runner(nn.Module):
         kernel per layer with a split over the keys for few queries; eager, a reference implementation)."""
         if attention not in ("matmul", "flex"):
             raise EyasError(f"runner: attention {attention!r}: expected matmul or flex")
+        if attention == "flex" and regions and compile:  # torch 2.13: an internal functionalization assert
+            raise EyasError("runner: flex attention inside compile regions fails to compile (torch "
+                            f"{torch.__version__}); use one or the other")
         hf = model.config
         if getattr(hf, "model_type", "llama") not in ("llama", "mistral", "qwen2") or getattr(hf, "attention_bias", False) \
                 or getattr(hf, "mlp_bias", False) or getattr(hf, "hidden_act", "silu") != "silu":
