@@ -447,18 +447,22 @@ def test_lookup_shares_the_eagle_verify_step(tiny):
         SpecDecoder(runner, drafter, cfg.spec, verify_capture=(0, 1))
 
 
-def test_bench_runs_graph_rounds_like_host_rounds(tiny, prompts):
-    """graph_round through a whole bench (warm-up, timed decoding, fp32 rerun; the gpu recipe's chains): the same
-    tokens and counts as host rounds, lossless, and the config records it. The random drafter here accepts
-    nothing; tests/test_round.py checks the round's per-round acceptance with a trained drafter."""
+@pytest.mark.parametrize("method", ["chain", "tree"])
+def test_bench_runs_graph_rounds_like_host_rounds(tiny, prompts, method):
+    """graph_round through a whole bench (warm-up, timed decoding, fp32 rerun; the gpu recipe's chains; trees
+    since decode/round_tree.py): the same tokens and counts as host rounds, lossless, and the config records it.
+    The random drafter here accepts little; tests/test_round.py and tests/test_round_tree.py check the rounds'
+    per-round acceptance with a trained drafter."""
     target, drafter = tiny
-    reps = [run_bench(BenchConfig(prompts=prompts, k=3, max_new_tokens=12, max_seq=160, graph_round=g),
+    shape = dict(method="tree", top_k=3, depth=3, total_tokens=8) if method == "tree" else dict(k=3)
+    reps = [run_bench(BenchConfig(prompts=prompts, max_new_tokens=12, max_seq=160, graph_round=g, **shape),
                       target=target, drafter=drafter) for g in (False, True)]
-    host, graph = (r["methods"]["eagle-chain"] for r in reps)
-    for key in ("tokens", "tau", "target_forwards", "acceptance_by_position"):
+    name = f"eagle-{method}"
+    host, graph = (r["methods"][name] for r in reps)
+    for key in ("tokens", "tau", "target_forwards", "acceptance_by_position", "per_record"):
         assert graph[key] == host[key], key
     assert graph["tokens"] == reps[1]["methods"]["plain"]["tokens"]
-    assert reps[1]["lossless"]["eagle-chain"]["held"] and reps[1]["config"]["spec"]["graph_round"]
+    assert reps[1]["lossless"][name]["held"] and reps[1]["config"]["spec"]["graph_round"]
 
 
 def test_tau_interval_bootstraps_records():
