@@ -363,7 +363,9 @@ def test_compile_cache_survives_the_process(tmp_path):
 
 
 def test_report_bench_table_shows_both_checks(tiny_bf16, prompts, tmp_path):
-    """report.md's bench table carries the fp32 verdict, the bf16 agreement and the start-up phases of the JSON."""
+    """report.md's bench table carries the fp32 verdict, the bf16 agreement and the start-up phases of the JSON,
+    and for a run's bench stage the sums and the stage's decoding share."""
+    from dataclasses import replace
     from types import SimpleNamespace
 
     from eyas.report import write_report
@@ -383,6 +385,18 @@ def test_report_bench_table_shows_both_checks(tiny_bf16, prompts, tmp_path):
             f"identical, mean identical prefix {a['mean_prefix_tokens']:.1f} tokens") in md
     s = rep["seconds"]
     assert f"| b | {s['load']:.1f} | {s['warmup']:.1f} | {s['decode']:.1f} | {s['lossless_check']:.1f} | {s['total']:.1f} |" in md
+    assert "all benches" not in md  # one bench and no stage clock: its own row says it all
+    # the bench stage of a run (one process, here two benches and the stage's clock): a row of sums, its share
+    # of decoding against the stage's wall time
+    rep2 = run_bench(replace(cfg, json_out=str(run / "bench" / "c.json"), limit=1), target=tiny_bf16,
+                     drafter=_drafter_for(tiny_bf16.model, torch.bfloat16))
+    write_report(run, {"stages": {"bench": {"seconds": 100.0}}}, SimpleNamespace(preset="test", target="tiny", data="d"))
+    md = (run / "report.md").read_text()
+    s2 = rep2["seconds"]
+    dec = s["decode"] + s2["decode"]
+    assert (f"| all benches (the bench stage, one process) | {s['load'] + s2['load']:.1f} | "
+            f"{s['warmup'] + s2['warmup']:.1f} | {dec:.1f} | {s['lossless_check'] + s2['lossless_check']:.1f} | "
+            f"100.0 | {dec / 100:.0%} |") in md
 
 
 def test_bench_config_holds_one_spec_config():

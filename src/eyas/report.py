@@ -199,6 +199,16 @@ def write_report(run: Path, state: dict, cfg) -> str:
         if sec:
             timing.append(f"| {name} | {sec['load']:.1f} | {sec['warmup']:.1f} | {sec['decode']:.1f} | "
                           f"{sec['lossless_check']:.1f} | {sec['total']:.1f} | {sec['decode'] / max(sec['total'], 1e-9):.0%} |")
+    secs = [r["seconds"] for r in bench.values() if r.get("seconds")]
+    stage_s = stages.get("bench", {}).get("seconds")
+    if len(secs) > 1 or (secs and stage_s):
+        # the bench stage is one process: its benches share the target, runner and compiled steps; its share of
+        # decoding is issue 14's start-up measure (wall: the stage's own clock when the run recorded it)
+        wall = stage_s or sum(x["total"] for x in secs)
+        dec = sum(x["decode"] for x in secs)
+        timing.append(f"| all benches (the bench stage, one process) | {sum(x['load'] for x in secs):.1f} | "
+                      f"{sum(x['warmup'] for x in secs):.1f} | {dec:.1f} | {sum(x['lossless_check'] for x in secs):.1f} | "
+                      f"{wall:.1f} | {dec / max(wall, 1e-9):.0%} |")
     if timing:
         L += ["", "| benchmark | load s | compile + warm-up s | timed decoding s | lossless check s | total s | "
               "decoding share |", "|---|---|---|---|---|---|---|"] + timing
