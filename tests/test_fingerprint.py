@@ -162,6 +162,28 @@ def test_bench_cli_override_is_recorded_in_the_json(machine_a, elsewhere):
     assert rep["target_mismatch"]["trained_target"]["identity"] == "tiny-original"
 
 
+def test_bench_cli_graph_round_reaches_the_report(machine_a, elsewhere):
+    """`eyas bench` through main() on a saved target and trained drafter: on the CPU graph rounds are off unless
+    --graph-round asks (chains and trees), and the report's config says which ran; with sampling the flag is refused
+    in one line (exit 2). The CUDA default (on for greedy chains) is tests/test_bench.py's bench_config test."""
+    from eyas.cli import main
+
+    root, _ = machine_a
+    base = ["bench", "--target", str(root / "tiny-original"), "--drafter", str(root / "run"), "--prompts",
+            prompts(elsewhere / "p.jsonl"), "--max-seq", "128", "--max-new-tokens", "6", "--limit", "2", "--device",
+            "cpu", "--no-baselines"]
+    ran = {}
+    for name, extra in (("default", []), ("chain", ["--graph-round"]), ("tree", ["--tree", "--top-k", "3", "--depth",
+                                                                                 "3", "--total-tokens", "8",
+                                                                                 "--graph-round"])):
+        out = elsewhere / f"{name}.json"
+        assert main(base + extra + ["--json", str(out)]) == 0
+        ran[name] = json.loads(out.read_text())
+    assert [ran[n]["config"]["spec"]["graph_round"] for n in ("default", "chain", "tree")] == [False, True, True]
+    assert ran["default"]["methods"]["eagle-chain"]["tokens"] == ran["chain"]["methods"]["eagle-chain"]["tokens"]
+    assert main(base + ["--temperature", "0.5", "--graph-round"]) == 2
+
+
 def test_version_1_fingerprints_compare_or_say_how_to_convert(machine_a, elsewhere):
     from eyas.export.export import export_drafter
     from eyas.model.checkpoint import load_drafter, save_drafter
