@@ -308,8 +308,8 @@ def _methods(cfg, runner, drafter, eos, *, baselines=None) -> list[_Method]:
                                lk))
     if drafter is not None:
         # A compiled runner compiles the chain drafter's steps too: on the H200, chain-5 one-graph rounds ran at
-        # 982 tok/s against 740 with the drafter eager (BENCHMARKS.md, 2026-12-01 19:16 UTC). Trees stay eager:
-        # their compiled proposer has not passed on CUDA yet.
+        # 982 tok/s against 740 with the drafter eager (BENCHMARKS.md, "Issue 14 on one H200, session 11").
+        # Trees stay eager: their compiled proposer has not passed on CUDA yet.
         dec = SpecDecoder(runner, drafter, cfg.spec, compile_drafter=runner.compiled and cfg.spec.method == "chain")
         methods.append(_Method(f"eagle-{cfg.spec.method}", lambda p, seed: dec.generate(p, cfg.max_new_tokens, eos_ids=eos,
                                                                                     seed=seed), dec))

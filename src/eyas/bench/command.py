@@ -47,7 +47,7 @@ def bench_config(args: argparse.Namespace, device: str):
 
     shape = {"method": "tree"} if args.tree else {"method": "chain", **({"k": args.chain} if args.chain else {})}
     graph_round = args.one_graph_round
-    if graph_round is None:  # one-graph rounds beat host rounds on the H200 (BENCHMARKS.md, 2026-12-01 19:16 UTC)
+    if graph_round is None:  # one-graph rounds beat host rounds on the H200 (BENCHMARKS.md, session 11)
         graph_round = device.startswith("cuda") and not args.tree and args.temperature == 0
     if graph_round:
         shape["graph_round"] = True

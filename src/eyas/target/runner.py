@@ -180,8 +180,8 @@ class Runner(nn.Module):
         2-core CPU, BENCHMARKS.md; the layers then do not fuse across their boundary); compile_options: inductor
         options for those compiles (torch.compile `options`, e.g. {"coordinate_descent_tuning": True};
         benchmarks/compile_variants.py measures them); attention: "matmul" (default: few-query steps as plain
-        matmuls, many as fused SDPA) or "flex" (flex_attention with the mask as a score bias: compiled, one fused
-        kernel per layer with a split over the keys for few queries; eager, a reference implementation)."""
+        matmuls, many as fused SDPA) or "flex" (flex_attention, its score function reading the bool mask: compiled,
+        one fused kernel per layer with a split over the keys for few queries; eager, a reference implementation)."""
         if attention not in ("matmul", "flex"):
             raise EyasError(f"runner: attention {attention!r}: expected matmul or flex")
         if attention == "flex" and regions and compile:  # torch 2.13: an internal functionalization assert
