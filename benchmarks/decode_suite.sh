@@ -18,6 +18,9 @@ export PYTHONPATH=${PYTHONPATH:-src} PYTHONUNBUFFERED=1
 # SUITE_SECONDS (default 1500): the whole suite's budget, so it ends inside a 30-minute lease. Steps run in the
 # order of issue 14's goals; each gets min(its limit, what is left), and one that cannot start is skipped, said.
 END=$(( $(date +%s) + ${SUITE_SECONDS:-1500} ))
+# STEPS (default all): which steps run, a space-separated subset of: tests bench kernels batch variants round agree regen
+STEPS=" ${STEPS:-tests bench kernels batch variants round agree regen} "
+on() { [[ "$STEPS" == *" $1 "* ]]; }
 step() {
   local limit=$1; shift; local left=$(( END - $(date +%s) ))
   if [ $left -lt 60 ]; then echo "== skipped (suite budget spent): $*"; return; fi
@@ -26,7 +29,7 @@ step() {
 }
 # GPU_TESTS: which -m gpu tests run first (issue 14's done-when), their log in $TESTS_LOG: "all" (388 s on
 # 2026-12-01), or test files; unset: none
-if [ -n "${GPU_TESTS:-}" ]; then
+if [ -n "${GPU_TESTS:-}" ] && on tests; then
   [ "$GPU_TESTS" = all ] && sel=tests || sel=$GPU_TESTS
   step 420 python3 -m pytest -q -m gpu $sel -p no:cacheprovider --durations=15 > "${TESTS_LOG:-/root/gpu_tests.log}" 2>&1
   grep -A40 "slowest\|short test summary" "${TESTS_LOG:-/root/gpu_tests.log}" | grep -v "^$" | head -60
@@ -35,16 +38,16 @@ fi
 # share of a bench process spent decoding, issue 14's start-up goal); its report has bf16 agreement + fp32 check
 BENCH=(python3 -m eyas bench --drafter "$D" --target "$T" --prompts sharegpt-heldout --chain 5 --graph-round --limit 30
        --max-turns 1 --max-new-tokens 256 --max-prompt-tokens 1664 --compile)
-for run in cold warm; do step 420 "${BENCH[@]}" --json "${BENCH_DIR:-/root}/bench-$run.json"; done
+on bench && for run in cold warm; do step 420 "${BENCH[@]}" --json "${BENCH_DIR:-/root}/bench-$run.json"; done
 # kernels and device-busy time per plain step, chain-5 round and tree round (where the 1,000 tok/s and the round
 # cost goals stand: kernel-bound or gap-bound)
-step 300 python3 benchmarks/kernels.py --target "$T" --drafter "$D" --compile --md "$MD"
-step 600 python3 benchmarks/decode.py --batch 1,4,16,64 --chain 3 --limit 64 --max-new-tokens 128 --drafter "$D" \
+on kernels && step 300 python3 benchmarks/kernels.py --target "$T" --drafter "$D" --compile --md "$MD"
+on batch && step 600 python3 benchmarks/decode.py --batch 1,4,16,64 --chain 3 --limit 64 --max-new-tokens 128 --drafter "$D" \
   --target "$T" --compile --md "$MD"
-step 1000 python3 benchmarks/compile_variants.py --target "$T" --variant-timeout 240 --md "$MD"
-step 600 python3 benchmarks/decode.py --round graph --chain 3,5 --tree --limit 10 --drafter "$D" --target "$T" --compile --md "$MD"
-for dt in bf16 fp32; do
+on variants && step 1000 python3 benchmarks/compile_variants.py --target "$T" --variant-timeout 240 --md "$MD"
+on round && step 600 python3 benchmarks/decode.py --round graph --chain 3,5 --tree --limit 10 --drafter "$D" --target "$T" --compile --md "$MD"
+on agree && for dt in bf16 fp32; do
   step 300 python3 benchmarks/bf16_agreement.py --target "$T" --dtype $dt --drafter "$D" --widths 1,2,6,61 --md "$MD"
 done
-step 400 python3 benchmarks/regen.py --modes window+compact,compiled,compiled+regions --md "$MD"
+on regen && step 400 python3 benchmarks/regen.py --modes window+compact,compiled,compiled+regions --md "$MD"
 echo "== $(date -u +%H:%M:%S) done"
