@@ -158,6 +158,32 @@ def test_layer_matches_naive_reference_and_order_and_residual_matter():
         torch.testing.assert_close(d.fuse(torch.ones(B, S, 192)), torch.ones(B, S, 192) @ d.fc.weight.T)
 
 
+def test_decode_attention_equals_the_training_path(monkeypatch):
+    """Decoding (no grad, few query rows) attends with grouped matmuls, without repeating k/v; training and long
+    prefills use SDPA on repeated k/v. Both match the naive reference, with a cache and a tree-shaped mask."""
+    from eyas.model import drafter as drafter_mod
+
+    d = make_drafter(seed=3)
+    torch.manual_seed(4)
+    B, P, S = 2, 7, 5
+    hidden, embeds = torch.randn(B, P + S, 64), torch.randn(B, P + S, 64)
+    pos = torch.arange(P + S).expand(B, P + S)
+    mask = torch.tril(torch.ones(P + S, P + S, dtype=torch.bool)).repeat(B, 1, 1)
+    mask[0, P + 3, P + 1] = False                                        # a side branch: node 3 does not see node 1
+    mask[1, P + 4, :P - 2] = False                                       # a row that skips part of the prefix
+    ref = naive_layer(d, hidden, embeds, pos, mask)
+    with torch.no_grad():
+        _, cache = d.layer(hidden[:, :P], embeds[:, :P], pos[:, :P], mask[:, :P, :P])
+        step = (hidden[:, P:], embeds[:, P:], pos[:, P:], mask[:, P:], cache)
+        grouped, (k, v) = d.layer(*step)
+        monkeypatch.setattr(drafter_mod, "GROUPED_ROWS", 0)                # the SDPA path
+        sdpa, (k2, v2) = d.layer(*step)
+    trained, _ = d.layer(*step)                                           # grad on: the training path
+    for out in (grouped, sdpa, trained):
+        torch.testing.assert_close(out, ref[:, P:], rtol=1e-5, atol=1e-5)
+    assert torch.equal(k, k2) and torch.equal(v, v2) and k.shape == (B, 2, P + S, 16)
+
+
 def test_kv_cached_steps_equal_one_full_call():
     d = make_drafter()
     torch.manual_seed(2)

@@ -21,6 +21,36 @@ def causal_mask(S, L, start=0):
     return (torch.arange(L)[None] <= q)[None]  # (1,S,L)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_gemv_projections_equal_hf(compiled):
+    """gemv=True: a one-row step's projections as multiply + sum give HF's logits (fp32), eager and compiled; a
+    multi-row step (prefill, batch 2) keeps nn.Linear. Greedy generation gives the default runner's tokens."""
+    model = make_tiny_llama(seed=5)
+    r = Runner.from_hf(model, max_batch=2, max_seq=64, gemv=True, compile=compiled)
+    assert all(layer.gemv for layer in r.layers)
+    step = r._compiled if compiled else r._decode
+    ids = torch.randint(3, 256, (1, 20))
+    ref = model(ids).logits
+    pos = torch.arange(12)[None]
+    torch.testing.assert_close(step(ids[:, :12], pos, pos, causal_mask(12, 64)), ref[:, :12], atol=1e-5, rtol=1e-5)
+    for t in range(12, 16):
+        p = torch.tensor([[t]])
+        torch.testing.assert_close(step(ids[:, t:t + 1], p, p, causal_mask(1, 64, t))[:, 0], ref[:, t],
+                                   atol=1e-5, rtol=1e-5)
+    layer = r.layers[0]
+    x = torch.randn(2, 1, layer.wqkv.in_features)
+    want = layer.wqkv(x)
+    layer.wqkv.forward = lambda _: pytest.fail("a one-row projection called nn.Linear")
+    torch.testing.assert_close(layer.proj(layer.wqkv, x[:1]), want[:1], atol=1e-5, rtol=1e-5)
+    with pytest.raises(pytest.fail.Exception):  # two rows: nn.Linear
+        layer.proj(layer.wqkv, x)
+    del layer.wqkv.forward
+    if not compiled:
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 17, 2)]
+        assert r.generate(prompts, 12) == Runner.from_hf(model, max_batch=2, max_seq=64).generate(prompts, 12)
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_prefill_and_decode_logits_match_hf(tie):
     model = make_tiny_llama(tie=tie, seed=1)
@@ -161,7 +191,7 @@ def test_sampled_generate_is_seeded_and_batch_independent_in_distribution():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("compile", [False, True, "regions", "flex"])
+@pytest.mark.parametrize("compile", [False, True, "regions", "flex", "gemv"])
 def test_cuda_graphed_generate_and_speculative_equal_eager_cpu(compile):
     from eyas.decode.spec import SpecConfig, SpecDecoder
     from eyas.model.drafter import DrafterConfig, Eagle3Drafter
@@ -169,7 +199,8 @@ def test_cuda_graphed_generate_and_speculative_equal_eager_cpu(compile):
     model = make_tiny_llama(seed=8)
     cpu = Runner.from_hf(model, max_batch=4, max_seq=96)
     gpu = Runner.from_hf(model, max_batch=4, max_seq=96, device="cuda", compile=bool(compile),
-                         regions=compile == "regions", attention="flex" if compile == "flex" else "matmul")
+                         regions=compile == "regions", attention="flex" if compile == "flex" else "matmul",
+                         gemv=compile == "gemv")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 17, 2, 30, 9)]
     ref = cpu.generate(prompts, 20, eos_ids=[2])

@@ -204,6 +204,28 @@ def test_stable_topk_order():
     assert torch.equal(stable_topk(y, 10)[0], y.topk(10).values)  # no ties: plain topk
 
 
+@pytest.mark.parametrize("n,device", [(ts.SORT_MAX + 1, "cpu"), (40000, "cpu"),
+                                      pytest.param(40000, "cuda", marks=pytest.mark.gpu),
+                                      pytest.param(40000, "compiled", marks=pytest.mark.gpu)])
+def test_stable_topk_long_rows_equal_a_stable_sort(n, device):
+    """Rows longer than SORT_MAX (the draft vocabulary) take topk + a sort of the kept: the CPU stable sort's
+    answer, under heavy ties (small integers, -0.0 and +0.0, -inf) and without; on CUDA eager and compiled too."""
+    if device != "cpu" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    fn = torch.compile(stable_topk, dynamic=False) if device == "compiled" else stable_topk
+    g = torch.Generator().manual_seed(n)
+    rows = [torch.randint(-3, 2, (4, n), generator=g).float(), torch.randn(2, n, generator=g),
+            torch.full((1, n), float("-inf")), torch.zeros(1, n)]
+    rows[0][0, ::7] = -0.0
+    rows[0][1, 5:] = float("-inf")
+    for x in rows:
+        for k in (1, 3, 10, 64):
+            want_v, want_i = x.sort(dim=-1, descending=True, stable=True)
+            v, i = fn(x.to("cpu" if device == "cpu" else "cuda"), k)
+            v, i = v.cpu(), i.cpu()
+            assert torch.equal(i, want_i[..., :k]) and torch.equal(v, want_v[..., :k]), (x[0, :4], k)
+
+
 # ----------------------------------------------------------------------------- no host sync in a round
 def trap_host_reads(monkeypatch) -> list[str]:
     """From now on every Tensor method that reads a value back to the host (a sync on CUDA) is recorded, by name,

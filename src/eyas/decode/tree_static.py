@@ -25,8 +25,8 @@ tie, which bf16 logits make common. This proposer breaks every tie by the LOWER 
 node, the lower draft-vocab id; in the frontier, the lower (row, rank) position; in the final selection, the
 lower pool index. Because pool indices grow with depth, the last is the eager `select_tree` key (-score,
 depth, index) exactly, and a parent (score >= its child's, lower index) is always kept before its child.
-Implementation: a stable descending sort (equal values keep their index order; -0.0 and +0.0 compare equal),
-cut to k. An earlier version packed value and index into int64 keys for one `topk`; compiled for CUDA, inductor
+Implementation (`stable_topk`): a stable descending sort (equal values keep their index order; -0.0 and +0.0
+compare equal), cut to k; over the draft vocabulary, topk for the k-th value and a stable sort of the k kept. An earlier version packed value and index into int64 keys for one `topk`; compiled for CUDA, inductor
 folded the index arithmetic into int32 Triton code that cannot hold 2^32 - 1 (a CompilationError on the H200,
 2026-12-01). Without ties both proposers give the same tree; the eager one follows the canonical order when
 `Tensor.topk` is a stable sort (how tests/test_tree_static.py checks ties).
@@ -46,10 +46,28 @@ from eyas.target.graphs import capture
 
 
 # ---------------------------------------------------------------------------------------------- pieces
+SORT_MAX = 4096  # rows up to this long: one stable sort (a single in-block sort kernel on CUDA)
+
+
 def stable_topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Top-k along the last dim in the canonical order (value descending, ties by ascending index)."""
-    values, idx = x.sort(dim=-1, descending=True, stable=True)
-    return values[..., :k], idx[..., :k]
+    """Top-k along the last dim in the canonical order (value descending, ties by ascending index).
+
+    Long rows (the draft vocabulary) take `topk` for the k-th largest value t, which is exact whatever order topk
+    lists ties in: the k kept are every entry above t and the lowest-index entries equal to t. A stable sort of
+    those k orders them. (A stable sort of the whole vocabulary was a multi-pass radix sort on the H200: 238 us of
+    a 3.2 ms tree round, BENCHMARKS.md session 12.)"""
+    n = x.shape[-1]
+    if n <= SORT_MAX or k >= n:
+        values, idx = x.sort(dim=-1, descending=True, stable=True)
+        return values[..., :k], idx[..., :k]
+    t = x.topk(k, dim=-1).values[..., -1:]                                 # (..., 1) the k-th largest value
+    above, tie = x > t, x == t
+    take = above | (tie & (tie.cumsum(-1) <= k - above.sum(-1, keepdim=True)))  # exactly k per row
+    slot = torch.where(take, take.cumsum(-1) - 1, k)                       # rank among the kept; the rest: slot k
+    cols = torch.arange(n, device=x.device).expand_as(x)
+    idx = torch.empty(*x.shape[:-1], k + 1, dtype=torch.long, device=x.device).scatter_(-1, slot, cols)[..., :k]
+    values, order = x.gather(-1, idx).sort(dim=-1, descending=True, stable=True)  # idx ascending: ties stay so
+    return values, idx.gather(-1, order)
 
 
 def frontier(cum: Tensor, n: int) -> tuple[Tensor, Tensor]:

@@ -157,6 +157,28 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+# Decoding attends with at most this many query rows per kv head through plain matmuls: the fused SDPA kernels give
+# each (head, query block) one thread block and crawl through a long static cache (the drafter's attention was the
+# top kernel of a chain-5 round on the H200, 520 us of 1.9 ms: BENCHMARKS.md, session 12).
+GROUPED_ROWS = 256
+
+
+def grouped_attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """Attention without repeating k/v for GQA: each kv head answers its rep query heads as rep*S rows.
+
+    q (B, nh, S, hd); k, v (B, nkv, L, hd); mask bool (B, S, L), True = may attend. Scores and softmax in fp32.
+    -> (B, S, nh*hd)."""
+    B, nh, S, hd = q.shape
+    nkv, L = k.shape[1], k.shape[2]
+    rep = nh // nkv
+    qg = q.reshape(B, nkv, rep * S, hd)                                   # row r*S+s: head kv*rep+r, query s
+    att = torch.matmul(qg.float(), k.float().transpose(-1, -2)) * hd ** -0.5  # (B, nkv, rep*S, L)
+    att = att.view(B, nkv, rep, S, L).masked_fill(~mask[:, None, None], float("-inf"))
+    p = torch.softmax(att, dim=-1).to(v.dtype).view(B, nkv, rep * S, L)
+    y = torch.matmul(p, v)                                                # (B, nkv, rep*S, hd)
+    return y.view(B, nh, S, hd).transpose(1, 2).reshape(B, S, nh * hd)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -182,6 +204,8 @@ class Attention(nn.Module):
             y = flex_attend(q, k.to(q.dtype), v.to(q.dtype), attn_mask)  # (B, nh, S, hd)
             return self.o_proj(y.transpose(1, 2).reshape(B, S, self.nh * self.hd)), (k, v)
         rep = self.nh // self.nkv
+        if not torch.is_grad_enabled() and rep * S <= GROUPED_ROWS:  # decoding: few queries, a long cache
+            return self.o_proj(grouped_attend(q, k, v, attn_mask)), (k, v)
         kr = k.repeat_interleave(rep, dim=1) if rep > 1 else k            # (B, nh, L, hd)
         vr = v.repeat_interleave(rep, dim=1) if rep > 1 else v            # (B, nh, L, hd)
         if torch.is_grad_enabled():  # training: the default backend choice

@@ -93,6 +93,16 @@ class Layer(nn.Module):
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.cfg = cfg
         self.flex = False  # from_hf(attention="flex"): attend with flex_attention (one fused kernel when compiled)
+        self.gemv = False  # from_hf(gemv=True): one-row projections as multiply + sum (an inductor reduction kernel)
+
+    def proj(self, lin: nn.Linear, x: Tensor) -> Tensor:
+        """lin(x); with `gemv` and a single row (a batch-1 decode step), as an fp32 multiply + sum over the input
+        features, which inductor compiles to one reduction kernel over all output rows. cuBLAS spends ~5.7 us per
+        such GEMM on the H200, on a few dozen thread blocks (BENCHMARKS.md, session 12). Eager, it materialises the
+        product: for compiled steps only."""
+        if not self.gemv or x.shape[:-1].numel() != 1:
+            return lin(x)
+        return (x.float()[..., None, :] * lin.weight.float()).sum(-1).to(x.dtype)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, bias: Tensor) -> Tensor:
         """bias: additive attention mask (B,1,rep*S,L) over cache slots 0..L-1, shared by all layers; with flex
@@ -101,7 +111,7 @@ class Layer(nn.Module):
         B, S, _ = x.shape
         H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         L = bias.shape[-1]
-        qkv = self.wqkv(rms_norm(x, self.attn_norm, cfg.rms_norm_eps))
+        qkv = self.proj(self.wqkv, rms_norm(x, self.attn_norm, cfg.rms_norm_eps))
         q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
         q = q.view(B, S, H, D).transpose(1, 2)  # (B,H,S,D)
         k = k.view(B, S, KV, D).transpose(1, 2)  # (B,KV,S,D)
@@ -134,9 +144,9 @@ class Layer(nn.Module):
             with sdpa_kernel(INFERENCE_SDPA):  # no cuDNN: a new plan per prompt length
                 o = F.scaled_dot_product_attention(qg, kc[:, :, :L], vc[:, :, :L], attn_mask=bias)  # (B,KV,rep*S,D)
         o = o.reshape(B, H, S, D).transpose(1, 2).reshape(B, S, H * D)  # (B,S,H*D)
-        x = x + self.wo(o)
-        gate, up = self.w13(rms_norm(x, self.mlp_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
-        return x + self.w2(F.silu(gate) * up)
+        x = x + self.proj(self.wo, o)
+        gate, up = self.proj(self.w13, rms_norm(x, self.mlp_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
+        return x + self.proj(self.w2, F.silu(gate) * up)
 
 
 def _layer_body(layer: Layer, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, bias: Tensor) -> Tensor:
@@ -172,7 +182,7 @@ class Runner(nn.Module):
     @torch.no_grad()
     def from_hf(cls, model, *, max_batch: int = 1, max_seq: int = 2048, dtype=None, device=None,
                 compile: bool = False, dynamic: bool = False, regions: bool = False,
-                compile_options: dict | None = None, attention: str = "matmul") -> "Runner":
+                compile_options: dict | None = None, attention: str = "matmul", gemv: bool = False) -> "Runner":
         """Copy the weights of an HF LlamaForCausalLM into a Runner with a static KV cache. compile: torch.compile
         the decode step (each CUDA graph then replays fused kernels); dynamic: one compile for every batch and
         slot count (batched generation meets many: compaction and windows), instead of one per shape; regions
@@ -182,7 +192,9 @@ class Runner(nn.Module):
         options for those compiles (torch.compile `options`, e.g. {"coordinate_descent_tuning": True};
         benchmarks/compile_variants.py measures them); attention: "matmul" (default: few-query steps as plain
         matmuls, many as fused SDPA) or "flex" (flex_attention, its score function reading the bool mask: compiled,
-        one fused kernel per layer with a split over the keys for few queries; eager, a reference implementation)."""
+        one fused kernel per layer with a split over the keys for few queries; eager, a reference implementation);
+        gemv (with compile): a batch-1 decode step's layer projections as inductor reductions, not cuBLAS GEMMs
+        (`Layer.proj`; benchmarks/compile_variants.py's gemv variant measures it)."""
         if attention not in ("matmul", "flex"):
             raise EyasError(f"runner: attention {attention!r}: expected matmul or flex")
         if attention == "flex" and regions and compile:  # torch 2.13: an internal functionalization assert
@@ -203,6 +215,7 @@ class Runner(nn.Module):
         r = cls(cfg, dtype=dtype, device=device)
         for layer in r.layers:
             layer.flex = attention == "flex"
+            layer.gemv = gemv
         base = model.model
         r.embed.weight.copy_(base.embed_tokens.weight)
         r.lm_head.weight.copy_(model.lm_head.weight)
