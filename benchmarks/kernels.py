@@ -26,6 +26,7 @@ from collections import defaultdict
 import torch
 
 
+@torch.no_grad()  # as generate() runs a round; on the CPU (no graph) `fn` runs its body, which grad mode steers
 def profile(fn, reps: int, device) -> dict:
     """Replay `fn` reps times under the profiler: wall ms, kernels (device events) and their device ms per replay,
     and the top kernels by device time per replay."""
