@@ -21,6 +21,20 @@ def causal_mask(S, L, start=0):
     return (torch.arange(L)[None] <= q)[None]  # (1,S,L)
 
 
+def prefill_then_decode_match_hf(step, model, slots: int = 64):
+    """A 12-token prefill, then 4 one-token steps over the whole cache through `step` (a runner's decode function):
+    HF's logits in fp32. -> (the 20 ids, HF's logits for them)."""
+    ids = torch.randint(3, 256, (1, 20))
+    ref = model(ids).logits
+    pos = torch.arange(12)[None]
+    torch.testing.assert_close(step(ids[:, :12], pos, pos, causal_mask(12, slots)), ref[:, :12], atol=1e-5, rtol=1e-5)
+    for t in range(12, 16):
+        p = torch.tensor([[t]])
+        torch.testing.assert_close(step(ids[:, t:t + 1], p, p, causal_mask(1, slots, t))[:, 0], ref[:, t],
+                                   atol=1e-5, rtol=1e-5)
+    return ids, ref
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_gemv_projections_equal_hf(compiled):
     """gemv=True: a one-row step's projections as multiply + sum give HF's logits (fp32), eager and compiled; a
@@ -28,15 +42,7 @@ def test_gemv_projections_equal_hf(compiled):
     model = make_tiny_llama(seed=5)
     r = Runner.from_hf(model, max_batch=2, max_seq=64, gemv=True, compile=compiled)
     assert all(layer.gemv for layer in r.layers)
-    step = r._compiled if compiled else r._decode
-    ids = torch.randint(3, 256, (1, 20))
-    ref = model(ids).logits
-    pos = torch.arange(12)[None]
-    torch.testing.assert_close(step(ids[:, :12], pos, pos, causal_mask(12, 64)), ref[:, :12], atol=1e-5, rtol=1e-5)
-    for t in range(12, 16):
-        p = torch.tensor([[t]])
-        torch.testing.assert_close(step(ids[:, t:t + 1], p, p, causal_mask(1, 64, t))[:, 0], ref[:, t],
-                                   atol=1e-5, rtol=1e-5)
+    prefill_then_decode_match_hf(r._compiled if compiled else r._decode, model)
     layer = r.layers[0]
     x = torch.randn(2, 1, layer.wqkv.in_features)
     want = layer.wqkv(x)
@@ -126,14 +132,7 @@ def test_flex_attention_equals_hf_and_the_matmul_path(compiled, request):
     if compiled:  # torch 2.13: after a flex compile, a compile-regions trace in the same process fails inside
         request.addfinalizer(torch._dynamo.reset)  # dynamo (KeyError in invoke_subgraph); leave a clean slate
     assert all(layer.flex for layer in r.layers)
-    ids = torch.randint(3, 256, (1, 20))
-    ref = model(ids).logits
-    pos = torch.arange(12)[None]
-    torch.testing.assert_close(step(ids[:, :12], pos, pos, causal_mask(12, 64)), ref[:, :12], atol=1e-5, rtol=1e-5)
-    for t in range(12, 16):
-        p = torch.tensor([[t]])
-        torch.testing.assert_close(step(ids[:, t:t + 1], p, p, causal_mask(1, 64, t))[:, 0], ref[:, t],
-                                   atol=1e-5, rtol=1e-5)
+    ids, ref = prefill_then_decode_match_hf(step, model)
     toks = torch.tensor([[ids[0, 16], 77, ids[0, 17]]])  # siblings at position 16 (slots 16, 17), a child at 17
     mask = torch.zeros(1, 3, 64, dtype=torch.bool)
     mask[0, :, :16] = True
