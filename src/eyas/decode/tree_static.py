@@ -26,8 +26,9 @@ node, the lower draft-vocab id; in the frontier, the lower (row, rank) position;
 lower pool index. Because pool indices grow with depth, the last is the eager `select_tree` key (-score,
 depth, index) exactly, and a parent (score >= its child's, lower index) is always kept before its child.
 Implementation (`stable_topk`): a stable descending sort (equal values keep their index order; -0.0 and +0.0
-compare equal), cut to k; over the draft vocabulary, topk for the k-th value and a stable sort of the k kept. An earlier version packed value and index into int64 keys for one `topk`; compiled for CUDA, inductor
-folded the index arithmetic into int32 Triton code that cannot hold 2^32 - 1 (a CompilationError on the H200,
+compare equal), cut to k; over the draft vocabulary, topk for the k-th value and a stable sort of the k kept.
+An earlier version packed value and index into int64 keys for one `topk`; compiled for CUDA, inductor folded
+the index arithmetic into int32 Triton code that cannot hold 2^32 - 1 (a CompilationError on the H200,
 2026-12-01). Without ties both proposers give the same tree; the eager one follows the canonical order when
 `Tensor.topk` is a stable sort (how tests/test_tree_static.py checks ties).
 NaN draft log-probs are not supported.

@@ -124,10 +124,11 @@ class Layer(nn.Module):
         # GQA without repeating k/v: each kv head answers its `rep` query heads as rep*S queries.
         qg = q.reshape(B, KV, -1, D)  # (B,KV,rep*S,D)
         if self.flex:  # `bias` is the bool mask (B,S,L) here: a graph input, which compiled flex can read
-            # The grouped layout, as below: query row r*S+s is position s. (With enable_gqa and S > 1, compiled
-            # flex decoding on the H200 broke speculative equality, torch 2.11: BENCHMARKS.md, session 12.)
+            # The grouped layout, as below: query row r*S+s is position s. (Compiled flex with enable_gqa broke
+            # speculative equality, S > 1, on the H200 with torch 2.11: BENCHMARKS.md, session 12.)
             o = flex_attention(qg, kc[:, :, :L], vc[:, :, :L],
-                               score_mod=lambda score, b, h, qi, kv: torch.where(bias[b, qi % S, kv], score, -torch.inf))
+                               score_mod=lambda score, b, h, qi, kv: torch.where(bias[b, qi % S, kv], score,
+                                                                                 -torch.inf))
         elif qg.shape[2] <= 256 and not (x.is_cuda and B * KV >= self.sdpa_rows):
             # Few queries (decode, verify): plain matmuls parallelise over the keys; the fused SDPA
             # kernels give each (head, query block) one thread block and crawl through long caches.
