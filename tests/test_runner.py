@@ -21,9 +21,10 @@ def causal_mask(S, L, start=0):
     return (torch.arange(L)[None] <= q)[None]  # (1,S,L)
 
 
-def prefill_then_decode_match_hf(step, model, slots: int = 64):
-    """A 12-token prefill, then 4 one-token steps over the whole cache through `step` (a runner's decode function):
-    HF's logits in fp32. -> (the 20 ids, HF's logits for them)."""
+def prefill_decode_tree_match_hf(step, model, slots: int = 64):
+    """Through `step` (a runner's decode function), HF's logits in fp32 for: a 12-token prefill, 4 one-token steps
+    over the whole cache, then a 3-node tree over non-contiguous slots (siblings at position 16 in slots 16 and
+    17, a child of the second at 17)."""
     ids = torch.randint(3, 256, (1, 20))
     ref = model(ids).logits
     pos = torch.arange(12)[None]
@@ -32,29 +33,41 @@ def prefill_then_decode_match_hf(step, model, slots: int = 64):
         p = torch.tensor([[t]])
         torch.testing.assert_close(step(ids[:, t:t + 1], p, p, causal_mask(1, slots, t))[:, 0], ref[:, t],
                                    atol=1e-5, rtol=1e-5)
-    return ids, ref
+    toks = torch.tensor([[ids[0, 16], 77, ids[0, 17]]])
+    mask = torch.zeros(1, 3, slots, dtype=torch.bool)
+    mask[0, :, :16] = True
+    mask[0, 0, 16] = mask[0, 1, 17] = mask[0, 2, 17] = mask[0, 2, 18] = True
+    out = step(toks, torch.tensor([[16, 16, 17]]), torch.tensor([[16, 17, 18]]), mask)
+    seq2 = torch.cat([ids[:, :16], torch.tensor([[77, ids[0, 17]]])], 1)
+    torch.testing.assert_close(out[0, 0], ref[0, 16], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[0, 2], model(seq2).logits[0, 17], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_gemv_projections_equal_hf(compiled):
-    """gemv=True: a one-row step's projections as multiply + sum give HF's logits (fp32), eager and compiled; a
-    multi-row step (prefill, batch 2) keeps nn.Linear. Greedy generation gives the default runner's tokens."""
+@pytest.mark.parametrize("rows,compiled", [(1, False), (1, True), (8, False), (8, True)],
+                         ids=["1-eager", "1-compiled", "8-eager", "8-compiled"])
+def test_gemv_projections_equal_hf(rows, compiled):
+    """gemv=R: the projections of steps of <= R rows (batch x tokens) as multiply + sum give HF's logits (fp32),
+    eager and compiled: one-token decode, and with R = 8 a 3-node tree verify; longer steps (the 12-token prefill)
+    keep nn.Linear. Greedy generation gives the default runner's tokens."""
     model = make_tiny_llama(seed=5)
-    r = Runner.from_hf(model, max_batch=2, max_seq=64, gemv=True, compile=compiled)
-    assert all(layer.gemv for layer in r.layers)
-    prefill_then_decode_match_hf(r._compiled if compiled else r._decode, model)
+    r = Runner.from_hf(model, max_batch=2, max_seq=64, gemv=rows, compile=compiled)
+    assert all(layer.gemv == rows for layer in r.layers)
+    step = r._compiled if compiled else r._decode
+    prefill_decode_tree_match_hf(step, model)
     layer = r.layers[0]
-    x = torch.randn(2, 1, layer.wqkv.in_features)
+    x = torch.randn(1, rows + 1, layer.wqkv.in_features)
     want = layer.wqkv(x)
-    layer.wqkv.forward = lambda _: pytest.fail("a one-row projection called nn.Linear")
-    torch.testing.assert_close(layer.proj(layer.wqkv, x[:1]), want[:1], atol=1e-5, rtol=1e-5)
-    with pytest.raises(pytest.fail.Exception):  # two rows: nn.Linear
+    layer.wqkv.forward = lambda _: pytest.fail("a step of <= gemv rows called nn.Linear")
+    torch.testing.assert_close(layer.proj(layer.wqkv, x[:, :rows]), want[:, :rows], atol=1e-5, rtol=1e-5)
+    with pytest.raises(pytest.fail.Exception):  # one row more: nn.Linear
         layer.proj(layer.wqkv, x)
     del layer.wqkv.forward
     if not compiled:
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 17, 2)]
         assert r.generate(prompts, 12) == Runner.from_hf(model, max_batch=2, max_seq=64).generate(prompts, 12)
+    with pytest.raises(EyasError, match="gemv -1"):
+        Runner.from_hf(model, max_batch=1, max_seq=8, gemv=-1)
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -132,15 +145,7 @@ def test_flex_attention_equals_hf_and_the_matmul_path(compiled, request):
     if compiled:  # torch 2.13: after a flex compile, a compile-regions trace in the same process fails inside
         request.addfinalizer(torch._dynamo.reset)  # dynamo (KeyError in invoke_subgraph); leave a clean slate
     assert all(layer.flex for layer in r.layers)
-    ids, ref = prefill_then_decode_match_hf(step, model)
-    toks = torch.tensor([[ids[0, 16], 77, ids[0, 17]]])  # siblings at position 16 (slots 16, 17), a child at 17
-    mask = torch.zeros(1, 3, 64, dtype=torch.bool)
-    mask[0, :, :16] = True
-    mask[0, 0, 16] = mask[0, 1, 17] = mask[0, 2, 17] = mask[0, 2, 18] = True
-    out = step(toks, torch.tensor([[16, 16, 17]]), torch.tensor([[16, 17, 18]]), mask)
-    seq2 = torch.cat([ids[:, :16], torch.tensor([[77, ids[0, 17]]])], 1)
-    torch.testing.assert_close(out[0, 0], ref[0, 16], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out[0, 2], model(seq2).logits[0, 17], atol=1e-5, rtol=1e-5)
+    prefill_decode_tree_match_hf(step, model)
     if not compiled:  # the CPU runner compiles a new shape per window; the eager one is enough here
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 17, 2)]
@@ -190,7 +195,7 @@ def test_sampled_generate_is_seeded_and_batch_independent_in_distribution():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("compile", [False, True, "regions", "flex", "gemv"])
+@pytest.mark.parametrize("compile", [False, True, "regions", "flex", "gemv", "gemv8"])
 def test_cuda_graphed_generate_and_speculative_equal_eager_cpu(compile):
     from eyas.decode.spec import SpecConfig, SpecDecoder
     from eyas.model.drafter import DrafterConfig, Eagle3Drafter
@@ -199,7 +204,7 @@ def test_cuda_graphed_generate_and_speculative_equal_eager_cpu(compile):
     cpu = Runner.from_hf(model, max_batch=4, max_seq=96)
     gpu = Runner.from_hf(model, max_batch=4, max_seq=96, device="cuda", compile=bool(compile),
                          regions=compile == "regions", attention="flex" if compile == "flex" else "matmul",
-                         gemv=compile == "gemv")
+                         gemv={"gemv": 1, "gemv8": 8}.get(compile, 0))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 17, 2, 30, 9)]
     ref = cpu.generate(prompts, 20, eos_ids=[2])

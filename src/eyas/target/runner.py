@@ -93,14 +93,14 @@ class Layer(nn.Module):
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.cfg = cfg
         self.flex = False  # from_hf(attention="flex"): attend with flex_attention (one fused kernel when compiled)
-        self.gemv = False  # from_hf(gemv=True): one-row projections as multiply + sum (an inductor reduction kernel)
+        self.gemv = 0  # from_hf(gemv=R): projections of steps of <= R rows as multiply + sum (inductor reductions)
 
     def proj(self, lin: nn.Linear, x: Tensor) -> Tensor:
-        """lin(x); with `gemv` and a single row (a batch-1 decode step), as an fp32 multiply + sum over the input
-        features, which inductor compiles to one reduction kernel over all output rows. cuBLAS spends ~5.7 us per
-        such GEMM on the H200, on a few dozen thread blocks (BENCHMARKS.md, session 12). Eager, it materialises the
-        product: for compiled steps only."""
-        if not self.gemv or x.shape[:-1].numel() != 1:
+        """lin(x); for a step of at most `gemv` rows (batch x tokens: 1 for a batch-1 decode step, K+1 for a chain
+        verify), as an fp32 multiply + sum over the input features, which inductor compiles to one reduction kernel
+        over all outputs. cuBLAS spends ~5.7 us per M = 1 GEMM on the H200, on a few dozen thread blocks
+        (BENCHMARKS.md, session 12). Eager, it materialises the product: for compiled steps only."""
+        if x.shape[:-1].numel() > self.gemv:
             return lin(x)
         return (x.float()[..., None, :] * lin.weight.float()).sum(-1).to(x.dtype)
 
@@ -183,7 +183,7 @@ class Runner(nn.Module):
     @torch.no_grad()
     def from_hf(cls, model, *, max_batch: int = 1, max_seq: int = 2048, dtype=None, device=None,
                 compile: bool = False, dynamic: bool = False, regions: bool = False,
-                compile_options: dict | None = None, attention: str = "matmul", gemv: bool = False) -> "Runner":
+                compile_options: dict | None = None, attention: str = "matmul", gemv: int = 0) -> "Runner":
         """Copy the weights of an HF LlamaForCausalLM into a Runner with a static KV cache. compile: torch.compile
         the decode step (each CUDA graph then replays fused kernels); dynamic: one compile for every batch and
         slot count (batched generation meets many: compaction and windows), instead of one per shape; regions
@@ -194,10 +194,12 @@ class Runner(nn.Module):
         benchmarks/compile_variants.py measures them); attention: "matmul" (default: few-query steps as plain
         matmuls, many as fused SDPA) or "flex" (flex_attention, its score function reading the bool mask: compiled,
         one fused kernel per layer with a split over the keys for few queries; eager, a reference implementation);
-        gemv (with compile): a batch-1 decode step's layer projections as inductor reductions, not cuBLAS GEMMs
-        (`Layer.proj`; benchmarks/compile_variants.py's gemv variant measures it)."""
+        gemv (with compile): the layer projections of steps of at most this many rows (batch x tokens; 1: batch-1
+        decode) as inductor reductions, not cuBLAS GEMMs (`Layer.proj`; compile_variants.py's gemv variants)."""
         if attention not in ("matmul", "flex"):
             raise EyasError(f"runner: attention {attention!r}: expected matmul or flex")
+        if int(gemv) < 0:
+            raise EyasError(f"runner: gemv {gemv!r}: expected a row count >= 0 (0: off)")
         if attention == "flex" and regions and compile:  # torch 2.13: an internal functionalization assert
             raise EyasError("runner: flex attention inside compile regions fails to compile (torch "
                             f"{torch.__version__}); use one or the other")
@@ -216,7 +218,7 @@ class Runner(nn.Module):
         r = cls(cfg, dtype=dtype, device=device)
         for layer in r.layers:
             layer.flex = attention == "flex"
-            layer.gemv = gemv
+            layer.gemv = int(gemv)
         base = model.model
         r.embed.weight.copy_(base.embed_tokens.weight)
         r.lm_head.weight.copy_(model.lm_head.weight)
