@@ -182,6 +182,11 @@ def test_decode_attention_equals_the_training_path(monkeypatch):
     for out in (grouped, sdpa, trained):
         torch.testing.assert_close(out, ref[:, P:], rtol=1e-5, atol=1e-5)
     assert torch.equal(k, k2) and torch.equal(v, v2) and k.shape == (B, 2, P + S, 16)
+    # under autocast (the trainer's bf16 evaluation) the fp32 score matmul would run in bf16: SDPA instead
+    monkeypatch.setattr(drafter_mod, "GROUPED_ROWS", 256)
+    monkeypatch.setattr(drafter_mod, "grouped_attend", lambda *a: pytest.fail("grouped attention under autocast"))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        d.layer(*step)
 
 
 def test_kv_cached_steps_equal_one_full_call():

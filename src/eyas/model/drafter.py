@@ -166,8 +166,9 @@ GROUPED_ROWS = 256
 def grouped_attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     """Attention without repeating k/v for GQA: each kv head answers its rep query heads as rep*S rows.
 
-    q (B, nh, S, hd); k, v (B, nkv, L, hd); mask bool (B, S, L), True = may attend. Scores and softmax in fp32.
-    -> (B, S, nh*hd)."""
+    q (B, nh, S, hd); k, v (B, nkv, L, hd); mask bool (B, S, L), True = may attend; every row must allow at least
+    one key (each decoding caller's rows see themselves; a row that sees nothing gives NaN, where SDPA's
+    memory-efficient kernel gave 0). Scores and softmax in fp32. -> (B, S, nh*hd)."""
     B, nh, S, hd = q.shape
     nkv, L = k.shape[1], k.shape[2]
     rep = nh // nkv
@@ -204,7 +205,9 @@ class Attention(nn.Module):
             y = flex_attend(q, k.to(q.dtype), v.to(q.dtype), attn_mask)  # (B, nh, S, hd)
             return self.o_proj(y.transpose(1, 2).reshape(B, S, self.nh * self.hd)), (k, v)
         rep = self.nh // self.nkv
-        if not torch.is_grad_enabled() and rep * S <= GROUPED_ROWS:  # decoding: few queries, a long cache
+        # decoding: few queries, a long cache (not under autocast, e.g. the trainer's bf16 evaluation: it would run
+        # the fp32 score matmul in bf16)
+        if not torch.is_grad_enabled() and rep * S <= GROUPED_ROWS and not torch.is_autocast_enabled(q.device.type):
             return self.o_proj(grouped_attend(q, k, v, attn_mask)), (k, v)
         kr = k.repeat_interleave(rep, dim=1) if rep > 1 else k            # (B, nh, L, hd)
         vr = v.repeat_interleave(rep, dim=1) if rep > 1 else v            # (B, nh, L, hd)

@@ -73,6 +73,13 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rot * sin
 
 
+def rowwise_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """x @ weight.T (no bias) as an fp32 multiply + sum over the input features, which inductor compiles to one
+    reduction kernel over all outputs. cuBLAS spends ~5.7 us per M = 1 GEMM on the H200, on a few dozen thread
+    blocks (BENCHMARKS.md, session 12)."""
+    return (x.float()[..., None, :] * weight.float()).sum(-1).to(x.dtype)
+
+
 class Layer(nn.Module):
     sdpa_rows = 512
     """On CUDA, few-query steps with at least this many (row, kv head) pairs use the fused SDPA kernel: a large
@@ -96,13 +103,12 @@ class Layer(nn.Module):
         self.gemv = 0  # from_hf(gemv=R): projections of steps of <= R rows as multiply + sum (inductor reductions)
 
     def proj(self, lin: nn.Linear, x: Tensor) -> Tensor:
-        """lin(x); for a step of at most `gemv` rows (batch x tokens: 1 for a batch-1 decode step, K+1 for a chain
-        verify), as an fp32 multiply + sum over the input features, which inductor compiles to one reduction kernel
-        over all outputs. cuBLAS spends ~5.7 us per M = 1 GEMM on the H200, on a few dozen thread blocks
-        (BENCHMARKS.md, session 12). Eager, it materialises the product: for compiled steps only."""
-        if x.shape[:-1].numel() > self.gemv:
+        """lin(x); inside a compiled step of at most `gemv` rows (batch x tokens: 1 for a batch-1 decode step, K+1
+        for a chain verify), `rowwise_linear` instead. Eager calls (prefill chunks run eagerly) keep nn.Linear: there
+        the product would be materialised, rows x out x in in fp32."""
+        if x.shape[:-1].numel() > self.gemv or not torch.compiler.is_compiling():
             return lin(x)
-        return (x.float()[..., None, :] * lin.weight.float()).sum(-1).to(x.dtype)
+        return rowwise_linear(x, lin.weight)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, bias: Tensor) -> Tensor:
         """bias: additive attention mask (B,1,rep*S,L) over cache slots 0..L-1, shared by all layers; with flex
@@ -200,6 +206,8 @@ class Runner(nn.Module):
             raise EyasError(f"runner: attention {attention!r}: expected matmul or flex")
         if int(gemv) < 0:
             raise EyasError(f"runner: gemv {gemv!r}: expected a row count >= 0 (0: off)")
+        if gemv and not compile:
+            raise EyasError("runner: gemv needs compile=True (its reductions replace GEMMs in compiled steps only)")
         if attention == "flex" and regions and compile:  # torch 2.13: an internal functionalization assert
             raise EyasError("runner: flex attention inside compile regions fails to compile (torch "
                             f"{torch.__version__}); use one or the other")
