@@ -3,7 +3,8 @@
 A server whose hook never runs still answers every request: SGLang only logs "No modules matched" for a
 `--forward-hooks` target that is not in the model, a server started without the hook or with another
 `--store` writes elsewhere, and vLLM started without the extract_hidden_states flags writes no file. Before
-0.5.23, SGLang with an inner model lacking `layers_to_capture` runs the hook but gives it no aux states. Without a check each sample would wait for its commit, time out and be retried.
+0.5.23, SGLang with an inner model lacking `layers_to_capture` runs the hook but gives it no aux states. Without a
+check each sample would wait for its commit, time out and be retried.
 
 So the first round sends its first sample alone and looks for its dump before sending the rest: a hook event
 (STORE/engine-events-r*.jsonl) or a vLLM hidden-states file. No dump within `hook_wait_s` stops the capture
