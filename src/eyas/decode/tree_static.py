@@ -26,7 +26,10 @@ node, the lower draft-vocab id; in the frontier, the lower (row, rank) position;
 lower pool index. Because pool indices grow with depth, the last is the eager `select_tree` key (-score,
 depth, index) exactly, and a parent (score >= its child's, lower index) is always kept before its child.
 Implementation (`stable_topk`): a stable descending sort (equal values keep their index order; -0.0 and +0.0
-compare equal), cut to k; over the draft vocabulary, topk for the k-th value and a stable sort of the k kept.
+compare equal), cut to k; over the draft vocabulary, topk for the k-th value t, a second topk over a float
+priority (above t first, then the ties by ascending index) for the k kept, and a stable sort of those k. A first
+version picked the ties with an int64 cumsum over the vocabulary; inductor lowers that to a split scan whose
+Triton codegen fails on CUDA (torch 2.11, an InductorError in `get_block_shape`, on the H200 2026-12-01).
 An earlier version packed value and index into int64 keys for one `topk`; compiled for CUDA, inductor folded
 the index arithmetic into int32 Triton code that cannot hold 2^32 - 1 (a CompilationError on the H200,
 2026-12-01). Without ties both proposers give the same tree; the eager one follows the canonical order when
@@ -62,12 +65,11 @@ def stable_topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
         values, idx = x.sort(dim=-1, descending=True, stable=True)
         return values[..., :k], idx[..., :k]
     t = x.topk(k, dim=-1).values[..., -1:]                                 # (..., 1) the k-th largest value
-    above, tie = x > t, x == t
-    take = above | (tie & (tie.cumsum(-1) <= k - above.sum(-1, keepdim=True)))  # exactly k per row
-    slot = torch.where(take, take.cumsum(-1) - 1, k)                       # rank among the kept; the rest: slot k
-    cols = torch.arange(n, device=x.device).expand_as(x)
-    idx = torch.empty(*x.shape[:-1], k + 1, dtype=torch.long, device=x.device).scatter_(-1, slot, cols)[..., :k]
-    values, order = x.gather(-1, idx).sort(dim=-1, descending=True, stable=True)  # idx ascending: ties stay so
+    cols = torch.arange(n, device=x.device, dtype=torch.float32)           # exact: n < 2**24
+    # priority: every entry above t (fewer than k of them), then the ties by ascending index, the rest last
+    prio = torch.where(x > t, 2.0 * n, torch.where(x == t, n - cols, -1.0))
+    idx = prio.topk(k, dim=-1).indices.sort(dim=-1).values                 # the kept k, index ascending
+    values, order = x.gather(-1, idx).sort(dim=-1, descending=True, stable=True)  # ties stay index-ascending
     return values, idx.gather(-1, order)
 
 
