@@ -143,6 +143,20 @@ def test_greedy_default_tree_and_untrained_drafter_with_small_draft_vocab(setup)
         assert outs == ref[::5]
 
 
+def test_lookup_verifies_at_two_shapes_and_stays_exact(setup, monkeypatch):
+    """Prompt lookup proposes 0..K tokens; an empty draft runs the plain decode step and every other draft is
+    padded to K+1 rows, so the runner holds exactly two lookup shapes, and the output is still the target's greedy
+    one (the fillers' slots and logits never leak)."""
+    model, _, _, prompts, ref, eos = setup
+    runner = Runner.from_hf(model, max_batch=1, max_seq=320)   # fresh: no shapes yet
+    sizes, padded = [], SpecDecoder._padded
+    monkeypatch.setattr(SpecDecoder, "_padded", lambda self, S: sizes.append(S) or padded(self, S))
+    outs, _ = run_all(runner, None, SpecConfig(method="lookup", k=4), prompts[::2], eos)
+    assert outs == ref[::2]
+    assert {1, 5} <= set(sizes) and set(sizes) - {1, 5}, sorted(set(sizes))  # empty, full and partial drafts ran
+    assert {(b, s, fn) for b, s, fn, _ in runner._graphs} == {(1, 1, None), (1, 5, runner.step_fn(()))}
+
+
 def test_lookup_proposals():
     assert lookup([1, 2, 3, 9, 1, 2, 3], 2) == [9, 1]
     assert lookup([5, 6, 7, 5, 6], 3) == [7, 5, 6]

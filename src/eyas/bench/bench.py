@@ -326,6 +326,8 @@ def _warm_up(cfg, runner, methods, drafter) -> int:
         kind = "lookup" if m.name == "lookup" else c.method
         size = tree_nodes(c.top_k, c.depth, c.total_tokens, drafter.config.draft_vocab_size) if kind == "tree" else 0
         steps.append((runner.step_fn(m.decoder.verify_capture), verify_shapes(kind, c.k, size)))
+        if kind == "lookup":  # an empty lookup draft runs the plain decode step
+            steps.append((None, verify_shapes("plain", c.k, 0)))
         if isinstance(m.decoder.drafting, GraphedChainDrafting):  # static drafters (chains, trees): extends of 1..K+1
             depth = c.k if kind == "chain" else c.depth  # a tree accepts up to `depth` drafts + the bonus
             drafters.append((m.decoder.drafting, len(m.decoder.aux_ids) * runner.cfg.hidden_size, depth))

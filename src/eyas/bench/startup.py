@@ -71,7 +71,7 @@ def verify_shapes(method: str, k: int, tree_size: int) -> list[int]:
     if method == "plain":
         return [1]
     if method == "lookup":
-        return list(range(1, k + 2))  # a lookup proposes 0..K tokens
+        return [k + 1]  # 1..K drafts padded to K+1 rows; an empty draft takes the plain step (SpecDecoder._padded)
     if method == "chain":
         return [k + 1]
     return [tree_size + 1]

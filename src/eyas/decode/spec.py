@@ -174,6 +174,15 @@ class SpecDecoder:
         self.verify_capture = own if verify_capture is None else tuple(verify_capture)
         self._verify_fn = runner.step_fn(self.verify_capture)  # compiled when the runner is
 
+    def _padded(self, S: int) -> int:
+        """Rows of the verify forward for a draft of S tokens (root included). Drafter-less decoders (prompt
+        lookup, plain) propose 0..K tokens: an empty draft runs the runner's plain decode step, any other is padded
+        to K+1 rows, so lookup builds no runner shapes of its own next to plain decoding and a chain-K drafter
+        (one dynamo-traced, CUDA-graphed step fewer per S; the bench's start-up). The fillers' rows attend only to
+        themselves, their logits are not read and their cache slots lie past the accepted ones, masked until a
+        later round overwrites them. Drafters verify their own S (a chain's K+1, a tree's fixed node count)."""
+        return S if self.drafting is not None or S == 1 else max(S, self.cfg.draft_size + 1)
+
     def _prefill(self, prompt: list[int], chunk: int = 512):
         return prefill(self.runner, prompt, self.aux_ids, chunk)
 
@@ -215,15 +224,20 @@ class SpecDecoder:
         while len(out) < max_new_tokens and out[-1] not in eos:
             draft = self._propose(prompt + out, gen)
             S = len(draft)
-            ids = torch.tensor([draft.tokens], device=dev)
-            pos = committed + torch.tensor([draft.depths], device=dev)
-            slots = committed + torch.arange(S, device=dev)[None]
-            width = M if dev.type == "cuda" else committed + S
-            mask = torch.zeros(1, S, width, dtype=torch.bool, device=dev)
-            mask[0, :, :committed] = True
-            mask[0, :, committed:committed + S] = draft.ancestors().to(dev)
-            logits, vaux = r.graphed(1, S, self._verify_fn)(ids, pos, slots, mask)
-            path, bonus = verify(draft, logits[0], c.temperature, c.top_p, gen)
+            P = self._padded(S)  # rows verified: the draft's S, then fillers that only see themselves
+            ids = torch.tensor([draft.tokens + [draft.tokens[0]] * (P - S)], device=dev)
+            pos = committed + torch.tensor([draft.depths + [0] * (P - S)], device=dev)
+            slots = committed + torch.arange(P, device=dev)[None]
+            width = M if dev.type == "cuda" else committed + P
+            mask = torch.zeros(1, P, width, dtype=torch.bool, device=dev)
+            mask[0, :S, :committed] = True
+            mask[0, :S, committed:committed + S] = draft.ancestors().to(dev)
+            mask[0, S:, committed + S:committed + P] = torch.eye(P - S, dtype=torch.bool, device=dev)
+            if self.drafting is None and P == 1:  # no draft: the runner's plain decode step (shared with plain)
+                logits, vaux = r.graphed(1, 1)(ids, pos, slots, mask), None
+            else:
+                logits, vaux = r.graphed(1, P, self._verify_fn)(ids, pos, slots, mask)
+            path, bonus = verify(draft, logits[0, :S], c.temperature, c.top_p, gen)
             stats.target_forwards += 1
             stats.rounds += 1
             for j in range(len(path) - 1):

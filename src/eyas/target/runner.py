@@ -189,7 +189,8 @@ class Runner(nn.Module):
     @torch.no_grad()
     def from_hf(cls, model, *, max_batch: int = 1, max_seq: int = 2048, dtype=None, device=None,
                 compile: bool = False, dynamic: bool = False, regions: bool = False,
-                compile_options: dict | None = None, attention: str = "matmul", gemv: int = 0) -> "Runner":
+                compile_options: dict | None = None, attention: str = "matmul", gemv: int | None = None
+                ) -> "Runner":
         """Copy the weights of an HF LlamaForCausalLM into a Runner with a static KV cache. compile: torch.compile
         the decode step (each CUDA graph then replays fused kernels); dynamic: one compile for every batch and
         slot count (batched generation meets many: compaction and windows), instead of one per shape; regions
@@ -201,9 +202,15 @@ class Runner(nn.Module):
         matmuls, many as fused SDPA) or "flex" (flex_attention, its score function reading the bool mask: compiled,
         one fused kernel per layer with a split over the keys for few queries; eager, a reference implementation);
         gemv (with compile): the layer projections of steps of at most this many rows (batch x tokens; 1: batch-1
-        decode) as inductor reductions, not cuBLAS GEMMs (`Layer.proj`; compile_variants.py's gemv variants)."""
+        decode) as inductor reductions, not cuBLAS GEMMs (`Layer.proj`; compile_variants.py's gemv variants).
+        Default (None): 1 for a static-shape compile on CUDA (the H200's decode step took 0.903 ms against 1.128,
+        tokens equal, verify steps unchanged; BENCHMARKS.md session 13), else 0. gemv=8 slowed the chain-5 verify
+        (1.632 ms against 1.193) and is not a default."""
         if attention not in ("matmul", "flex"):
             raise EyasError(f"runner: attention {attention!r}: expected matmul or flex")
+        dev0 = torch.device(device) if device is not None else next(model.parameters()).device
+        if gemv is None:
+            gemv = 1 if compile and not dynamic and dev0.type == "cuda" else 0
         if int(gemv) < 0:
             raise EyasError(f"runner: gemv {gemv!r}: expected a row count >= 0 (0: off)")
         if gemv and not compile:
