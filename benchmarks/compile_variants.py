@@ -1,7 +1,7 @@
 """Compile variants of the target runner: compile time and step time (issue 14: bench start-up, plain decoding).
 
     PYTHONPATH=src python benchmarks/compile_variants.py [--target smollm2-135m] [--dtype bf16] [--k 5] \
-        [--variants whole,regions,cdt,autotune,combo,flex,gemv,gemv8]
+        [--variants whole,regions,cdt,autotune,combo,flex,gemv,gemv8,gemv-autotune,gemv-regions]
 
 `Runner.from_hf(compile=True)` compiles the whole unrolled N-layer step ("whole"). The variants:
 - regions: inductor compiles the decoder layer once (torch.compiler.nested_compile_region) and calls it N times;
@@ -11,7 +11,10 @@
 - flex: attention through flex_attention (`Runner.from_hf(attention="flex")`: one fused kernel per layer, split
   over the keys for few queries) instead of the matmul/softmax/matmul path;
 - gemv, gemv8: the layer projections of steps of at most 1 / 8 rows as inductor reductions, not cuBLAS GEMMs
-  (`Runner.from_hf(gemv=1|8)`): the decode step / also the chain verify step.
+  (`Runner.from_hf(gemv=1|8)`): the decode step / also the chain verify step. gemv (R = 1) is the runner's default
+  for static compiles on CUDA since session 13; every other variant sets gemv=0, to isolate its own effect;
+- gemv-autotune, gemv-regions: that default with autotune's options / with compile regions (the candidates for the
+  verify step's small GEMMs and for start-up).
 Each variant runs in its own process with empty inductor and Triton caches (and a time limit), and measures:
 - compile s: warming the shapes a chain-K bench uses (`eyas.bench.startup.warm_up`): the plain decode step (S=1)
   and the verify step with the drafter's aux capture (S=K+1), compile and CUDA-graph capture included; then
@@ -40,9 +43,10 @@ import torch
 
 VARIANTS = {"whole": {}, "regions": {}, "cdt": {"coordinate_descent_tuning": True},
             "autotune": {"max_autotune": True, "coordinate_descent_tuning": True}, "combo": {"combo_kernels": True},
-            "flex": {}, "gemv": {}, "gemv8": {}}
+            "flex": {}, "gemv": {}, "gemv8": {},
+            "gemv-autotune": {"max_autotune": True, "coordinate_descent_tuning": True}, "gemv-regions": {}}
 """inductor options of each variant (regions: none, its compile regions instead; flex: none, flex attention; gemv,
-gemv8: none, reductions for the projections of steps of <= 1 / 8 rows)."""
+gemv8: none, reductions for the projections of steps of <= 1 / 8 rows; gemv-*: gemv=1 with the named variant)."""
 
 
 def measure(args) -> dict:
@@ -54,9 +58,9 @@ def measure(args) -> dict:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     target = load_target(args.target, device=dev, dtype=dtype)
     M, S = args.max_seq, args.k + 1
-    r = Runner.from_hf(target.model, max_batch=1, max_seq=M, compile=True, regions=args.variant == "regions",
+    r = Runner.from_hf(target.model, max_batch=1, max_seq=M, compile=True, regions=args.variant.endswith("regions"),
                        compile_options=VARIANTS[args.variant], attention="flex" if args.variant == "flex" else "matmul",
-                       gemv={"gemv": 1, "gemv8": 8}.get(args.variant, 0))
+                       gemv=8 if args.variant == "gemv8" else int(args.variant.startswith("gemv")))
     step = r.step_fn(tuple(target.aux_layer_ids))
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
@@ -120,8 +124,7 @@ def main() -> int:
     if args.variant:
         print(json.dumps(measure(args)))
         return 0
-    names = (args.variants or ("whole,regions,cdt,autotune,combo,flex,gemv,gemv8" if torch.cuda.is_available()
-                               else "whole,regions")).split(",")
+    names = (args.variants or (",".join(VARIANTS) if torch.cuda.is_available() else "whole,regions")).split(",")
     bad = [v for v in names if v not in VARIANTS]
     if bad:
         ap.error(f"unknown variant(s) {', '.join(bad)}")

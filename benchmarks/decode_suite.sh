@@ -20,7 +20,7 @@ export PYTHONPATH=${PYTHONPATH:-src} PYTHONUNBUFFERED=1
 # order of issue 14's goals; each gets min(its limit, what is left), and one that cannot start is skipped, said.
 END=$(( $(date +%s) + ${SUITE_SECONDS:-1500} ))
 # STEPS (default all): which steps run, a space-separated subset of: tests kernels round variants bench batch agree
-# regen; VARIANTS: compile_variants.py --variants (default: all seven on CUDA)
+# regen; VARIANTS: compile_variants.py --variants (default: all on CUDA)
 STEPS=" ${STEPS:-tests kernels round variants bench batch agree regen} "
 on() { [[ "$STEPS" == *" $1 "* ]]; }
 step() {
@@ -30,10 +30,12 @@ step() {
   echo "== $(date -u +%H:%M:%S) (limit ${limit} s) $*"; timeout "$limit" "$@" || echo "!! exit $? from: $*"
 }
 # GPU_TESTS: which -m gpu tests run first (issue 14's done-when), their log in $TESTS_LOG: "all" (388 s in session
-# 11, more since: the three tree/round/runner files alone took 235 s in session 12), or test files; unset: none
+# 11; in session 13 one process ran 34 of 35 in its 600 s), or test files; unset: none. With pytest-xdist (in the
+# device image) they run in PYTEST_WORKERS (4) processes: the time is inductor compiling on the CPU cores.
 if [ -n "${GPU_TESTS:-}" ] && on tests; then
   [ "$GPU_TESTS" = all ] && sel=tests || sel=$GPU_TESTS
-  step $([ "$GPU_TESTS" = all ] && echo 600 || echo 420) python3 -m pytest -q -m gpu $sel -p no:cacheprovider --durations=15 > "${TESTS_LOG:-/root/gpu_tests.log}" 2>&1
+  par=(); python3 -c "import xdist" 2>/dev/null && par=(-n "${PYTEST_WORKERS:-4}")
+  step $([ "$GPU_TESTS" = all ] && echo 900 || echo 420) python3 -m pytest -v -m gpu $sel "${par[@]}" -p no:cacheprovider --durations=15 > "${TESTS_LOG:-/root/gpu_tests.log}" 2>&1
   grep -A40 "slowest\|short test summary" "${TESTS_LOG:-/root/gpu_tests.log}" | grep -v "^$" | head -60
 fi
 # kernels and device-busy time per plain step, chain-5 round and tree round (where the 1,000 tok/s and the round
