@@ -251,13 +251,14 @@ def _run(cfg, target, drafter, drafter_meta, records, out) -> dict:
     methods = _methods(cfg, runner, drafter, eos)
     seconds = {"load": time.perf_counter() - clock}
 
-    # Warm-up, not timed: compile and capture every shape of the timed loop, then decode the first prompt
-    # once per method (paths the shape set does not name, e.g. a drafter's chain graph).
+    # Warm-up, not timed: compile and capture every shape of the timed loop, then decode a few rounds of the
+    # first prompt per method (paths the shape set does not name, e.g. a drafter's chain graph); a few rounds
+    # reach every path, a whole reply would only add decoding time outside the clock (`late_shapes` checks it).
     clock = time.perf_counter()
     shapes = _warm_up(cfg, runner, methods, drafter)
     first = _prompt(tok, [{"role": "user", "content": records[0]["turns"][0]}], room)[0]
     for m in methods:
-        m.decode(first, cfg.seed)
+        m.decode(first, cfg.seed, min(cfg.max_new_tokens, 4 * (cfg.spec.max_depth + 1) + 8))
     _sync(runner.device)
     seconds["warmup"] = time.perf_counter() - clock
 
@@ -299,20 +300,20 @@ def _methods(cfg, runner, drafter, eos, *, baselines=None) -> list[_Method]:
     baselines = cfg.baselines or drafter is None if baselines is None else baselines
     methods = []
     if baselines:
-        methods.append(_Method("plain", lambda p, seed: _plain(runner, p, cfg, eos, seed)))
+        methods.append(_Method("plain", lambda p, seed, n=cfg.max_new_tokens: _plain(runner, p, n, cfg, eos, seed)))
         # With a drafter, lookup verifies through the eagle decoder's step (its aux output unused; with graph rounds,
         # the round's): one compiled S-generic function for both instead of two, one cold compile fewer.
         share = tuple(drafter.config.aux_layer_ids) if drafter is not None else None
         lk = SpecDecoder(runner, None, cfg.lookup, verify_capture=share)
-        methods.append(_Method("lookup", lambda p, seed: lk.generate(p, cfg.max_new_tokens, eos_ids=eos, seed=seed),
+        methods.append(_Method("lookup", lambda p, seed, n=cfg.max_new_tokens: lk.generate(p, n, eos_ids=eos, seed=seed),
                                lk))
     if drafter is not None:
         # A compiled runner compiles the chain drafter's steps too: on the H200, chain-5 one-graph rounds ran at
         # 982 tok/s against 740 with the drafter eager (BENCHMARKS.md, "Issue 14 on one H200, session 11").
         # Trees stay eager: their compiled proposer passes on CUDA (session 12) but its speed is not measured yet.
         dec = SpecDecoder(runner, drafter, cfg.spec, compile_drafter=runner.compiled and cfg.spec.method == "chain")
-        methods.append(_Method(f"eagle-{cfg.spec.method}", lambda p, seed: dec.generate(p, cfg.max_new_tokens, eos_ids=eos,
-                                                                                    seed=seed), dec))
+        methods.append(_Method(f"eagle-{cfg.spec.method}",
+                               lambda p, seed, n=cfg.max_new_tokens: dec.generate(p, n, eos_ids=eos, seed=seed), dec))
     return methods
 
 
@@ -380,10 +381,10 @@ def _fp32_rerun(cfg, target, runner, drafter, records, tok, room, eos, benched) 
     return lossless_verdict({m.name: m.outputs for m in methods[1:]}, plain.outputs, dtype=r32.dtype, rerun=True)
 
 
-def _plain(runner, prompt, cfg, eos, seed):
+def _plain(runner, prompt, n, cfg, eos, seed):
     # window=0: every step attends over all max_seq slots, like the speculative verify steps, so plain decoding
     # has one graph shape (the warmed one) instead of one per prompt-length window compiled inside the clock
-    out = runner.generate([prompt], cfg.max_new_tokens, temperature=cfg.spec.temperature, top_p=cfg.spec.top_p,
+    out = runner.generate([prompt], n, temperature=cfg.spec.temperature, top_p=cfg.spec.top_p,
                           eos_ids=eos, seed=seed, window=0)[0]
     return out, SpecStats(tokens=len(out), target_forwards=len(out))
 
