@@ -175,8 +175,14 @@ def round_compare(args) -> int:
     # (with windows, each prompt length compiled a new shape inside the clock: 14 tok/s on 2026-12-01)
     r.generate(prompts[:1], 4, window=0)
     plain, t_plain = timed(lambda: [r.generate([p], N, eos_ids=eos, window=0)[0] for p in prompts], dev)
+    # the prefills alone (one new token per prompt): how much of the per-token figures below is prompt processing
+    _, t_pre = timed(lambda: [r.generate([p], 1, window=0) for p in prompts], dev)
+    steps = max(sum(map(len, plain)) - len(prompts), 1)
     rows = [("plain, batch 1", f"{sum(map(len, plain)) / t_plain:.0f} tok/s, "
-                               f"{1e3 * t_plain / sum(map(len, plain)):.3f} ms/step (prefill included)")]
+                               f"{1e3 * t_plain / sum(map(len, plain)):.3f} ms/step (prefill included), "
+                               f"{1e3 * (t_plain - t_pre) / steps:.3f} ms/step after the prefill"),
+            ("plain prefills (first token only)", f"{1e3 * t_pre / len(prompts):.1f} ms per prompt, "
+                                                   f"{sum(map(len, prompts)) / len(prompts):.0f} tokens per prompt")]
     variants = [("host rounds", False, False), ("one-graph rounds", True, False)]
     if args.compile:  # the drafter's steps compiled too (SpecDecoder compile_drafter)
         variants += [("host rounds, compiled drafter", False, True), ("one-graph rounds, compiled drafter", True, True)]
