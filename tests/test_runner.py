@@ -201,6 +201,29 @@ def test_generate_stops_at_eos_and_rejects_bad_input():
         r.generate([[5]], 3, temperature=-1)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_generate_stops_within_a_step_of_the_last_eos(device):
+    """Decoding ends once every row has met an eos: no decode step after it on the CPU, at most one on CUDA (the
+    flag is read one step late), where a check every 16 steps ran up to 15 more; the tokens are unchanged."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = make_tiny_llama(seed=6).to(device)
+    r = Runner.from_hf(model, max_batch=2, max_seq=64)
+    free = r.generate([[5, 6, 7], [8, 9]], 40)
+    eos = {free[0][3], free[1][5]}
+    want = [f[:next(i for i, t in enumerate(f) if t in eos) + 1] for f in free]
+    assert max(map(len, want)) <= 6, "both rows must stop early for this test to say anything"
+    calls, graphed = [], r.graphed
+
+    def counting(*a, **kw):
+        step = graphed(*a, **kw)
+        return lambda *x: calls.append(1) or step(*x)
+    r.graphed = counting
+    assert r.generate([[5, 6, 7], [8, 9]], 40, eos_ids=sorted(eos)) == want
+    last = max(map(len, want)) - 1  # decode steps that produced a kept token (the first comes from the prefill)
+    assert last <= len(calls) <= last + (device == "cuda"), (len(calls), last)
+
+
 def test_sampled_generate_is_seeded_and_batch_independent_in_distribution():
     model = make_tiny_llama(seed=7)
     r = Runner.from_hf(model, max_batch=4, max_seq=32)

@@ -96,11 +96,28 @@ def _generate_chunk(runner: Runner, prompts, max_new, temperature, top_p, eos, g
     rows = torch.arange(B, device=dev)  # original row of each cache row
     n = m = B  # cache rows in use; the first m of them are real rows (the rest fill a graph size)
     step = runner.graphed(n, 1, slots=W)
+    cuda = dev.type == "cuda"
+    flags = torch.zeros(2, dtype=torch.bool, pin_memory=cuda)  # "every row done", copied to the host each step
+    pending = None  # (event, flag index) of the previous step's copy
     for t in range(steps):
         tokens[rows[:m], t] = nxt[:m]
         done |= torch.isin(nxt, eos)
         if t + 1 == steps:
             break
+        # Stop once every row has met an eos. On CUDA the flag is read one step late: the wait is for the copy
+        # queued before the previous forward, so that forward still runs while this step is queued (no bubble);
+        # at most one step is spent after the last eos, where a check every 16 steps spent up to 15.
+        if not cuda:
+            if bool(done.all()):
+                break
+        else:
+            if pending is not None:
+                pending[0].synchronize()
+                if bool(flags[pending[1]]):
+                    break
+            flags[t % 2].copy_(done.all(), non_blocking=True)
+            pending = (torch.cuda.Event(), t % 2)
+            pending[0].record()
         if t % 16 == 15:
             live = (~done).nonzero().flatten()
             k = live.numel()  # one host sync per 16 steps

@@ -273,6 +273,10 @@ class Runner(nn.Module):
         return r
 
     def _compile(self, fn, dynamic):
+        # every Runner compiles the same code objects (its _decode, its step_fn's step), and each runner, batch and
+        # shape is a recompile of them: dynamo's default limit of 8 stops a process that holds a few runners (a
+        # bench's, the batched decoder's, the tests'), with fullgraph an error
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         c = torch.compile(fn, fullgraph=True, dynamic=dynamic, options=self._compile_options or None)
         if self._call_layer is _layer_region:
             # with dynamic shapes the norms' eps would become a symbolic float, which a compile region
