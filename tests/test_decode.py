@@ -144,17 +144,34 @@ def test_greedy_default_tree_and_untrained_drafter_with_small_draft_vocab(setup)
 
 
 def test_lookup_verifies_at_two_shapes_and_stays_exact(setup, monkeypatch):
-    """Prompt lookup proposes 0..K tokens; an empty draft runs the plain decode step and every other draft is
-    padded to K+1 rows, so the runner holds exactly two lookup shapes, and the output is still the target's greedy
-    one (the fillers' slots and logits never leak)."""
+    """Prompt lookup proposes 0..K tokens; every non-empty draft is padded to K+1 rows, so the runner holds exactly
+    two lookup shapes (S = 1 through the verify step on the CPU; on CUDA the plain step, tests/test_runner.py), and
+    the output is still the target's greedy one. The fillers' cache slots are overwritten with noise after every
+    verify: if a later round read one before rewriting it, the tokens would change."""
     model, _, _, prompts, ref, eos = setup
     runner = Runner.from_hf(model, max_batch=1, max_seq=320)   # fresh: no shapes yet
     sizes, padded = [], SpecDecoder._padded
     monkeypatch.setattr(SpecDecoder, "_padded", lambda self, S: sizes.append(S) or padded(self, S))
+    graphed, g = runner.graphed, torch.Generator().manual_seed(0)
+
+    def poisoning(batch, seq, fn=None, slots=None):
+        step = graphed(batch, seq, fn, slots)
+
+        def run(ids, pos, slot, mask):
+            out = step(ids, pos, slot, mask)
+            real = mask[0, :, :int(slot[0, 0])].any(-1)  # draft rows see the committed prefix, fillers do not
+            dead = slot[0, ~real]
+            for layer in runner.layers:
+                for c in (layer.k_cache, layer.v_cache):
+                    c[0, :, dead] = 30 * torch.randn(c[0, :, dead].shape, generator=g)
+            return out
+        return run
+    runner.graphed = poisoning
     outs, _ = run_all(runner, None, SpecConfig(method="lookup", k=4), prompts[::2], eos)
     assert outs == ref[::2]
     assert {1, 5} <= set(sizes) and set(sizes) - {1, 5}, sorted(set(sizes))  # empty, full and partial drafts ran
-    assert {(b, s, fn) for b, s, fn, _ in runner._graphs} == {(1, 1, None), (1, 5, runner.step_fn(()))}
+    step = runner.step_fn(())
+    assert {(b, s, fn) for b, s, fn, _ in graphed.__self__._graphs} == {(1, 1, step), (1, 5, step)}
 
 
 def test_lookup_proposals():

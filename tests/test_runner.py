@@ -75,14 +75,16 @@ def test_gemv_projections_equal_hf(rows, monkeypatch):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_gemv_default_is_the_cuda_static_compile(device):
-    """gemv unset: 1 for a static-shape compile on CUDA (measured faster there), 0 eagerly, with dynamic shapes
-    and on the CPU (compiling builds nothing until a step runs, so this needs no trace)."""
+    """gemv unset: 1 for a static-shape whole-model compile with matmul attention on CUDA (measured faster there);
+    0 eagerly, with dynamic shapes, regions or flex, and on the CPU (compiling builds nothing until a step runs, so
+    this needs no trace)."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     model = make_tiny_llama(seed=5).to(device)
     gemv = lambda **kw: Runner.from_hf(model, max_batch=1, max_seq=16, **kw).layers[0].gemv  # noqa: E731
     assert gemv(compile=True) == (1 if device == "cuda" else 0)
     assert gemv() == 0 and gemv(compile=True, dynamic=True) == 0 and gemv(compile=True, gemv=0) == 0
+    assert gemv(compile=True, regions=True) == 0 and gemv(compile=True, attention="flex") == 0
     assert gemv(compile=True, gemv=8) == 8
 
 

@@ -253,7 +253,8 @@ def _run(cfg, target, drafter, drafter_meta, records, out) -> dict:
 
     # Warm-up, not timed: compile and capture every shape of the timed loop, then decode a few rounds of the
     # first prompt per method (paths the shape set does not name, e.g. a drafter's chain graph); a few rounds
-    # reach every path, a whole reply would only add decoding time outside the clock (`late_shapes` checks it).
+    # reach every path, a whole reply would only add decoding time outside the clock (`late_shapes` checks the
+    # runner's shapes; the drafters' graphs are all captured in their first round or by `_warm_up`).
     clock = time.perf_counter()
     shapes = _warm_up(cfg, runner, methods, drafter)
     first = _prompt(tok, [{"role": "user", "content": records[0]["turns"][0]}], room)[0]
@@ -327,8 +328,8 @@ def _warm_up(cfg, runner, methods, drafter) -> int:
         kind = "lookup" if m.name == "lookup" else c.method
         size = tree_nodes(c.top_k, c.depth, c.total_tokens, drafter.config.draft_vocab_size) if kind == "tree" else 0
         steps.append((runner.step_fn(m.decoder.verify_capture), verify_shapes(kind, c.k, size)))
-        if kind == "lookup":  # an empty lookup draft runs the plain decode step
-            steps.append((None, verify_shapes("plain", c.k, 0)))
+        if kind == "lookup":  # an empty lookup draft (S = 1): the plain decode step on CUDA, the verify step elsewhere
+            steps.append((m.decoder.step_for(1), verify_shapes("plain", c.k, 0)))
         if isinstance(m.decoder.drafting, GraphedChainDrafting):  # static drafters (chains, trees): extends of 1..K+1
             depth = c.k if kind == "chain" else c.depth  # a tree accepts up to `depth` drafts + the bonus
             drafters.append((m.decoder.drafting, len(m.decoder.aux_ids) * runner.cfg.hidden_size, depth))

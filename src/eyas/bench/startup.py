@@ -71,7 +71,7 @@ def verify_shapes(method: str, k: int, tree_size: int) -> list[int]:
     if method == "plain":
         return [1]
     if method == "lookup":
-        return [k + 1]  # 1..K drafts padded to K+1 rows; an empty draft takes the plain step (SpecDecoder._padded)
+        return [k + 1]  # 1..K drafts padded to K+1 rows; an empty draft: S = 1 (SpecDecoder.step_for)
     if method == "chain":
         return [k + 1]
     return [tree_size + 1]

@@ -176,12 +176,21 @@ class SpecDecoder:
 
     def _padded(self, S: int) -> int:
         """Rows of the verify forward for a draft of S tokens (root included). Drafter-less decoders (prompt
-        lookup, plain) propose 0..K tokens: an empty draft runs the runner's plain decode step, any other is padded
-        to K+1 rows, so lookup builds no runner shapes of its own next to plain decoding and a chain-K drafter
-        (one dynamo-traced, CUDA-graphed step fewer per S; the bench's start-up). The fillers' rows attend only to
-        themselves, their logits are not read and their cache slots lie past the accepted ones, masked until a
-        later round overwrites them. Drafters verify their own S (a chain's K+1, a tree's fixed node count)."""
+        lookup, plain) propose 0..K tokens; any non-empty draft is padded to K+1 rows, so they verify at two
+        shapes, not K+1 (`step_for`; the bench's start-up: no S-generic recompile of the step, fewer CUDA graphs).
+        The fillers' rows attend only to themselves, their logits are not read and their cache slots lie past the
+        accepted ones, masked until a later round overwrites them. Drafters verify their own S (a chain's K+1, a
+        tree's fixed node count)."""
         return S if self.drafting is not None or S == 1 else max(S, self.cfg.draft_size + 1)
+
+    def step_for(self, P: int):
+        """The runner function a verify of P rows runs (`Runner.graphed`'s fn; None: the plain decode step, which
+        returns logits only). A drafter-less decoder's empty draft on CUDA takes the plain decode step, the graph
+        plain decoding already has; elsewhere the verify step: a CPU step attends only the slots in use, so the
+        plain compiled step (static shapes) would recompile at every length."""
+        if self.drafting is None and P == 1 and self.runner.device.type == "cuda":
+            return None
+        return self._verify_fn
 
     def _prefill(self, prompt: list[int], chunk: int = 512):
         return prefill(self.runner, prompt, self.aux_ids, chunk)
@@ -233,10 +242,9 @@ class SpecDecoder:
             mask[0, :S, :committed] = True
             mask[0, :S, committed:committed + S] = draft.ancestors().to(dev)
             mask[0, S:, committed + S:committed + P] = torch.eye(P - S, dtype=torch.bool, device=dev)
-            if self.drafting is None and P == 1:  # no draft: the runner's plain decode step (shared with plain)
-                logits, vaux = r.graphed(1, 1)(ids, pos, slots, mask), None
-            else:
-                logits, vaux = r.graphed(1, P, self._verify_fn)(ids, pos, slots, mask)
+            fn = self.step_for(P)
+            res = r.graphed(1, P, fn)(ids, pos, slots, mask)
+            logits, vaux = (res, None) if fn is None else res
             path, bonus = verify(draft, logits[0, :S], c.temperature, c.top_p, gen)
             stats.target_forwards += 1
             stats.rounds += 1

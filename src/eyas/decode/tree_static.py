@@ -61,11 +61,11 @@ def stable_topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     those k orders them. (A stable sort of the whole vocabulary was a multi-pass radix sort on the H200: 238 us of
     a 3.2 ms tree round, BENCHMARKS.md session 12.)"""
     n = x.shape[-1]
-    if n <= SORT_MAX or k >= n:
+    if n <= SORT_MAX or k >= n or n >= 1 << 24:  # the float priority below is exact below 2**24 entries
         values, idx = x.sort(dim=-1, descending=True, stable=True)
         return values[..., :k], idx[..., :k]
     t = x.topk(k, dim=-1).values[..., -1:]                                 # (..., 1) the k-th largest value
-    cols = torch.arange(n, device=x.device, dtype=torch.float32)           # exact: n < 2**24
+    cols = torch.arange(n, device=x.device, dtype=torch.float32)
     # priority: every entry above t (fewer than k of them), then the ties by ascending index, the rest last
     prio = torch.where(x > t, 2.0 * n, torch.where(x == t, n - cols, -1.0))
     idx = prio.topk(k, dim=-1).indices.sort(dim=-1).values                 # the kept k, index ascending

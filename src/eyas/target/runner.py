@@ -203,14 +203,15 @@ class Runner(nn.Module):
         one fused kernel per layer with a split over the keys for few queries; eager, a reference implementation);
         gemv (with compile): the layer projections of steps of at most this many rows (batch x tokens; 1: batch-1
         decode) as inductor reductions, not cuBLAS GEMMs (`Layer.proj`; compile_variants.py's gemv variants).
-        Default (None): 1 for a static-shape compile on CUDA (the H200's decode step took 0.903 ms against 1.128,
-        tokens equal, verify steps unchanged; BENCHMARKS.md session 13), else 0. gemv=8 slowed the chain-5 verify
-        (1.632 ms against 1.193) and is not a default."""
+        Default (None): 1 for a static-shape whole-model compile with matmul attention on CUDA, the configuration
+        measured (the H200's decode step took 0.903 ms against 1.128, tokens equal, verify steps unchanged;
+        BENCHMARKS.md session 13), else 0 (regions and flex with gemv pass on the CPU, unmeasured on a GPU).
+        gemv=8 slowed the chain-5 verify (1.632 ms against 1.193) and is not a default."""
         if attention not in ("matmul", "flex"):
             raise EyasError(f"runner: attention {attention!r}: expected matmul or flex")
         dev0 = torch.device(device) if device is not None else next(model.parameters()).device
         if gemv is None:
-            gemv = 1 if compile and not dynamic and dev0.type == "cuda" else 0
+            gemv = 1 if compile and not dynamic and not regions and attention == "matmul" and dev0.type == "cuda" else 0
         if int(gemv) < 0:
             raise EyasError(f"runner: gemv {gemv!r}: expected a row count >= 0 (0: off)")
         if gemv and not compile:
