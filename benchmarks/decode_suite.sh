@@ -5,10 +5,10 @@
 # kernels, flex attention; cold and warm caches), host and one-graph chain and tree rounds with the drafter eager
 # and compiled, bf16 agreement by verify width, regeneration modes.
 # Each step appends its table to $MD and has its own time limit, so one failure does not stop the others.
-# Order (what session 12 changed, unmeasured, first): kernels per step and round (the drafter's grouped-matmul
-# attention and the tree's top-k), chain/tree round cost against plain steps, the runner's compile variants (the
-# gemv projections; VARIANTS picks a subset), the bench process cold and warm (start-up share), batched chains
-# against batched plain, bf16 agreement, regeneration.
+# Order (session 13's changes, unmeasured, first): the -m gpu tests, the bench process cold and warm (start-up
+# share, with lookup's two shapes and gemv plain steps), chain/tree round cost against plain steps (with the prefill
+# row), kernels per step and round, the runner's compile variants (VARIANTS picks a subset), batched chains against
+# batched plain, bf16 agreement, regeneration.
 # Output is unbuffered (PYTHONUNBUFFERED), so a poll sees each row as it is printed.
 #   bash benchmarks/decode_suite.sh DRAFTER [TARGET]     (DRAFTER: an eyas export or train/drafter directory)
 set -u
@@ -38,16 +38,16 @@ if [ -n "${GPU_TESTS:-}" ] && on tests; then
   step $([ "$GPU_TESTS" = all ] && echo 900 || echo 420) python3 -m pytest -v -m gpu $sel "${par[@]}" -p no:cacheprovider --durations=15 > "${TESTS_LOG:-/root/gpu_tests.log}" 2>&1
   grep -A40 "slowest\|short test summary" "${TESTS_LOG:-/root/gpu_tests.log}" | grep -v "^$" | head -60
 fi
-# kernels and device-busy time per plain step, chain-5 round and tree round (where the 1,000 tok/s and the round
-# cost goals stand: kernel-bound or gap-bound)
-on kernels && step 300 python3 benchmarks/kernels.py --target "$T" --drafter "$D" --compile --md "$MD"
-on round && step 600 python3 benchmarks/decode.py --round graph --chain 3,5 --tree --limit 10 --drafter "$D" --target "$T" --compile --md "$MD"
-on variants && step 1000 python3 benchmarks/compile_variants.py --target "$T" --variant-timeout 240 ${VARIANTS:+--variants $VARIANTS} --md "$MD"
 # the gpu recipe's first bench as one `eyas bench` process, twice: a cold inductor cache, then a warm one (the
 # share of a bench process spent decoding, issue 14's start-up goal); its report has bf16 agreement + fp32 check
 BENCH=(python3 -m eyas bench --drafter "$D" --target "$T" --prompts sharegpt-heldout --chain 5 --graph-round --limit 30
        --max-turns 1 --max-new-tokens 256 --max-prompt-tokens 1664 --compile)
 on bench && for run in cold warm; do step 420 "${BENCH[@]}" --json "${BENCH_DIR:-/root}/bench-$run.json"; done
+# kernels and device-busy time per plain step, chain-5 round and tree round (where the 1,000 tok/s and the round
+# cost goals stand: kernel-bound or gap-bound)
+on kernels && step 300 python3 benchmarks/kernels.py --target "$T" --drafter "$D" --compile --md "$MD"
+on round && step 600 python3 benchmarks/decode.py --round graph --chain 3,5 --tree --limit 10 --drafter "$D" --target "$T" --compile --md "$MD"
+on variants && step 1000 python3 benchmarks/compile_variants.py --target "$T" --variant-timeout 240 ${VARIANTS:+--variants $VARIANTS} --md "$MD"
 on batch && step 600 python3 benchmarks/decode.py --batch 1,4,16,64 --chain 3 --limit 64 --max-new-tokens 128 --drafter "$D" \
   --target "$T" --compile --md "$MD"
 on agree && for dt in bf16 fp32; do
