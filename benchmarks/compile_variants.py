@@ -14,7 +14,9 @@
   (`Runner.from_hf(gemv=1|8)`): the decode step / also the chain verify step. gemv (R = 1) is the runner's default
   for static compiles on CUDA since session 13; every other variant sets gemv=0, to isolate its own effect;
 - gemv-autotune, gemv-regions: that default with autotune's options / with compile regions (the candidates for the
-  verify step's small GEMMs and for start-up).
+  verify step's small GEMMs and for start-up);
+- gemv-persist: that default with the steps saved by `aot_compile` (`Runner.from_hf(persist=DIR)`, DIR beside the
+  variant's inductor cache): the second process loads them without a dynamo trace (start-up).
 Each variant runs in its own process with empty inductor and Triton caches (and a time limit), and measures:
 - compile s: warming the shapes a chain-K bench uses (`eyas.bench.startup.warm_up`): the plain decode step (S=1)
   and the verify step with the drafter's aux capture (S=K+1), compile and CUDA-graph capture included; then
@@ -44,7 +46,8 @@ import torch
 VARIANTS = {"whole": {}, "regions": {}, "cdt": {"coordinate_descent_tuning": True},
             "autotune": {"max_autotune": True, "coordinate_descent_tuning": True}, "combo": {"combo_kernels": True},
             "flex": {}, "gemv": {}, "gemv8": {},
-            "gemv-autotune": {"max_autotune": True, "coordinate_descent_tuning": True}, "gemv-regions": {}}
+            "gemv-autotune": {"max_autotune": True, "coordinate_descent_tuning": True}, "gemv-regions": {},
+            "gemv-persist": {}}
 """inductor options of each variant (regions: none, its compile regions instead; flex: none, flex attention; gemv,
 gemv8: none, reductions for the projections of steps of <= 1 / 8 rows; gemv-*: gemv=1 with the named variant)."""
 
@@ -60,7 +63,9 @@ def measure(args) -> dict:
     M, S = args.max_seq, args.k + 1
     r = Runner.from_hf(target.model, max_batch=1, max_seq=M, compile=True, regions=args.variant.endswith("regions"),
                        compile_options=VARIANTS[args.variant], attention="flex" if args.variant == "flex" else "matmul",
-                       gemv=8 if args.variant == "gemv8" else int(args.variant.startswith("gemv")))
+                       gemv=8 if args.variant == "gemv8" else int(args.variant.startswith("gemv")),
+                       persist=(os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], "eyas-steps")
+                                if args.variant.endswith("persist") else None))
     step = r.step_fn(tuple(target.aux_layer_ids))
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()

@@ -42,7 +42,8 @@ fi
 # share of a bench process spent decoding, issue 14's start-up goal); its report has bf16 agreement + fp32 check
 BENCH=(python3 -m eyas bench --drafter "$D" --target "$T" --prompts sharegpt-heldout --chain 5 --graph-round --limit 30
        --max-turns 1 --max-new-tokens 256 --max-prompt-tokens 1664 --compile)
-on bench && for run in cold warm; do step 420 "${BENCH[@]}" --json "${BENCH_DIR:-/root}/bench-$run.json"; done
+# BENCH_EXTRA: more bench flags, e.g. --persist-steps (the warm run then loads the cold run's saved steps)
+on bench && for run in cold warm; do step 420 "${BENCH[@]}" ${BENCH_EXTRA:-} --json "${BENCH_DIR:-/root}/bench-$run.json"; done
 # kernels and device-busy time per plain step, chain-5 round and tree round (where the 1,000 tok/s and the round
 # cost goals stand: kernel-bound or gap-bound)
 on kernels && step 300 python3 benchmarks/kernels.py --target "$T" --drafter "$D" --compile --md "$MD"

@@ -24,6 +24,7 @@ from eyas.bench.startup import compile_cache, tree_nodes, verify_shapes, warm_up
 from eyas.decode.graphed import GraphedChainDrafting
 from eyas.decode.spec import SpecConfig, SpecDecoder, SpecStats
 from eyas.errors import EyasError
+from eyas.target.fingerprint import cache_root
 
 PROMPT_SETS = ("sharegpt-heldout", "humaneval")
 
@@ -63,6 +64,9 @@ class BenchConfig:
     """fp32 | bf16 | fp16 (default: bf16 on CUDA, fp32 on the CPU); fp32 makes the lossless check exact."""
     compile: bool = False
     """torch.compile the target's graphed steps (CUDA)."""
+    persist_steps: bool = False
+    """With compile: keep the target's compiled steps in $EYAS_CACHE/steps, so later benches load them instead of
+    tracing them again (torch.compile(...).aot_compile; not yet measured on a GPU)."""
     baselines: bool = True
     """Also run plain decoding and prompt lookup."""
     lossless_turns: int = 4
@@ -97,6 +101,8 @@ class BenchConfig:
             raise EyasError(f"max_turns must be >= 1, got {self.max_turns}")
         if self.lossless_turns < 0:
             raise EyasError(f"lossless_turns must be >= 0, got {self.lossless_turns}")
+        if self.persist_steps and not self.compile:
+            raise EyasError("persist_steps keeps compiled steps: it needs compile")
 
     @property
     def lookup(self) -> SpecConfig:
@@ -238,10 +244,11 @@ def _run(cfg, target, drafter, drafter_meta, records, out) -> dict:
     # One runner per target and shape for the whole process: a fresh runner per benchmark would compile
     # (and capture CUDA graphs) again each time.
     runners = _RUNNERS.setdefault(target.model, {})
-    key = (cfg.max_seq, str(target.device), cfg.compile)
+    key = (cfg.max_seq, str(target.device), cfg.compile, cfg.persist_steps)
     if key not in runners:
         runners[key] = Runner.from_hf(target.model, max_batch=1, max_seq=cfg.max_seq, device=target.device,
-                                      compile=cfg.compile)
+                                      compile=cfg.compile,
+                                      persist=Path(cache_root()) / "steps" if cfg.persist_steps else None)
     runner = runners[key]
     eos = target.eos_token_ids
     room = cfg.max_seq - cfg.max_new_tokens - max(cfg.spec.draft_size, cfg.spec.k) - 2

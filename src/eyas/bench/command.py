@@ -27,7 +27,7 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="greedy chains and trees: run each whole round on the device, one CUDA graph on CUDA "
                         "(default: on for greedy chains on CUDA, off otherwise; trees not yet measured on a GPU)")
     add_flags(p, BenchConfig, ["top_k", "depth", "total_tokens", "temperature", "top_p", "max_new_tokens", "limit",
-                               "max_turns", "max_prompt_tokens", "max_seq", "device", "dtype", "compile",
+                               "max_turns", "max_prompt_tokens", "max_seq", "device", "dtype", "compile", "persist_steps",
                                "baselines", "lossless_turns", "seed", "json_out"],
               device={"default": None, "help": "cpu or cuda (default: cuda if available)"},
               dtype={"choices": ["fp32", "bf16", "fp16"]},

@@ -16,7 +16,9 @@ forward); on the CPU everything runs eagerly.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -160,6 +162,17 @@ def _layer_body(layer: Layer, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor
     return layer(x, cos, sin, slots, bias)
 
 
+def _decode_step(runner, input_ids, positions, cache_slots, attn_mask):
+    """Runner._decode as a function of the runner: what `persist` saves (the runner is an argument, not a constant)."""
+    return runner.forward(input_ids, positions, cache_slots, attn_mask)[0]
+
+
+def _verify_step(runner, ids, pos, slots, mask, capture):
+    """Runner.step_fn's step as a function of the runner and the captured ids (see _decode_step)."""
+    logits, cap = runner.forward(ids, pos, slots, mask, capture=capture)
+    return logits, (torch.cat([cap[i] for i in capture], -1) if capture else logits[..., :0])
+
+
 # compile regions: dynamo traces the whole step, but inductor compiles this body once and calls it for every
 # layer (their weights and caches are its inputs), instead of compiling N copies of it. None where torch lacks it.
 _layer_region = (torch.compiler.nested_compile_region(_layer_body)
@@ -183,14 +196,15 @@ class Runner(nn.Module):
         self._step_fns: dict = {}
         self._call_layer = _layer_body
         self._compile_options: dict = {}
+        self._persist = None  # from_hf(persist=DIR): compiled steps saved to / loaded from DIR
 
     # ------------------------------------------------------------------ construction
     @classmethod
     @torch.no_grad()
     def from_hf(cls, model, *, max_batch: int = 1, max_seq: int = 2048, dtype=None, device=None,
                 compile: bool = False, dynamic: bool = False, regions: bool = False,
-                compile_options: dict | None = None, attention: str = "matmul", gemv: int | None = None
-                ) -> "Runner":
+                compile_options: dict | None = None, attention: str = "matmul", gemv: int | None = None,
+                persist: str | os.PathLike | None = None) -> "Runner":
         """Copy the weights of an HF LlamaForCausalLM into a Runner with a static KV cache. compile: torch.compile
         the decode step (each CUDA graph then replays fused kernels); dynamic: one compile for every batch and
         slot count (batched generation meets many: compaction and windows), instead of one per shape; regions
@@ -206,7 +220,9 @@ class Runner(nn.Module):
         Default (None): 1 for a static-shape whole-model compile with matmul attention on CUDA, the configuration
         measured (the H200's decode step took 0.903 ms against 1.128, tokens equal, verify steps unchanged;
         BENCHMARKS.md session 13), else 0 (regions and flex with gemv pass on the CPU, unmeasured on a GPU).
-        gemv=8 slowed the chain-5 verify (1.632 ms against 1.193) and is not a default."""
+        gemv=8 slowed the chain-5 verify (1.632 ms against 1.193) and is not a default.
+        persist (with compile, static shapes): a directory where each compiled step is saved per input signature
+        and from which later processes load it without tracing (`eyas.target.persist`)."""
         if attention not in ("matmul", "flex"):
             raise EyasError(f"runner: attention {attention!r}: expected matmul or flex")
         dev0 = torch.device(device) if device is not None else next(model.parameters()).device
@@ -214,6 +230,16 @@ class Runner(nn.Module):
             gemv = 1 if compile and not dynamic and not regions and attention == "matmul" and dev0.type == "cuda" else 0
         if int(gemv) < 0:
             raise EyasError(f"runner: gemv {gemv!r}: expected a row count >= 0 (0: off)")
+        if persist is not None:
+            from eyas.target import persist as persist_mod
+
+            if not compile or dynamic:
+                raise EyasError("runner: persist needs compile=True with static shapes (dynamic=False)")
+            if regions or attention != "matmul":
+                raise EyasError("runner: persist saves whole-model matmul-attention steps only (not regions or flex)")
+            if not persist_mod.supported():
+                raise EyasError(f"runner: torch {torch.__version__} cannot save compiled functions "
+                                "(torch.compile(...).aot_compile); leave persist unset")
         if gemv and not compile:
             raise EyasError("runner: gemv needs compile=True (its reductions replace GEMMs in compiled steps only)")
         if attention == "flex" and regions and compile:  # torch 2.13: an internal functionalization assert
@@ -270,10 +296,18 @@ class Runner(nn.Module):
                                 f"{torch.__version__} lacks")
             r._call_layer = _layer_region
         if compile:
-            r._compiled = r._compile(r._decode, dynamic=dynamic)
+            r._persist = None if persist is None else Path(persist)
+            r._compiled = r._compile(r._decode, dynamic=dynamic, free=_decode_step)
         return r
 
-    def _compile(self, fn, dynamic):
+    def _compile(self, fn, dynamic, free=None, extra=()):
+        """torch.compile(fn); with persist, `free` (fn as a function of the runner, then `extra`) saved on disk."""
+        if self._persist is not None and free is not None:
+            from eyas.target.persist import PersistentStep
+
+            first = self.layers[0]
+            sig = repr((self.cfg, str(self.dtype), first.gemv, first.flex, self._call_layer is _layer_region))
+            return PersistentStep(free, self, self._persist, sig, self._compile_options, extra)
         # every Runner compiles the same code objects (its _decode, its step_fn's step), and each runner, batch and
         # shape is a recompile of them: dynamo's default limit of 8 stops a process that holds a few runners (a
         # bench's, the batched decoder's, the tests'), with fullgraph an error
@@ -349,7 +383,8 @@ class Runner(nn.Module):
                 return logits, (torch.cat([cap[i] for i in capture], -1) if capture else logits[..., :0])
             # dynamic=None: the draft length S varies (prompt lookup, trees), so after the first shape
             # change dynamo compiles one S-generic version instead of one per S.
-            self._step_fns[capture] = self._compile(step, dynamic=None) if self._compiled is not None else step
+            self._step_fns[capture] = (self._compile(step, dynamic=None, free=_verify_step, extra=(capture,))
+                                       if self._compiled is not None else step)
         return self._step_fns[capture]
 
     def copy_slots(self, src: Tensor, dst: Tensor, row: int = 0) -> None:

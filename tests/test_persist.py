@@ -1,0 +1,89 @@
+"""Runner steps saved on disk (`Runner.from_hf(persist=DIR)`, eyas.target.persist): a second runner loads them
+without compiling, equal to the eager runner; another configuration, a torn file and bad settings."""
+
+import pytest
+import torch
+
+from conftest import make_tiny_llama
+from eyas.errors import EyasError
+from eyas.target import persist
+from eyas.target.runner import Runner
+
+pytestmark = pytest.mark.skipif(not persist.supported(), reason=f"torch {torch.__version__} lacks aot_compile")
+
+
+def steps(r):
+    """A decode step and a 3-node tree verify step with aux capture, on fixed inputs -> (outputs, the two callables)."""
+    M = r.cfg.max_seq
+    mask = torch.zeros(1, 1, M, dtype=torch.bool)
+    mask[..., :4] = True
+    tree = torch.zeros(1, 3, M, dtype=torch.bool)
+    tree[..., :3] = True
+    tree[0, :, 3] = True
+    tree[0, 1, 4] = True
+    tree[0, 2, 5] = True
+    decode, verify = r._compiled or r._decode, r.step_fn((1, 2))
+    out = decode(torch.tensor([[7]]), torch.tensor([[3]]), torch.tensor([[3]]), mask)
+    logits, aux = verify(torch.tensor([[7, 8, 9]]), torch.tensor([[3, 4, 4]]), torch.tensor([[3, 4, 5]]), tree)
+    return (out, logits, aux, r.layers[1].k_cache.clone()), (decode, verify)
+
+
+def test_saved_steps_load_without_compiling_and_equal_eager(tmp_path, monkeypatch, capsys):
+    model = make_tiny_llama(seed=5)
+    want, _ = steps(Runner.from_hf(model, max_batch=1, max_seq=64))
+    first = Runner.from_hf(model, max_batch=1, max_seq=64, compile=True, persist=tmp_path)
+    got, (d, v) = steps(first)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert (d.compiled, v.compiled, d.loaded, v.loaded) == (1, 1, 0, 0)
+    files = sorted(tmp_path.glob("*.bin"))
+    assert [f.name.split("-")[0] for f in files] == ["_decode_step", "_verify_step"]
+
+    def no_compile(*a, **kw):
+        raise AssertionError("torch.compile called: the saved steps were not used")
+    monkeypatch.setattr(torch, "compile", no_compile)
+    again, (d, v) = steps(Runner.from_hf(model, max_batch=1, max_seq=64, compile=True, persist=tmp_path))
+    for a, b in zip(again, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert (d.compiled, v.compiled, d.loaded, v.loaded) == (0, 0, 1, 1)
+    monkeypatch.undo()
+
+    # another cache length is another configuration: its own files
+    _, (d, v) = steps(Runner.from_hf(model, max_batch=1, max_seq=32, compile=True, persist=tmp_path))
+    assert (d.compiled, v.compiled) == (1, 1) and len(list(tmp_path.glob("*.bin"))) == 4
+
+    # a torn file is compiled again, said on stderr, and replaced by a whole one
+    files[0].write_bytes(files[0].read_bytes()[:100])
+    capsys.readouterr()
+    again, (d, _) = steps(Runner.from_hf(model, max_batch=1, max_seq=64, compile=True, persist=tmp_path))
+    assert d.compiled == 1 and f"{files[0]}: could not load a saved compiled step" in capsys.readouterr().err
+    torch.testing.assert_close(again[0], want[0], atol=1e-5, rtol=1e-5)
+    _, (d, _) = steps(Runner.from_hf(model, max_batch=1, max_seq=64, compile=True, persist=tmp_path))
+    assert d.loaded == 1
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_bad_persist_settings_are_refused(tmp_path):
+    model = make_tiny_llama(seed=5)
+    for kw, msg in (({}, "persist needs compile"), ({"compile": True, "dynamic": True}, "static shapes"),
+                    ({"compile": True, "regions": True}, "not regions or flex"),
+                    ({"compile": True, "attention": "flex"}, "not regions or flex")):
+        with pytest.raises(EyasError, match=msg):
+            Runner.from_hf(model, max_batch=1, max_seq=16, persist=tmp_path, **kw)
+
+
+def test_the_source_hash_names_the_code():
+    """Files are named by a hash of eyas's source (a code change must not load an old step)."""
+    h = persist.source_hash()
+    assert len(h) == 64 and h == persist.source_hash()
+    persist.source_hash.cache_clear()
+    assert persist.source_hash() == h
+
+
+def test_bench_persist_steps_needs_compile(capsys):
+    """`eyas bench --persist-steps` without --compile: one line naming the fix, exit 2 (the CLI's bad-input code)."""
+    from eyas.cli import main
+
+    assert main(["bench", "--target", "smollm2-135m", "--persist-steps", "--limit", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "persist_steps keeps compiled steps: it needs compile" in err[0]
