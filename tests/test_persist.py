@@ -56,28 +56,65 @@ def test_saved_steps_load_without_compiling_and_equal_eager(tmp_path, monkeypatc
     files[0].write_bytes(files[0].read_bytes()[:100])
     capsys.readouterr()
     again, (d, _) = steps(Runner.from_hf(model, max_batch=1, max_seq=64, compile=True, persist=tmp_path))
-    assert d.compiled == 1 and f"{files[0]}: could not load a saved compiled step" in capsys.readouterr().err
+    assert d.compiled == 1 and f"{files[0]}: could not use the saved compiled step" in capsys.readouterr().err
     torch.testing.assert_close(again[0], want[0], atol=1e-5, rtol=1e-5)
     _, (d, _) = steps(Runner.from_hf(model, max_batch=1, max_seq=64, compile=True, persist=tmp_path))
     assert d.loaded == 1
-    assert not list(tmp_path.glob("*.tmp"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f.name for f in tmp_path.glob("*.bin"))  # no temps
+
+
+def test_a_call_with_aliased_arguments_gets_its_own_step(tmp_path):
+    """round.py calls the verify step with one tensor as positions and slots; a saved function guards on such
+    aliasing and would raise. It is its own call signature: its own file, compiled, equal to eager, loaded later."""
+    model = make_tiny_llama(seed=5)
+    M = 64
+    mask = torch.zeros(1, 2, M, dtype=torch.bool)
+    mask[..., :5] = True
+    mask[0, 1, 5] = True
+    ids, slots = torch.tensor([[7, 8]]), torch.tensor([[4, 5]])
+    want = Runner.from_hf(model, max_batch=1, max_seq=M).step_fn((1, 2))(ids, slots, slots, mask)
+    for run in range(2):
+        r = Runner.from_hf(model, max_batch=1, max_seq=M, compile=True, persist=tmp_path)
+        v = r.step_fn((1, 2))
+        v(ids, slots.clone(), slots.clone(), mask)  # separate buffers (the graphed warm-up)
+        got = v(ids, slots, slots, mask)  # one tensor twice (the one-graph round)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        assert (v.compiled, v.loaded, v.fallbacks) == ((2, 0, 0) if run == 0 else (0, 2, 0))
 
 
 def test_bad_persist_settings_are_refused(tmp_path):
     model = make_tiny_llama(seed=5)
     for kw, msg in (({}, "persist needs compile"), ({"compile": True, "dynamic": True}, "static shapes"),
+                    ({"compile": True, "compile_options": {"freezing": True}}, "freezing"),
                     ({"compile": True, "regions": True}, "not regions or flex"),
                     ({"compile": True, "attention": "flex"}, "not regions or flex")):
         with pytest.raises(EyasError, match=msg):
             Runner.from_hf(model, max_batch=1, max_seq=16, persist=tmp_path, **kw)
 
 
-def test_the_source_hash_names_the_code():
-    """Files are named by a hash of eyas's source (a code change must not load an old step)."""
+def test_the_file_name_follows_the_source_and_the_call(tmp_path, monkeypatch):
+    """A file is named by a hash of eyas's source (a code change must not load an old step), and by the call's
+    tensors, their aliasing and the thread count (dynamo guards on them)."""
     h = persist.source_hash()
-    assert len(h) == 64 and h == persist.source_hash()
+    assert len(h) == 64
     persist.source_hash.cache_clear()
     assert persist.source_hash() == h
+    r = Runner.from_hf(make_tiny_llama(seed=5), max_batch=1, max_seq=16, compile=True, persist=tmp_path)
+    x, y = torch.zeros(1, 2), torch.zeros(1, 3)
+    name = lambda *a: r._compiled.path_for(persist.signature(a)).name  # noqa: E731
+    assert name(x) == name(x.clone()) and name(x) != name(y) and name(x, x) != name(x, x.clone())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        other = name(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert other != name(x)
+    monkeypatch.setattr(persist, "source_hash", lambda: "edited")
+    edited = name(x)
+    monkeypatch.undo()
+    assert edited != name(x)
 
 
 def test_bench_persist_steps_needs_compile(capsys):

@@ -2,29 +2,33 @@
 
 With a warm inductor cache, a bench process still pays dynamo's trace of every compiled whole-model step (about
 5 s each for SmolLM2's 30 layers; BENCHMARKS.md, compile_variants' warm column). `torch.compile(fn).aot_compile`
-(torch >= 2.11; public from 2.12) traces and compiles once for one input signature and saves the result; the
+(torch >= 2.11; public from 2.12) traces and compiles once for one call signature and saves the result; the
 saved function reads the runner's weights and caches from its argument at call time (they are not in the file)
 and mutates the caches in place, so it serves any runner of the same configuration.
 
-A file is named by everything that shapes its code: the step function, the input signature, the runner's
-configuration and compile settings, the device, torch's version and a hash of eyas's own source. A file that
-does not load is compiled again and replaced. Saved functions skip the guards dynamo cannot save: a call with
-another signature never reaches a file (the signature names it), and calls run under `no_grad`, the mode they
-were compiled in.
+A file is named by everything that shapes its code: the step function, the call signature (each tensor's shape,
+strides, dtype and device, which arguments share storage, and the global state dynamo guards on: threads, TF32,
+default dtype, deterministic mode), the runner's configuration and compile settings, the device model, torch's
+and Python's versions and a hash of eyas's own source. A saved function still checks its argument guards on
+every call and raises where plain torch.compile would recompile; so every function is checked against the call
+first, and one that does not fit is compiled again, or, if a fresh compile does not fit either, replaced by plain
+torch.compile for that signature (said on stderr). A file that does not load is compiled again and replaced. Calls
+run under `no_grad`, the mode they were compiled in.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import sys
+import tempfile
 import weakref
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 from torch import Tensor
-
 
 
 @lru_cache(maxsize=1)
@@ -48,68 +52,92 @@ def supported() -> bool:
     return hasattr(torch.compile(lambda: None), "aot_compile")
 
 
-def _describe(a) -> str:
-    if isinstance(a, Tensor):
-        return f"T{tuple(a.shape)}:{a.dtype}:{a.device.type}"
-    return repr(a)
+def signature(args) -> tuple:
+    """What a call's arguments and the process state fix in the compiled code (the file name's part per call)."""
+    first: dict[int, int] = {}
+    desc = []
+    for i, a in enumerate(args):
+        if isinstance(a, Tensor):
+            shared = first.setdefault(a.untyped_storage().data_ptr(), i)  # arguments sharing storage: aliasing
+            desc.append((tuple(a.shape), a.stride(), str(a.dtype), str(a.device), a.requires_grad, shared))
+        else:
+            desc.append(repr(a))
+    state = (torch.get_num_threads(), torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+             str(torch.get_default_dtype()), torch.are_deterministic_algorithms_enabled())
+    return tuple(desc) + (state,)
 
 
-# The loaded functions of each PersistentStep, by input signature. Kept off the object (which the runner holds):
-# a later aot_compile of this runner serialises guard state reachable from it, and a loaded function's guard
-# manager cannot be pickled (torch 2.13: "cannot pickle 'RootGuardManager'").
-_STEPS: dict[int, dict] = {}
+# The functions of each PersistentStep, by call signature. Kept off the object (which the runner holds): a later
+# aot_compile of that runner pickles guard state reachable from it, and a loaded function's guard manager cannot
+# be pickled (torch 2.13: "cannot pickle 'RootGuardManager'").
+_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class PersistentStep:
-    """`fn(owner, *args, *extra)` compiled for each input signature, loaded from `directory` when a file for it
+    """`fn(owner, *args, *extra)` compiled for each call signature, loaded from `directory` when a file for it
     exists, else compiled (`aot_compile`) and saved there."""
 
-    def __init__(self, fn, owner, directory, signature: str, options: dict | None = None, extra: tuple = ()):
+    def __init__(self, fn, owner, directory, config: str, options: dict | None = None, extra: tuple = ()):
         self.fn, self.owner, self.dir, self.options, self.extra = fn, owner, Path(directory), options, extra
-        self.signature = signature
-        _STEPS[id(self)] = {}
-        weakref.finalize(self, _STEPS.pop, id(self), None)
-        self.loaded = self.compiled = 0  # files loaded / compiled and saved by this object
+        self.config = config
+        self.loaded = self.compiled = self.fallbacks = 0  # files loaded / compiled and saved / plain compiles
 
     def __call__(self, *args):
-        key = tuple(_describe(a) for a in args)
-        steps = _STEPS[id(self)]
-        step = steps.get(key)
-        if step is None:
-            step = steps[key] = self._resolve(args, key)
+        full = (self.owner, *args, *self.extra)
         with torch.no_grad():
-            return step(self.owner, *args, *self.extra)
+            key = signature(args)
+            steps = _STEPS.setdefault(self, {})
+            step = steps.get(key)
+            if step is None:
+                step = steps[key] = self._resolve(full, key)
+            return step(*full)
 
     def path_for(self, key: tuple) -> Path:
         dev = self.owner.device
         where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
-        text = "\n".join([self.fn.__module__, self.fn.__qualname__, repr(key), repr(self.extra), self.signature,
+        text = "\n".join([self.fn.__module__, self.fn.__qualname__, repr(key), repr(self.extra), self.config,
                           repr(sorted((self.options or {}).items())), where, torch.__version__, sys.version,
                           source_hash()])
         return self.dir / f"{self.fn.__name__}-{hashlib.sha256(text.encode()).hexdigest()[:32]}.bin"
 
-    def _resolve(self, args, key):
+    def _resolve(self, full, key):
         path = self.path_for(key)
         if path.exists():
             try:
                 with open(path, "rb") as f:
                     step = torch.compiler.load_compiled_function(f)
-                self.loaded += 1
-                return step
+                if step.guard_check(*full):
+                    self.loaded += 1
+                    return step
+                why = "its guards do not fit this call"
             except Exception as e:  # noqa: BLE001 - a stale or torn file is compiled again, never trusted
-                print(f"eyas: {path}: could not load a saved compiled step ({type(e).__name__}: "
-                      f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}); compiling it again",
-                      file=sys.stderr)
-        with torch.no_grad():
-            step = torch.compile(self.fn, fullgraph=True, dynamic=False, options=self.options or None).aot_compile(
-                ((self.owner, *args, *self.extra), {}))
+                why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+            print(f"eyas: {path}: could not use the saved compiled step ({why}); compiling it again", file=sys.stderr)
+        step = torch.compile(self.fn, fullgraph=True, dynamic=False, options=self.options or None).aot_compile(
+            (full, {}))
+        if not step.guard_check(*full):  # not seen; the saved function would raise on every call
+            print(f"eyas: {path.name}: the saved form of this step does not fit its own call; using plain "
+                  "torch.compile for it", file=sys.stderr)
+            self.fallbacks += 1
+            return torch.compile(self.fn, fullgraph=True, dynamic=False, options=self.options or None)
         self.compiled += 1
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        self._save(step, path)
+        return step
+
+    def _save(self, step, path: Path) -> None:
+        """Into a private directory beside `path`, then renamed over it: a killed or failed save leaves no file
+        under a real name, and nothing of torch's own temporary files."""
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            step.save_compiled_function(str(tmp))
-            os.replace(tmp, path)  # whole or absent: a killed process leaves no torn file under the real name
-        except OSError as e:  # a full disk costs the next process a compile, not this one its run
-            tmp.unlink(missing_ok=True)
-            print(f"eyas: {path}: could not save the compiled step ({e}); it is used unsaved", file=sys.stderr)
-        return step
+            tmp = Path(tempfile.mkdtemp(prefix=".saving-", dir=self.dir))
+        except OSError as e:
+            print(f"eyas: {self.dir}: could not save the compiled step ({e}); it is used unsaved", file=sys.stderr)
+            return
+        try:
+            step.save_compiled_function(str(tmp / path.name))
+            os.replace(tmp / path.name, path)
+        except Exception as e:  # noqa: BLE001 - a failed save costs the next process a compile, not this run
+            print(f"eyas: {path}: could not save the compiled step ({type(e).__name__}: {e}); it is used unsaved",
+                  file=sys.stderr)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)

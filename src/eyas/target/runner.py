@@ -237,6 +237,8 @@ class Runner(nn.Module):
                 raise EyasError("runner: persist needs compile=True with static shapes (dynamic=False)")
             if regions or attention != "matmul":
                 raise EyasError("runner: persist saves whole-model matmul-attention steps only (not regions or flex)")
+            if (compile_options or {}).get("freezing"):  # frozen weights would be constants inside the file
+                raise EyasError("runner: persist cannot save steps compiled with inductor freezing (weights baked in)")
             if not persist_mod.supported():
                 raise EyasError(f"runner: torch {torch.__version__} cannot save compiled functions "
                                 "(torch.compile(...).aot_compile); leave persist unset")
