@@ -98,7 +98,8 @@ def _generate_chunk(runner: Runner, prompts, max_new, temperature, top_p, eos, g
     step = runner.graphed(n, 1, slots=W)
     cuda = dev.type == "cuda"
     flags = torch.zeros(2, dtype=torch.bool, pin_memory=cuda)  # "every row done", copied to the host each step
-    pending = None  # (event, flag index) of the previous step's copy
+    events = [torch.cuda.Event(), torch.cuda.Event()] if cuda else []  # each marks its flag's copy
+    pending = None  # the flag index of the previous step's copy
     for t in range(steps):
         tokens[rows[:m], t] = nxt[:m]
         done |= torch.isin(nxt, eos)
@@ -112,12 +113,12 @@ def _generate_chunk(runner: Runner, prompts, max_new, temperature, top_p, eos, g
                 break
         else:
             if pending is not None:
-                pending[0].synchronize()
-                if bool(flags[pending[1]]):
+                events[pending].synchronize()
+                if bool(flags[pending]):
                     break
-            flags[t % 2].copy_(done.all(), non_blocking=True)
-            pending = (torch.cuda.Event(), t % 2)
-            pending[0].record()
+            pending = t % 2
+            flags[pending].copy_(done.all(), non_blocking=True)
+            events[pending].record()
         if t % 16 == 15 and n > 1:  # compaction (one row: nothing to compact, the flag above stops it)
             live = (~done).nonzero().flatten()
             k = live.numel()  # one host sync per 16 steps

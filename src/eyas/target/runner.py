@@ -163,7 +163,8 @@ def _layer_body(layer: Layer, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor
 
 
 def _decode_step(runner, input_ids, positions, cache_slots, attn_mask):
-    """Runner._decode as a function of the runner: what `persist` saves (the runner is an argument, not a constant)."""
+    """One decode step's logits, as a function of the runner (Runner._decode; what `persist` saves, with the runner an
+    argument, not a constant)."""
     return runner.forward(input_ids, positions, cache_slots, attn_mask)[0]
 
 
@@ -372,7 +373,7 @@ class Runner(nn.Module):
         return (self.lm_head(x) if logits else x), captured
 
     def _decode(self, input_ids, positions, cache_slots, attn_mask):
-        return self.forward(input_ids, positions, cache_slots, attn_mask)[0]
+        return _decode_step(self, input_ids, positions, cache_slots, attn_mask)
 
     def step_fn(self, capture: tuple[int, ...] = ()):
         """(ids, pos, slots, mask) -> (logits (B,S,V), aux (B,S,len(capture)*h)): one verify/decode step that
@@ -381,8 +382,7 @@ class Runner(nn.Module):
         capture = tuple(capture)
         if capture not in self._step_fns:
             def step(ids, pos, slots, mask):
-                logits, cap = self.forward(ids, pos, slots, mask, capture=capture)
-                return logits, (torch.cat([cap[i] for i in capture], -1) if capture else logits[..., :0])
+                return _verify_step(self, ids, pos, slots, mask, capture)
             # dynamic=None: the draft length S varies (prompt lookup, trees), so after the first shape
             # change dynamo compiles one S-generic version instead of one per S.
             self._step_fns[capture] = (self._compile(step, dynamic=None, free=_verify_step, extra=(capture,))
