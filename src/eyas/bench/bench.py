@@ -316,10 +316,10 @@ def _methods(cfg, runner, drafter, eos, *, baselines=None) -> list[_Method]:
         methods.append(_Method("lookup", lambda p, seed, n=cfg.max_new_tokens: lk.generate(p, n, eos_ids=eos, seed=seed),
                                lk))
     if drafter is not None:
-        # A compiled runner compiles the chain drafter's steps too: on the H200, chain-5 one-graph rounds ran at
-        # 982 tok/s against 740 with the drafter eager (BENCHMARKS.md, "Issue 14 on one H200, session 11").
-        # Trees stay eager: their compiled proposer passes on CUDA (session 12) but its speed is not measured yet.
-        dec = SpecDecoder(runner, drafter, cfg.spec, compile_drafter=runner.compiled and cfg.spec.method == "chain")
+        # A compiled runner compiles the drafter's steps too: on the H200, chain-5 one-graph rounds ran at 982 tok/s
+        # against 740 with the drafter eager (BENCHMARKS.md, "Issue 14 on one H200, session 11"), tree one-graph
+        # rounds at 875 against 671 ("... session 14").
+        dec = SpecDecoder(runner, drafter, cfg.spec, compile_drafter=runner.compiled)
         methods.append(_Method(f"eagle-{cfg.spec.method}",
                                lambda p, seed, n=cfg.max_new_tokens: dec.generate(p, n, eos_ids=eos, seed=seed), dec))
     return methods
