@@ -124,3 +124,86 @@ def test_bench_persist_steps_needs_compile(capsys):
     assert main(["bench", "--target", "smollm2-135m", "--persist-steps", "--limit", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "persist_steps keeps compiled steps: it needs compile" in err[0]
+
+
+def test_captured_graphs_do_not_stop_a_step_from_being_saved(tmp_path):
+    """On CUDA the runner's captured steps close over CUDA graphs, which cannot be pickled; dynamo pickles the guard
+    state of a step with the runner as its argument, so a verify step compiled after the decode step's capture
+    failed on the H200 ("cannot pickle 'CUDAGraph' object", session 14). The runner keeps its captured steps off
+    itself: an unpicklable object in them (a lock, on the CPU) leaves the verify step compiled and saved, not a
+    fallback, and equal to eager."""
+    import threading
+
+    model = make_tiny_llama(seed=5)
+    want, _ = steps(Runner.from_hf(model, max_batch=1, max_seq=64))
+    r = Runner.from_hf(model, max_batch=1, max_seq=64, compile=True, persist=tmp_path)
+    lock = threading.Lock()
+    r._graphs[("stand-in for a CUDA graph",)] = lambda: lock
+    got, (d, v) = steps(r)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert (d.compiled, v.compiled, d.fallbacks, v.fallbacks) == (1, 1, 0, 0)
+    assert len(list(tmp_path.glob("*.bin"))) == 2
+
+
+def test_a_step_that_cannot_be_saved_runs_under_plain_torch_compile(tmp_path, capsys):
+    """aot_compile raising (here: a plain dict attribute of the runner holding a lock, which dynamo's guard pickler
+    walks) costs the save, not the run: one line on stderr, plain torch.compile, the eager result, no file."""
+    import threading
+
+    model = make_tiny_llama(seed=5)
+    want, _ = steps(Runner.from_hf(model, max_batch=1, max_seq=64))
+    r = Runner.from_hf(model, max_batch=1, max_seq=64, compile=True, persist=tmp_path)
+    r.unpicklable = {"lock": threading.Lock()}
+    got, (d, v) = steps(r)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert (d.fallbacks, v.fallbacks, d.compiled, v.compiled) == (1, 1, 0, 0)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("eyas:")]
+    assert len(err) == 2 and all("this step cannot be saved (TypeError: cannot pickle" in e for e in err), err
+    assert not list(tmp_path.glob("*.bin"))
+
+
+def test_the_steps_pass_every_keyword_so_no_defaults_guard(caplog):
+    """A keyword left to forward's default becomes a dynamo guard on `__kwdefaults__` (a DefaultsSource), which
+    torch 2.11 saves but cannot load ("DefaultsSource.__init__() takes from 3 to 4 positional arguments but 6 were
+    given" on the H200, session 14; fixed in torch 2.12). The guards dynamo prints for both steps name none."""
+    import logging
+
+    r = Runner.from_hf(make_tiny_llama(seed=5), max_batch=1, max_seq=64, compile=True)
+    torch._logging.set_logs(guards=True)
+    try:
+        with caplog.at_level(logging.DEBUG):
+            steps(r)
+    finally:
+        torch._logging.set_logs()
+    text = "\n".join(rec.getMessage() for rec in caplog.records)
+    assert text.count("GUARDS:") >= 2 and "cfg.num_layers" in text  # both steps' guards were printed
+    assert "__kwdefaults__" not in text and "__defaults__" not in text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphed_steps_are_saved_and_loaded(tmp_path):
+    """The bench's order on CUDA: the decode step captured as a CUDA graph, then the verify step compiled and
+    captured (where torch 2.11 raised "cannot pickle 'CUDAGraph' object", session 14). Both are saved, a second
+    runner loads both without compiling, and the graphs' outputs equal the eager CPU runner's."""
+    model = make_tiny_llama(seed=5)
+    M = 64
+    cpu = Runner.from_hf(model, max_batch=1, max_seq=M)
+    mask = torch.zeros(1, 3, M, dtype=torch.bool)
+    mask[..., :4] = True
+    mask[0, 1, 4] = True
+    mask[0, 2, 5] = True
+    ids, pos, slots = torch.tensor([[7, 8, 9]]), torch.tensor([[4, 5, 5]]), torch.tensor([[4, 5, 6]])
+    one = (ids[:, :1], pos[:, :1], slots[:, :1], mask[:, :1])
+    want = (cpu._decode(*one), *cpu.step_fn((1, 2))(ids, pos, slots, mask))
+    for run in range(2):
+        r = Runner.from_hf(model, max_batch=1, max_seq=M, device="cuda", compile=True, persist=tmp_path)
+        verify = r.step_fn((1, 2))
+        got = (r.graphed(1, 1)(*(t.cuda() for t in one)).clone(),
+               *(t.clone() for t in r.graphed(1, 3, verify)(ids.cuda(), pos.cuda(), slots.cuda(), mask.cuda())))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a.cpu(), b, atol=1e-4, rtol=1e-4)
+        counts = (r._compiled.compiled, verify.compiled, r._compiled.loaded, verify.loaded, verify.fallbacks)
+        assert counts == ((1, 1, 0, 0, 0) if run == 0 else (0, 0, 1, 1, 0)), counts

@@ -11,9 +11,9 @@ strides, dtype and device, which arguments share storage, and the global state d
 default dtype, deterministic mode), the runner's configuration and compile settings, the device model, torch's
 and Python's versions and a hash of eyas's own source. A saved function still checks its argument guards on
 every call and raises where plain torch.compile would recompile; so every function is checked against the call
-first, and one that does not fit is compiled again, or, if a fresh compile does not fit either, replaced by plain
-torch.compile for that signature (said on stderr). A file that does not load is compiled again and replaced. Calls
-run under `no_grad`, the mode they were compiled in.
+first, and one that does not fit is compiled again, or, if a fresh compile does not fit either or cannot be made
+(aot_compile raises), replaced by plain torch.compile for that signature (said on stderr). A file that does not
+load is compiled again and replaced. Calls run under `no_grad`, the mode they were compiled in.
 """
 
 from __future__ import annotations
@@ -67,6 +67,11 @@ def signature(args) -> tuple:
     return tuple(desc) + (state,)
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else ""
+
+
 # The functions of each PersistentStep, by call signature. Kept off the object (which the runner holds): a later
 # aot_compile of that runner pickles guard state reachable from it, and a loaded function's guard manager cannot
 # be pickled (torch 2.13: "cannot pickle 'RootGuardManager'").
@@ -111,13 +116,17 @@ class PersistentStep:
                     return step
                 why = "its guards do not fit this call"
             except Exception as e:  # noqa: BLE001 - a stale or torn file is compiled again, never trusted
-                why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+                why = f"{type(e).__name__}: {_first_line(e)}"
             print(f"eyas: {path}: could not use the saved compiled step ({why}); compiling it again", file=sys.stderr)
-        step = torch.compile(self.fn, fullgraph=True, dynamic=False, options=self.options or None).aot_compile(
-            (full, {}))
-        if not step.guard_check(*full):  # not seen; the saved function would raise on every call
-            print(f"eyas: {path.name}: the saved form of this step does not fit its own call; using plain "
-                  "torch.compile for it", file=sys.stderr)
+        try:
+            step = torch.compile(self.fn, fullgraph=True, dynamic=False, options=self.options or None).aot_compile(
+                (full, {}))
+            why = None if step.guard_check(*full) else "its saved form does not fit its own call"
+        except Exception as e:  # noqa: BLE001 - e.g. guard state that cannot be pickled; a real trace error
+            why = f"{type(e).__name__}: {_first_line(e)}"  # is raised again by the plain compile below
+        if why is not None:
+            print(f"eyas: {path.name}: this step cannot be saved ({why}); using plain torch.compile for it",
+                  file=sys.stderr)
             self.fallbacks += 1
             return torch.compile(self.fn, fullgraph=True, dynamic=False, options=self.options or None)
         self.compiled += 1

@@ -17,6 +17,7 @@ forward); on the CPU everything runs eagerly.
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,12 +166,14 @@ def _layer_body(layer: Layer, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor
 def _decode_step(runner, input_ids, positions, cache_slots, attn_mask):
     """One decode step's logits, as a function of the runner (Runner._decode; what `persist` saves, with the runner an
     argument, not a constant)."""
-    return runner.forward(input_ids, positions, cache_slots, attn_mask)[0]
+    # Every keyword passed: a default read from forward's __kwdefaults__ becomes a dynamo guard (DefaultsSource) that
+    # torch 2.11 pickles but cannot load (fixed in 2.12), so `persist` could not reload the step there.
+    return runner.forward(input_ids, positions, cache_slots, attn_mask, capture=(), logits=True, last_only=False)[0]
 
 
 def _verify_step(runner, ids, pos, slots, mask, capture):
     """Runner.step_fn's step as a function of the runner and the captured ids (see _decode_step)."""
-    logits, cap = runner.forward(ids, pos, slots, mask, capture=capture)
+    logits, cap = runner.forward(ids, pos, slots, mask, capture=capture, logits=True, last_only=False)
     return logits, (torch.cat([cap[i] for i in capture], -1) if capture else logits[..., :0])
 
 
@@ -178,6 +181,12 @@ def _verify_step(runner, ids, pos, slots, mask, capture):
 # layer (their weights and caches are its inputs), instead of compiling N copies of it. None where torch lacks it.
 _layer_region = (torch.compiler.nested_compile_region(_layer_body)
                  if hasattr(torch.compiler, "nested_compile_region") else None)
+
+
+# Each runner's captured steps (Runner.graphed), kept off the runner: `persist` compiles a step with the runner as an
+# argument, and dynamo's guard pickler walks a module's plain dicts, closures included, where a CUDA graph cannot be
+# pickled ("cannot pickle 'CUDAGraph' object" on the H200, session 14).
+_GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class Runner(nn.Module):
@@ -192,7 +201,6 @@ class Runner(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
         self.register_buffer("cos", torch.zeros(cfg.max_seq, cfg.head_dim, dtype=dtype, device=device), persistent=False)
         self.register_buffer("sin", torch.zeros(cfg.max_seq, cfg.head_dim, dtype=dtype, device=device), persistent=False)
-        self._graphs: dict = {}
         self._compiled = None
         self._step_fns: dict = {}
         self._call_layer = _layer_body
@@ -396,6 +404,11 @@ class Runner(nn.Module):
             layer.v_cache[row, :, dst] = layer.v_cache[row, :, src]
 
     # ------------------------------------------------------------------ graphed step
+    @property
+    def _graphs(self) -> dict:
+        """(batch, seq, fn, slots) -> the callable `graphed` built for it."""
+        return _GRAPHS.setdefault(self, {})
+
     def graphed(self, batch: int, seq: int, fn=None, slots: int | None = None):
         """A callable with static inputs running `fn` (default: forward logits) for (batch, seq) tokens
         attending over the first `slots` cache slots (default all max_seq); CUDA graph on CUDA, plain call
