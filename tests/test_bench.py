@@ -481,6 +481,23 @@ def test_bench_runs_graph_rounds_like_host_rounds(tiny, prompts, method):
     assert reps[1]["lossless"][name]["held"] and reps[1]["config"]["spec"]["graph_round"]
 
 
+def test_compiled_bench_runs_tree_rounds_with_the_proposer_compiled(tiny, tmp_path):
+    """What `eyas bench --tree --compile` runs on CUDA since session 14 (one-graph rounds, the runner and the tree
+    proposer compiled), here on the CPU: the eager host rounds' tokens and counts, lossless."""
+    target, drafter = tiny
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hello there"}\n{"prompt": "abcabcabcabc"}\n')
+    shape = dict(method="tree", top_k=3, depth=3, total_tokens=8, prompts=str(prompts), max_new_tokens=8,
+                 max_seq=96, lossless_turns=1, baselines=False)
+    host = run_bench(BenchConfig(**shape), target=target, drafter=drafter)
+    fast = run_bench(BenchConfig(**shape, graph_round=True, compile=True), target=target, drafter=drafter)
+    a, b = host["methods"]["eagle-tree"], fast["methods"]["eagle-tree"]
+    for key in ("tokens", "tau", "target_forwards", "acceptance_by_position", "per_record"):
+        assert b[key] == a[key], key
+    assert fast["lossless"]["eagle-tree"]["held"] and fast["config"]["spec"]["graph_round"]
+    assert fast["config"]["compile"] is True
+
+
 def test_tau_interval_bootstraps_records():
     """The 95% interval of tau resamples records: equal records give a point, a spread gives an interval inside the
     range of per-record tau around the pooled tau, seeded (the same every run); fewer than two records give none."""
