@@ -146,6 +146,21 @@ def test_captured_graphs_do_not_stop_a_step_from_being_saved(tmp_path):
     assert len(list(tmp_path.glob("*.bin"))) == 2
 
 
+def test_a_runner_with_captured_steps_is_freed():
+    """The captured steps hold the runner (bound methods): kept on the runner, not in a module-level map, the cycle
+    is collected when the runner is dropped."""
+    import gc
+    import weakref
+
+    r = Runner.from_hf(make_tiny_llama(seed=5), max_batch=1, max_seq=16)
+    r.graphed(1, 1)
+    assert r._graphs
+    gone = weakref.ref(r)
+    del r
+    gc.collect()
+    assert gone() is None
+
+
 def test_a_step_that_cannot_be_saved_runs_under_plain_torch_compile(tmp_path, capsys):
     """aot_compile raising (here: a plain dict attribute of the runner holding a lock, which dynamo's guard pickler
     walks) costs the save, not the run: one line on stderr, plain torch.compile, the eager result, no file."""

@@ -17,7 +17,6 @@ forward); on the CPU everything runs eagerly.
 from __future__ import annotations
 
 import os
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -183,10 +182,14 @@ _layer_region = (torch.compiler.nested_compile_region(_layer_body)
                  if hasattr(torch.compiler, "nested_compile_region") else None)
 
 
-# Each runner's captured steps (Runner.graphed), kept off the runner: `persist` compiles a step with the runner as an
-# argument, and dynamo's guard pickler walks a module's plain dicts, closures included, where a CUDA graph cannot be
-# pickled ("cannot pickle 'CUDAGraph' object" on the H200, session 14).
-_GRAPHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+class _Unpickled(dict):
+    """A runner's captured steps (Runner.graphed). `persist` compiles a step with the runner as an argument, and
+    dynamo pickles that step's guard state, walking the runner's plain dicts, closures included; a CUDA graph cannot
+    be pickled ("cannot pickle 'CUDAGraph' object" on the H200, session 14). This dict pickles as an empty one.
+    (Not a module-level weak map: its values hold the runner, which would then never be freed.)"""
+
+    def __reduce__(self):
+        return type(self), ()
 
 
 class Runner(nn.Module):
@@ -201,6 +204,7 @@ class Runner(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
         self.register_buffer("cos", torch.zeros(cfg.max_seq, cfg.head_dim, dtype=dtype, device=device), persistent=False)
         self.register_buffer("sin", torch.zeros(cfg.max_seq, cfg.head_dim, dtype=dtype, device=device), persistent=False)
+        self._graphs: dict = _Unpickled()  # (batch, seq, fn, slots) -> the callable `graphed` built for it
         self._compiled = None
         self._step_fns: dict = {}
         self._call_layer = _layer_body
@@ -404,11 +408,6 @@ class Runner(nn.Module):
             layer.v_cache[row, :, dst] = layer.v_cache[row, :, src]
 
     # ------------------------------------------------------------------ graphed step
-    @property
-    def _graphs(self) -> dict:
-        """(batch, seq, fn, slots) -> the callable `graphed` built for it."""
-        return _GRAPHS.setdefault(self, {})
-
     def graphed(self, batch: int, seq: int, fn=None, slots: int | None = None):
         """A callable with static inputs running `fn` (default: forward logits) for (batch, seq) tokens
         attending over the first `slots` cache slots (default all max_seq); CUDA graph on CUDA, plain call
