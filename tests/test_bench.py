@@ -150,7 +150,7 @@ def test_cli_graph_round_default_follows_the_device():
         graph(["--temperature", "0.7", "--graph-round"], "cuda")
 
 
-def test_compiled_runner_compiles_the_chain_drafter(tiny, monkeypatch):
+def test_compiled_runner_compiles_the_drafter(tiny, monkeypatch):
     """A bench on a compiled runner builds its chain and tree decoders with the drafter's steps compiled (one-graph
     rounds: the round's chain function is a dynamo wrapper; host rounds: compile_drafter passed); an eager runner
     keeps the drafter eager."""
@@ -168,13 +168,15 @@ def test_compiled_runner_compiles_the_chain_drafter(tiny, monkeypatch):
     for compile in (False, True):
         runner = Runner.from_hf(target.model, max_batch=1, max_seq=256, compile=compile)
         assert runner.compiled is compile
-        for spec in (dict(graph_round=True), dict(graph_round=False), dict(method="tree")):
+        for spec in (dict(graph_round=True), dict(graph_round=False), dict(method="tree"),
+                     dict(method="tree", graph_round=True)):
             asked.clear()
             cfg = BenchConfig(max_seq=256, **spec)
             dec = bench_mod._methods(cfg, runner, copy.deepcopy(drafter), [257], baselines=False)[0].decoder
             assert asked == [compile], (compile, spec)
             if spec.get("graph_round"):
-                assert hasattr(dec._round.drafting._chain_fn, "_torchdynamo_orig_callable") is compile
+                body = dec._round.drafting._tree_fn if spec.get("method") == "tree" else dec._round.drafting._chain_fn
+                assert hasattr(body, "_torchdynamo_orig_callable") is compile, spec
 
 
 def _drafter_for(model, dtype=torch.float32):

@@ -334,7 +334,8 @@ def _warm_up(cfg, runner, methods, drafter) -> int:
             continue
         kind = "lookup" if m.name == "lookup" else c.method
         size = tree_nodes(c.top_k, c.depth, c.total_tokens, drafter.config.draft_vocab_size) if kind == "tree" else 0
-        steps.append((runner.step_fn(m.decoder.verify_capture), verify_shapes(kind, c.k, size)))
+        if m.decoder._round is None:  # a one-graph round compiles its verify inside its own capture (the warm-up
+            steps.append((runner.step_fn(m.decoder.verify_capture), verify_shapes(kind, c.k, size)))  # decode below)
         if kind == "lookup":  # an empty lookup draft (S = 1): the plain decode step on CUDA, the verify step elsewhere
             steps.append((m.decoder.step_for(1), verify_shapes("plain", c.k, 0)))
         if isinstance(m.decoder.drafting, GraphedChainDrafting):  # static drafters (chains, trees): extends of 1..K+1

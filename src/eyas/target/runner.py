@@ -317,16 +317,16 @@ class Runner(nn.Module):
 
     def _compile(self, fn, dynamic, free=None, extra=()):
         """torch.compile(fn); with persist, `free` (fn as a function of the runner, then `extra`) saved on disk."""
+        # every Runner compiles the same code objects (its _decode, its step_fn's step), and each runner, batch and
+        # shape is a recompile of them: dynamo's default limit of 8 stops a process that holds a few runners (a
+        # bench's, the batched decoder's, the tests'), with fullgraph an error; persist's fallbacks compile them too
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         if self._persist is not None and free is not None:
             from eyas.target.persist import PersistentStep
 
             first = self.layers[0]
             sig = repr((self.cfg, str(self.dtype), first.gemv, first.flex, self._call_layer is _layer_region))
             return PersistentStep(free, self, self._persist, sig, self._compile_options, extra)
-        # every Runner compiles the same code objects (its _decode, its step_fn's step), and each runner, batch and
-        # shape is a recompile of them: dynamo's default limit of 8 stops a process that holds a few runners (a
-        # bench's, the batched decoder's, the tests'), with fullgraph an error
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         c = torch.compile(fn, fullgraph=True, dynamic=dynamic, options=self._compile_options or None)
         if self._call_layer is _layer_region:
             # with dynamic shapes the norms' eps would become a symbolic float, which a compile region
