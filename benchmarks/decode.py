@@ -170,7 +170,8 @@ def round_compare(args) -> int:
         torch.manual_seed(0)
         drafter = Eagle3Drafter(DrafterConfig.from_target(target.config, draft_vocab_size=32000,
                                                           aux_layer_ids=target.aux_layer_ids))
-    eos, r = target.eos_token_ids, Runner.from_hf(target.model, max_batch=1, max_seq=M, compile=args.compile)
+    eos, r = target.eos_token_ids, Runner.from_hf(target.model, max_batch=1, max_seq=M, compile=args.compile,
+                                                  gemv=args.gemv)
     # window=0: every plain step attends over all max_seq slots, one graph shape warmed here, as in `eyas bench`
     # (with windows, each prompt length compiled a new shape inside the clock: 14 tok/s on 2026-12-01)
     r.generate(prompts[:1], 4, window=0)
@@ -260,6 +261,9 @@ def main() -> int:
     ap.add_argument("--round", default=None, choices=["graph"],
                     help="batch-1 greedy chains with each round one CUDA graph vs host rounds vs plain; runs only this")
     ap.add_argument("--tree", action="store_true", help="--round: also time the default tree (static proposer)")
+    ap.add_argument("--gemv", type=int, default=None,
+                    help="--round with --compile: the runner's gemv rows (default: the runner's, 1 on CUDA; 0: "
+                         "cuBLAS GEMMs for the plain step too, e.g. to see whether gemv moves bf16 agreement)")
     ap.add_argument("--tiny", action="store_true",
                     help="--batch/--round: a tiny random Llama target and random drafter, random prompts (CPU smoke test)")
     ap.add_argument("--md", default="BENCHMARKS.md")
