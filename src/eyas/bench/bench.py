@@ -66,7 +66,8 @@ class BenchConfig:
     """torch.compile the target's graphed steps (CUDA)."""
     persist_steps: bool = False
     """With compile: keep the target's compiled steps in $EYAS_CACHE/steps, so later benches load them instead of
-    tracing them again (torch.compile(...).aot_compile; not yet measured on a GPU)."""
+    tracing them again (torch.compile(...).aot_compile; failed on the H200's torch 2.11 in session 14, both causes
+    fixed since and tested on the CPU under 2.11 and 2.13; not yet measured on a GPU)."""
     baselines: bool = True
     """Also run plain decoding and prompt lookup."""
     lossless_turns: int = 4
@@ -334,8 +335,9 @@ def _warm_up(cfg, runner, methods, drafter) -> int:
             continue
         kind = "lookup" if m.name == "lookup" else c.method
         size = tree_nodes(c.top_k, c.depth, c.total_tokens, drafter.config.draft_vocab_size) if kind == "tree" else 0
-        if m.decoder._round is None:  # a one-graph round compiles its verify inside its own capture (the warm-up
-            steps.append((runner.step_fn(m.decoder.verify_capture), verify_shapes(kind, c.k, size)))  # decode below)
+        # a one-graph round compiles its verify inside its own capture, in the warm-up decode after this
+        if m.decoder._round is None:
+            steps.append((runner.step_fn(m.decoder.verify_capture), verify_shapes(kind, c.k, size)))
         if kind == "lookup":  # an empty lookup draft (S = 1): the plain decode step on CUDA, the verify step elsewhere
             steps.append((m.decoder.step_for(1), verify_shapes("plain", c.k, 0)))
         if isinstance(m.decoder.drafting, GraphedChainDrafting):  # static drafters (chains, trees): extends of 1..K+1
