@@ -66,8 +66,8 @@ class BenchConfig:
     """torch.compile the target's graphed steps (CUDA)."""
     persist_steps: bool = False
     """With compile: keep the target's compiled steps in $EYAS_CACHE/steps, so later benches load them instead of
-    tracing them again (torch.compile(...).aot_compile; failed on the H200's torch 2.11 in session 14, both causes
-    fixed since and tested on the CPU under 2.11 and 2.13; not yet measured on a GPU)."""
+    tracing them again (torch.compile(...).aot_compile). On the H200 (torch 2.11, session 15) a second bench
+    loaded the first one's steps: compile + warm-up 4.0 s against 17.3 s without (BENCHMARKS.md)."""
     baselines: bool = True
     """Also run plain decoding and prompt lookup."""
     lossless_turns: int = 4
