@@ -67,8 +67,8 @@ def twin_config(*, live: bool = False, vocab_size: int = 320, layers: int = 7):
 
 
 def make_twin(*, live: bool = False, seed: int = 0, layers: int = 7):
-    """(DeepseekV3ForCausalLM in fp32 eval mode, tokenizer). Router biases are random too, so routing is not
-    degenerate."""
+    """(DeepseekV3ForCausalLM in fp32 eval mode, tokenizer). Router biases and RMSNorm weights are random too, so
+    routing is not degenerate and a pre-norm state is not a scaled post-norm one (as in a trained model)."""
     from transformers import DeepseekV3ForCausalLM
 
     tok = twin_tokenizer()
@@ -78,6 +78,8 @@ def make_twin(*, live: bool = False, seed: int = 0, layers: int = 7):
         for name, p in model.named_parameters():
             if name.endswith("e_score_correction_bias"):
                 p.normal_(0.0, 0.1)
+            elif "norm" in name and name.endswith(".weight"):
+                p.uniform_(0.5, 1.5)
     model.generation_config.eos_token_id = tok.eos_token_id
     return model, tok
 
