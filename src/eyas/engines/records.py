@@ -17,6 +17,7 @@ ATTEMPT_SEP = "#a"   # rid = f"{sample_id}#a{attempt}": a retry is a new request
 # rejections that no retry can fix (the client stops at the first one, engines/capture.py)
 NO_AUX = "no aux hidden states reached the logits processor"
 STORE_LOCKED = "store locked"
+NO_IDS = "no token ids reached the logits processor (input_ids None and no forward_batch.input_ids)"
 
 
 def sample_id_of(rid: str) -> str:
@@ -86,8 +87,11 @@ class Assembler:
 
     def feed(self, rids, extend_lens, prefix_lens, input_ids: torch.Tensor, final: torch.Tensor,
              aux: torch.Tensor | None) -> list[Record]:
-        """input_ids (N,), final (N, h), aux (N, 3, h) or None: rows packed in rid order."""
+        """input_ids (N,), final (N, h), aux (N, 3, h) or None: rows packed in rid order. input_ids None (the
+        engine gave no token ids) rejects every request of the batch."""
         out: list[Record] = []
+        if input_ids is None:
+            return [self._reject(r, NO_IDS) for r in rids if sample_id_of(r) in self.expected]
         if sum(extend_lens) != input_ids.shape[0] or final.shape[0] != input_ids.shape[0] \
                 or (aux is not None and aux.shape[0] != input_ids.shape[0]):
             # padded or gathered tensors: cannot attribute rows to requests -> reject every request in it

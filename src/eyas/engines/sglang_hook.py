@@ -2,6 +2,7 @@
 
 It is registered on the target's `logits_processor` (hook_manager.register_forward_hook), whose
 positional inputs are (input_ids, hidden_states, lm_head, forward_batch, aux_hidden_states):
+  input_ids      (N,)    None when the model was called with input_embeds (Kimi-K2.5): forward_batch.input_ids
   hidden_states  (N, h)  final-norm output of every token of the batch (before pruning to last tokens)
   aux            list of 3 x (N, h), or packed (N, 3h) from 0.5.23; the residual stream entering the
                  captured layers (SGLang's layers_to_capture = HF ids)
@@ -83,9 +84,16 @@ def unpack_aux(aux, n: int, h: int, num_aux: int) -> torch.Tensor | None:
 
 
 def batch_view(args: tuple, num_aux: int = 3):
-    """The logits processor's positional inputs -> (mode, rids, extend lens, prefix lens, ids, final, aux)."""
+    """The logits processor's positional inputs -> (mode, rids, extend lens, prefix lens, ids, final, aux).
+
+    ids are None only when neither the logits processor nor the forward batch has them. A multimodal wrapper
+    (Kimi-K2.5: general_mm_embed_routine) calls its language model with input_ids=None and input_embeds, so the
+    logits processor gets None; the batch's own forward_batch.input_ids are the tokens then.
+    """
     input_ids, hidden = args[0], args[1]
     fb = args[3]
+    if input_ids is None:
+        input_ids = getattr(fb, "input_ids", None)
     aux = args[4] if len(args) > 4 else None
     handed = take_handoff()                           # this forward's aux from the enable hook (before 0.5.23)
     if aux is None:
@@ -191,10 +199,12 @@ class CaptureHook:
         if any(r.startswith(FLUSH_RID) for r in rids):
             self.flush()
             return None
-        if ext is None or pre is None:
+        if ids is None:
+            ext = pre = None                     # the Assembler rejects each request, saying why
+        elif ext is None or pre is None:
             ext, pre = [int(ids.shape[0])], [0]
         self._last = time.monotonic()
-        for rec in self.asm.feed(rids, list(ext), list(pre), ids, final, aux):
+        for rec in self.asm.feed(rids, list(ext or ()), list(pre or ()), ids, final, aux):
             if rec.ok:
                 why = self._write(rec)
                 if why:
