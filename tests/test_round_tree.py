@@ -98,6 +98,49 @@ def test_drafter_continuing_from_the_wrong_entry_changes_acceptance_only(setup, 
     assert acc != round_runs(setup, ("trained", 4, 5, 16))[1]
 
 
+def test_verify_mask_is_the_eager_mask(setup, monkeypatch):
+    """Every round's verify mask is `SpecDecoder`'s eager one over the whole cache: node i attends slots 0..n-1
+    and its ancestors' slots n + j, and nothing at or beyond n+S (stale k/v of earlier, longer prompts)."""
+    model, runner, drafters, prompts, ref, eos = setup
+    dec = RoundTreeDecoder(runner, drafters["trained"], tree(4, 5, 16))
+    d, S, M = dec.drafting, dec.S, runner.cfg.max_seq
+    seen, tree_fn, verify = [], d._tree_fn, dec._verify
+    monkeypatch.setattr(d, "_tree_fn", lambda: seen.append([int(d.n), tree_fn()]) or seen[-1][1])
+    monkeypatch.setattr(dec, "_verify", lambda *a: seen[-1].append(a[3].clone()) or verify(*a))
+    dec.generate(prompts[4], NEW)
+    assert len(seen) >= 5
+    for r, (n, t, mask) in enumerate(seen):
+        assert n + S < M  # slots past the tree exist
+        eager = torch.zeros(1, S, M, dtype=torch.bool)
+        eager[0, :, :n] = True
+        eager[0, :, n:n + S] = t.mask
+        late = mask[0, :, n + S:].any(-1).nonzero().flatten().tolist()
+        assert late == [], f"round {r}: nodes {late} attend slots at or beyond n+S"
+        assert torch.equal(mask, eager), f"round {r}: verify mask != the eager mask"
+
+
+def test_paths_ending_at_the_last_node_equal_plain_greedy(setup, monkeypatch):
+    """A one-level tree of every draft token, ranked by a drafter with its head negated: the last node is the
+    trained drafter's first choice, so many rounds accept it and take the bonus token from its logits."""
+    model, runner, drafters, prompts, ref, eos = setup
+    rev = copy.deepcopy(drafters["trained"])
+    with torch.no_grad():
+        rev.lm_head.weight.neg_()
+    V = rev.config.draft_vocab_size
+    dec = RoundTreeDecoder(runner, rev, tree(V, 1, V))
+    ends, copy_slots = [], runner.copy_slots  # copy_slots(n + path, n + 0..P-1): path[acc] is the accepted node
+    monkeypatch.setattr(runner, "copy_slots",
+                        lambda src, dst, row=0: ends.append(src - dst[0]) or copy_slots(src, dst, row))
+    short = [(p, want) for p, want in zip(prompts, ref) if len(p) + NEW + dec.S <= runner.cfg.max_seq]
+    last = 0
+    for p, want in short:
+        ends.clear()
+        out, stats = dec.generate(p, NEW, eos_ids=[eos])
+        assert out == want
+        last += sum(int(path[a]) == dec.S - 1 for path, a in zip(ends, stats.accepted))
+    assert len(short) >= 5 and last >= 10, last  # not vacuous
+
+
 def test_a_round_never_reads_the_device(setup, monkeypatch):
     """The round body calls no item/tolist/bool/int/float/nonzero on a tensor (each a host sync on CUDA)."""
     model, runner, drafters, prompts, ref, eos = setup
