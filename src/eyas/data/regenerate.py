@@ -6,8 +6,9 @@ regenerates before training). An empty reply (whitespace, or a server's unskippe
 never kept: the conversation is cut before it (dropped when it was the first) and counted. Two backends behind one interface,
 `regenerate(convs, temperature=None) -> list[Conversation | Skipped]`:
 
-* `LocalBackend`: batched generation with the loaded target, through the static-cache
-  `eyas.target.runner.Runner` for Llama-family targets, else HF `model.generate`.
+* `LocalBackend`: batched generation with the loaded target through `Runner.from_hf`: the static-cache
+  runner for Llama-family targets, the generic `HFRunner` (target/hf_runner.py) for other full-attention
+  ones, else (a target neither takes) HF `model.generate`.
 * `ServerBackend`: any OpenAI-compatible chat-completions server (SGLang, vLLM, ...), with
   timeouts, retries with exponential backoff and a bounded number of requests in flight.
 

@@ -17,6 +17,7 @@ forward); on the CPU everything runs eagerly.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,6 +159,13 @@ class Layer(nn.Module):
         return x + self.proj(self.w2, F.silu(gate) * up)
 
 
+def llama_family(hf) -> bool:
+    """Whether `Runner` copies this target's weights into its own forward: bias-free SiLU Llama-family configs.
+    Others decode through `HFRunner` (target/hf_runner.py), their own HF forward."""
+    return (getattr(hf, "model_type", "llama") in ("llama", "mistral", "qwen2") and not getattr(hf, "attention_bias", False)
+            and not getattr(hf, "mlp_bias", False) and getattr(hf, "hidden_act", "silu") == "silu")
+
+
 def _layer_body(layer: Layer, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, bias: Tensor) -> Tensor:
     return layer(x, cos, sin, slots, bias)
 
@@ -218,7 +226,9 @@ class Runner(nn.Module):
                 compile: bool = False, dynamic: bool = False, regions: bool = False,
                 compile_options: dict | None = None, attention: str = "matmul", gemv: int | None = None,
                 persist: str | os.PathLike | None = None) -> "Runner":
-        """Copy the weights of an HF LlamaForCausalLM into a Runner with a static KV cache. compile: torch.compile
+        """Copy the weights of an HF LlamaForCausalLM into a Runner with a static KV cache; a target that is not
+        Llama-family (`llama_family`) gets the generic `HFRunner` instead (its own HF forward, eager; the options
+        below do not apply), with a note on stderr. compile: torch.compile
         the decode step (each CUDA graph then replays fused kernels); dynamic: one compile for every batch and
         slot count (batched generation meets many: compaction and windows), instead of one per shape; regions
         (with compile): inductor compiles the decoder layer once for all layers, not the whole unrolled stack
@@ -238,6 +248,13 @@ class Runner(nn.Module):
         and from which later processes load it without tracing (`eyas.target.persist`)."""
         if attention not in ("matmul", "flex"):
             raise EyasError(f"runner: attention {attention!r}: expected matmul or flex")
+        if not llama_family(model.config):
+            from eyas.target.hf_runner import HFRunner
+
+            print(f"eyas: note: runner: {model.config.model_type} is not a bias-free SiLU Llama; decoding through its "
+                  f"own HF forward (target/hf_runner.py: generic, eager, slow{'; compile ignored' if compile else ''})",
+                  file=sys.stderr)
+            return HFRunner.from_hf(model, max_batch=max_batch, max_seq=max_seq, dtype=dtype, device=device)
         dev0 = torch.device(device) if device is not None else next(model.parameters()).device
         if gemv is None:
             gemv = 1 if compile and not dynamic and not regions and attention == "matmul" and dev0.type == "cuda" else 0
@@ -261,9 +278,6 @@ class Runner(nn.Module):
             raise EyasError("runner: flex attention inside compile regions fails to compile (torch "
                             f"{torch.__version__}); use one or the other")
         hf = model.config
-        if getattr(hf, "model_type", "llama") not in ("llama", "mistral", "qwen2") or getattr(hf, "attention_bias", False) \
-                or getattr(hf, "mlp_bias", False) or getattr(hf, "hidden_act", "silu") != "silu":
-            raise EyasError(f"runner: only bias-free SiLU Llama-family targets are supported, got {hf.model_type}")
         dtype = dtype or next(model.parameters()).dtype
         device = torch.device(device) if device is not None else next(model.parameters()).device
         heads = hf.num_attention_heads
