@@ -162,6 +162,7 @@ def serve(tmp_path, hf, *, kimi: bool, version: str, tbo: bool = False):
     """Build the SGLang-shaped model, register the hooks launch-args prints, run a warm-up and one batch of
     every prompt through root.forward(), as SGLang's runner does -> {sample id: (ids, aux, final)}."""
     packed = version >= "0.5.23"
+    tmp_path.mkdir(parents=True, exist_ok=True)
     root = (KimiK25ForConditionalGeneration if kimi else DeepseekV3ForCausalLM)(hf, packed=packed)
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(target_config(hf, kimi)))
@@ -222,3 +223,84 @@ def test_no_ids_anywhere_rejects_each_request_instead_of_crashing_the_server(tmp
     h(None, (None, final, head, fb, aux))
     assert writer.samples == {}
     assert [(e["id"], e["ok"], e["reason"]) for e in events(tmp_path)] == [("s0", False, NO_IDS), ("s1", False, NO_IDS)]
+
+
+# ---- two-batch overlap ----
+
+def test_two_batch_overlap_loses_the_aux_states_in_sglangs_layer_loop(tmp_path, twin):
+    """Why it is refused: with can_run_tbo the aux layers (>= first_k_dense_replace) capture nothing, so 0.5.23's
+    unpack of (hidden, aux) fails, and before it the hook sees no aux states."""
+    with pytest.raises(ValueError):
+        serve(tmp_path / "a", twin, kimi=True, version="0.5.23", tbo=True)
+    got, _ = serve(tmp_path / "b", twin, kimi=True, version="0.5.14", tbo=True)
+    assert got == {}
+
+
+@pytest.fixture
+def sglang_with_tbo(monkeypatch):
+    """An SGLang whose scheduler ran initialize_moe_config with --enable-two-batch-overlap."""
+    import types
+    from eyas.engines.sglang_hook import MOE_UTILS
+    flag = {"on": True}
+    monkeypatch.setitem(__import__("sys").modules, MOE_UTILS,
+                        types.SimpleNamespace(is_tbo_enabled=lambda: flag["on"]))
+    return flag
+
+
+def test_the_hooks_refuse_two_batch_overlap_when_they_load(tmp_path, sglang_with_tbo):
+    from eyas.engines.sglang_hook import make_aux_enable_hook, make_capture_hook
+    for make, cfg in ((make_capture_hook, {"store": str(tmp_path), "data": str(tmp_path / "none")}),
+                      (make_aux_enable_hook, {"layers_to_capture": [2, 3, 4]})):
+        with pytest.raises(RuntimeError) as e:
+            make(cfg)
+        msg = str(e.value)
+        assert "\n" not in msg and "--enable-two-batch-overlap" in msg and "first_k_dense_replace" in msg
+    sglang_with_tbo["on"] = False
+    assert callable(make_aux_enable_hook({"layers_to_capture": [2, 3, 4]}))
+
+
+@pytest.mark.parametrize("version", ["0.5.14", "0.5.23"])
+def test_is_tbo_enabled_is_set_before_the_hooks_load(version):
+    """The accessor the hook reads exists in each wheel, is fed by --enable-two-batch-overlap, and the scheduler
+    sets it (init_moe_gemm_config) before it builds the model worker, which loads the model and its hooks."""
+    import engine_src
+    whl = engine_src.wheel(version)
+    if whl is None:
+        pytest.skip(f"sglang {version} wheel not cached and PyPI unreachable")
+    utils = engine_src.read_member(whl, "sglang/srt/layers/moe/utils.py")
+    sched = engine_src.read_member(whl, "sglang/srt/managers/scheduler.py")
+    assert "def is_tbo_enabled() -> bool:" in utils and "tbo_enabled = " in utils.lower()
+    assert "enable_two_batch_overlap" in utils.split("def initialize_moe_config", 1)[1].split("\ndef ", 1)[0]
+    assert sched.index("self.init_moe_gemm_config()") < sched.index("self.init_model_worker()")
+
+
+@pytest.mark.parametrize("engine, info, flag", [
+    ("sglang", {"enable_two_batch_overlap": True, "tp_size": 8}, "--enable-two-batch-overlap"),
+    ("vllm", {"vllm_config": {"parallel_config": {"enable_dbo": True}}}, "--enable-dbo")])
+def test_capture_refuses_a_server_reporting_batch_overlap_before_any_request(tmp_path, engine, info, flag):
+    from eyas.engines.client import EngineCaptureConfig
+    from eyas.engines.probe import Probe
+    from eyas.errors import EyasError
+    cfg = EngineCaptureConfig(engine=engine, url="http://srv", data="fake", out=str(tmp_path), vllm_dir=str(tmp_path),
+                              target_config="config.json")
+    asked, posted = [], []
+    probe = Probe(cfg, tmp_path, get=lambda url, timeout: asked.append(url) or info)
+    with pytest.raises(EyasError) as e:
+        probe.send({"s0": [1, 2]}, attempt=0, post=lambda *a: posted.append(a))
+    assert posted == [] and asked[0].startswith("http://srv/server_info")
+    assert str(e.value).startswith(f"http://srv runs with {flag}: ") and "\n" not in str(e.value)
+
+
+def test_a_server_without_overlap_or_without_server_info_is_probed_as_before(tmp_path):
+    from eyas.engines.client import EngineCaptureConfig
+    from eyas.engines.probe import Probe, refuse_overlap
+    cfg = EngineCaptureConfig(engine="sglang", url="http://srv", data="fake", out=str(tmp_path))
+    refuse_overlap(cfg, lambda url, timeout: {"enable_two_batch_overlap": False})
+
+    def missing(url, timeout):
+        raise OSError("404")
+    refuse_overlap(cfg, missing)
+    probe = Probe(cfg, tmp_path, get=missing)
+    probe.verified = True                                  # the hook check itself is test_engine_probe's
+    assert probe.send({"s0": [1, 2]}, attempt=0, post=lambda url, body, t: {"ok": url}) == \
+        {"s0": {"ok": "http://srv/generate"}}

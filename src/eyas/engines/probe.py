@@ -6,7 +6,8 @@ A server whose hook never runs still answers every request: SGLang only logs "No
 0.5.23, SGLang with an inner model lacking `layers_to_capture` runs the hook but gives it no aux states. Without a
 check each sample would wait for its commit, time out and be retried.
 
-So the first round sends its first sample alone and looks for its dump before sending the rest: a hook event
+A server that reports two-batch overlap (SGLang) or dual-batch overlap (vLLM) in its server info is refused
+before any request. Then the first round sends its first sample alone and looks for its dump before sending the rest: a hook event
 (STORE/engine-events-r*.jsonl) or a vLLM hidden-states file. No dump within `hook_wait_s` stops the capture
 with one line saying what to check. A hook that saw no aux states on two samples in a row stops it too. One
 such sample can be the server's first forward when it skipped its warm-up: before 0.5.23 eyas's enable hook
@@ -20,20 +21,57 @@ import time
 from pathlib import Path
 
 from eyas.engines.client import EngineCaptureConfig, event_offsets, new_events, send_all
-from eyas.engines.records import NO_AUX, STORE_LOCKED
+from eyas.engines.records import NO_AUX, STORE_LOCKED, overlap_refusal
 from eyas.errors import EyasError
+
+# Where each engine reports the flags it runs with: SGLang's /server_info (/get_server_info before it) holds the
+# server args by field name; vLLM's /server_info exists only under VLLM_SERVER_DEV_MODE=1.
+SERVER_INFO = {"sglang": ("/server_info", "/get_server_info"), "vllm": ("/server_info?config_format=json",)}
+
+
+def http_get(url: str, timeout: float) -> dict:
+    import httpx  # noqa: PLC0415
+    r = httpx.get(url, timeout=timeout)
+    r.raise_for_status()
+    return r.json()
+
+
+def overlap_flag(engine: str, info: dict) -> str | None:
+    """The batch-overlap flag a server-info reply says is on (None: off or not reported)."""
+    if engine == "sglang":
+        return "--enable-two-batch-overlap" if info.get("enable_two_batch_overlap") else None
+    vc = info.get("vllm_config")                    # a dict with config_format=json, else a string
+    par = vc.get("parallel_config") if isinstance(vc, dict) else None
+    return "--enable-dbo" if isinstance(par, dict) and par.get("enable_dbo") else None
+
+
+def refuse_overlap(cfg: EngineCaptureConfig, get=http_get) -> None:
+    """Stop before any request when the server reports a batch-overlap flag. A server that reports nothing
+    (no such endpoint) passes: the SGLang hook refuses two-batch overlap itself when it loads."""
+    for path in SERVER_INFO[cfg.engine]:
+        try:
+            info = get(cfg.url.rstrip("/") + path, min(cfg.timeout_s, 30.0))
+        except Exception:  # noqa: BLE001 - an engine without the endpoint: nothing to check here
+            continue
+        flag = overlap_flag(cfg.engine, info if isinstance(info, dict) else {})
+        if flag:
+            raise EyasError(overlap_refusal(cfg.url, flag))
+        return
 
 
 class Probe:
     """Sends the first samples of a capture one by one until one shows that the capture side runs."""
 
-    def __init__(self, cfg: EngineCaptureConfig, out: Path, poll_s: float = 0.05):
-        self.cfg, self.out, self.poll_s = cfg, Path(out), poll_s
-        self.verified = False
+    def __init__(self, cfg: EngineCaptureConfig, out: Path, poll_s: float = 0.05, get=http_get):
+        self.cfg, self.out, self.poll_s, self.get = cfg, Path(out), poll_s, get
+        self.verified = self.flags_checked = False
         self.no_aux: list[str] = []
 
     def send(self, todo: dict, *, attempt: int, **kw) -> dict:
         """send_all(todo) -> {id: reply | error}, its first samples alone until the capture side is verified."""
+        if not self.flags_checked:
+            refuse_overlap(self.cfg, self.get)
+            self.flags_checked = True
         resp: dict = {}
         for sid in list(todo):
             if self.verified:

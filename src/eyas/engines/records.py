@@ -17,6 +17,21 @@ ATTEMPT_SEP = "#a"   # rid = f"{sample_id}#a{attempt}": a retry is a new request
 # rejections that no retry can fix (the client stops at the first one, engines/capture.py)
 NO_AUX = "no aux hidden states reached the logits processor"
 STORE_LOCKED = "store locked"
+# Two-batch overlap: DeepSeek/Kimi run the layers from first_k_dense_replace on through model_forward_stages
+# (SGLang deepseek_v2.py), which take no capture list; vLLM's extract_hidden_states asserts it is off.
+OVERLAP_WHY = {
+    "--enable-two-batch-overlap": "under it SGLang runs the layers from first_k_dense_replace on through "
+                                  "model_forward_stages, which capture no aux hidden states",
+    "--enable-dbo": "vLLM's extract_hidden_states does not implement dual-batch overlap (it asserts)",
+}
+
+
+def overlap_refusal(where: str, flag: str) -> str:
+    """The one line that refuses a server running with a batch-overlap flag."""
+    return f"{where} runs with {flag}: {OVERLAP_WHY[flag]}; restart it without {flag} (eyas engine launch-args " \
+           f"never emits it)"
+
+
 NO_IDS = "no token ids reached the logits processor (input_ids None and no forward_batch.input_ids)"
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from eyas.engines.locking import HOOK_RANK_OFFSET, hook_rank
-from eyas.engines.records import STORE_LOCKED, Assembler, Record
+from eyas.engines.records import STORE_LOCKED, Assembler, Record, overlap_refusal
 from eyas.errors import EyasError
 
 IDLE_FLUSH_S = 5.0
@@ -43,9 +43,25 @@ def _optional_module(name: str):
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as e:
-        if e.name != name:
+        if e.name is None or not (name == e.name or name.startswith(e.name + ".")):
             raise                                   # the module exists but one of its imports is broken
-        return None
+        return None                                 # it, or a package above it (no SGLang at all), is absent
+
+
+MOE_UTILS = "sglang.srt.layers.moe.utils"           # is_tbo_enabled(): --enable-two-batch-overlap, 0.5.14 to 0.5.23
+
+
+def refuse_two_batch_overlap(is_tbo_enabled=None) -> None:
+    """Raise (at hook load, so the server does not start) when this SGLang runs two-batch overlap.
+
+    SGLang's scheduler sets the flag read by moe.utils.is_tbo_enabled() from the server args
+    (initialize_moe_config, for MoE targets, the only ones that run it) before it loads the model and the hooks.
+    """
+    if is_tbo_enabled is None:
+        m = _optional_module(MOE_UTILS)
+        is_tbo_enabled = getattr(m, "is_tbo_enabled", None)
+    if is_tbo_enabled is not None and is_tbo_enabled():
+        raise RuntimeError(overlap_refusal("eyas capture hook: this SGLang server", "--enable-two-batch-overlap"))
 
 
 def sglang_ranks() -> tuple[int, int, int]:
@@ -199,6 +215,10 @@ class CaptureHook:
         if any(r.startswith(FLUSH_RID) for r in rids):
             self.flush()
             return None
+        from eyas.engines.served_check import record_probe  # noqa: PLC0415
+        if record_probe(self.store, rids, ext if ext is not None or ids is None else [int(ids.shape[0])], pre,
+                        ids, aux):
+            return None                          # the check's probe (engines/served_check.py): never stored
         if ids is None:
             ext = pre = None                     # the Assembler rejects each request, saying why
         elif ext is None or pre is None:
@@ -228,6 +248,7 @@ def load_expected(data_path) -> tuple[dict, dict]:
 
 def make_capture_hook(config: dict):
     """--forward-hooks factory: config {store, data, aux_layer_ids, num_layers}."""
+    refuse_two_batch_overlap()
     expected, masks = load_expected(config["data"])
     return CaptureHook(store=config["store"], expected=expected, loss_masks=masks,
                        num_aux=len(config.get("aux_layer_ids", [0, 0, 0])),
@@ -252,6 +273,7 @@ def make_aux_enable_hook(config: dict):
     If layers_to_capture was already set by the server itself, the aux states reach the capture hook through
     the logits processor's arguments and this hook does nothing.
     """
+    refuse_two_batch_overlap()
     want = [int(i) for i in config["layers_to_capture"]]
     state: dict = {}
 
@@ -268,6 +290,9 @@ def make_aux_enable_hook(config: dict):
             else:
                 module.layers_to_capture = want
                 state["mode"] = "handoff"
+            if state["mode"] != "absent":        # the check's probe switches the layers per probe forward
+                from eyas.engines.served_check import install_probe_switch  # noqa: PLC0415
+                install_probe_switch(module)
             return None
         if state["mode"] == "handoff" and isinstance(output, tuple) and len(output) == 2:
             _AUX_HANDOFF[:] = [output[1]]
