@@ -288,18 +288,39 @@ def test_nan_between_logged_steps_is_named_before_anything_is_saved(tmp_path):
 
 def test_sparse_logging_trains_the_same_drafter(tmp_path):
     """log_every only changes which steps are read back: the weights, the logged steps' records and the tokens
-    seen are those of a run that reads every step."""
+    seen are those of a run that reads every step. The last step (8, not a multiple of log_every) is logged too,
+    and the returned train summary is that step's."""
     t = tiny_target()
     store = capture(tmp_path, t, make_samples(24))
-    run_train(cfg(tmp_path, store, "each", steps=9, log_every=1), target=t)
-    run_train(cfg(tmp_path, store, "sparse", steps=9, log_every=3), target=t)
+    run_train(cfg(tmp_path, store, "each", steps=8, log_every=1), target=t)
+    result = run_train(cfg(tmp_path, store, "sparse", steps=8, log_every=3), target=t)
     each, sparse = records(tmp_path / "each"), records(tmp_path / "sparse")
-    assert [r["step"] for r in sparse] == [3, 6, 9]
-    assert [r for r in each if r["step"] % 3 == 0] == sparse
+    assert [r["step"] for r in sparse] == [3, 6, 8]
+    assert [r for r in each if r["step"] % 3 == 0 or r["step"] == 8] == sparse
+    assert result["step"] == 8
+    assert {k: result["train"][k] for k in ("loss", "loss_k", "acc_k")} == {k: sparse[-1][k] for k in
+                                                                          ("loss", "loss_k", "acc_k")}
     full = [json.loads(x) for x in open(tmp_path / "each" / "metrics.jsonl") if '"train"' in x]
     assert sum(r["tokens"] for r in full) == full[-1]["tokens_seen"]
     sa, sb = drafter_state(tmp_path / "each"), drafter_state(tmp_path / "sparse")
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_inf_gradient_norm_names_its_step(tmp_path):
+    """Finite features and loss, but an infinite gradient at step 4 (a backward hook adds +inf): training stops
+    there, naming the step and its samples, before the poisoned update reaches a checkpoint or the drafter."""
+    from eyas.train.trainer import Trainer
+    t = tiny_target()
+    store = capture(tmp_path, t, make_samples(30))
+    tr = Trainer(cfg(tmp_path, store, steps=6, eval_fraction=0.0, checkpoint_every=1), target=t)
+    tr.params[0].register_hook(lambda g: g + float("inf") if tr.step + 1 == 4 else g)
+    names = ", ".join(repr(tr.source.ids[j]) for idx in tr.plan(0)[3] for j in idx)
+    with pytest.raises(EyasError) as e:
+        tr.train()
+    assert str(e.value) == f"step 4: NaN/Inf in gradient norm, sample(s) {names}"
+    saved = [int(p.name.split("-")[1]) for p in (tmp_path / "run" / "checkpoints").glob("step-*")]
+    assert max(saved) == 3, saved
+    assert not (tmp_path / "run" / "drafter").exists()
 
 
 def test_store_target_mismatch_refused(tmp_path):
