@@ -108,6 +108,8 @@ class Trainer:
                                               aux_layer_ids=target.aux_layer_ids,
                                               intermediate_size=cfg.intermediate_size)
         drafter = Eagle3Drafter(self.dcfg)
+        if self.rank == 0:  # the derived shape (docs/training.md, "The drafter's shape")
+            print(f"eyas train: drafter: {self.dcfg.summary()}", file=sys.stderr)
         drafter.set_vocab(self.vocab.d2t, self.vocab.t2d)
         if init_drafter is not None:
             if init_drafter.config != self.dcfg:
