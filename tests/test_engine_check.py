@@ -1,0 +1,188 @@
+"""The served check (engines/served_check.py) on the tiny DeepSeek-V3 twin, with the target only served.
+
+The server is the SGLang-shaped DeepSeek-V3 of tests/test_engine_deepseek.py on the twin's real weights, with the
+--forward-hooks of `eyas engine launch-args` for SGLang 0.5.14 (capture hook + aux enable hook, which installs the
+probe switch), run by root.forward() one request per /generate, answering greedy output_ids. The check reads only
+a weightless copy of the twin (config, index and the head shards). It must pass on a correct capture, and fail on:
+a server launched with aux ids one layer off (either way, naming the layer), a final slot captured before the
+final norm, and a capture placed after the layer instead of before it (the seed's wrong-method bug: only the
+probe's anchor sees it, since store and probe are shifted alike).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from deepseek_twin import make_twin, save_twin, weightless_copy
+from eyas.cli import main
+from eyas.engines.capture import run_engine_capture
+from eyas.engines.client import EngineCaptureConfig
+from eyas.engines.launch_args import hook_spec
+from eyas.engines.served_check import CHECK_FILE, PROBE_DIR, PROBE_RID, CheckConfig, report, run_served_check
+from eyas.engines.sglang_hook import CaptureHook
+from eyas.store.reader import Store
+from test_engine_deepseek import DeepseekV2Model, DeepseekV3ForCausalLM, batch
+from test_engine_probe import http_engine
+from test_engine_sglang_forward import register
+
+g = torch.Generator().manual_seed(3)
+SAMPLES = {f"s{i}": torch.randint(3, 320, (10 + 3 * i,), generator=g).tolist() for i in range(5)}
+MASKS = {k: [1] * len(v) for k, v in SAMPLES.items()}
+PREP = ({"target": {"identity": "twin", "config_sha256": "0", "tokenizer_sha256": "0"}}, SAMPLES, MASKS)
+AUX = [2, 3, 4]           # the twin's default ids (7 layers)
+
+
+class CaptureAfterLayer(DeepseekV2Model):
+    """The seed's bug: layer i's capture placed after the layer ran (its output, HF id i + 1)."""
+
+    def forward(self, input_ids, positions, forward_batch, input_embeds=None):
+        stream = self.embed_tokens(input_ids) if input_embeds is None else input_embeds   # (N, h)
+        aux = []
+        for i in range(len(self.layers)):
+            stream = self._layer(i, stream, forward_batch)
+            if i in self.layers_to_capture:
+                aux.append(stream.clone())
+        hidden = self.norm(stream)
+        return (hidden, aux) if aux else hidden
+
+
+class NormInLogits(nn.Module):
+    """A logits processor handed the pre-norm stream (the final norm moved into it): greedy tokens unchanged,
+    but the capture hook sees the state before the norm."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, input_ids, hidden_states, lm_head, forward_batch, aux_hidden_states=None):
+        return lm_head(self.norm(hidden_states))
+
+
+class Engine:
+    """SGLang 0.5.14 serving the twin: one forward per request (a probe can be batched with another user's)."""
+
+    def __init__(self, store, hf, *, server_ids=AUX, variant="ok", crowd_probes=0):
+        self.root = DeepseekV3ForCausalLM(hf, packed=False)
+        if variant == "after":
+            self.root.model = CaptureAfterLayer(hf.model, hf.config.first_k_dense_replace, packed=False)
+        elif variant == "prenorm":
+            self.root.logits_processor = NormInLogits(self.root.model.norm)
+            self.root.model.norm = nn.Identity()
+        capture = CaptureHook(store=store, expected=SAMPLES, loss_masks=MASKS, ranks=lambda: (0, 0, 1),
+                              idle_flush_s=0.2)
+        register(self.root, hook_spec(str(store), "unused", list(server_ids), num_layers=7, aux_flag=False),
+                 capture)
+        self.lock, self.crowd_probes, self.probes = threading.Lock(), crowd_probes, 0
+        self.forward({"warmup": [1, 2, 3]})
+
+    def forward(self, reqs: dict) -> torch.Tensor:
+        fb = batch(reqs)
+        with torch.no_grad():
+            return self.root.forward(fb.input_ids, fb.positions, fb)      # (N, V)
+
+    def post(self, url, body, timeout):
+        assert url.endswith("/generate"), url
+        with self.lock:                                  # the scheduler runs one forward at a time
+            rid, ids = body["rid"], body["input_ids"]
+            reqs = {rid: ids}
+            if rid.startswith(PROBE_RID):
+                self.probes += 1
+                if self.crowd_probes:                    # another user's request lands in the same batch
+                    self.crowd_probes -= 1
+                    reqs["someone-else"] = [7, 8, 9]
+            logits = self.forward(reqs)
+        return {"text": "x", "output_ids": [int(logits[len(ids) - 1].argmax())], "meta_info": {"id": rid}}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls: one intra-op thread is many times faster than several on a shared CPU."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def twin():
+    return make_twin()[0]
+
+
+@pytest.fixture(scope="module")
+def head_dir(tmp_path_factory):
+    """A weightless copy of the twin: config, tokenizer, index and the shards holding embed / norm / lm_head."""
+    root = tmp_path_factory.mktemp("twin")
+    return weightless_copy(save_twin(root / "full"), root / "weightless")
+
+
+def capture(tmp_path, twin, **kw):
+    out = tmp_path / "store"
+    eng = Engine(out, twin, **kw)
+    c = EngineCaptureConfig(engine="sglang", url="http://fake", data="fake", out=str(out), concurrency=1,
+                            retries=1, commit_wait_s=10, hook_wait_s=2)
+    m = run_engine_capture(c, aux_layer_ids=AUX, hidden_size=64, vocab_size=320, samples=PREP, post=eng.post)
+    assert m["complete"]
+    return out, eng
+
+
+def check(out, head_dir, eng):
+    res = run_served_check(CheckConfig(engine="sglang", url="http://fake", store=str(out), target=str(head_dir),
+                                       wait_s=2), post=eng.post)
+    print(report(res["rows"]))
+    return {r["check"]: r for r in res["rows"]}, res
+
+
+def test_a_correct_capture_passes_every_check(tmp_path, twin, head_dir):
+    out, eng = capture(tmp_path, twin)
+    rows, res = check(out, head_dir, eng)
+    assert res["ok"], report(res["rows"])
+    assert set(rows) == {"final slot post-norm", "final slot greedy", "probe anchor layer 0",
+                         "aux slot 0 (HF id 2)", "aux slot 1 (HF id 3)", "aux slot 2 (HF id 4)"}
+    assert rows["final slot greedy"]["value"].startswith("16/16 argmax")     # 4 samples x 4 cut points
+    assert json.loads((out / CHECK_FILE).read_text())["ok"] is True
+    assert sorted(Store(out).ids) == sorted(SAMPLES)                         # probes never reach the store
+    assert len(list((out / PROBE_DIR).glob("*.pt"))) == 4
+
+
+@pytest.mark.parametrize("shift", [1, -1])
+def test_a_server_launched_one_layer_off_fails_naming_the_layer(tmp_path, twin, head_dir, shift):
+    """The store says HF ids 2, 3, 4; the server captured 3, 4, 5 (or 1, 2, 3)."""
+    out, eng = capture(tmp_path, twin, server_ids=[i + shift for i in AUX])
+    rows, res = check(out, head_dir, eng)
+    assert not res["ok"]
+    for k, i in enumerate(AUX):
+        r = rows[f"aux slot {k} (HF id {i})"]
+        assert not r["ok"] and r["why"] == f"matches layer {i + shift} better: the store is one layer off"
+    assert rows["probe anchor layer 0"]["ok"] and rows["final slot post-norm"]["ok"]   # the rest is right
+
+
+def test_a_pre_norm_final_slot_fails(tmp_path, twin, head_dir):
+    out, eng = capture(tmp_path, twin, variant="prenorm")
+    rows, res = check(out, head_dir, eng)
+    assert not res["ok"]
+    assert not rows["final slot post-norm"]["ok"] and "pre-norm" in rows["final slot post-norm"]["why"]
+    assert not rows["final slot greedy"]["ok"]
+    assert all(rows[f"aux slot {k} (HF id {i})"]["ok"] for k, i in enumerate(AUX))
+
+
+def test_a_capture_placed_after_the_layer_fails_the_anchor(tmp_path, twin, head_dir):
+    """Store and probe both hold layer i's output: the neighbour comparison agrees, the anchor does not."""
+    out, eng = capture(tmp_path, twin, variant="after")
+    rows, res = check(out, head_dir, eng)
+    assert not res["ok"] and not rows["probe anchor layer 0"]["ok"]
+    assert "wrong place" in rows["probe anchor layer 0"]["why"]
+    assert all(rows[f"aux slot {k} (HF id {i})"]["ok"] for k, i in enumerate(AUX))
+
+
+def test_a_probe_batched_with_another_request_is_resent(tmp_path, twin, head_dir):
+    out, eng = capture(tmp_path, twin, crowd_probes=2)
+    _, res = check(out, head_dir, eng)
+    assert res["ok"] and eng.probes == 4 + 2
+    errs = [json.loads(p.read_text())["error"] for p in (out / PROBE_DIR).glob("*.json")]
+    assert len(errs) == 2 and all(e.startswith("batched with other requests") for e in errs)
+    assert sorted(Store(out).ids) == sorted(SAMPLES)
