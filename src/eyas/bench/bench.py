@@ -252,10 +252,7 @@ def _run(cfg, target, drafter, drafter_meta, records, out) -> dict:
                                       persist=Path(cache_root()) / "steps" if cfg.persist_steps else None)
     runner = runners[key]
     eos = target.eos_token_ids
-    room = cfg.max_seq - cfg.max_new_tokens - max(cfg.spec.draft_size, cfg.spec.k) - 2
-    if room < 8:
-        raise EyasError(f"max_seq {cfg.max_seq} leaves no room for prompts with {cfg.max_new_tokens} new tokens "
-                        f"and a {cfg.spec.draft_size}-token draft")
+    room = prompt_room(cfg)
     methods = _methods(cfg, runner, drafter, eos)
     seconds = {"load": time.perf_counter() - clock}
 
@@ -344,6 +341,16 @@ def _warm_up(cfg, runner, methods, drafter) -> int:
             depth = c.k if kind == "chain" else c.depth  # a tree accepts up to `depth` drafts + the bonus
             drafters.append((m.decoder.drafting, len(m.decoder.aux_ids) * runner.cfg.hidden_size, depth))
     return warm_up(runner, steps, drafters)
+
+
+def prompt_room(cfg: BenchConfig) -> int:
+    """Prompt tokens a turn may take (longer prompts are left-truncated): max_seq less the reply and a draft.
+    The engine bench (engine.py) cuts by the same rule, so both benches send the same prompts."""
+    room = cfg.max_seq - cfg.max_new_tokens - max(cfg.spec.draft_size, cfg.spec.k) - 2
+    if room < 8:
+        raise EyasError(f"max_seq {cfg.max_seq} leaves no room for prompts with {cfg.max_new_tokens} new tokens "
+                        f"and a {cfg.spec.draft_size}-token draft")
+    return room
 
 
 def _prompt(tok, msgs, room) -> tuple[list[int], bool]:

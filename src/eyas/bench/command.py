@@ -37,6 +37,14 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--allow-target-mismatch", action="store_true",
                    help="bench a drafter whose recorded target fingerprint differs from --target's (a warning, "
                         "kept in the report's target_mismatch)")
+    from eyas.bench.engine import ENGINES, EngineBenchConfig
+    served = p.add_argument_group("in a serving engine (--engine): the target and drafter are served, --target is "
+                                  "the served model's directory (config and tokenizer, no weights)")
+    add_flags(served, EngineBenchConfig, ["engine", "url", "plain_url", "model", "request_timeout", "concurrency",
+                                          "trust_remote_code"],
+              engine={"default": None, "required": False, "choices": ENGINES,
+                      "help": "bench the drafter served by this engine at --url, from the engine's own counters"},
+              url={"default": None, "required": False})
     p.set_defaults(func=main)
     return p
 
@@ -60,6 +68,8 @@ def main(args: argparse.Namespace) -> int:
 
     from eyas.bench.bench import run_bench
 
+    if getattr(args, "engine", None) or getattr(args, "url", None) or getattr(args, "plain_url", None):
+        return engine_main(args)
     cfg = bench_config(args, args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if not args.allow_target_mismatch or not args.drafter:
         run_bench(cfg)
@@ -83,4 +93,16 @@ def main(args: argparse.Namespace) -> int:
         if cfg.json_out:
             written = {k: v for k, v in report.items() if k != "plot"}
             atomic_write_bytes(Path(cfg.json_out), (json.dumps(written, indent=2) + "\n").encode())
+    return 0
+
+
+def engine_main(args: argparse.Namespace) -> int:
+    """`eyas bench --engine E --url URL [--plain-url URL2]`: nothing is loaded in process but the tokenizer."""
+    from eyas.bench.engine import EngineBenchConfig, run_engine_bench
+    from eyas.errors import EyasError
+
+    if not args.engine:
+        raise EyasError("--url and --plain-url bench a served drafter: say which engine serves it (--engine "
+                        "sglang or vllm)")
+    run_engine_bench(bench_config(args, "cpu"), from_args(EngineBenchConfig, args))
     return 0

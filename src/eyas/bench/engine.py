@@ -1,0 +1,396 @@
+"""`eyas bench --engine sglang|vllm`: a served drafter's tau and speedup, measured in the engine from its counters.
+
+The bench for a target only an engine can run. Prompts, turns and cuts are the in-process bench's
+(load_bench_prompts, prompt_room, the chat template applied here and the ids sent as ids, every turn answered
+with the server's own earlier replies as context), greedy, stopping at the target's eos ids as eyas does. The
+speculative server (--url) and the plain server (--plain-url: the same target without a drafter) answer every
+turn in turn; tok/s is each one's output tokens over its time in requests, the speedup their ratio. tau is
+eyas's unit, tokens per target forward with the prefill counted, so plain decoding is 1:
+- SGLang: completion tokens / (meta_info.spec_verify_ct + 1) per reply; acceptance by position from
+  meta_info.spec_correct_drafts_histogram (verify steps by drafts accepted) where the server sends it;
+- vLLM: tokens / (the rise of vllm:spec_decode_num_drafts + 1 per reply), from /metrics before and after;
+  acceptance by position from vllm:spec_decode_num_accepted_tokens_per_pos. The counters are the server's:
+  other traffic while the bench runs is counted too.
+The two servers' greedy replies are compared turn by turn (`agreement`): the engine's own losslessness check, in
+its dtype, where a near-tie may flip a token (check.py). Any failure stops the bench with one line saying how
+many replies had finished; no partial report is written.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from eyas.bench.bench import BenchConfig, _Method, _prompt, format_table, load_bench_prompts, plot_acceptance, prompt_room
+from eyas.bench.check import agreement
+from eyas.errors import EyasError
+
+ENGINES = ("sglang", "vllm")
+DRAFTS = "vllm:spec_decode_num_drafts"
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineBenchConfig:
+    """Where the served target is; the prompts and turn rules are the BenchConfig's."""
+
+    engine: str
+    """sglang | vllm: the engine serving --url and --plain-url."""
+    url: str
+    """The speculative server's base URL (the target served with the drafter), e.g. http://127.0.0.1:30000."""
+    plain_url: str | None = None
+    """The same target served without a drafter: the speedup's baseline and the greedy agreement (None: tau only)."""
+    model: str | None = None
+    """The served model name, checked against each server's /v1/models (None: the one each server serves)."""
+    request_timeout: float = 600.0
+    """Seconds one request may take."""
+    concurrency: int = 1
+    """Records in flight on a server (a record's turns go one after another)."""
+    trust_remote_code: bool = False
+    """Load --target's tokenizer with its own code (remote-code tokenizers, e.g. Kimi's)."""
+
+    def __post_init__(self):
+        if self.engine not in ENGINES:
+            raise EyasError(f"engine {self.engine!r}: expected sglang or vllm")
+        if not self.url:
+            raise EyasError("--engine needs --url, the speculative server's base URL")
+        if self.request_timeout <= 0 or self.concurrency < 1:
+            raise EyasError("--request-timeout must be > 0 and --concurrency >= 1")
+
+
+def open_tokenizer(target: str, *, trust_remote_code: bool = False):
+    """(tokenizer, eos ids) of the served target from a local directory: config and tokenizer are enough, no
+    weights. The eos ids are the in-process Target.eos_token_ids rule: config and generation config (a nested
+    text_config's too), the tokenizer's eos and the usual end-of-turn tokens."""
+    d = Path(target)
+    if not d.is_dir():
+        raise EyasError(f"--target {target}: bench --engine needs the served model's directory (its config and "
+                        f"tokenizer; no weights)")
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(d, local_files_only=True, trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - any loader failure is one line
+        hint = "" if trust_remote_code else "; a tokenizer with its own code needs --trust-remote-code"
+        raise EyasError(f"{d}: cannot load its tokenizer ({type(e).__name__}: {str(e).splitlines()[0][:200]}){hint}")
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        if (d / name).is_file():
+            c = json.loads((d / name).read_text())
+            for src in (c, c.get("text_config") or {}):
+                e = src.get("eos_token_id")
+                ids.update([] if e is None else [e] if isinstance(e, int) else e)
+    if tok.eos_token_id is not None:
+        ids.add(tok.eos_token_id)
+    vocab = tok.get_vocab()
+    ids.update(vocab[t] for t in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>") if t in vocab)
+    return tok, sorted(ids)
+
+
+class EngineServer:
+    """One engine server: what it serves, greedy requests of token ids, and its speculative counters."""
+
+    def __init__(self, engine: str, url: str, timeout: float, flag: str):
+        self.engine, self.url, self.timeout, self.flag = engine, url.rstrip("/"), timeout, flag
+        self.model: str | None = None  # the served name vLLM requests carry
+
+    def _call(self, method: str, path: str, body: dict | None = None, *, text: bool = False, missing_ok=False):
+        import httpx
+
+        where = f"{self.flag} {self.url}{path}"
+        try:
+            r = httpx.request(method, self.url + path, json=body, timeout=self.timeout)
+        except httpx.TimeoutException:
+            raise EyasError(f"{where}: no answer within {self.timeout:g} s (--request-timeout)") from None
+        except httpx.ConnectError:
+            raise EyasError(f"{where}: connection refused (is the server up?)") from None
+        except httpx.TransportError as e:
+            raise EyasError(f"{where}: the server dropped the connection ({type(e).__name__})") from None
+        if missing_ok and r.status_code == 404:
+            return None
+        if r.status_code >= 400:
+            raise EyasError(f"{where}: HTTP {r.status_code}: {' '.join(r.text.split())[:200]}")
+        if text:
+            return r.text
+        try:
+            return r.json()
+        except ValueError:
+            raise EyasError(f"{where}: the answer is not JSON") from None
+
+    def describe(self, model: str | None) -> dict:
+        """Served name (checked against `model`), model path, engine version, dtype and speculative settings
+        (None: the server does not decode speculatively)."""
+        cards = [c for c in (self._call("GET", "/v1/models").get("data") or []) if c.get("id")]
+        served = [c["id"] for c in cards]
+        if not served or (model is not None and model not in served):
+            raise EyasError(f"{self.flag} {self.url} serves {', '.join(map(repr, served)) or 'no model'}"
+                            + (f", not {model!r} (--model)" if model is not None else ""))
+        self.model = model or served[0]
+        info = {"url": self.url, "served_model": self.model}
+        if self.engine == "sglang":
+            s = self._call("GET", "/get_server_info", missing_ok=True) or self._call("GET", "/server_info")
+            m = self._call("GET", "/get_model_info", missing_ok=True) or self._call("GET", "/model_info")
+            algo = s.get("speculative_algorithm")
+            spec = None if not algo else {
+                "algorithm": algo, "num_steps": s.get("speculative_num_steps"),
+                "eagle_topk": s.get("speculative_eagle_topk"), "num_draft_tokens": s.get("speculative_num_draft_tokens"),
+                "draft_model": s.get("speculative_draft_model_path")}
+            info.update(model_path=m.get("model_path") or s.get("model_path"), version=s.get("version"),
+                        dtype=s.get("dtype"), speculative=spec)
+        else:
+            card = next(c for c in cards if c["id"] == self.model)
+            version = (self._call("GET", "/version", missing_ok=True) or {}).get("version")
+            spec = {"algorithm": "vllm speculative config"} if DRAFTS in self._call("GET", "/metrics", text=True) else None
+            info.update(model_path=card.get("root") or self.model, version=version, dtype=None, speculative=spec)
+        return info
+
+    def generate(self, ids: list[int], n: int, eos: list[int]) -> tuple[list[int], int | None, list[int] | None]:
+        """Greedy reply to prompt `ids` -> (its token ids, SGLang's verify steps or None, SGLang's histogram of
+        verify steps by drafts accepted or None)."""
+        if self.engine == "sglang":
+            r = self._call("POST", "/generate", {"input_ids": list(ids), "sampling_params": {
+                "max_new_tokens": n, "temperature": 0.0, "stop_token_ids": list(eos)}})
+            if not isinstance(r.get("output_ids"), list):
+                raise EyasError(f"{self.flag} {self.url}/generate: the reply has no output_ids")
+            m = r.get("meta_info") or {}
+            return r["output_ids"], m.get("spec_verify_ct"), m.get("spec_correct_drafts_histogram")
+        r = self._call("POST", "/v1/completions", {"model": self.model, "prompt": list(ids), "max_tokens": n,
+                                                   "temperature": 0.0, "stop_token_ids": list(eos),
+                                                   "return_token_ids": True})
+        out = ((r.get("choices") or [{}])[0]).get("token_ids")
+        if not isinstance(out, list):
+            raise EyasError(f"{self.flag} {self.url}/v1/completions: the reply has no token_ids (this vLLM does not "
+                            f"take return_token_ids)")
+        return out, None, None
+
+    def counters(self) -> tuple[float, list[float]]:
+        """vLLM's (drafts, accepted drafts by position) now, summed over its engines' label sets."""
+        drafts, pos = 0.0, {}
+        for line in self._call("GET", "/metrics", text=True).splitlines():
+            if line.startswith("#") or " " not in line:
+                continue
+            head, value = line.rsplit(" ", 1)
+            name = head.split("{", 1)[0].removesuffix("_total")
+            if name == DRAFTS:
+                drafts += float(value)
+            elif name == PER_POS and 'position="' in head:
+                j = int(head.split('position="', 1)[1].split('"', 1)[0])
+                pos[j] = pos.get(j, 0.0) + float(value)
+        return drafts, [pos.get(j, 0.0) for j in range(max(pos) + 1)] if pos else []
+
+    def settled_counters(self, wait_s: float = 2.0, poll_s: float = 0.1):
+        """counters() once two reads in a row agree (a reply may be sent before its step is counted)."""
+        last, deadline = self.counters(), time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            time.sleep(poll_s)
+            now = self.counters()
+            if now == last:
+                break
+            last = now
+        return last
+
+
+def _answer(server, rec, tok, room, n, eos, spec, stop, on_reply=lambda: None) -> list[tuple]:
+    """Every turn of one record, each with the server's own earlier replies as context -> per turn (reply ids,
+    verify steps, histogram, truncated, seconds in the request); on_reply() after each reply."""
+    msgs, turns = [], []
+    for turn in rec["turns"]:
+        if stop.is_set():
+            break
+        msgs.append({"role": "user", "content": turn})
+        ids, cut = _prompt(tok, msgs, room)
+        t0 = time.perf_counter()
+        out, verifies, hist = server.generate(ids, n, eos)
+        dt = time.perf_counter() - t0
+        if spec and server.engine == "sglang" and verifies is None and len(out) > 1:
+            raise EyasError(f"{server.flag} {server.url} does not decode speculatively: a {len(out)}-token reply has "
+                            f"no meta_info.spec_verify_ct (serve the target with its drafter there)")
+        turns.append((out, verifies or 0, hist, cut, dt))
+        on_reply()
+        msgs.append({"role": "assistant", "content": tok.decode(out, skip_special_tokens=True)})
+    return turns
+
+
+def _serve_all(server: EngineServer, name: str, records, tok, room, cfg: BenchConfig, eng: EngineBenchConfig,
+               eos, *, spec: bool, depth: int = 0) -> tuple[_Method, int]:
+    """All records on one server -> (the method's outputs, stats and seconds; prompts left-truncated).
+    `depth`: draft positions the server proposes (acceptance is reported for each, reached or not).
+    Stops at the first failure with one line saying how many replies had finished."""
+    m, total = _Method(name, None), sum(len(r["turns"]) for r in records)
+    if spec:
+        m.stats.accepted_at = [0] * depth
+    vllm_spec = spec and server.engine == "vllm"
+    per_record_counts = vllm_spec and eng.concurrency == 1  # vLLM's counters are global: per record only at batch 1
+    results: dict[int, list] = {}
+    marks = []  # vLLM: (drafts, by position) before the phase and after each record (batch 1)
+    stop, lock, done = threading.Event(), threading.Lock(), [0]
+
+    def replied():
+        with lock:
+            done[0] += 1
+
+    def one(ri):
+        turns = _answer(server, records[ri], tok, room, cfg.max_new_tokens, eos, spec, stop, replied)
+        if per_record_counts:
+            marks.append(server.counters())
+        return ri, turns
+
+    if vllm_spec:
+        marks.append(server.settled_counters())
+    t0 = time.perf_counter()
+    try:
+        if eng.concurrency == 1:
+            for ri in range(len(records)):
+                results.update([one(ri)])
+        else:
+            with ThreadPoolExecutor(eng.concurrency) as pool:
+                futs = [pool.submit(one, ri) for ri in range(len(records))]
+                try:
+                    for f in as_completed(futs):
+                        results.update([f.result()])
+                except BaseException:
+                    stop.set()
+                    for f in futs:
+                        f.cancel()
+                    raise
+    except EyasError as e:
+        raise EyasError(f"{e}; {done[0]} of {total} replies had finished, no report written") from None
+    wall = time.perf_counter() - t0
+    if vllm_spec:
+        end = server.settled_counters()
+        marks = marks[:-1] + [end] if per_record_counts else [marks[0], end]
+    truncated = 0
+    for ri in range(len(records)):
+        turns = results[ri]
+        tokens = sum(len(t[0]) for t in turns)
+        forwards = sum(t[1] + 1 for t in turns)
+        m.outputs.append([t[0] for t in turns])
+        truncated += sum(t[3] for t in turns)
+        m.stats.tokens += tokens
+        if not spec:
+            m.stats.target_forwards += tokens
+            m.per_record.append([tokens, tokens])
+        elif server.engine == "sglang":
+            m.stats.target_forwards += forwards
+            m.stats.rounds += sum(t[1] for t in turns)
+            for hist in (t[2] for t in turns if t[2]):
+                _add_positions(m.stats, [sum(hist[j:]) for j in range(1, len(hist))])
+            m.per_record.append([tokens, forwards])
+        elif per_record_counts:
+            m.per_record.append([tokens, round(marks[ri + 1][0] - marks[ri][0]) + len(turns)])
+    if vllm_spec:
+        drafts = round(marks[-1][0] - marks[0][0])
+        replies = sum(len(r["turns"]) for r in records)
+        if drafts == 0 and m.stats.tokens > replies:
+            raise EyasError(f"{server.flag} {server.url} does not decode speculatively: {m.stats.tokens} tokens "
+                            f"and no {DRAFTS} counted (serve the target with its drafter there)")
+        m.stats.rounds, m.stats.target_forwards = drafts, drafts + replies
+        before, after = marks[0][1], marks[-1][1]
+        _add_positions(m.stats, [round(a - (before[j] if j < len(before) else 0)) for j, a in enumerate(after)])
+    m.seconds = sum(t[4] for ts in results.values() for t in ts) if eng.concurrency == 1 else wall
+    return m, truncated
+
+
+def _add_positions(stats, counts: list[int]) -> None:
+    """accepted_at[j] += counts[j]: verify steps whose accepted drafts reached position j."""
+    stats.accepted_at += [0] * (len(counts) - len(stats.accepted_at))
+    for j, c in enumerate(counts):
+        stats.accepted_at[j] += c
+
+
+def run_engine_bench(cfg: BenchConfig, eng: EngineBenchConfig, *, tokenizer=None, eos_ids=None, out=None) -> dict:
+    """Bench the servers of `eng` on cfg's prompts; return (and with cfg.json_out write) the report dict, in
+    run_bench's format plus `engine` (engine, URLs, served model, versions, speculative settings)."""
+    out = out or sys.stdout
+    if cfg.spec.temperature != 0:
+        raise EyasError("bench --engine decodes greedily: leave --temperature at 0")
+    if cfg.drafter:
+        raise EyasError("bench --engine measures the drafter the server at --url serves: drop --drafter")
+    clock = t_start = time.perf_counter()
+    if tokenizer is None:
+        tokenizer, eos_ids = open_tokenizer(cfg.target, trust_remote_code=eng.trust_remote_code)
+    room = prompt_room(cfg)
+    records, too_long = load_bench_prompts(cfg, tokenizer)
+    spec_srv = EngineServer(eng.engine, eng.url, eng.request_timeout, "--url")
+    spec_info = spec_srv.describe(eng.model)
+    if spec_info["speculative"] is None:
+        raise EyasError(f"--url {eng.url} does not decode speculatively ("
+                        + ("its server info has no speculative_algorithm" if eng.engine == "sglang"
+                           else f"its /metrics has no {DRAFTS}") + "): serve the target with its drafter there")
+    servers = [(spec_srv, spec_info)]
+    if eng.plain_url:
+        plain_srv = EngineServer(eng.engine, eng.plain_url, eng.request_timeout, "--plain-url")
+        plain_info = plain_srv.describe(eng.model)
+        if plain_info["speculative"] is not None:
+            raise EyasError(f"--plain-url {eng.plain_url} decodes speculatively ({plain_info['speculative']['algorithm']}"
+                            f"): the baseline is the target served without a drafter")
+        a, b = (Path(str(i["model_path"]).rstrip("/")).name for i in (spec_info, plain_info))
+        if a != b:
+            raise EyasError(f"--url serves {spec_info['model_path']!r} but --plain-url serves "
+                            f"{plain_info['model_path']!r}: the speedup needs one target on both")
+        servers.insert(0, (plain_srv, plain_info))
+    seconds = {"load": time.perf_counter() - clock}
+
+    clock = time.perf_counter()  # warm-up, not timed: the first prompt's first tokens on each server
+    first = {"turns": records[0]["turns"][:1]}
+    for srv, info in servers:
+        try:
+            _answer(srv, first, tokenizer, room, min(cfg.max_new_tokens, 16), eos_ids, info is spec_info,
+                    threading.Event())
+        except EyasError as e:
+            raise EyasError(f"{e} (warm-up request)") from None
+    seconds["warmup"] = time.perf_counter() - clock
+
+    clock = time.perf_counter()
+    spec_name = _spec_name(spec_info["speculative"], eng.engine)
+    methods, truncated = [], 0
+    for srv, info in servers:
+        spec = info is spec_info
+        m, cut = _serve_all(srv, spec_name if spec else "plain", records, tokenizer, room, cfg, eng, eos_ids, spec=spec,
+                            depth=spec_info["speculative"].get("num_steps") or 0)
+        truncated = truncated or cut  # counted on the first server, as run_bench counts on its first method
+        methods.append(m)
+    seconds["decode"] = time.perf_counter() - clock
+    if truncated:
+        print(f"warning: {truncated} prompt(s) longer than {room} tokens were left-truncated", file=out)
+
+    dtype = " ".join(x for x in (eng.engine, spec_info.get("dtype")) if x and x != "auto")
+    report = {"config": cfg.to_dict(), "target": {"dir": cfg.target, "model_path": spec_info["model_path"]},
+              "drafter": spec_info["speculative"].get("draft_model"), "device": f"{eng.engine} {eng.url}",
+              "dtype": dtype, "records": len(records), "turns": sum(len(r["turns"]) for r in records),
+              "truncated": truncated, "skipped_long_prompts": too_long,
+              "methods": {m.name: m.report() for m in methods},
+              "engine": {**asdict(eng), "spec": spec_info, "plain": servers[0][1] if eng.plain_url else None,
+                         "counters": "meta_info.spec_verify_ct per reply" if eng.engine == "sglang"
+                         else f"{DRAFTS} and {PER_POS} of /metrics"}}
+    if eng.plain_url:
+        plain, sp = methods
+        if plain.seconds and sp.seconds:
+            report["methods"][spec_name]["speedup"] = round((sp.stats.tokens / sp.seconds)
+                                                            / (plain.stats.tokens / plain.seconds), 3)
+        report["agreement"] = {spec_name: {"dtype": dtype, **agreement(sp.outputs, plain.outputs)}}
+    seconds["lossless_check"] = 0.0
+    seconds["total"] = time.perf_counter() - t_start
+    report["seconds"] = {k: round(v, 3) for k, v in seconds.items()}
+    print(format_table(report), file=out)
+    if cfg.json_out:
+        from eyas.manifest import atomic_write_bytes
+        path = Path(cfg.json_out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, (json.dumps(report, indent=2) + "\n").encode())
+        report["plot"] = plot_acceptance(report, path.with_suffix(".png"))
+    return report
+
+
+def _spec_name(spec: dict, engine: str) -> str:
+    """The report's method name: eagle-chain / eagle-tree as run_bench names them (SGLang: a tree when its
+    eagle_topk > 1; vLLM's EAGLE drafts a chain), else the server's algorithm."""
+    algo = str(spec.get("algorithm", "")).lower()
+    if engine == "vllm" or algo.startswith("eagle"):
+        return "eagle-tree" if (spec.get("eagle_topk") or 1) > 1 else "eagle-chain"
+    return algo
