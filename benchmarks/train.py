@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python benchmarks/train.py --batch-tokens 32768 --online     # GPU: SmolLM2 + 8B shapes
     PYTHONPATH=src python benchmarks/train.py --device cpu --shapes tiny --seqs 128 --steps 2   # smoke test
+    PYTHONPATH=src python benchmarks/train.py --shapes kimi --seqs 2048,8192 --attention flex --compile 1
     torchrun --nproc_per_node 2 benchmarks/train.py --shapes llama8b --seqs 2048 # DDP scaling (NCCL)
 
 Each row times full optimizer steps of the trainer's own pieces (TTTModule = drafter + TTT loss, bf16 autocast,
@@ -37,6 +38,9 @@ SHAPES = {
     "tiny": (64, 4, 2, 16, 128, 512, 256),
     "smollm2": (576, 9, 3, 64, 1536, 49152, 32000),
     "llama8b": (4096, 32, 8, 128, 14336, 128256, 32000),
+    # Kimi-K2 / K2.5 (and DeepSeek-V3 bar its 129,280 vocabulary): DrafterConfig.from_target's head for them, as the
+    # published Kimi EAGLE-3 heads; 1.19B parameters, about 19 GB with fp32 AdamW state: GPU only
+    "kimi": (7168, 64, 64, 128, 18432, 163840, 32000),
 }
 
 
