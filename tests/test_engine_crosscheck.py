@@ -3,7 +3,7 @@
 import torch
 from conftest import make_tiny_llama
 
-from eyas.engines.crosscheck import crosscheck, reference_states
+from eyas.engines.crosscheck import crosscheck, reference_states, report
 from eyas.target.layers import sglang_capture_ids, sglang_layer_ids
 
 
@@ -27,6 +27,25 @@ def test_off_by_one_is_named():
     assert [r["matches"] for r in rows[:3]] == [a + 1 for a in aux] and rows[3]["ok"]
     lower = [r[:, [a - 1 for a in aux] + [n]] for r in ref]
     assert [r["matches"] for r in crosscheck(lower, ref, aux, tol=1e-6)[:3]] == [a - 1 for a in aux]
+
+
+def test_a_neighbour_closer_than_the_intended_layer_fails_even_within_tol():
+    """A loose --tol that the intended layer meets does not pass a store one layer off: the neighbour it was
+    captured from is closer still, so the slot is not ok and the report names that neighbour."""
+    torch.manual_seed(0)
+    model = make_tiny_llama(layers=6)
+    n = model.config.num_hidden_layers
+    aux = [1, 2, 4]
+    ids = [torch.randint(0, model.config.vocab_size, (9,)).tolist() for _ in range(2)]
+    ref = reference_states(model, ids)
+    shifted = [r[:, [a + 1 for a in aux] + [n]] for r in ref]
+    tol = 2 * max(crosscheck(shifted, ref, aux, tol=0.0)[s]["rel_err"] for s in range(3))
+    rows = crosscheck(shifted, ref, aux, tol=tol)
+    assert all(r["rel_err"] <= tol for r in rows)  # the intended layers are within tol
+    assert [r["ok"] for r in rows] == [False, False, False, True], rows
+    assert [r["matches"] for r in rows[:3]] == [a + 1 for a in aux]
+    assert [line.endswith(f"OFF BY ONE: matches layer {a + 1}") for line, a in
+            zip(report(rows).splitlines()[1:], aux)] == [True] * 3
 
 
 def test_sglang_ids_round_trip_including_deepseek_quirk():
