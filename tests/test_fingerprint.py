@@ -128,7 +128,8 @@ def test_other_weights_or_tokenizer_refused(machine_a, elsewhere):
 
     root, target_a = machine_a
     reseeded = load_target(str(save_target(elsewhere / "reseeded", seed=5)))
-    with pytest.raises(EyasError, match=r"target does not match \(weights.sha256 \(safetensors\): '[0-9a-f]{12}\.\.\.' "
+    with pytest.raises(EyasError, match=r"target does not match \(weights.sha256 \(safetensors-head\): "
+                                        r"'[0-9a-f]{12}\.\.\.' "
                                         r"!= '[0-9a-f]{12}\.\.\.'\)"):
         Store(root / "store", target=reseeded)
     retok = shutil.copytree(root / "tiny-original", elsewhere / "retok")

@@ -48,6 +48,8 @@ class CaptureConfig:
     """Copy to the host and write shards in background threads while the next batch runs (False: one thread)."""
     progress: bool = True
     """Show a progress bar."""
+    trust_remote_code: bool = False
+    """Allow the target's own code (its tokenizer or config); a target that needs it is refused without."""
 
     def __post_init__(self):
         if self.dtype not in fmt.DTYPES:
@@ -141,7 +143,7 @@ def _run_capture(cfg: CaptureConfig, target, samples: Iterable | None, rank: int
     if target is None:
         from eyas.target import load_target
         dtype = torch.bfloat16 if cfg.device.startswith("cuda") else torch.float32
-        target = load_target(cfg.target, device=cfg.device, dtype=dtype)
+        target = load_target(cfg.target, device=cfg.device, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
     from eyas.target import check_aux_layer_ids
     aux = check_aux_layer_ids(cfg.layers if cfg.layers is not None else target.aux_layer_ids, target.num_layers)
     if samples is None:

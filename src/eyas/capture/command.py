@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 
 from eyas.errors import EyasError
 from eyas.knobs import add_flags, from_args
@@ -23,10 +24,11 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser("capture", help="store the target's aux + final hidden states for prepared data")
     add_flags(p, CaptureConfig, ["target", "data", "out", "layers", "dtype", "batch_tokens", "device", "overwrite",
-                                 "limit", "shard_mb"],
+                                 "limit", "shard_mb", "trust_remote_code"],
               data={"required": True}, layers={"type": _layers}, dtype={"choices": list(DTYPES)})
     p.add_argument("--target-config", default=None,
-                   help="with --engine: the served target's config.json (its layer count, hidden and vocab size)")
+                   help="with --engine: the served target's config.json or its directory (the layer count, hidden "
+                        "and vocab size; no weights are read)")
     from eyas.engines.capture import add_engine_args
 
     add_engine_args(p)
@@ -35,13 +37,15 @@ def register(subparsers) -> None:
 
 def _engine_main(args) -> int:
     """`eyas capture --engine sglang|vllm`: the target runs in a server; only its config is read here."""
-    from eyas.engines.capture import config_from_args, run_engine_capture
+    from eyas.engines.capture import config_from_args, run_engine_capture, served_check
     from eyas.target.layers import resolve_aux_layer_ids
 
     if not args.target_config:
         raise EyasError("capture --engine needs --target-config CONFIG.json (the served model's config)")
+    path = Path(args.target_config)
+    path = path / "config.json" if path.is_dir() else path
     try:
-        raw = json.loads(open(args.target_config).read())
+        raw = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise EyasError(f"{args.target_config}: cannot read the target config ({e})") from None
     raw = raw.get("text_config", raw)  # multimodal wrappers keep the language model's fields inside
@@ -50,9 +54,13 @@ def _engine_main(args) -> int:
     except (KeyError, TypeError, ValueError) as e:
         raise EyasError(f"{args.target_config}: missing num_hidden_layers/hidden_size/vocab_size ({e})") from None
     ids = resolve_aux_layer_ids(args.layers or None, n)
-    m = run_engine_capture(config_from_args(args), aux_layer_ids=ids, hidden_size=h, vocab_size=v)
+    check = served_check(args)                           # None with --no-check, else (preflight, run)
+    m = run_engine_capture(config_from_args(args), aux_layer_ids=ids, hidden_size=h, vocab_size=v,
+                           preflight=check and check[0])
     print(json.dumps({k: m.get(k) for k in ("complete", "num_samples", "num_tokens", "num_shards", "dtype")}))
-    return 0 if m.get("complete") else 1
+    if not m.get("complete"):
+        return 1
+    return check[1]() if check else 0
 
 
 def _main(args) -> int:

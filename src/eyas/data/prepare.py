@@ -193,10 +193,14 @@ def run_prepare(cfg: PrepareConfig, target=None, *, progress: bool = True) -> di
     from eyas.data.split import is_heldout
 
     resolve_data(cfg.data)  # a missing file fails before the (slow) target load
-    if target is None:
-        from eyas.target import load_target
+    if target is None and ((cfg.regenerate and not cfg.server) or cfg.self_prompts):
+        from eyas.target import load_target   # local generation runs the target's forward
 
         target = load_target(cfg.target, trust_remote_code=cfg.trust_remote_code)
+    elif target is None:
+        from eyas.target.meta import open_target_meta   # tokenizer, config and fingerprint: no weights loaded
+
+        target = open_target_meta(cfg.target, trust_remote_code=cfg.trust_remote_code, tensors=())
     name = f"target {getattr(target, 'name', cfg.target)}"
     check_chat_template(target.tokenizer, name)
     tok = target.tokenizer

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from eyas.errors import EyasError
 
@@ -10,6 +11,8 @@ from eyas.errors import EyasError
 def _launch(a) -> int:
     from eyas.engines import launch_args as la
     ids = [int(x) for x in a.aux_layer_ids.split(",")] if a.aux_layer_ids else None
+    if Path(a.target_config).is_dir():   # a target directory (weightless will do): its config.json
+        a.target_config = str(Path(a.target_config) / "config.json")
     if a.engine == "sglang":
         args = la.sglang_args(a.target_config, a.engine_version, model=a.model, store=a.store, data=a.data,
                               aux_layer_ids=ids, tp=a.tp, attn_dp=a.attn_dp, lm_head=a.lm_head_module or None)
@@ -40,7 +43,8 @@ def _crosscheck(a) -> int:
     if len(st) == 0:
         raise EyasError(f"{a.store}: the store holds no samples, so there is nothing to crosscheck (did the "
                         f"engine capture write any? see its events and skipped files)")
-    t = load_target(a.target, aux_layer_ids=tuple(st.aux_layer_ids))
+    t = load_target(a.target, aux_layer_ids=tuple(st.aux_layer_ids),   # runs the forward: the whole target
+                    trust_remote_code=a.trust_remote_code)
     n = min(a.n, len(st))
     samples = [st.get(i, dtype=__import__("torch").float32) for i in range(n)]
     eng = [__import__("torch").cat([s.aux, s.final[:, None]], dim=1) for s in samples]
@@ -67,7 +71,7 @@ def register(subparsers) -> None:
     sub = p.add_subparsers(dest="engine_cmd", required=True)
     la = sub.add_parser("launch-args", help="print the server command for capture")
     la.add_argument("engine", choices=["sglang", "vllm"])
-    la.add_argument("--target-config", required=True, help="the target's HF config.json")
+    la.add_argument("--target-config", required=True, help="the target's HF config.json or its directory")
     la.add_argument("--version", dest="engine_version", default="0.5.23", help="SGLang version")
     la.add_argument("--model", default="MODEL")
     la.add_argument("--store", default="STORE")
@@ -93,6 +97,8 @@ def register(subparsers) -> None:
     cc.add_argument("-n", type=int, default=8)
     cc.add_argument("--tol", type=float, default=0.02,
                     help="largest relative error ||engine - reference|| / ||reference|| counted as equal (bf16 engine)")
+    cc.add_argument("--trust-remote-code", action="store_true",
+                    help="allow the target's own code (its model, tokenizer or config)")
     cc.set_defaults(func=_crosscheck)
     iv = sub.add_parser("ingest-vllm", help="vLLM extract_hidden_states files -> store")
     iv.add_argument("--vllm-dir", required=True)

@@ -9,7 +9,7 @@ def _run(args: argparse.Namespace) -> int:
     from eyas.export.export import run_export
 
     out = run_export(args.drafter, args.out, dtype=args.dtype, target_spec=args.target,
-                     allow_target_mismatch=args.allow_target_mismatch)
+                     allow_target_mismatch=args.allow_target_mismatch, trust_remote_code=args.trust_remote_code)
     print(f"exported to {out} (see {out}/README.md for the SGLang and vLLM command lines)")
     return 0
 
@@ -24,4 +24,7 @@ def register(subparsers) -> None:
                         "into the export's README; converts an old-style fingerprint)")
     p.add_argument("--target", default=None,
                    help="target spec to check against the training fingerprint (and to name in the README)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow --target's own code (its tokenizer or config); a target that needs it is refused "
+                        "without")
     p.set_defaults(func=_run)

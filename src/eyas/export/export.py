@@ -191,17 +191,20 @@ def export_drafter(drafter, out_dir: str | os.PathLike, *, meta: dict | None = N
 
 
 def run_export(drafter_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "bf16",
-               target_spec: str | None = None, allow_target_mismatch: bool = False) -> Path:
+               target_spec: str | None = None, allow_target_mismatch: bool = False,
+               trust_remote_code: bool = False) -> Path:
     """`eyas export`: open any drafter (run dir, drafter dir, export or published EAGLE-3 head;
-    eyas.model.checkpoint.open_drafter), optionally check the target, write the export."""
+    eyas.model.checkpoint.open_drafter), optionally check the target (its config, tokenizer and fingerprint
+    only: target/meta.py, no weights loaded), write the export."""
     from eyas.model.checkpoint import open_drafter
 
     # the target is checked once, by export_drafter (it records the override in the README)
     drafter, meta = open_drafter(drafter_path)
     target = None
     if target_spec is not None:
-        from eyas.target import load_target
+        from eyas.target.meta import open_target_meta
 
-        target = load_target(target_spec, aux_layer_ids=drafter.config.aux_layer_ids)
+        target = open_target_meta(target_spec, aux_layer_ids=drafter.config.aux_layer_ids, tensors=(),
+                                  trust_remote_code=trust_remote_code)
     return export_drafter(drafter, out_dir, meta=meta, dtype=dtype, target=target, target_ref=target_spec,
                           allow_target_mismatch=allow_target_mismatch)

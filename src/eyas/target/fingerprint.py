@@ -70,7 +70,9 @@ def _rope(cfg) -> dict:
     or rope_theta + rope_scaling (4.x)."""
     params = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
     theta = params.pop("rope_theta", None) or getattr(cfg, "rope_theta", None)
-    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    # a 4.x config spells the kind "type"; transformers 5 keeps that key beside the "rope_type" it adds
+    kind = params.pop("rope_type", None) or params.get("type") or "default"
+    params.pop("type", None)
     out = {"rope_theta": _number(float(theta)) if theta is not None else None}
     if kind != "default":
         out["rope_scaling"] = {"rope_type": kind, **{k: _number(v) for k, v in sorted(params.items())}}
@@ -78,13 +80,19 @@ def _rope(cfg) -> dict:
 
 
 def config_fields(config) -> dict:
-    """The normalised architecture fields of a HF config (its text config for multimodal wrappers)."""
+    """The normalised architecture fields of a HF config (its text config for multimodal wrappers), the same
+    whether `config` is a transformers config object or an attribute view of the raw config.json (a model type
+    transformers does not know: eyas.target.meta)."""
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     out = {}
     for k in CONFIG_FIELDS:
         v = getattr(cfg, k, None)
         if v is not None:
             out[k] = _number(v)
+    if out.get("num_local_experts") == out.get("n_routed_experts"):
+        out.pop("num_local_experts", None)   # transformers' DeepSeek class aliases it; the raw JSON has one name
+    if "head_dim" not in out and "qk_rope_head_dim" in out:
+        out["head_dim"] = out["qk_rope_head_dim"]   # MLA: what transformers' DeepseekV3Config derives
     if "head_dim" not in out and "hidden_size" in out and getattr(cfg, "num_attention_heads", None):
         out["head_dim"] = out["hidden_size"] // cfg.num_attention_heads
     out.update(_rope(cfg))
@@ -158,6 +166,51 @@ def file_sha256(path: str | os.PathLike) -> str:
     except OSError:
         pass   # a read-only cache only costs the hash next time
     return digest
+
+
+def range_sha256(path: str | os.PathLike, start: int, end: int) -> str:
+    """sha256 of bytes [start, end) of a file, read in blocks (never whole in memory); cached like file_sha256."""
+    path = Path(path).resolve()
+    st = path.stat()
+    key = {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "range": [start, end]}
+    entry = cache_root() / "hashes" / f"{_sha256_json([str(path), start, end])[:32]}.json"
+    try:
+        cached = json.loads(entry.read_text())
+        if {k: cached.get(k) for k in key} == key and isinstance(cached.get("sha256"), str):
+            return cached["sha256"]
+    except (OSError, ValueError):
+        pass
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(start)
+        left = end - start
+        while left > 0 and (block := f.read(min(left, 1 << 22))):
+            h.update(block)
+            left -= len(block)
+    digest = h.hexdigest()
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = entry.with_name(f".{entry.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({**key, "sha256": digest}))
+        os.replace(tmp, entry)
+    except OSError:
+        pass
+    return digest
+
+
+HEAD_FORMAT = "safetensors-head"
+"""The weights identity of a safetensors directory: its weight map plus the bytes of the head tensors only, so
+that a 600 GB checkpoint and its weightless copy (config, tokenizer, index, the head's shards) hash alike and
+fast. Manifests that recorded the older whole-file "safetensors" format are not compared on weights."""
+
+
+def head_identity(weight_map: dict[str, str], heads: dict[str, dict]) -> dict:
+    """{"format": HEAD_FORMAT, "sha256"} over the weight map (tensor -> shard file name) and, per head tensor,
+    its dtype, shape and the sha256 of its bytes. heads: name -> {"path", "start", "end", "dtype", "shape"}."""
+    hashed = {name: {"dtype": h["dtype"], "shape": list(h["shape"]),
+                     "sha256": range_sha256(h["path"], h["start"], h["end"])} for name, h in sorted(heads.items())}
+    return {"format": HEAD_FORMAT, "sha256": _sha256_json({"weight_map": sorted(weight_map.items()),
+                                                           "head": hashed})}
 
 
 def weights_identity(files: list[Path], fmt: str) -> dict | None:

@@ -88,20 +88,26 @@ class Target:
 
     @property
     def eos_token_ids(self) -> list[int]:
-        ids = set()
-        for src in (getattr(self.model, "generation_config", None), self.config):
-            eos = getattr(src, "eos_token_id", None) if src is not None else None
-            if eos is not None:
-                ids.update([eos] if isinstance(eos, int) else eos)
-        tok = self.tokenizer
-        if tok is not None:
-            if tok.eos_token_id is not None:
-                ids.add(tok.eos_token_id)
-            for t in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>"):
-                tid = tok.convert_tokens_to_ids(t) if t in tok.get_vocab() else None
-                if tid is not None:
-                    ids.add(tid)
-        return sorted(ids)
+        gen = getattr(self.model, "generation_config", None)
+        return eos_ids([getattr(gen, "eos_token_id", None), getattr(self.config, "eos_token_id", None)],
+                       self.tokenizer)
+
+
+def eos_ids(declared: list, tok) -> list[int]:
+    """The ids that end a reply: those the generation config and model config declare (an int or a list each),
+    the tokenizer's eos, and the usual end-of-turn specials of its vocabulary."""
+    ids = set()
+    for eos in declared:
+        if eos is not None:
+            ids.update([eos] if isinstance(eos, int) else eos)
+    if tok is not None:
+        if tok.eos_token_id is not None:
+            ids.add(tok.eos_token_id)
+        for t in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>"):
+            tid = tok.convert_tokens_to_ids(t) if t in tok.get_vocab() else None
+            if tid is not None:
+                ids.add(tid)
+    return sorted(ids)
 
 
 def target_from_model(model, tokenizer=None, *, name: str = "custom", aux_layer_ids=None,
@@ -203,13 +209,16 @@ def resolve(spec: str) -> tuple[Path | str, str]:
 
 
 def weights_of(spec: str) -> dict | None:
-    """The content hash of a target's weights for its fingerprint: the GGUF file (embedded or given), or a
-    directory's *.safetensors; None for a hub id or weights too large to hash cheaply."""
+    """The content hash of a target's weights for its fingerprint: the GGUF file (embedded or given); for a
+    directory its weight map and head tensors (target/meta.py head_weights: never every weight), else its
+    *.safetensors files; None for a hub id or weights too large to hash cheaply."""
     p = Path(spec).expanduser()
     if spec in EMBEDDED or p.is_file():
         return weights_identity([embedded_path(spec) if spec in EMBEDDED else p], "gguf")
     if p.is_dir():
-        return weights_identity(list(p.glob("*.safetensors")), "safetensors")
+        from eyas.target.meta import head_weights
+
+        return head_weights(p) or weights_identity(list(p.glob("*.safetensors")), "safetensors")
     return None
 
 
@@ -257,6 +266,12 @@ def load_target(spec: str, *, device: str | torch.device = "cpu", dtype: torch.d
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src, identity = resolve(spec)
+    if isinstance(src, Path) and not trust_remote_code:
+        from eyas.target.meta import needs_remote_code, read_json
+
+        if why := needs_remote_code(src, read_json(src / "config.json")):
+            raise EyasError(f"target {spec!r} needs its own code ({'; '.join(why)}); rerun with "
+                            f"--trust-remote-code if you trust it")
     if dtype is None:
         dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
     kw = dict(local_files_only=True, trust_remote_code=trust_remote_code)

@@ -18,7 +18,7 @@ CHOICES = {"loss_on": ("assistant", "all"), "attention": ("auto", "dense", "flex
 
 # Fields that may change between a run and its --resume (they do not change the loss curve).
 RESUME_FREE = ("resume", "progress", "checkpoint_every", "keep_checkpoints", "target", "device", "compile",
-               "eval_every", "allow_target_mismatch")
+               "eval_every", "allow_target_mismatch", "trust_remote_code")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +83,8 @@ class TrainConfig:
     allow_target_mismatch: bool = False
     """Train although the store's (or the --init drafter's) recorded target differs from the loaded one; the
     warning is recorded in the run's manifest."""
+    trust_remote_code: bool = False
+    """Allow the target's own code (its tokenizer or config); a target that needs it is refused without."""
     init_from_target: bool = False
     """Without --init: start the drafter's norm and LM head from the target's final norm and LM-head rows."""
     intermediate_size: int | None = None

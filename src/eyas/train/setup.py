@@ -57,7 +57,7 @@ def open_source(cfg: TrainConfig, target, device: torch.device):
         from eyas.data.prepared import PreparedData
 
         if target is None:
-            target = load_target(cfg.target, device=device, dtype=dtype)
+            target = load_target(cfg.target, device=device, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
         data = PreparedData(cfg.data, target=target)
         ref = {"data": str(Path(cfg.data).resolve()), "data_manifest": data.manifest.get("config")}
         check_max_len_fits(cfg, target)
@@ -66,9 +66,12 @@ def open_source(cfg: TrainConfig, target, device: torch.device):
 
     store = Store(cfg.store)
     if target is None:
+        from eyas.target.meta import open_target_meta
+
         spec = cfg.target or store.manifest.get("config", {}).get("target") or store.fingerprint.get("identity")
-        # Offline needs only the embedding and lm_head; the target stays on the CPU.
-        target = load_target(spec, device="cpu", dtype=dtype, aux_layer_ids=store.aux_layer_ids)
+        # Offline needs only the embedding, LM head and final norm, read from their shards on the CPU.
+        target = open_target_meta(spec, dtype=dtype, aux_layer_ids=store.aux_layer_ids,
+                                  trust_remote_code=cfg.trust_remote_code)
     warning = check_target(store.fingerprint, target.fingerprint, where=str(store.path),
                            allow_mismatch=cfg.allow_target_mismatch)
     if tuple(store.aux_layer_ids) != tuple(target.aux_layer_ids):
