@@ -2,7 +2,9 @@
 
 import argparse
 import json
+import os
 import pickle
+import re
 
 import pytest
 import torch
@@ -91,6 +93,29 @@ def test_verify_names_flipped_shard(tmp_path):
     bad.write_bytes(bytes(data[:-10]))
     with pytest.raises(EyasError, match=rf"{bad.name}: missing or wrong size"):
         Store(tmp_path / "s")
+
+
+def test_shard_rewritten_in_place_at_the_same_size_is_refused(tmp_path):
+    """An open shard overwritten in place (same size, same inode, a later mtime): the next read stops with
+    "changed on disk", naming the shard, instead of serving the new bytes; the other shards still read."""
+    write(tmp_path / "s", make())
+    store = Store(tmp_path / "s")
+    first = store.records[0]["samples"]  # sample `first` lives in shard 1
+    store.get(0), store.get(first)      # both shards open and checked
+    f = tmp_path / "s" / store.records[1]["file"]
+    before = os.stat(f)
+    with open(f, "r+b") as fh:          # in place: no truncation, no new inode
+        fh.seek(before.st_size - 5)
+        b = fh.read(1)
+        fh.seek(before.st_size - 5)
+        fh.write(bytes([b[0] ^ 1]))
+    os.utime(f, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
+    after = os.stat(f)
+    assert (after.st_size, after.st_ino) == (before.st_size, before.st_ino)
+    assert after.st_mtime_ns != before.st_mtime_ns
+    with pytest.raises(EyasError, match=re.escape(f"{f}: shard changed on disk")):
+        store.get(first)
+    assert store.get(0).id == "s0"
 
 
 def test_verify_catches_non_finite_even_with_good_checksum(tmp_path):
