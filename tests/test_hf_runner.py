@@ -177,3 +177,23 @@ def test_refuses_what_it_cannot_decode(twin):
     with pytest.raises(EyasError, match="exceeds the cache"):
         r.forward(torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1, dtype=torch.long),
                   torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1, 1, dtype=torch.bool))
+
+
+def test_a_bench_on_a_generic_target_lets_the_model_go():
+    """The bench keeps its runners per target model in a weak map; a generic runner holds that model, so it is not
+    kept there (it would keep the model, its own key, alive for the whole process)."""
+    import gc
+    import io
+    import weakref
+
+    from eyas.bench.bench import BenchConfig, run_bench
+    from eyas.target import target_from_model
+
+    model, tok = make_twin(layers=3)
+    rep = run_bench(BenchConfig(max_new_tokens=4, max_seq=64, baselines=True, k=2), target=target_from_model(model, tok),
+                    records=[{"turns": ["Hello there"]}], out=io.StringIO())
+    assert rep["methods"]["plain"]["tokens"] == 4
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None

@@ -246,11 +246,12 @@ def _run(cfg, target, drafter, drafter_meta, records, out) -> dict:
     # (and capture CUDA graphs) again each time.
     runners = _RUNNERS.setdefault(target.model, {})
     key = (cfg.max_seq, str(target.device), cfg.compile, cfg.persist_steps)
-    if key not in runners:
-        runners[key] = Runner.from_hf(target.model, max_batch=1, max_seq=cfg.max_seq, device=target.device,
-                                      compile=cfg.compile,
-                                      persist=Path(cache_root()) / "steps" if cfg.persist_steps else None)
-    runner = runners[key]
+    runner = runners.get(key)
+    if runner is None:
+        runner = Runner.from_hf(target.model, max_batch=1, max_seq=cfg.max_seq, device=target.device,
+                                compile=cfg.compile, persist=Path(cache_root()) / "steps" if cfg.persist_steps else None)
+        if isinstance(runner, Runner):  # not the generic HFRunner: it holds the model, the map's weak key, for good
+            runners[key] = runner
     eos = target.eos_token_ids
     room = prompt_room(cfg)
     methods = _methods(cfg, runner, drafter, eos)
