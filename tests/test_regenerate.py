@@ -127,7 +127,9 @@ class Handler(BaseHTTPRequestHandler):
         if action == "sleep":
             time.sleep(1.0)
         n_asst = sum(m["role"] == "assistant" for m in req["messages"])
-        text = "  " if action == "empty" else f"R{n_asst}:{key}"
+        text = {"empty": "  ", "hello": "Hello<|im_end|>",          # an unskipped end-of-turn
+                "runon": "Hi<|im_end|><|im_start|>user\nAnd then?<|im_end|>\n<|im_start|>assistant\nWell"
+                }.get(action, f"R{n_asst}:{key}")                     # runon: the server ran into the next turn
         body = json.dumps({"choices": [{"message": {"role": "assistant", "content": text},
                                         "finish_reason": "stop"}],
                            "usage": {"completion_tokens": 3}}).encode()
@@ -199,6 +201,31 @@ def test_prepare_regenerate_through_server(server, tmp_path):
     s = PreparedData(tmp_path / "p")[0]
     text = tok.decode([i for i, k in zip(s.input_ids, s.loss_mask) if k])
     assert text == "R0:hello there<|im_end|>R1:hello there<|im_end|>"
+
+
+def test_server_replies_are_cut_at_the_first_special(server, tmp_path):
+    """A server that leaves the end-of-turn in its text ("Hello<|im_end|>") or runs on into the next turn
+    ("Hi<|im_end|><|im_start|>user..."): the kept reply is the text before the first special token, and the
+    stored sample ends each reply with one template end-of-turn, nothing after it."""
+    from eyas.data.chat import special_strings
+    from eyas.data.prepare import PrepareConfig, run_prepare
+    from eyas.data.prepared import PreparedData
+
+    tok = make_tokenizer()
+    assert {"<|im_end|>", "<|im_start|>"} <= set(special_strings(tok))
+    Handler.plan = {"hello there": ["hello", "runon"]}
+    be = ServerBackend(server, model="m", max_new_tokens=8, temperature=0.0, seed=0, concurrency=1, retries=0,
+                       specials=special_strings(tok))
+    (out,) = be.regenerate(CONVS[:1])
+    assert [m["content"] for m in out.messages] == ["hello there", "Hello", "and paris?", "Hi"]
+    Handler.plan = {"hello there": ["hello", "runon"]}
+    target = target_from_model(make_tiny_llama(vocab=len(tok)), tok, name="tiny")
+    run_prepare(PrepareConfig(data=write_jsonl(tmp_path / "d.jsonl", CONVS[:1]), out=str(tmp_path / "p"),
+                              regenerate=True, server=server, heldout_fraction=0.0, retries=0), target,
+                progress=False)
+    (s,) = PreparedData(tmp_path / "p")
+    assert masked_runs(tok, s) == ["Hello<|im_end|>", "Hi<|im_end|>"]
+    assert tok.decode(s.input_ids).count("<|im_start|>user") == 2
 
 
 def test_regenerate_limit_keeps_the_dataset_replies_after_n(tmp_path):
