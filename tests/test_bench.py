@@ -92,6 +92,27 @@ def test_bench_report_lossless_and_files(tiny, prompts, tmp_path, capsys):
     assert "eagle-chain fp32 agreement: 5/5 turns identical, mean identical prefix" in text
 
 
+def test_speedup_is_each_methods_rate_over_plains(tiny, prompts, monkeypatch):
+    """speedup = a method's tok/s over plain decoding's, for every method (not over another baseline's). Plain is
+    slowed by a sleep per turn, so the rates of plain and lookup are far apart and the two ratios cannot agree."""
+    import time
+
+    from eyas.bench import bench
+
+    target, drafter = tiny
+    plain = bench._plain
+    monkeypatch.setattr(bench, "_plain", lambda *a: (plain(*a), time.sleep(0.2))[0])
+    rep = run_bench(BenchConfig(prompts=prompts, k=3, max_new_tokens=12, max_seq=160), target=target,
+                    drafter=drafter)
+    ms = rep["methods"]
+    rate = {n: m["tokens"] / m["seconds"] for n, m in ms.items()}
+    assert rate["lookup"] > 1.5 * rate["plain"], rate
+    assert "speedup" not in ms["plain"]
+    for name in ("lookup", "eagle-chain"):
+        assert ms[name]["speedup"] == pytest.approx(rate[name] / rate["plain"], rel=5e-3), (name, ms)
+        assert ms[name]["speedup"] == pytest.approx(ms[name]["tokens_per_s"] / ms["plain"]["tokens_per_s"], rel=1e-2)
+
+
 def test_bench_tree_sampled(tiny, prompts):
     target, drafter = tiny
     cfg = BenchConfig(prompts=prompts, method="tree", top_k=3, depth=3, total_tokens=8, temperature=0.8,
