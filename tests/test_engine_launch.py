@@ -50,7 +50,7 @@ def test_deepseek_0_5_14_no_aux_flag(capsys, tmp_path):
 
 
 def test_deepseek_vllm(capsys, tmp_path):
-    out = run(capsys, tmp_path, DSV3, "vllm")
+    out = run(capsys, tmp_path, DSV3, "vllm", "--max-model-len", "4096")
     spec = json.loads(flag(out, "--speculative-config")[0].strip("'"))
     assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58, 61]
     assert "--no-enable-prefix-caching" in out and "--no-enable-chunked-prefill" in out

@@ -94,7 +94,7 @@ def test_bad_files_rejected(tmp_path, bad):
 def launch(capsys, tmp_path, model_dir, vllm_dir):
     cfg = model_dir / "config.json"
     assert main(["engine", "launch-args", "vllm", "--target-config", str(cfg), "--model", str(model_dir),
-                 "--vllm-dir", str(vllm_dir)]) == 0
+                 "--vllm-dir", str(vllm_dir), "--max-model-len", "64"]) == 0
     out = capsys.readouterr().out.replace("\\\n", " ")
     import shlex
     return shlex.split(out)

@@ -54,7 +54,7 @@ def server_command(engine: str, hf: str, store: Path, prep: Path, vllm_dir: Path
         # the staging cuts SGLang's FA3 kernels and flashinfer's cubins: triton attention, torch sampling
         return [sys.executable, *args[1:], "--port", str(port), "--attention-backend", "triton",
                 "--sampling-backend", "pytorch", "--mem-fraction-static", "0.3"]
-    args = la.vllm_args(cfg, model=hf, out_dir=str(vllm_dir))
+    args = la.vllm_args(cfg, model=hf, out_dir=str(vllm_dir), max_model_len=la.longest_prompt(prep) + 1)
     return [sys.executable, "-m", "vllm.entrypoints.cli.main", *args[1:], "--port", str(port),
             "--gpu-memory-utilization", "0.3"]
 

@@ -130,7 +130,7 @@ def test_launch_args_refuse_id_n_and_importer_refuses_it():
     from eyas.model.importer import resolve_layer_ids
 
     info = {"num_layers": 30, "hidden_size": 64, "architecture": LLAMA, "model_type": "llama", "wrapper": False}
-    for fn in (lambda ids: sglang_args(info, "0.5.23", aux_layer_ids=ids), lambda ids: vllm_args(info, aux_layer_ids=ids)):
+    for fn in (lambda ids: sglang_args(info, "0.5.23", aux_layer_ids=ids), lambda ids: vllm_args(info, aux_layer_ids=ids, max_model_len=64)):
         with pytest.raises(EyasError, match="out of range"):
             fn([2, 15, 30])
         fn([2, 15, 29])

@@ -17,7 +17,9 @@ def _launch(a) -> int:
         args = la.sglang_args(a.target_config, a.engine_version, model=a.model, store=a.store, data=a.data,
                               aux_layer_ids=ids, tp=a.tp, attn_dp=a.attn_dp, lm_head=a.lm_head_module or None)
     else:
-        args = la.vllm_args(a.target_config, model=a.model, out_dir=a.vllm_dir, aux_layer_ids=ids, tp=a.tp)
+        n = a.max_model_len or ((la.longest_prompt(a.data) or 0) + 1)   # + the one token each request generates
+        args = la.vllm_args(a.target_config, model=a.model, out_dir=a.vllm_dir, aux_layer_ids=ids, tp=a.tp,
+                            max_model_len=n if n > 1 else None)
     print(la.format_command(args))
     return 0
 
@@ -80,6 +82,8 @@ def register(subparsers) -> None:
     la.add_argument("--aux-layer-ids", default="", help="HF ids a,b,c (default 2,N//2,N-3)")
     la.add_argument("--tp", type=int, default=1)
     la.add_argument("--attn-dp", type=int, default=1)
+    la.add_argument("--max-model-len", type=int, default=0,
+                    help="vLLM's context (default: the longest sample of --data plus one; never the target's own)")
     la.add_argument("--lm-head-module", default="",
                     help="SGLang module name of the target's LogitsProcessor (default: known per architecture)")
     la.set_defaults(func=_launch)

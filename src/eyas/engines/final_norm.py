@@ -10,7 +10,6 @@ target's logits (EAGLE3.md section 1), so the vLLM ingester applies this norm to
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +17,10 @@ import torch
 
 from eyas.errors import EyasError
 
-NORM_KEY = re.compile(r"(?:^|\.)model\.norm\.weight$")   # model.norm.weight, language_model.model.norm.weight
+# The final norm's name in the checkpoints eyas knows: HF causal LMs, multimodal wrappers (Kimi-K2.5), and
+# NVIDIA's Kimi-K2.5 quantized checkpoints (language_model.layers.*, language_model.norm.weight).
+NORM_KEYS = ("model.norm.weight", "language_model.model.norm.weight", "language_model.norm.weight")
+INDEX = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -34,16 +36,39 @@ class FinalNorm:
 
 
 def _checkpoint_keys(d: Path) -> dict[str, Path]:
-    """tensor name -> safetensors file, from the index when there is one."""
-    index = d / "model.safetensors.index.json"
+    """tensor name -> safetensors file, from the index when there is one (no shard opened)."""
+    index = d / INDEX
     if index.exists():
-        return {k: d / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+        try:
+            return {k: d / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+        except (OSError, json.JSONDecodeError, KeyError, AttributeError) as e:
+            raise EyasError(f"{index}: cannot read its weight_map ({e})") from e
     from safetensors import safe_open  # noqa: PLC0415
     out = {}
     for f in sorted(d.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as sf:
             out.update({k: f for k in sf.keys()})
     return out
+
+
+def read_norm_weight(d: Path) -> tuple[str, torch.Tensor]:
+    """(name, weight) of the final norm in the safetensors of `d`: found by name through the index, read
+    memory-mapped from its one shard."""
+    keys = _checkpoint_keys(d) if d.is_dir() else {}
+    found = [k for k in NORM_KEYS if k in keys]
+    where = d / INDEX if (d / INDEX).exists() else f"{d}/*.safetensors"
+    if len(found) != 1:
+        what = f"found {' and '.join(found)}" if found else "found none"
+        raise EyasError(f"{where}: expected one final-norm tensor named {' or '.join(NORM_KEYS)}; {what}")
+    shard = keys[found[0]]
+    if not shard.is_file():
+        raise EyasError(f"{shard}: absent, but {where} puts the final norm {found[0]} there")
+    from safetensors import SafetensorError, safe_open  # noqa: PLC0415
+    try:
+        with safe_open(str(shard), framework="pt") as sf:
+            return found[0], sf.get_tensor(found[0])
+    except SafetensorError as e:
+        raise EyasError(f"{shard}: cannot read {found[0]} ({e})") from e
 
 
 def load_final_norm(target_config, weights_dir=None) -> FinalNorm:
@@ -60,14 +85,8 @@ def load_final_norm(target_config, weights_dir=None) -> FinalNorm:
     if "rms_norm_eps" not in text:
         raise EyasError(f"{p}: no rms_norm_eps; cannot rebuild the final norm that vLLM's last slot lacks")
     d = Path(weights_dir) if weights_dir else p.parent
-    keys = [k for k in _checkpoint_keys(d) if NORM_KEY.search(k)] if d.is_dir() else []
-    if len(keys) != 1:
-        raise EyasError(f"{d}: expected one final-norm tensor (*model.norm.weight) in the target's safetensors, "
-                        f"found {keys or 'none'}")
-    from safetensors import safe_open  # noqa: PLC0415
-    with safe_open(str(_checkpoint_keys(d)[keys[0]]), framework="pt") as sf:
-        w = sf.get_tensor(keys[0])
+    name, w = read_norm_weight(d)
     h = int(text.get("hidden_size", w.shape[0]))
     if tuple(w.shape) != (h,):
-        raise EyasError(f"{d}: {keys[0]} has shape {tuple(w.shape)}, expected ({h},)")
+        raise EyasError(f"{d}: {name} has shape {tuple(w.shape)}, expected ({h},)")
     return FinalNorm(w, float(text["rms_norm_eps"]))

@@ -5,8 +5,11 @@ Every SGLang flag emitted for a version is checked to be declared in that versio
   --disable-radix-cache, --chunked-prefill-size -1, CUDA graphs off (--disable-cuda-graph before
   0.5.14, --cuda-graph-backend-{decode,prefill} disabled from 0.5.14), --forward-hooks JSON (list of
   {name, target_modules, hook_factory, config}), and from 0.5.23 --enable-return-aux-hidden-states
-  with --speculative-algorithm EAGLE3 --return-aux-hidden-state-layer-ids IDS.
-vLLM flags come from its extract_hidden_states example and connector source.
+  with --speculative-algorithm EAGLE3 --return-aux-hidden-state-layer-ids IDS; attention DP as --attn-dp-size N
+  from 0.5.22, --dp-size N --enable-dp-attention before; --trust-remote-code for a target whose config or
+  tokenizer is its own code. Never --enable-two-batch-overlap: under it DeepSeek/Kimi layers capture nothing.
+vLLM flags come from its extract_hidden_states example and connector source (never --enable-dbo, which that
+path asserts against).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ FIRST_RIDS_VERSION = (0, 5, 10)       # ForwardBatch.rids: the hook attributes r
 FIRST_SUPPORTED = max(FIRST_HOOKS_VERSION, FIRST_RIDS_VERSION)
 FIRST_GRAPH_BACKEND_VERSION = (0, 5, 14)  # --cuda-graph-backend-{decode,prefill}; before: --disable-cuda-graph
 FIRST_AUX_FLAG_VERSION = (0, 5, 23)   # --enable-return-aux-hidden-states
+FIRST_ATTN_DP_SIZE_VERSION = (0, 5, 22)   # --attn-dp-size N; it deprecates --dp-size N --enable-dp-attention
 HOOK_FACTORY = "eyas.engines.sglang_hook:make_capture_hook"
 AUX_ENABLE_FACTORY = "eyas.engines.sglang_hook:make_aux_enable_hook"
 # Where SGLang keeps the target's LogitsProcessor, as a name in model.named_modules(), when it is not the
@@ -50,8 +54,28 @@ def parse_version(v: str) -> tuple[int, int, int]:
     return tuple(parts)  # type: ignore[return-value]
 
 
+def remote_code_reasons(path, cfg: dict) -> list[str]:
+    """Why an engine loading the target beside config.json `path` needs --trust-remote-code (empty: it does not):
+    an auto_map in config.json or tokenizer_config.json, or a model_type transformers has no class for."""
+    from transformers import CONFIG_MAPPING  # noqa: PLC0415
+    why = []
+    if cfg.get("auto_map"):
+        why.append("config.json has an auto_map")
+    for mt in {cfg.get("model_type"), (cfg.get("text_config") or {}).get("model_type")} - {None}:
+        if mt not in CONFIG_MAPPING:
+            why.append(f"transformers has no model_type {mt!r}")
+    tok = Path(path).parent / "tokenizer_config.json"
+    try:
+        if tok.exists() and json.loads(tok.read_text()).get("auto_map"):
+            why.append("tokenizer_config.json has an auto_map")
+    except (OSError, json.JSONDecodeError) as e:
+        raise EyasError(f"{tok}: cannot read the tokenizer config ({e})") from e
+    return why
+
+
 def read_target_config(path) -> dict:
-    """A HF config.json; multimodal wrappers (Kimi-K2.5) keep the LM under text_config."""
+    """A HF config.json; multimodal wrappers (Kimi-K2.5) keep the LM, and so its depth and width, under
+    text_config."""
     p = Path(path)
     try:
         cfg = json.loads(p.read_text())
@@ -63,7 +87,7 @@ def read_target_config(path) -> dict:
     arch = (cfg.get("architectures") or text.get("architectures") or ["?"])[0]
     return {"num_layers": int(text["num_hidden_layers"]), "hidden_size": int(text["hidden_size"]),
             "architecture": arch, "model_type": text.get("model_type", cfg.get("model_type")),
-            "wrapper": "text_config" in cfg}
+            "wrapper": "text_config" in cfg, "remote_code": remote_code_reasons(p, cfg)}
 
 
 def lm_head_module(info: dict, override: str | None = None) -> str:
@@ -130,8 +154,11 @@ def sglang_args(target_config, version: str, *, model: str = "MODEL", store: str
     sg = sglang_layer_ids(hf, info["architecture"], info.get("model_type"))
     aux_flag = v >= FIRST_AUX_FLAG_VERSION
     args = ["python", "-m", "sglang.launch_server", "--model-path", model, "--tp-size", str(tp)]
+    if info.get("remote_code"):
+        args += ["--trust-remote-code"]
     if attn_dp > 1:
-        args += ["--dp-size", str(attn_dp), "--enable-dp-attention"]
+        args += (["--attn-dp-size", str(attn_dp)] if v >= FIRST_ATTN_DP_SIZE_VERSION else
+                 ["--dp-size", str(attn_dp), "--enable-dp-attention"])
     args += ["--disable-radix-cache", "--chunked-prefill-size", "-1"]
     if v >= FIRST_GRAPH_BACKEND_VERSION:
         args += ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
@@ -145,14 +172,28 @@ def sglang_args(target_config, version: str, *, model: str = "MODEL", store: str
     return args
 
 
+def longest_prompt(data) -> int | None:
+    """The longest sample of a prepared-data directory, in tokens (None when `data` is not one)."""
+    from eyas.data.prepared import PreparedData  # noqa: PLC0415
+    if not (Path(data) / "manifest.json").is_file():
+        return None
+    return max((len(s.input_ids) for s in PreparedData(data)), default=None)
+
+
 def vllm_args(target_config, *, model: str = "MODEL", out_dir: str = "VLLM_OUT", aux_layer_ids=None,
-              tp: int = 1) -> list[str]:
+              tp: int = 1, max_model_len: int | None = None) -> list[str]:
     """vLLM: extract_hidden_states speculative method + ExampleHiddenStatesConnector.
 
     Layer ids are HF indices (vLLM's convention). Id N (num_layers) is requested as the 4th state for
     the final hidden state; whether vLLM returns it pre- or post-norm is checked by `engine crosscheck`.
+    max_model_len is required: with chunked prefill off vLLM batches up to max_model_len tokens, and the
+    extractor allocates (max_model_len, 4, h) for them, so the target's own context (262k for Kimi-K2.5) would
+    take about 15 GB per GPU and a 262k-token profiling forward.
     """
     info = read_target_config(target_config) if not isinstance(target_config, dict) else target_config
+    if not max_model_len or int(max_model_len) < 2:
+        raise EyasError("vLLM capture needs --max-model-len (or --data PREPARED, whose longest sample plus the one "
+                        "generated token sets it): vLLM would otherwise batch and allocate the target's whole context")
     n = info["num_layers"]
     hf = list(resolve_aux_layer_ids(aux_layer_ids, n))
     spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
@@ -160,8 +201,9 @@ def vllm_args(target_config, *, model: str = "MODEL", out_dir: str = "VLLM_OUT",
     kv = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
           "kv_connector_extra_config": {"shared_storage_path": out_dir}}
     return ["vllm", "serve", model, "--served-model-name", VLLM_SERVED_NAME,
-            "--tensor-parallel-size", str(tp), "--no-enable-prefix-caching",
-            "--no-enable-chunked-prefill", "--enforce-eager",
+            *(["--trust-remote-code"] if info.get("remote_code") else []),
+            "--tensor-parallel-size", str(tp), "--max-model-len", str(int(max_model_len)),
+            "--no-enable-prefix-caching", "--no-enable-chunked-prefill", "--enforce-eager",
             "--speculative-config", json.dumps(spec, separators=(",", ":")),
             "--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]
 
