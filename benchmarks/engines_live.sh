@@ -43,6 +43,7 @@ VLLM_VERSION=0.25.0
 D=.stage-engines                     # here: listed in .git/info/exclude, never committed
 PART_MIB=${PART_MIB:-56}             # the working tree (about 1 MiB) travels with each part: keep 64 MiB in total
 STAGE=${STAGE:-/root/stage}                # both overridable for a rehearsal on the CPU machine
+STAGE_MARK=${STAGE_MARK:-$STAGE/smollm2.gguf}   # a file the first calls staged: its absence means a fresh machine
 WORK=${WORK:-/root/engines}
 export EYAS_CACHE=${EYAS_CACHE:-/root/cache} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
@@ -77,21 +78,23 @@ ENTRIES = {
     "sglang": ["sglang.launch_server", "sglang.srt.entrypoints.http_server", "sglang.srt.managers.scheduler",
                "sglang.srt.managers.tokenizer_manager", "sglang.srt.managers.detokenizer_manager",
                "sglang.srt.model_executor.model_runner", "sglang.srt.model_executor.hook_manager",
-               "sglang.srt.models.llama", "sglang.srt.models.llama_eagle3",
+               "sglang.srt.models.llama", "sglang.srt.models.llama_eagle3", "sglang.srt.models.deepseek_v2",
+               "sglang.srt.models.kimi_k25",
                "sglang.srt.layers.attention.triton_backend", "sglang.srt.speculative.eagle_worker_v2",
                "sgl_kernel"],
     "vllm": ["vllm.entrypoints.openai.api_server", "vllm.entrypoints.cli.main", "vllm.entrypoints.cli.serve",
              "vllm.entrypoints.cli.openai", "vllm.v1.engine.core",
              "vllm.v1.worker.gpu_worker", "vllm.v1.worker.gpu_model_runner", "vllm.model_executor.models.llama",
              "vllm.model_executor.models.llama_eagle3", "vllm.v1.spec_decode.eagle",
+             "vllm.model_executor.models.deepseek_v2", "vllm.model_executor.layers.fused_moe",
              "vllm.v1.attention.backends.flash_attn",
              "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"],
 }
 # Members cut out of wheels the run needs (GPU.md, issue 13's table): SGLang's FA3 (flash_ops, 1.7 GB unpacked) and
-# its Blackwell build (we use the triton backend on sm90); vLLM's FA2 (Hopper runs FA3) and its MoE kernels
-# (imported under contextlib.suppress; SmolLM2 is dense).
+# its Blackwell build (we use the triton backend on sm90); vLLM's FA2 (Hopper runs FA3). vLLM's MoE kernels stay:
+# the DeepSeek-V3 twin (benchmarks/twin_live.sh) routes through them.
 CUT = {"sglang_kernel": [r"^sgl_kernel/flash_ops\.abi3\.so$", r"^sgl_kernel/sm100/"],
-       "vllm": [r"^vllm/vllm_flash_attn/_vllm_fa2_C\.abi3\.so$", r"^vllm/_moe_C_stable_libtorch\.abi3\.so$"]}
+       "vllm": [r"^vllm/vllm_flash_attn/_vllm_fa2_C\.abi3\.so$"]}
 
 def norm(n):
     return re.sub(r"[-_.]+", "-", n).lower()
@@ -293,7 +296,7 @@ stage)  # one part per call
   exit $? ;;
 install)
   need_engine "${2:-}"; e=$2
-  [ -f $STAGE/smollm2.gguf ] || { echo "machine was replaced (no $STAGE/smollm2.gguf): stage again"; exit 3; }
+  [ -f $STAGE_MARK ] || { echo "machine was replaced (no $STAGE_MARK): stage again"; exit 3; }
   mkdir -p $STAGE/$e && cp $D/$e/part-* $STAGE/$e/ 2>/dev/null      # the part carried with this call
   (cd $STAGE/$e && cp "$OLDPWD/$D/$e/SHA256SUMS" . && sha256sum -c --quiet SHA256SUMS) ||
     { echo "parts missing or damaged in $STAGE/$e: stage again"; exit 3; }
