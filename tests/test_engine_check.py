@@ -186,3 +186,61 @@ def test_a_probe_batched_with_another_request_is_resent(tmp_path, twin, head_dir
     errs = [json.loads(p.read_text())["error"] for p in (out / PROBE_DIR).glob("*.json")]
     assert len(errs) == 2 and all(e.startswith("batched with other requests") for e in errs)
     assert sorted(Store(out).ids) == sorted(SAMPLES)
+
+
+def prepared(root):
+    from eyas.data.prepared import PreparedWriter, Sample
+    w = PreparedWriter(root / "prep", identity={"test": 1})
+    for sid, ids in SAMPLES.items():
+        w.add(Sample(id=sid, input_ids=ids, loss_mask=MASKS[sid]))
+    w.commit(len(SAMPLES), {})
+    w.finish({"counts": {"kept": len(SAMPLES)}, "target": PREP[0]["target"]})
+    return root / "prep"
+
+
+def capture_cli(tmp_path, twin, target, *extra, **kw):
+    out = tmp_path / "store"
+    eng = Engine(out, twin, **kw)
+    with http_engine(eng.post) as url:
+        rc = main(["capture", "--engine", "sglang", "--url", url, "--data", str(prepared(tmp_path)), "--out", str(out),
+                   "--target-config", str(target / "config.json"), "--hook-wait", "2", *extra])
+        again = main(["engine", "check", "--engine", "sglang", "--url", url, "--store", str(out), "--target",
+                      str(target), "-n", "2"])
+    return rc, again, out, eng
+
+
+def test_capture_engine_checks_by_default_and_the_command_agrees(tmp_path, twin, head_dir, capsys):
+    """Over real HTTP: `eyas capture --engine` runs the check after the capture (one line per check, exit 0,
+    STORE/check.json), and `eyas engine check` passes too."""
+    rc, again, out, _ = capture_cli(tmp_path, twin, head_dir)
+    text = capsys.readouterr().out
+    assert rc == 0 and again == 0
+    assert text.count("final slot greedy") == 2 and text.count("aux slot 2 (HF id 4)  ok") == 2
+    assert json.loads((out / CHECK_FILE).read_text())["config"]["n"] == 2      # the command's run, last
+    assert Store(out).manifest["complete"]
+
+
+def test_a_capture_one_layer_off_exits_non_zero_and_keeps_its_store(tmp_path, twin, head_dir, capsys):
+    rc, again, out, _ = capture_cli(tmp_path, twin, head_dir, server_ids=[3, 4, 5])
+    text = capsys.readouterr().out
+    assert rc == 1 and again == 1 and "matches layer 3 better: the store is one layer off" in text
+    assert sorted(Store(out).ids) == sorted(SAMPLES)                 # the check never deletes captured data
+    assert json.loads((out / CHECK_FILE).read_text())["ok"] is False
+
+
+def test_a_target_without_head_tensors_stops_before_any_request(tmp_path, twin, capsys):
+    """config.json alone: the check cannot run, so the capture refuses to start (or runs with --no-check)."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text(json.dumps(twin.config.to_dict()))
+    out, prep = tmp_path / "store", prepared(tmp_path)
+    eng = Engine(out, twin)
+    sent = []
+    with http_engine(lambda path, body, t: sent.append(body["rid"]) or eng.post(path, body, t)) as url:
+        rc = main(["capture", "--engine", "sglang", "--url", url, "--data", str(prep), "--out",
+                   str(out), "--target-config", str(bare / "config.json")])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.count("\n") == 1 and "--no-check" in err and sent == []
+        rc = main(["capture", "--engine", "sglang", "--url", url, "--data", str(prep), "--out",
+                   str(out), "--target-config", str(bare / "config.json"), "--no-check", "--hook-wait", "2"])
+    assert rc == 0 and not (out / CHECK_FILE).exists() and len(sent) == len(SAMPLES)

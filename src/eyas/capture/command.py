@@ -37,7 +37,7 @@ def register(subparsers) -> None:
 
 def _engine_main(args) -> int:
     """`eyas capture --engine sglang|vllm`: the target runs in a server; only its config is read here."""
-    from eyas.engines.capture import config_from_args, run_engine_capture
+    from eyas.engines.capture import config_from_args, run_engine_capture, served_check
     from eyas.target.layers import resolve_aux_layer_ids
 
     if not args.target_config:
@@ -54,9 +54,13 @@ def _engine_main(args) -> int:
     except (KeyError, TypeError, ValueError) as e:
         raise EyasError(f"{args.target_config}: missing num_hidden_layers/hidden_size/vocab_size ({e})") from None
     ids = resolve_aux_layer_ids(args.layers or None, n)
-    m = run_engine_capture(config_from_args(args), aux_layer_ids=ids, hidden_size=h, vocab_size=v)
+    check = served_check(args)                           # None with --no-check, else (preflight, run)
+    m = run_engine_capture(config_from_args(args), aux_layer_ids=ids, hidden_size=h, vocab_size=v,
+                           preflight=check and check[0])
     print(json.dumps({k: m.get(k) for k in ("complete", "num_samples", "num_tokens", "num_shards", "dtype")}))
-    return 0 if m.get("complete") else 1
+    if not m.get("complete"):
+        return 1
+    return check[1]() if check else 0
 
 
 def _main(args) -> int:

@@ -28,14 +28,17 @@ def store_header(prep_manifest: dict, cfg: EngineCaptureConfig, aux_ids, hidden_
 
 
 def run_engine_capture(cfg: EngineCaptureConfig, *, aux_layer_ids, hidden_size: int, vocab_size: int,
-                       samples=None, post=None) -> dict:
+                       samples=None, post=None, preflight=None) -> dict:
     """Create/resume STORE, send every sample not yet committed, retry rejected ones, finalize.
 
     The client is rank 0 of the store and holds its lock for the whole run (engines/locking.py): a second
     capture into the same directory, engine or in-process, is refused naming this one, and this one is
-    refused while another holds it. It is taken before anything is read or sent.
+    refused while another holds it. It is taken before anything is read or sent. `preflight()` runs right
+    after it, before anything is sent (the served check locates its head tensors there).
     """
     with acquire_store_lock(cfg.out, CLIENT_RANK):
+        if preflight is not None:
+            preflight()
         return _run(cfg, aux_layer_ids, hidden_size, vocab_size, samples, post)
 
 
@@ -115,6 +118,39 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--retries", type=int, default=3, help="extra attempts per sample")
     g.add_argument("--hook-wait", type=float, default=10.0,
                    help="seconds the first reply's dump (hook event, vLLM file) may take before the capture stops")
+    g.add_argument("--no-check", action="store_true",
+                   help="skip the served check after the capture (`eyas engine check`: greedy tokens, post-norm final "
+                        "slot, SGLang aux probe; it reads the embedding, LM head and final norm beside --target-config)")
+    g.add_argument("--check-samples", type=int, default=4, help="stored samples the served check re-sends")
+
+
+def served_check(args):
+    """`eyas capture --engine`'s check: None with --no-check, else (preflight, run). preflight (after the store
+    lock, before any request) locates the head tensors beside --target-config, so a directory without them fails
+    before the capture; run() checks the finished store, prints one line per check, records STORE/check.json and
+    returns the exit code (1 when a check fails). It never touches the captured samples."""
+    if args.no_check:
+        return None
+    from eyas.engines.served_check import CheckConfig, locate_head, report, run_served_check  # noqa: PLC0415
+    d = Path(args.target_config)
+    target = str(d if d.is_dir() else d.parent)
+    try:
+        cfg = CheckConfig(engine=args.engine, url=args.url, store=args.out, target=target, n=args.check_samples,
+                          timeout_s=args.request_timeout, vllm_dir=args.vllm_dir)
+    except ValueError as e:
+        raise EyasError(str(e)) from None
+
+    def preflight():
+        try:
+            locate_head(target)
+        except EyasError as e:
+            raise EyasError(f"{e}; pass --no-check to capture without the served check") from None
+
+    def run() -> int:
+        res = run_served_check(cfg)
+        print(report(res["rows"]))
+        return 0 if res["ok"] else 1
+    return preflight, run
 
 
 def config_from_args(args) -> EngineCaptureConfig:

@@ -1,4 +1,4 @@
-"""`eyas engine launch-args | patch | crosscheck | ingest-vllm`."""
+"""`eyas engine launch-args | patch | crosscheck | check | ingest-vllm`."""
 
 from __future__ import annotations
 
@@ -56,6 +56,14 @@ def _crosscheck(a) -> int:
     return 0 if all(r["ok"] for r in rows) else 1
 
 
+def _check(a) -> int:
+    from eyas.engines.served_check import CheckConfig, report, run_served_check
+    res = run_served_check(CheckConfig(engine=a.engine, url=a.url, store=a.store, target=a.target, n=a.n, tol=a.tol,
+                                       vllm_dir=a.vllm_dir))
+    print(report(res["rows"]))
+    return 0 if res["ok"] else 1
+
+
 def _ingest(a) -> int:
     import sys  # noqa: PLC0415
     from eyas.engines.vllm_ingest import run_ingest, skip_summary
@@ -104,6 +112,17 @@ def register(subparsers) -> None:
     cc.add_argument("--trust-remote-code", action="store_true",
                     help="allow the target's own code (its model, tokenizer or config)")
     cc.set_defaults(func=_crosscheck)
+    ck = sub.add_parser("check", help="engine-captured store vs the served target, with its head tensors only")
+    ck.add_argument("--engine", choices=["sglang", "vllm"], required=True)
+    ck.add_argument("--url", required=True, help="the server that captured the store")
+    ck.add_argument("--store", required=True, help="the store (SGLang: the hook's --store; its probes land in it)")
+    ck.add_argument("--target", required=True, help="target directory: config.json and the safetensors holding the "
+                    "embedding, LM head and final norm (a weightless copy will do)")
+    ck.add_argument("-n", type=int, default=4, help="stored samples re-sent")
+    ck.add_argument("--tol", type=float, default=0.02,
+                    help="largest relative error of an aux slot against its probed layer (bf16 engine)")
+    ck.add_argument("--vllm-dir", default="", help="vLLM: shared_storage_path (the check's own dumps are removed)")
+    ck.set_defaults(func=_check)
     iv = sub.add_parser("ingest-vllm", help="vLLM extract_hidden_states files -> store")
     iv.add_argument("--vllm-dir", required=True)
     iv.add_argument("--data", required=True)

@@ -111,7 +111,9 @@ class ProbeSwitch:
         return None
 
 
-def install_probe_switch(module) -> ProbeSwitch:
+def install_probe_switch(module) -> ProbeSwitch | None:
+    if not hasattr(module, "register_forward_pre_hook"):
+        return None                                       # not a torch module (no SGLang model is one)
     sw = ProbeSwitch(module)
     module.register_forward_pre_hook(sw.pre, with_kwargs=True)
     module.register_forward_hook(sw.post)
@@ -236,6 +238,7 @@ class CheckConfig:
     timeout_s: float = 120.0    # per request
     retries: int = 3            # probe resends (batched with other requests, transport errors)
     wait_s: float = 10.0        # how long a probe's file may take to appear
+    vllm_dir: str = ""          # vLLM's shared_storage_path: the check's own requests' files are removed from it
 
     def __post_init__(self):
         if self.engine not in ("sglang", "vllm"):
@@ -304,6 +307,9 @@ class Server:
                                                     "temperature": 0.0, "return_token_ids": True, "request_id": rid},
                           self.cfg.timeout_s)
             out = ((r.get("choices") or [{}])[0]).get("token_ids")
+            if self.cfg.vllm_dir:                         # extract_hidden_states dumped this request too
+                for p in Path(self.cfg.vllm_dir).glob(f"*{rid}*.safetensors"):
+                    p.unlink(missing_ok=True)
         if not out:
             raise EyasError(f"{self.cfg.url}: the reply to a greedy request carries no output token ids "
                             f"(SGLang: output_ids; vLLM: choices[0].token_ids from return_token_ids): {str(r)[:200]}")
