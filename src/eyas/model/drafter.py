@@ -50,7 +50,7 @@ def target_rope(c) -> tuple[float, dict | None]:
     return theta, (rope if rope.get("rope_type", "default") != "default" else None)
 
 
-def is_deepseek_class(c) -> bool:
+def mla_or_moe(c) -> bool:
     """DeepSeek-V2/V3, Kimi-K2 / K2.5 and their kin, by their config fields (MLA ranks or DeepSeek MoE), not names."""
     return any(getattr(c, k, None) for k in DEEPSEEK_FIELDS)
 
@@ -141,7 +141,7 @@ class DrafterConfig:
         heads = int(c.num_attention_heads)
         kv = int(getattr(c, "num_key_value_heads", None) or heads)
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-        if is_deepseek_class(c):
+        if mla_or_moe(c):
             heads, kv = min(heads, MLA_MAX_HEADS), min(kv, heads, MLA_MAX_HEADS)
             kv = kv if heads % kv == 0 else heads
             head_dim, theta, scaling = MLA_HEAD_DIM, MLA_ROPE_THETA, None
