@@ -66,8 +66,8 @@ class NormInLogits(nn.Module):
 class Engine:
     """SGLang 0.5.14 serving the twin: one forward per request (a probe can be batched with another user's)."""
 
-    def __init__(self, store, hf, *, server_ids=AUX, variant="ok", crowd_probes=0):
-        self.root = DeepseekV3ForCausalLM(hf, packed=False)
+    def __init__(self, store, hf, *, server_ids=AUX, variant="ok", crowd_probes=0, launch="0.5.14"):
+        self.root = DeepseekV3ForCausalLM(hf, packed=launch >= "0.5.23")
         if variant == "after":
             self.root.model = CaptureAfterLayer(hf.model, hf.config.first_k_dense_replace, packed=False)
         elif variant == "prenorm":
@@ -75,8 +75,10 @@ class Engine:
             self.root.model.norm = nn.Identity()
         capture = CaptureHook(store=store, expected=SAMPLES, loss_masks=MASKS, ranks=lambda: (0, 0, 1),
                               idle_flush_s=0.2)
-        register(self.root, hook_spec(str(store), "unused", list(server_ids), num_layers=7, aux_flag=False),
-                 capture)
+        register(self.root, hook_spec(str(store), "unused", list(server_ids), num_layers=7,
+                                      aux_flag=launch >= "0.5.23"), capture)
+        if launch >= "0.5.23":                           # --return-aux-hidden-state-layer-ids (DeepSeek: as given)
+            self.root.set_eagle3_layers_to_capture(list(server_ids))
         self.lock, self.crowd_probes, self.probes = threading.Lock(), crowd_probes, 0
         self.forward({"warmup": [1, 2, 3]})
 
@@ -244,3 +246,51 @@ def test_a_target_without_head_tensors_stops_before_any_request(tmp_path, twin, 
         rc = main(["capture", "--engine", "sglang", "--url", url, "--data", str(prep), "--out",
                    str(out), "--target-config", str(bare / "config.json"), "--no-check", "--hook-wait", "2"])
     assert rc == 0 and not (out / CHECK_FILE).exists() and len(sent) == len(SAMPLES)
+
+
+def test_sglang_0_5_23_without_a_probe_switch_skips_the_aux_slots(tmp_path, twin, head_dir):
+    """0.5.23 launch: the server sets the aux layers itself and no eyas hook sits on the inner model, so no probe
+    switch exists: the aux slots are reported skipped (not passed, not failed); the final-slot checks still run."""
+    out = tmp_path / "store"
+    eng = Engine(out, twin, launch="0.5.23")
+    c = EngineCaptureConfig(engine="sglang", url="http://fake", data="fake", out=str(out), concurrency=1,
+                            retries=1, commit_wait_s=10, hook_wait_s=2)
+    assert run_engine_capture(c, aux_layer_ids=AUX, hidden_size=64, vocab_size=320, samples=PREP,
+                              post=eng.post)["complete"]
+    rows, res = check(out, head_dir, eng)
+    assert res["ok"] and rows["aux slots"]["ok"] is None and "no eyas probe switch" in rows["aux slots"]["why"]
+    assert rows["final slot greedy"]["ok"] and rows["final slot post-norm"]["ok"]
+
+
+@pytest.mark.parametrize("normed", [True, False])
+def test_vllm_final_slot_checks(tmp_path, twin, head_dir, normed):
+    """vLLM: the final-slot checks over /v1/completions token_ids; a store whose last slot kept vLLM's pre-norm
+    state fails both, the aux slots are not probed."""
+    from eyas.store.writer import StoreWriter
+    out = tmp_path / "store"
+    hdr = {"target": PREP[0]["target"], "layers": {"aux": AUX}, "dtype": "bf16", "hidden_size": 64,
+           "vocab_size": 320, "data": {"path": "x"}, "config": {"engine": "vllm"}}
+    w = StoreWriter(out, header=hdr, rank=0, world_size=1)
+    for sid, ids in list(SAMPLES.items())[:4]:
+        with torch.no_grad():
+            o = twin(torch.tensor([ids]), output_hidden_states=True)
+        final = o.hidden_states[-1][0] if normed else twin.model.layers[-1](  # the stream before the final norm
+            o.hidden_states[-2], position_ids=torch.arange(len(ids))[None],
+            position_embeddings=twin.model.rotary_emb(o.hidden_states[-2], torch.arange(len(ids))[None]))[0]
+        final = final[0] if final.dim() == 3 else final
+        w.add_sample(sid, torch.tensor(ids), MASKS[sid], torch.stack([o.hidden_states[i][0] for i in AUX], 1), final)
+    w.close()
+
+    def vllm(url, body, timeout):
+        assert url.endswith("/v1/completions") and body["return_token_ids"] and body["temperature"] == 0
+        with torch.no_grad():
+            tok = int(twin(torch.tensor([body["prompt"]])).logits[0, -1].argmax())
+        return {"choices": [{"text": "x", "token_ids": [tok]}]}
+
+    res = run_served_check(CheckConfig(engine="vllm", url="http://fake", store=str(out), target=str(head_dir)),
+                           post=vllm)
+    rows = {r["check"]: r for r in res["rows"]}
+    print(report(res["rows"]))
+    assert rows["aux slots"]["ok"] is None
+    assert res["ok"] is normed and rows["final slot post-norm"]["ok"] is normed
+    assert rows["final slot greedy"]["ok"] is normed
