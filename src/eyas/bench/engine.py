@@ -158,7 +158,9 @@ class EngineServer:
             if not isinstance(r.get("output_ids"), list):
                 raise EyasError(f"{self.flag} {self.url}/generate: the reply has no output_ids")
             m = r.get("meta_info") or {}
-            return r["output_ids"], m.get("spec_verify_ct"), m.get("spec_correct_drafts_histogram")
+            # spec_accept_histogram: the field's earlier name, kept as an alias in 0.5.14
+            hist = m.get("spec_correct_drafts_histogram") or m.get("spec_accept_histogram")
+            return r["output_ids"], m.get("spec_verify_ct"), hist
         r = self._call("POST", "/v1/completions", {"model": self.model, "prompt": list(ids), "max_tokens": n,
                                                    "temperature": 0.0, "stop_token_ids": list(eos),
                                                    "return_token_ids": True})
