@@ -61,8 +61,12 @@ stage)  # device: the twin, its drafter, prepared data and prompts under $STAGE
 bg)
   shift; [ $# -gt 0 ] || { echo "usage: twin_live.sh bg ENGINE [ENGINE]"; exit 2; }
   [ -f $STAGE/twin/config.json ] || { echo "machine was replaced (no $STAGE/twin): stage again"; exit 3; }
-  mkdir -p $WORK && rm -f $WORK/*.done $WORK/*.log && rm -rf $WORK/src && cp -r src $WORK/src && cp "$0" $WORK/job.sh
-  setsid nohup bash -c "for e in $*; do bash $WORK/job.sh job \$e > $WORK/\$e.log 2>&1; echo \$? > $WORK/\$e.done; done" \
+  mkdir -p $WORK/bench && rm -f $WORK/*.done $WORK/*.log && rm -rf $WORK/src && cp -r src $WORK/src && cp "$0" $WORK/job.sh &&
+    cp benchmarks/train.py $WORK/bench/
+  # then (KIMI_TRAIN=1) the Kimi-shaped drafter's training throughput, once the engines have freed the GPU
+  kimi="python3 $WORK/bench/train.py --shapes kimi --seqs 2048,8192 --attention flex --compile 1 --no-record"
+  setsid nohup bash -c "for e in $*; do bash $WORK/job.sh job \$e > $WORK/\$e.log 2>&1; echo \$? > $WORK/\$e.done; done;
+    [ -n '${KIMI_TRAIN:-}' ] && { $kimi > $WORK/kimi-train.log 2>&1; echo \$? > $WORK/kimi.done; }" \
     > /dev/null 2>&1 < /dev/null &
   sleep 5; tail -n 5 $WORK/$1.log; echo "started: $*"; exit 0 ;;
 poll)
@@ -75,6 +79,7 @@ poll)
       [ -d $WORK/$x ] && (cd $WORK && tar czf $OUT/twin-$x-results.tgz --ignore-failed-read $x.log $x/*.json $x/*.log \
         $x/*.txt $x/store/check.json 2>/dev/null)
     done
+    [ -f $WORK/kimi-train.log ] && cp $WORK/kimi-train.log $OUT/
   fi
   [ -f $WORK/$e.done ]; exit $? ;;
 job) ;;
@@ -194,7 +199,7 @@ serve() {  # the plain server and the EAGLE-3 server side by side; eyas bench --
   local ps rc=0
   for ps in sharegpt-heldout humaneval; do
     python3 -m eyas bench --engine $e --url http://127.0.0.1:$PORT2 --plain-url http://127.0.0.1:$PORT --target $TW \
-      --prompts $STAGE/prompts-$ps.jsonl --max-turns 1 --max-new-tokens 128 --max-prompt-tokens 1536 --json $R/bench-engine-$ps.json \
+      --prompts $STAGE/prompts-$ps.jsonl --limit $LIMIT --max-turns 1 --max-new-tokens 128 --max-prompt-tokens 1536 --json $R/bench-engine-$ps.json \
       > $R/bench-engine-$ps.log 2>&1 || { rc=1; say "bench --engine $ps failed"; }
     tail -n 12 $R/bench-engine-$ps.log
   done
@@ -203,8 +208,8 @@ serve() {  # the plain server and the EAGLE-3 server side by side; eyas bench --
 inproc() {  # eyas's own decoder on the same drafter and prompts, on this GPU, bf16 and fp32
   local ps dt rc=0
   for ps in sharegpt-heldout humaneval; do
-    for dt in bf16 fp32; do
-      python3 -m eyas bench --target $TW --drafter $DR --prompts $STAGE/prompts-$ps.jsonl --chain 3 --max-turns 1 \
+    for dt in ${INPROC_DTYPES:-bf16}; do
+      python3 -m eyas bench --target $TW --drafter $DR --prompts $STAGE/prompts-$ps.jsonl --limit $LIMIT --chain 3 --no-graph-round --max-turns 1 \
         --max-new-tokens 128 --max-prompt-tokens 1536 --device cuda --dtype $dt --no-baselines --lossless-turns 0 --json $R/bench-inproc-$ps-$dt.json \
         > $R/bench-inproc-$ps-$dt.log 2>&1 || { rc=1; say "in-process bench $ps $dt failed"; }
       tail -n 6 $R/bench-inproc-$ps-$dt.log
@@ -212,8 +217,11 @@ inproc() {  # eyas's own decoder on the same drafter and prompts, on this GPU, b
   done
   return $rc
 }
+# SGLang's job trains the drafter (vLLM's reuses it) and runs the engine-independent in-process bench; the
+# wrong-layer server needs the aux probe, which only SGLang's hook has. PHASES_SGLANG / PHASES_VLLM override.
+declare -A defaults=(["sglang"]="drafter capture serve inproc wrong" ["vllm"]="drafter capture serve")
 only=PHASES_${e^^}
-for p in ${!only:-${PHASES:-drafter capture serve inproc wrong}}; do
+for p in ${!only:-${defaults[$e]}}; do
   phase $p $p
 done
 say "phases: $(tr '\n' ';' < $R/phases.txt)"
