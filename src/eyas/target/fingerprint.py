@@ -7,6 +7,9 @@
      "special_tokens": {"bos": [1], "eos": [2], "unk": [0]},       # ids the config declares, else the tokenizer's
      "weights": {"format": "gguf", "sha256": "..."} | null}      # content hash of the weights file(s)
 
+A safetensors directory's weights are its weight map plus the bytes of its head tensors (format "safetensors-head",
+`head_identity`), never every weight: a checkpoint and its weightless copy are the same target.
+
 `diffs` compares two fingerprints field by field (config fields by name). A GGUF file is the whole target (tensors,
 config and tokenizer in one file), so two fingerprints with the same GGUF hash are the same target whatever a
 transformers version converted the file to. Other weights are compared only when both sides hashed the same format.
