@@ -165,7 +165,21 @@ def test_speculative_decoding_equals_uncached_greedy(twin, drafter, method, monk
     assert bool(moved) == (method == "tree")  # trees accepted branches that were moved next to the prefix
 
 
-def test_refuses_what_it_cannot_decode(twin):
+def test_batched_chains_equal_uncached_greedy(twin, drafter):
+    """The batched chain decoder (decode/batch.py: right-padded rows, per-row accept lengths, row moves through
+    `runner.layers`) on the generic runner."""
+    from eyas.decode.batch import BatchChainDecoder, BatchSpecConfig
+
+    model, tok = twin
+    prompts = [tok.encode(t) for t in TEXTS[:4]]
+    r = HFRunner.from_hf(model, max_batch=4, max_seq=96)
+    eos = (tok.eos_token_id, 287)  # rows end at different rounds
+    outs, stats = BatchChainDecoder(r, drafter, BatchSpecConfig(k=3)).generate(prompts, 24, eos_ids=eos)
+    assert outs == [naive_greedy(model, p, 24, eos) for p in prompts]
+    assert sum(s.tokens for s in stats) > sum(s.target_forwards for s in stats)
+
+
+def test_refuses_what_it_cannot_decode(twin, monkeypatch):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     sliding = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -174,9 +188,13 @@ def test_refuses_what_it_cannot_decode(twin):
     with pytest.raises(EyasError, match="sliding_attention"):
         HFRunner.from_hf(sliding)
     r = HFRunner.from_hf(twin[0], max_batch=1, max_seq=16)
+    one = torch.zeros(1, 1, dtype=torch.long)
     with pytest.raises(EyasError, match="exceeds the cache"):
-        r.forward(torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1, dtype=torch.long),
-                  torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1, 1, dtype=torch.bool))
+        r.forward(one.expand(2, 1), one.expand(2, 1), one.expand(2, 1), torch.ones(2, 1, 1, dtype=torch.bool))
+    # a model whose layers keep their own cache would decode without the runner's slots: refused, not wrong
+    monkeypatch.setattr(r.cache, "update", lambda k, v, *a, **kw: (k, v))
+    with pytest.raises(EyasError, match="wrote the cache from 0 of its 7 layers"):
+        r.forward(one, one, one, torch.ones(1, 1, 1, dtype=torch.bool))
 
 
 def test_a_bench_on_a_generic_target_lets_the_model_go():

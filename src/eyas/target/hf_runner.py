@@ -69,12 +69,14 @@ class SlotCache:
         self.max_batch, self.max_seq = max_batch, max_seq
         self.slots: Tensor | None = None
         self.width = 0
+        self.writes = 0  # updates since the runner last reset it: one per attention layer and forward
 
     def __len__(self) -> int:
         return len(self.layers)
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
         layer = self.layers[layer_idx]
+        self.writes += 1
         B, S = self.slots.shape
         if layer.k_cache is None:
             def buf(x):
@@ -90,7 +92,7 @@ class SlotCache:
 
 
 class HFRunner(nn.Module):
-    """Runner interface (forward, step_fn, graphed, copy_slots, generate, embed, cfg, layers) on an HF causal
+    """Runner interface (forward, step_fn, graphed, copy_slots, generate, embed, lm_head, cfg, layers) on an HF causal
     LM. Build with `HFRunner.from_hf(model, max_batch=, max_seq=)`; `Runner.from_hf` picks it for targets
     that are not Llama-family."""
 
@@ -145,6 +147,10 @@ class HFRunner(nn.Module):
         return self.model.get_input_embeddings()
 
     @property
+    def lm_head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    @property
     def layers(self) -> list[SlotLayer]:
         """The per-layer caches (what `Runner.layers` users read: k_cache / v_cache)."""
         return self.cache.layers
@@ -161,13 +167,16 @@ class HFRunner(nn.Module):
         if B > cfg.max_batch or attn_mask.shape[-1] > cfg.max_seq:
             raise EyasError(f"runner: batch {B} x {attn_mask.shape[-1]} slots exceeds the cache "
                             f"({cfg.max_batch} x {cfg.max_seq})")
-        self.cache.slots, self.cache.width = cache_slots, attn_mask.shape[-1]
+        self.cache.slots, self.cache.width, self.cache.writes = cache_slots, attn_mask.shape[-1], 0
         bias = torch.zeros(attn_mask.shape, dtype=self.dtype, device=input_ids.device)
         bias = bias.masked_fill_(~attn_mask, torch.finfo(self.dtype).min)[:, None]  # (B,1,S,L)
         kw = {"input_ids": input_ids, "position_ids": positions, "attention_mask": bias, "use_cache": True,
               self._cache_kw: self.cache}
         with LayerInputs(self.base.layers, capture) as cap:
             final = self.base(**kw).last_hidden_state  # (B,S,h), after the final norm
+        if self.cache.writes != N:  # a model that kept its own cache would decode without the slots given
+            raise EyasError(f"runner: {self.model.config.model_type} wrote the cache from {self.cache.writes} of its "
+                            f"{N} layers; the generic runner needs every layer to call cache.update")
         captured = {i: (final if i == N else cap.states[i]) for i in capture}
         if last_only:
             final = final[:, -1:]
