@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 
 from eyas.errors import EyasError
+from eyas.target.meta import INDEX, NAMES, SINGLE, find_name, read_tensor, weight_map
 
-# The final norm's name in the checkpoints eyas knows: HF causal LMs, multimodal wrappers (Kimi-K2.5), and
-# NVIDIA's Kimi-K2.5 quantized checkpoints (language_model.layers.*, language_model.norm.weight).
-NORM_KEYS = ("model.norm.weight", "language_model.model.norm.weight", "language_model.norm.weight")
-INDEX = "model.safetensors.index.json"
+# The final norm's names (target/meta.py, as every stage finds them): HF causal LMs, multimodal wrappers
+# (Kimi-K2.5), and NVIDIA's Kimi-K2.5 quantized checkpoints (language_model.layers.*, language_model.norm.weight).
+NORM_KEYS = NAMES["norm"]
 
 
 @dataclass(frozen=True)
@@ -35,40 +35,25 @@ class FinalNorm:
         return x * self.weight.float()
 
 
-def _checkpoint_keys(d: Path) -> dict[str, Path]:
-    """tensor name -> safetensors file, from the index when there is one (no shard opened)."""
-    index = d / INDEX
-    if index.exists():
-        try:
-            return {k: d / f for k, f in json.loads(index.read_text())["weight_map"].items()}
-        except (OSError, json.JSONDecodeError, KeyError, AttributeError) as e:
-            raise EyasError(f"{index}: cannot read its weight_map ({e})") from e
-    from safetensors import safe_open  # noqa: PLC0415
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as sf:
-            out.update({k: f for k in sf.keys()})
-    return out
-
-
 def read_norm_weight(d: Path) -> tuple[str, torch.Tensor]:
-    """(name, weight) of the final norm in the safetensors of `d`: found by name through the index, read
-    memory-mapped from its one shard."""
-    keys = _checkpoint_keys(d) if d.is_dir() else {}
-    found = [k for k in NORM_KEYS if k in keys]
-    where = d / INDEX if (d / INDEX).exists() else f"{d}/*.safetensors"
-    if len(found) != 1:
-        what = f"found {' and '.join(found)}" if found else "found none"
-        raise EyasError(f"{where}: expected one final-norm tensor named {' or '.join(NORM_KEYS)}; {what}")
-    shard = keys[found[0]]
+    """(name, weight) of the final norm in the safetensors of `d`: found by name through the weight map
+    (target/meta.py find_name), read memory-mapped from its one shard."""
+    found = weight_map(d) if d.is_dir() else None
+    if found is None:
+        raise EyasError(f"{d}: no {INDEX} or {SINGLE}; expected one final-norm tensor named "
+                        f"{' or '.join(NORM_KEYS)} in its safetensors")
+    wm, where = found
+    name = find_name(wm, "norm")
+    if name is None:
+        raise EyasError(f"{where}: expected one final-norm tensor named {' or '.join(NORM_KEYS)}; found none")
+    shard = d / wm[name]
     if not shard.is_file():
-        raise EyasError(f"{shard}: absent, but {where} puts the final norm {found[0]} there")
-    from safetensors import SafetensorError, safe_open  # noqa: PLC0415
+        raise EyasError(f"{shard}: absent, but {where} puts the final norm {name} there")
+    from safetensors import SafetensorError  # noqa: PLC0415
     try:
-        with safe_open(str(shard), framework="pt") as sf:
-            return found[0], sf.get_tensor(found[0])
+        return name, read_tensor({"name": name, "path": shard})
     except SafetensorError as e:
-        raise EyasError(f"{shard}: cannot read {found[0]} ({e})") from e
+        raise EyasError(f"{shard}: cannot read {name} ({e})") from e
 
 
 def load_final_norm(target_config, weights_dir=None) -> FinalNorm:

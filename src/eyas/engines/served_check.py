@@ -171,44 +171,23 @@ class Head:
     model_type: str
 
 
-HEAD_NAMES = {"embed": re.compile(r"(?:^|\.)embed_tokens\.weight$"), "lm_head": re.compile(r"(?:^|\.)lm_head\.weight$"),
-              "norm": re.compile(r"(?:^|\.)model\.norm\.weight$|^(?:language_model\.)?norm\.weight$")}
-
-
 def locate_head(target) -> tuple[dict, dict, dict]:
-    """(config.json, its text config, kind -> (tensor name, shard path)) of a target directory, checked without
-    reading a tensor: each head tensor named once in the safetensors index (or single file) and its shard there."""
-    from eyas.engines.final_norm import _checkpoint_keys  # noqa: PLC0415
+    """(config.json, its text config, kind -> {"name", "path", ...}) of a target directory, checked without
+    reading a tensor: the head tensors found by name as every stage finds them (target/meta.py open_heads; no
+    tokenizer, no code from the checkpoint), each in a shard that is there."""
+    from eyas.target.meta import open_heads, read_json  # noqa: PLC0415
     d = Path(target)
-    try:
-        raw = json.loads((d / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise EyasError(f"{d / 'config.json'}: cannot read the target config ({e})") from None
-    text = raw.get("text_config") or raw
-    keys = _checkpoint_keys(d)
-    where = {}
-    for kind, pat in HEAD_NAMES.items():
-        found = [k for k in keys if pat.search(k) and ".layers." not in k and not k.startswith(("vision", "mm_"))]
-        if kind == "lm_head" and not found and text.get("tie_word_embeddings", raw.get("tie_word_embeddings")):
-            continue
-        if len(found) != 1:
-            raise EyasError(f"{d}: expected one {kind} tensor in the target's safetensors, found {found or 'none'} "
-                            f"(the check reads the embedding, LM head and final norm by name)")
-        if not keys[found[0]].exists():
-            raise EyasError(f"{d}: {found[0]} is in {keys[found[0]].name}, which is missing")
-        where[kind] = (found[0], keys[found[0]])
-    return raw, text, where
+    raw = read_json(d / "config.json")
+    _, where, _ = open_heads(d, raw)
+    return raw, raw.get("text_config") or raw, where
 
 
 def load_head(target) -> Head:
     """The embedding, LM head and final norm of a target directory (config.json, safetensors index or single
     file; a weightless copy holding only the head shards works), read by name without loading the rest."""
-    from safetensors import safe_open  # noqa: PLC0415
+    from eyas.target.meta import read_tensor  # noqa: PLC0415
     raw, text, where = locate_head(target)
-    out = {}
-    for kind, (name, path) in where.items():
-        with safe_open(str(path), framework="pt") as f:
-            out[kind] = f.get_tensor(name)
+    out = {kind: read_tensor(loc) for kind, loc in where.items()}
     arch = (raw.get("architectures") or text.get("architectures") or ["?"])[0]
     return Head(out["embed"], out.get("lm_head", out["embed"]), out["norm"], int(text["num_hidden_layers"]), arch,
                 str(text.get("model_type") or raw.get("model_type") or ""))

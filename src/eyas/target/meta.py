@@ -180,14 +180,11 @@ class TargetMeta:
         self.lm_head = self.embed_tokens if tied else HeadTensor(lambda: self._read("lm_head"))
 
     def _read(self, kind: str) -> torch.Tensor:
-        from safetensors import safe_open
-
         h = self.heads.get(kind)
         if h is None:
             raise EyasError(f"target {self.name}: its {kind} tensor was not opened (a stage asked for more than "
                             f"open_target_meta's tensors=)")
-        with safe_open(str(h["path"]), framework="pt") as f:
-            w = f.get_tensor(h["name"])
+        w = read_tensor(h)
         return w if self._dtype is None else w.to(self._dtype)
 
     @property
@@ -254,6 +251,34 @@ def _heads(d: Path, wm: dict[str, str], wm_file: Path, raw: dict, tied: bool, ch
     return out
 
 
+def read_tensor(loc: dict) -> torch.Tensor:
+    """One tensor by name from its shard alone ({"name", "path"}, as _locate gives), memory-mapped."""
+    from safetensors import safe_open
+
+    with safe_open(str(loc["path"]), framework="pt") as f:
+        return f.get_tensor(loc["name"])
+
+
+def open_heads(d: Path, raw: dict | None = None, *, check: tuple[str, ...] = ()) -> tuple[object, dict, bool]:
+    """(text config, kind -> _locate's dict, tied) of a directory's embedding, final norm and (untied) LM head:
+    found by name through the weight map and checked from the shards' headers, none read; `check`: the kinds
+    refused when quantized. No tokenizer and no code from the checkpoint (open_target_meta and the served check,
+    engines/served_check.py, both locate the head here). `raw`: config.json when the caller has read it."""
+    raw = read_json(d / "config.json") if raw is None else raw
+    try:
+        config = text_config(d, raw)
+    except (OSError, ValueError, TypeError) as e:
+        raise EyasError(f"{d / 'config.json'}: {e}") from None
+    found = weight_map(d)
+    if found is None:
+        raise EyasError(f"{d}: no {INDEX} or {SINGLE}; eyas reads the head tensors from safetensors")
+    wm, wm_file = found
+    tied = getattr(config, "tie_word_embeddings", None)
+    if tied is None or isinstance(config, JsonConfig) and "tie_word_embeddings" not in config.__dict__:
+        tied = find_name(wm, "lm_head") is None   # the raw JSON does not say: a missing head is a tied one
+    return config, _heads(d, wm, wm_file, raw, bool(tied), tuple(check)), bool(tied)
+
+
 def head_weights(d: Path) -> dict | None:
     """The fingerprint's weights of a safetensors directory (fingerprint.head_identity): its weight map and the
     bytes of the head tensors it holds; None when it has no weight map or no embedding/final norm found by name."""
@@ -298,18 +323,7 @@ def open_target_meta(spec: str, *, aux_layer_ids=None, trust_remote_code: bool =
     if (why := needs_remote_code(d, raw)) and not trust_remote_code:
         raise EyasError(f"target {spec!r} needs its own code ({'; '.join(why)}); rerun with --trust-remote-code "
                         f"if you trust it")
-    try:
-        config = text_config(d, raw)
-    except (OSError, ValueError, TypeError) as e:
-        raise EyasError(f"{d / 'config.json'}: {e}") from None
-    found = weight_map(d)
-    if found is None:
-        raise EyasError(f"{d}: no {INDEX} or {SINGLE}; eyas reads the head tensors from safetensors")
-    wm, wm_file = found
-    tied = getattr(config, "tie_word_embeddings", None)
-    if tied is None or isinstance(config, JsonConfig) and "tie_word_embeddings" not in config.__dict__:
-        tied = find_name(wm, "lm_head") is None   # the raw JSON does not say: a missing head is a tied one
-    heads = _heads(d, wm, wm_file, raw, bool(tied), tuple(tensors))
+    config, heads, tied = open_heads(d, raw, check=tuple(tensors))
     from transformers import AutoTokenizer
 
     try:
@@ -324,4 +338,4 @@ def open_target_meta(spec: str, *, aux_layer_ids=None, trust_remote_code: bool =
     ids = resolve_aux_layer_ids(aux_layer_ids, int(config.num_hidden_layers))
     fp = fingerprint(config, tok, identity=identity, weights=weights)
     return TargetMeta(name=identity, directory=d, config=config, tokenizer=tok, aux_layer_ids=ids, fingerprint=fp,
-                      heads=heads, tied=bool(tied), generation_eos=gen, dtype=dtype)
+                      heads=heads, tied=tied, generation_eos=gen, dtype=dtype)
