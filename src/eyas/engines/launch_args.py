@@ -54,28 +54,10 @@ def parse_version(v: str) -> tuple[int, int, int]:
     return tuple(parts)  # type: ignore[return-value]
 
 
-def remote_code_reasons(path, cfg: dict) -> list[str]:
-    """Why an engine loading the target beside config.json `path` needs --trust-remote-code (empty: it does not):
-    an auto_map in config.json or tokenizer_config.json, or a model_type transformers has no class for."""
-    from transformers import CONFIG_MAPPING  # noqa: PLC0415
-    why = []
-    if cfg.get("auto_map"):
-        why.append("config.json has an auto_map")
-    for mt in {cfg.get("model_type"), (cfg.get("text_config") or {}).get("model_type")} - {None}:
-        if mt not in CONFIG_MAPPING:
-            why.append(f"transformers has no model_type {mt!r}")
-    tok = Path(path).parent / "tokenizer_config.json"
-    try:
-        if tok.exists() and json.loads(tok.read_text()).get("auto_map"):
-            why.append("tokenizer_config.json has an auto_map")
-    except (OSError, json.JSONDecodeError) as e:
-        raise EyasError(f"{tok}: cannot read the tokenizer config ({e})") from e
-    return why
-
-
 def read_target_config(path) -> dict:
     """A HF config.json; multimodal wrappers (Kimi-K2.5) keep the LM, and so its depth and width, under
-    text_config."""
+    text_config. remote_code: why the engine needs --trust-remote-code (target/meta.py needs_remote_code)."""
+    from eyas.target.meta import needs_remote_code  # noqa: PLC0415
     p = Path(path)
     try:
         cfg = json.loads(p.read_text())
@@ -87,7 +69,7 @@ def read_target_config(path) -> dict:
     arch = (cfg.get("architectures") or text.get("architectures") or ["?"])[0]
     return {"num_layers": int(text["num_hidden_layers"]), "hidden_size": int(text["hidden_size"]),
             "architecture": arch, "model_type": text.get("model_type", cfg.get("model_type")),
-            "wrapper": "text_config" in cfg, "remote_code": remote_code_reasons(p, cfg)}
+            "wrapper": "text_config" in cfg, "remote_code": needs_remote_code(p.parent, cfg, engine=True)}
 
 
 def lm_head_module(info: dict, override: str | None = None) -> str:

@@ -102,15 +102,25 @@ def find_name(wm: dict[str, str], kind: str) -> str | None:
     return hits[0] if len(hits) == 1 else None
 
 
-def needs_remote_code(d: Path, raw: dict) -> list[str]:
-    """Why a directory's config or tokenizer would run its own code (empty: it would not)."""
+def needs_remote_code(d: Path, raw: dict, *, engine: bool = False) -> list[str]:
+    """Why a directory's config or tokenizer would run its own code (empty: it would not); `raw` is its config.json.
+
+    engine=False, in this process: transformers runs a config's auto_map.AutoConfig only for a model type it lacks
+    (a DeepSeek-V3 config.json maps its own class yet opens without code here), a tokenizer's auto_map always.
+    engine=True, in a serving engine (`eyas engine launch-args`), whose transformers may be older than this one:
+    any auto_map, and any model type (the wrapper's or its text_config's) this transformers lacks, counts."""
     from transformers import CONFIG_MAPPING
 
-    why = []
     auto = raw.get("auto_map") or {}
+    tok_cfg = read_json(d / "tokenizer_config.json") if (d / "tokenizer_config.json").exists() else {}
+    if engine:
+        types = sorted({raw.get("model_type"), (raw.get("text_config") or {}).get("model_type")} - {None})
+        return ((["config.json has an auto_map"] if auto else [])
+                + [f"transformers has no model_type {mt!r}" for mt in types if mt not in CONFIG_MAPPING]
+                + (["tokenizer_config.json has an auto_map"] if tok_cfg.get("auto_map") else []))
+    why = []
     if "AutoConfig" in auto and raw.get("model_type") not in CONFIG_MAPPING:
         why.append(f"config.json auto_map.AutoConfig {auto['AutoConfig']!r}")
-    tok_cfg = read_json(d / "tokenizer_config.json") if (d / "tokenizer_config.json").exists() else {}
     for where, m in (("tokenizer_config.json", tok_cfg.get("auto_map") or {}), ("config.json", auto)):
         if isinstance(m, dict) and "AutoTokenizer" in m:
             why.append(f"{where} auto_map.AutoTokenizer {m['AutoTokenizer']!r}")
