@@ -65,8 +65,8 @@ class EngineBenchConfig:
 
 def open_tokenizer(target: str, *, trust_remote_code: bool = False):
     """(tokenizer, eos ids) of the served target from a local directory: config and tokenizer are enough, no
-    weights. The eos ids are the in-process Target.eos_token_ids rule: config and generation config (a nested
-    text_config's too), the tokenizer's eos and the usual end-of-turn tokens."""
+    weights (target/meta.py's open_target_meta would also want the head shards). The eos ids follow the in-process
+    rule (target/load.py eos_ids) over config and generation config, a nested text_config's too."""
     d = Path(target)
     if not d.is_dir():
         raise EyasError(f"--target {target}: bench --engine needs the served model's directory (its config and "
@@ -78,18 +78,14 @@ def open_tokenizer(target: str, *, trust_remote_code: bool = False):
     except Exception as e:  # noqa: BLE001 - any loader failure is one line
         hint = "" if trust_remote_code else "; a tokenizer with its own code needs --trust-remote-code"
         raise EyasError(f"{d}: cannot load its tokenizer ({type(e).__name__}: {str(e).splitlines()[0][:200]}){hint}")
-    ids: set[int] = set()
+    from eyas.target.load import eos_ids
+
+    declared = []
     for name in ("config.json", "generation_config.json"):
         if (d / name).is_file():
             c = json.loads((d / name).read_text())
-            for src in (c, c.get("text_config") or {}):
-                e = src.get("eos_token_id")
-                ids.update([] if e is None else [e] if isinstance(e, int) else e)
-    if tok.eos_token_id is not None:
-        ids.add(tok.eos_token_id)
-    vocab = tok.get_vocab()
-    ids.update(vocab[t] for t in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>") if t in vocab)
-    return tok, sorted(ids)
+            declared += [src.get("eos_token_id") for src in (c, c.get("text_config") or {})]
+    return tok, eos_ids(declared, tok)
 
 
 class EngineServer:
