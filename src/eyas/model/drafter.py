@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -18,41 +17,8 @@ from torch.nn.attention import sdpa_kernel
 
 from eyas.errors import EyasError
 from eyas.knobs import from_known, to_json
+from eyas.model.shape import MLA_ROPE_THETA, ROPE_TYPES, param_count, summary, target_shape  # noqa: F401
 from eyas.sdpa import INFERENCE_SDPA
-
-ROPE_TYPES = ("default", "linear", "llama3")
-# DeepSeek-V2/V3 / Kimi-K2(.5) targets get the Llama head of the published EAGLE-3 heads for them (docs/training.md):
-MLA_HEAD_DIM = 128                 # the width of the targets' value heads (v_head_dim) and of those heads
-MLA_MAX_HEADS = 64                 # Kimi's 64 heads; DeepSeek-V3's 128 would double q/k/v/o and the draft KV cache
-MLA_ROPE_THETA = 1_000_000.0       # plain RoPE: the published heads' theta; its longest wavelength spans 262k tokens
-DEEPSEEK_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "n_routed_experts")
-
-
-def text_config(config):
-    """The language model's fields of a target config: `get_text_config()` of a transformers config (a VLM
-    wrapper's text_config, else itself), or the `text_config` of an attribute view / dict of config.json."""
-    if isinstance(config, dict):
-        config = SimpleNamespace(**config)
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    elif getattr(config, "text_config", None) is not None:
-        config = config.text_config
-    return SimpleNamespace(**config) if isinstance(config, dict) else config
-
-
-def target_rope(c) -> tuple[float, dict | None]:
-    """(rope_theta, scaling with "rope_type", or None for default RoPE) from either spelling: transformers 5's
-    rope_parameters or 4's rope_theta + rope_scaling ({"type": ...} or {"rope_type": ...})."""
-    rope = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
-    theta = float(rope.pop("rope_theta", None) or getattr(c, "rope_theta", None) or 10000.0)
-    if "type" in rope and "rope_type" not in rope:
-        rope["rope_type"] = rope.pop("type")
-    return theta, (rope if rope.get("rope_type", "default") != "default" else None)
-
-
-def mla_or_moe(c) -> bool:
-    """DeepSeek-V2/V3, Kimi-K2 / K2.5 and their kin, by their config fields (MLA ranks or DeepSeek MoE), not names."""
-    return any(getattr(c, k, None) for k in DEEPSEEK_FIELDS)
 
 
 @functools.cache
@@ -127,50 +93,20 @@ class DrafterConfig:
     @classmethod
     def from_target(cls, hf_config, *, draft_vocab_size: int, aux_layer_ids, intermediate_size: int | None = None
                     ) -> "DrafterConfig":
-        """Derive every size, eps and the RoPE from the target's config (docs/training.md, "The drafter's shape").
-
-        `hf_config`: a transformers config, a VLM wrapper of one (its `get_text_config()`), or an attribute view
-        (or dict) of config.json whose language model may sit under `text_config`. Llama-like targets: the
-        target's own attention shape and RoPE; a scaling this drafter does not implement (yarn, dynamic, ...) is
-        dropped for plain RoPE at the target's theta. DeepSeek-V2/V3 / Kimi (MLA or DeepSeek MoE fields): the
-        Llama head of the published EAGLE-3 heads for them, head_dim 128, plain RoPE at MLA_ROPE_THETA."""
-        c = text_config(hf_config)
-        theta, scaling = target_rope(c)
-        if scaling is not None and scaling["rope_type"] not in ROPE_TYPES:
-            scaling = None                               # plain RoPE; config.json says so (rope_scaling null)
-        heads = int(c.num_attention_heads)
-        kv = int(getattr(c, "num_key_value_heads", None) or heads)
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-        if mla_or_moe(c):
-            heads, kv = min(heads, MLA_MAX_HEADS), min(kv, heads, MLA_MAX_HEADS)
-            kv = kv if heads % kv == 0 else heads
-            head_dim, theta, scaling = MLA_HEAD_DIM, MLA_ROPE_THETA, None
-        return cls(
-            hidden_size=c.hidden_size, target_hidden_size=c.hidden_size,
-            intermediate_size=intermediate_size or c.intermediate_size,
-            num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
-            rms_norm_eps=float(c.rms_norm_eps), rope_theta=theta, rope_scaling=scaling,
-            max_position_embeddings=c.max_position_embeddings, vocab_size=c.vocab_size,
-            draft_vocab_size=min(int(draft_vocab_size), c.vocab_size), aux_layer_ids=tuple(aux_layer_ids),
-        )
+        """Derive every size, eps and the RoPE from the target's config (model/shape.py target_shape; docs/training.md,
+        "The drafter's shape"). `hf_config`: a transformers config, a VLM wrapper of one, or an attribute view (or
+        dict) of config.json whose language model may sit under `text_config`."""
+        shape = target_shape(hf_config, intermediate_size=intermediate_size)
+        return cls(**shape, draft_vocab_size=min(int(draft_vocab_size), shape["vocab_size"]),
+                   aux_layer_ids=tuple(aux_layer_ids))
 
     def param_count(self) -> int:
-        """Trainable parameters of Eagle3Drafter(self): fc, q/k/v/o, MLP, four RMSNorms, lm_head."""
-        h, a, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        return (3 * self.target_hidden_size * h + 2 * h * (a + 2 * kv) + a * h + 3 * h * self.intermediate_size
-                + 4 * h + self.draft_vocab_size * h)
+        """Trainable parameters of Eagle3Drafter(self) (model/shape.py param_count)."""
+        return param_count(self)
 
     def summary(self) -> str:
         """One line: sizes, vocabulary, RoPE and parameter count (what `eyas train` announces)."""
-        s = self.rope_scaling
-        rope = f"{s['rope_type']} x{float(s.get('factor', 1)):g}" if s else "no scaling"
-        theta = f"{self.rope_theta:.0f}" if float(self.rope_theta).is_integer() else f"{self.rope_theta:g}"
-        n = self.param_count()
-        count = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
-        fc = "" if self.target_hidden_size == self.hidden_size else f" (fc from 3 x {self.target_hidden_size})"
-        return (f"h {self.hidden_size}{fc}, {self.num_attention_heads} x {self.head_dim} heads "
-                f"({self.num_key_value_heads} kv), mlp {self.intermediate_size}, vocab {self.vocab_size} -> "
-                f"{self.draft_vocab_size}, rope theta {theta} ({rope}), {count} params")
+        return summary(self)
 
     def to_dict(self) -> dict:
         return to_json(self)

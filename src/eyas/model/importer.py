@@ -102,20 +102,13 @@ def resolve_layer_ids(raw: dict, *, num_target_layers: int | None, where: str, w
     return tuple(ids)
 
 
-def _rope(raw: dict) -> tuple[float, dict | None]:
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    theta = float(params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0)
-    if "type" in params and "rope_type" not in params:
-        params["rope_type"] = params.pop("type")
-    return theta, (params if params.get("rope_type", "default") != "default" else None)
-
-
 def drafter_config_from_hf(raw: dict, *, aux_layer_ids, where: str):
     from eyas.model.drafter import DrafterConfig
+    from eyas.model.shape import target_rope
 
     try:
         h, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
-        theta, scaling = _rope(raw)
+        theta, scaling = target_rope(raw)
         return DrafterConfig(
             hidden_size=h, target_hidden_size=int(raw.get("target_hidden_size") or h),
             intermediate_size=int(raw["intermediate_size"]), num_attention_heads=heads,

@@ -1,0 +1,92 @@
+"""The drafter's shape: derived from a target's config (docs/training.md, "The drafter's shape"), counted, described.
+
+DrafterConfig.from_target (model/drafter.py) is the entry point; this module reads the target's config in its
+spellings (transformers configs, VLM wrappers, attribute views or dicts of config.json; RoPE in transformers 4's
+or 5's fields) and derives the attention shape and RoPE of the drafter for it. No torch: a shape is plain numbers.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+ROPE_TYPES = ("default", "linear", "llama3")   # the RoPE scalings the drafter implements (drafter.rope_inv_freq)
+# DeepSeek-V2/V3 / Kimi-K2(.5) targets get the Llama head of the published EAGLE-3 heads for them (docs/training.md):
+MLA_HEAD_DIM = 128                 # the width of the targets' value heads (v_head_dim) and of those heads
+MLA_MAX_HEADS = 64                 # Kimi's 64 heads; DeepSeek-V3's 128 would double q/k/v/o and the draft KV cache
+MLA_ROPE_THETA = 1_000_000.0       # plain RoPE: the published heads' theta; its longest wavelength spans 262k tokens
+DEEPSEEK_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "n_routed_experts")
+
+
+def text_config(config):
+    """The language model's fields of a target config: `get_text_config()` of a transformers config (a VLM
+    wrapper's text_config, else itself), or the `text_config` of an attribute view / dict of config.json."""
+    if isinstance(config, dict):
+        config = SimpleNamespace(**config)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    elif getattr(config, "text_config", None) is not None:
+        config = config.text_config
+    return SimpleNamespace(**config) if isinstance(config, dict) else config
+
+
+def target_rope(c) -> tuple[float, dict | None]:
+    """(rope_theta, scaling with "rope_type", or None for default RoPE) from either spelling: transformers 5's
+    rope_parameters or 4's rope_theta + rope_scaling ({"type": ...} or {"rope_type": ...}). `c`: a config or an
+    attribute view of one; a dict (config.json) is read as its keys."""
+    if isinstance(c, dict):
+        c = SimpleNamespace(**c)
+    rope = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
+    theta = float(rope.pop("rope_theta", None) or getattr(c, "rope_theta", None) or 10000.0)
+    if "type" in rope and "rope_type" not in rope:
+        rope["rope_type"] = rope.pop("type")
+    return theta, (rope if rope.get("rope_type", "default") != "default" else None)
+
+
+def mla_or_moe(c) -> bool:
+    """DeepSeek-V2/V3, Kimi-K2 / K2.5 and their kin, by their config fields (MLA ranks or DeepSeek MoE), not names."""
+    return any(getattr(c, k, None) for k in DEEPSEEK_FIELDS)
+
+
+def target_shape(hf_config, *, intermediate_size: int | None = None) -> dict:
+    """DrafterConfig's fields derived from a target config (all but draft_vocab_size and aux_layer_ids); the MLP
+    width is the target's unless `intermediate_size` is given.
+
+    Llama-like targets: the target's own attention shape and RoPE; a scaling the drafter does not implement
+    (yarn, dynamic, ...) is dropped for plain RoPE at the target's theta. DeepSeek-V2/V3 / Kimi (MLA or DeepSeek
+    MoE fields): the Llama head of the published EAGLE-3 heads for them, head_dim 128, plain RoPE at
+    MLA_ROPE_THETA."""
+    c = text_config(hf_config)
+    theta, scaling = target_rope(c)
+    if scaling is not None and scaling["rope_type"] not in ROPE_TYPES:
+        scaling = None                               # plain RoPE; config.json says so (rope_scaling null)
+    heads = int(c.num_attention_heads)
+    kv = int(getattr(c, "num_key_value_heads", None) or heads)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    if mla_or_moe(c):
+        heads, kv = min(heads, MLA_MAX_HEADS), min(kv, heads, MLA_MAX_HEADS)
+        kv = kv if heads % kv == 0 else heads
+        head_dim, theta, scaling = MLA_HEAD_DIM, MLA_ROPE_THETA, None
+    return dict(hidden_size=c.hidden_size, target_hidden_size=c.hidden_size,
+                intermediate_size=intermediate_size or c.intermediate_size, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+                rms_norm_eps=float(c.rms_norm_eps), rope_theta=theta, rope_scaling=scaling,
+                max_position_embeddings=c.max_position_embeddings, vocab_size=c.vocab_size)
+
+
+def param_count(cfg) -> int:
+    """Trainable parameters of Eagle3Drafter(cfg) for a DrafterConfig: fc, q/k/v/o, MLP, four RMSNorms, lm_head."""
+    h, a, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    return (3 * cfg.target_hidden_size * h + 2 * h * (a + 2 * kv) + a * h + 3 * h * cfg.intermediate_size
+            + 4 * h + cfg.draft_vocab_size * h)
+
+
+def summary(cfg) -> str:
+    """One line of a DrafterConfig: sizes, vocabulary, RoPE and parameter count (what `eyas train` announces)."""
+    s = cfg.rope_scaling
+    rope = f"{s['rope_type']} x{float(s.get('factor', 1)):g}" if s else "no scaling"
+    theta = f"{cfg.rope_theta:.0f}" if float(cfg.rope_theta).is_integer() else f"{cfg.rope_theta:g}"
+    n = param_count(cfg)
+    count = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
+    fc = "" if cfg.target_hidden_size == cfg.hidden_size else f" (fc from 3 x {cfg.target_hidden_size})"
+    return (f"h {cfg.hidden_size}{fc}, {cfg.num_attention_heads} x {cfg.head_dim} heads "
+            f"({cfg.num_key_value_heads} kv), mlp {cfg.intermediate_size}, vocab {cfg.vocab_size} -> "
+            f"{cfg.draft_vocab_size}, rope theta {theta} ({rope}), {count} params")
