@@ -144,23 +144,16 @@ def cache_root() -> Path:
     return Path(os.environ.get("EYAS_CACHE", Path.home() / ".cache" / "eyas"))
 
 
-def file_sha256(path: str | os.PathLike) -> str:
-    """sha256 of a file's bytes, cached under $EYAS_CACHE/hashes by its path, size and mtime."""
-    path = Path(path).resolve()
-    st = path.stat()
-    key = {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    entry = cache_root() / "hashes" / f"{hashlib.sha256(str(path).encode()).hexdigest()[:32]}.json"
+def _cached_sha256(entry: Path, key: dict, compute) -> str:
+    """compute() (a sha256 hex digest), kept in the JSON file `entry` with `key` (path, size, mtime_ns, ...): an
+    entry whose key differs is computed again."""
     try:
         cached = json.loads(entry.read_text())
         if {k: cached.get(k) for k in key} == key and isinstance(cached.get("sha256"), str):
             return cached["sha256"]
     except (OSError, ValueError):
         pass
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    digest = h.hexdigest()
+    digest = compute()
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         tmp = entry.with_name(f".{entry.name}.tmp-{os.getpid()}")
@@ -171,34 +164,34 @@ def file_sha256(path: str | os.PathLike) -> str:
     return digest
 
 
+def _bytes_sha256(path: Path, start: int = 0, end: int | None = None) -> str:
+    """sha256 of bytes [start, end) of a file (end None: to its end), read in blocks (never whole in memory)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(start)
+        left = float("inf") if end is None else end - start
+        while left > 0 and (block := f.read(int(min(left, 1 << 22)))):
+            h.update(block)
+            left -= len(block)
+    return h.hexdigest()
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a file's bytes, cached under $EYAS_CACHE/hashes by its path, size and mtime."""
+    path = Path(path).resolve()
+    st = path.stat()
+    key = {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    entry = cache_root() / "hashes" / f"{hashlib.sha256(str(path).encode()).hexdigest()[:32]}.json"
+    return _cached_sha256(entry, key, lambda: _bytes_sha256(path))
+
+
 def range_sha256(path: str | os.PathLike, start: int, end: int) -> str:
     """sha256 of bytes [start, end) of a file, read in blocks (never whole in memory); cached like file_sha256."""
     path = Path(path).resolve()
     st = path.stat()
     key = {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "range": [start, end]}
     entry = cache_root() / "hashes" / f"{_sha256_json([str(path), start, end])[:32]}.json"
-    try:
-        cached = json.loads(entry.read_text())
-        if {k: cached.get(k) for k in key} == key and isinstance(cached.get("sha256"), str):
-            return cached["sha256"]
-    except (OSError, ValueError):
-        pass
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        f.seek(start)
-        left = end - start
-        while left > 0 and (block := f.read(min(left, 1 << 22))):
-            h.update(block)
-            left -= len(block)
-    digest = h.hexdigest()
-    try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        tmp = entry.with_name(f".{entry.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps({**key, "sha256": digest}))
-        os.replace(tmp, entry)
-    except OSError:
-        pass
-    return digest
+    return _cached_sha256(entry, key, lambda: _bytes_sha256(path, start, end))
 
 
 HEAD_FORMAT = "safetensors-head"
