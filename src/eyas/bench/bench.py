@@ -204,14 +204,20 @@ def run_bench(cfg: BenchConfig, *, target=None, drafter=None, drafter_meta: dict
     report["seconds"]["total"] = round(time.perf_counter() - t0, 3)
     if cfg.compile:
         report["compile_cache"] = cache_info
+    write_report(report, cfg.json_out, out)
+    return report
+
+
+def write_report(report: dict, json_out: str | None, out) -> None:
+    """Print the report's table to `out`; with json_out, write the report there and its acceptance plot beside it
+    (the plot's path is added to `report` after the file is written)."""
     print(format_table(report), file=out)
-    if cfg.json_out:
+    if json_out:
         from eyas.manifest import atomic_write_bytes
-        path = Path(cfg.json_out)
+        path = Path(json_out)
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(path, (json.dumps(report, indent=2) + "\n").encode())
         report["plot"] = plot_acceptance(report, path.with_suffix(".png"))
-    return report
 
 
 def _run(cfg, target, drafter, drafter_meta, records, out) -> dict:

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eyas.bench.bench import BenchConfig, _Method, _prompt, format_table, load_bench_prompts, plot_acceptance, prompt_room
+from eyas.bench.bench import BenchConfig, _Method, _prompt, load_bench_prompts, prompt_room, write_report
 from eyas.bench.check import agreement
 from eyas.errors import EyasError
 
@@ -375,13 +375,7 @@ def run_engine_bench(cfg: BenchConfig, eng: EngineBenchConfig, *, tokenizer=None
     seconds["lossless_check"] = 0.0
     seconds["total"] = time.perf_counter() - t_start
     report["seconds"] = {k: round(v, 3) for k, v in seconds.items()}
-    print(format_table(report), file=out)
-    if cfg.json_out:
-        from eyas.manifest import atomic_write_bytes
-        path = Path(cfg.json_out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(path, (json.dumps(report, indent=2) + "\n").encode())
-        report["plot"] = plot_acceptance(report, path.with_suffix(".png"))
+    write_report(report, cfg.json_out, out)
     return report
 
 
