@@ -102,10 +102,15 @@ COMMANDS = {
     "capture": (CaptureConfig, {"target_config": "--engine only: the served model's config.json",
                                 **{n: "--engine: EngineCaptureConfig (eyas.engines.capture.add_engine_args)"
                                    for n in ("engine", "url", "vllm_dir", "concurrency", "request_timeout",
-                                             "retries", "hook_wait")}}),
+                                             "retries", "hook_wait")},
+                                **{n: "--engine: the served check after the capture (eyas.engines.served_check)"
+                                   for n in ("no_check", "check_samples")}}),
     "train": (TrainConfig, {}),
-    "bench": (BenchConfig, {n: "--chain K | --tree set method and k; the mismatch override opens the drafter"
-                            for n in BENCH_NOT_FIELDS}),
+    "bench": (BenchConfig, {**{n: "--chain K | --tree set method and k; the mismatch override opens the drafter"
+                               for n in BENCH_NOT_FIELDS},
+                            **{n: "--engine: EngineBenchConfig (eyas.bench.engine)"
+                               for n in ("engine", "url", "plain_url", "model", "request_timeout", "concurrency",
+                                         "trust_remote_code")}}),
     "run": (RunConfig, {}),
 }
 # Flags whose default is not the field's, and why.
