@@ -124,6 +124,14 @@ class Handler(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(b"boom")
             return
+        if action == "400":  # as vLLM answers a prompt over its context: the message names this prompt's length
+            body = json.dumps({"object": "error", "message": f"The input ({len(key)} tokens) is longer than the "
+                                                             f"model's context length (16 tokens)."}).encode()
+            self.send_response(400)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
         if action == "sleep":
             time.sleep(1.0)
         n_asst = sum(m["role"] == "assistant" for m in req["messages"])
@@ -432,3 +440,22 @@ def test_server_empty_replies_cut_the_conversation(server, tmp_path, capsys):
     reasons = sorted(json.loads(x)["reason"] for x in (tmp_path / "p" / SKIPS).read_text().splitlines())
     assert reasons == ["cut at an empty regenerated reply", "empty regenerated reply"]
     assert "2 regenerated replies were empty" in capsys.readouterr().err
+
+
+def test_server_rejections_are_counted_by_status_with_the_message_in_the_skip_log(server, tmp_path):
+    """Two prompts refused with HTTP 400, each with its own message: one reason in the counts (not one per
+    message), and each skipped record keeps the server's message."""
+    from eyas.data.prepare import PrepareConfig, run_prepare
+    from eyas.data.prepared import SKIPS
+
+    tok = make_tokenizer()
+    data = write_jsonl(tmp_path / "d.jsonl", CONVS)
+    target = target_from_model(make_tiny_llama(vocab=len(tok)), tok, name="tiny")
+    Handler.plan = {"hello there": ["400"], "the quick brown fox": ["400"]}
+    m = run_prepare(PrepareConfig(data=data, out=str(tmp_path / "p"), regenerate=True, server=server,
+                                  heldout_fraction=0.0, retries=0), target, progress=False)
+    assert m["counts"]["dropped"] == {"server rejected: HTTP 400": 2} and m["counts"]["kept"] == 1
+    skips = [json.loads(x) for x in (tmp_path / "p" / SKIPS).read_text().splitlines()]
+    details = sorted(x["detail"] for x in skips if x["reason"] == "server rejected: HTTP 400")
+    assert len(details) == 2 and all("is longer than the model's context length" in d for d in details)
+    assert "(11 tokens)" in details[0] + details[1] and "(19 tokens)" in details[0] + details[1]

@@ -75,11 +75,13 @@ def _assistant_turns(c: Conversation) -> list[int]:
     return [i for i, m in enumerate(c.messages) if m["role"] == "assistant"]
 
 
-def _finish(c: Conversation, msgs: list[dict], reason: str | None, notes: list) -> Conversation | Skipped:
+def _finish(c: Conversation, msgs: list[dict], reason: str | None, notes: list,
+            detail: str | None = None) -> Conversation | Skipped:
     """Keep the conversation up to its last regenerated reply; skip it when none is left."""
     last = max((i for i, m in enumerate(msgs) if m["role"] == "assistant"), default=-1)
     if last < 0:
-        return Skipped(reason or "regeneration failed", c.where, f"{c.id}: no reply could be regenerated ({reason})")
+        why = f"{reason}: {detail}" if detail else reason
+        return Skipped(reason or "regeneration failed", c.where, f"{c.id}: no reply could be regenerated ({why})")
     if reason == "empty regenerated reply":
         notes.append(Skipped("cut at an empty regenerated reply", c.where,
                              f"{c.id}: kept the {sum(m['role'] == 'assistant' for m in msgs)} replies before it"))
@@ -300,7 +302,7 @@ class ServerBackend:
                 last = f"HTTP {r.status_code} {r.text[:200]!r}"
                 continue
             if r.status_code >= 400:
-                raise _Rejected(f"HTTP {r.status_code} {r.text[:200]!r}")
+                raise _Rejected(r.status_code, r.text[:200])
             try:
                 body = r.json()
                 choice = body["choices"][0]
@@ -323,9 +325,9 @@ class ServerBackend:
                        "temperature": temperature, "seed": _seed(self.seed, c.id, r)}
             try:
                 out = self._post(payload, f"conversation {c.id} turn {i}")
-            except _Rejected as e:
+            except _Rejected as e:  # counted by status (the server's text, e.g. a prompt's length, varies per request)
                 with self._lock:
-                    return _finish(c, msgs[:i], f"server rejected: {e}", self.notes)
+                    return _finish(c, msgs[:i], f"server rejected: HTTP {e.status}", self.notes, detail=e.text)
             text = cut_at_special(out["text"], self.specials)
             empty = is_empty_reply(text, self.specials)
             with self._lock:
@@ -358,6 +360,10 @@ class ServerBackend:
 
 class _Rejected(Exception):
     """A 4xx answer that retrying will not fix (e.g. the prompt is too long for the server)."""
+
+    def __init__(self, status: int, text: str):
+        super().__init__(f"HTTP {status} {text!r}")
+        self.status, self.text = status, text
 
 
 def make_backend(cfg, target):
