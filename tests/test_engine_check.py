@@ -2,7 +2,8 @@
 
 The server is the SGLang-shaped DeepSeek-V3 of tests/test_engine_deepseek.py on the twin's real weights, with the
 --forward-hooks of `eyas engine launch-args` for SGLang 0.5.14 (capture hook + aux enable hook, which installs the
-probe switch), run by root.forward() one request per /generate, answering greedy output_ids. The check reads only
+probe switch) or 0.5.23 (capture hook + probe switch hook; the server sets its aux layers itself and packs the aux
+states (N, K*h)), run by root.forward() one request per /generate, answering greedy output_ids. The check reads only
 a weightless copy of the twin (config, index and the head shards). It must pass on a correct capture, and fail on:
 a server launched with aux ids one layer off (either way, naming the layer), a final slot captured before the
 final norm, and a capture placed after the layer instead of before it (the seed's wrong-method bug: only the
@@ -23,10 +24,12 @@ from eyas.cli import main
 from eyas.engines.capture import run_engine_capture
 from eyas.engines.client import EngineCaptureConfig
 from eyas.engines.launch_args import hook_spec
-from eyas.engines.served_check import CHECK_FILE, PROBE_DIR, PROBE_RID, CheckConfig, report, run_served_check
-from eyas.engines.sglang_hook import CaptureHook
+from eyas.engines.served_check import (CHECK_FILE, PROBE_DIR, PROBE_RID, CheckConfig, probe_rid, report,
+                                       run_served_check)
+from eyas.engines.sglang_hook import CaptureHook, make_probe_switch_hook
 from eyas.store.reader import Store
-from test_engine_deepseek import DeepseekV2Model, DeepseekV3ForCausalLM, batch
+from test_engine_deepseek import DeepseekV2Model, DeepseekV3ForCausalLM, ForwardBatch, ForwardMode, LogitsProcessor, \
+    batch
 from test_engine_probe import http_engine
 from test_engine_sglang_forward import register
 
@@ -63,20 +66,41 @@ class NormInLogits(nn.Module):
         return lm_head(self.norm(hidden_states))
 
 
-class Engine:
-    """SGLang 0.5.14 serving the twin: one forward per request (a probe can be batched with another user's)."""
+class CountingLogitsProcessor(LogitsProcessor):
+    """0.5.23 under --return-aux-hidden-state-layer-ids (logits_processor.py _check_aux_hidden_states): at its first
+    forward with tokens the aux count must be the launch's, else ValueError (the scheduler dies); never again."""
 
-    def __init__(self, store, hf, *, server_ids=AUX, variant="ok", crowd_probes=0, launch="0.5.14"):
+    def __init__(self, expected: int):
+        super().__init__()
+        self.expected, self.checked = expected, False
+
+    def forward(self, input_ids, hidden_states, lm_head, forward_batch, aux_hidden_states=None):
+        if not self.checked and hidden_states.shape[0]:
+            aux = aux_hidden_states
+            got = 0 if aux is None else aux.shape[-1] / hidden_states.shape[-1] if torch.is_tensor(aux) else len(aux)
+            if got != self.expected:
+                raise ValueError(f"The model captured {got:g} aux hidden states, expected {self.expected}")
+            self.checked = True
+        return super().forward(input_ids, hidden_states, lm_head, forward_batch, aux_hidden_states)
+
+
+class Engine:
+    """SGLang 0.5.14 (or 0.5.23) serving the twin: one forward per request (a probe can be batched with another
+    user's). probe_hook=False drops launch-args' inner-model hook from a 0.5.23 launch."""
+
+    def __init__(self, store, hf, *, server_ids=AUX, variant="ok", crowd_probes=0, launch="0.5.14", probe_hook=True):
         self.root = DeepseekV3ForCausalLM(hf, packed=launch >= "0.5.23")
         if variant == "after":
             self.root.model = CaptureAfterLayer(hf.model, hf.config.first_k_dense_replace, packed=False)
         elif variant == "prenorm":
             self.root.logits_processor = NormInLogits(self.root.model.norm)
             self.root.model.norm = nn.Identity()
+        if launch >= "0.5.23":
+            self.root.logits_processor = CountingLogitsProcessor(len(server_ids))
         capture = CaptureHook(store=store, expected=SAMPLES, loss_masks=MASKS, ranks=lambda: (0, 0, 1),
                               idle_flush_s=0.2)
-        register(self.root, hook_spec(str(store), "unused", list(server_ids), num_layers=7,
-                                      aux_flag=launch >= "0.5.23"), capture)
+        spec = hook_spec(str(store), "unused", list(server_ids), num_layers=7, aux_flag=launch >= "0.5.23")
+        register(self.root, spec if probe_hook else spec[:1], capture)
         if launch >= "0.5.23":                           # --return-aux-hidden-state-layer-ids (DeepSeek: as given)
             self.root.set_eagle3_layers_to_capture(list(server_ids))
         self.lock, self.crowd_probes, self.probes = threading.Lock(), crowd_probes, 0
@@ -248,18 +272,87 @@ def test_a_target_without_head_tensors_stops_before_any_request(tmp_path, twin, 
     assert rc == 0 and not (out / CHECK_FILE).exists() and len(sent) == len(SAMPLES)
 
 
-def test_sglang_0_5_23_without_a_probe_switch_skips_the_aux_slots(tmp_path, twin, head_dir):
-    """0.5.23 launch: the server sets the aux layers itself and no eyas hook sits on the inner model, so no probe
-    switch exists: the aux slots are reported skipped (not passed, not failed); the final-slot checks still run."""
+def capture_0_5_23(tmp_path, twin, **kw):
     out = tmp_path / "store"
-    eng = Engine(out, twin, launch="0.5.23")
+    eng = Engine(out, twin, launch="0.5.23", **kw)
     c = EngineCaptureConfig(engine="sglang", url="http://fake", data="fake", out=str(out), concurrency=1,
                             retries=1, commit_wait_s=10, hook_wait_s=2)
     assert run_engine_capture(c, aux_layer_ids=AUX, hidden_size=64, vocab_size=320, samples=PREP,
                               post=eng.post)["complete"]
+    return out, eng
+
+
+@pytest.mark.parametrize("shift", [0, 1])
+def test_sglang_0_5_23_probes_the_aux_slots(tmp_path, twin, head_dir, shift):
+    """0.5.23 launch: the server sets its aux layers itself and the probe switch hook only swaps them for probe
+    batches, so the aux slots are probed: pass on a correct store, fail one layer off naming the layer. The probes
+    ask 6 layers (0-5) of a server launched for 3, packed (N, 6h), and the server's own list comes back untouched."""
+    out, eng = capture_0_5_23(tmp_path, twin, server_ids=[i + shift for i in AUX])
+    native = eng.root.model.layers_to_capture
+    rows, res = check(out, head_dir, eng)
+    assert eng.root.model.layers_to_capture is native and native == [i + shift for i in AUX]
+    assert rows["probe anchor layer 0"]["ok"] and rows["final slot greedy"]["ok"] and "aux slots" not in rows
+    probe = torch.load(next((out / PROBE_DIR).glob("*.pt")), weights_only=True)
+    assert probe["layers"] == [0, 1, 2, 3, 4, 5] and probe["states"].shape[1:] == (6, 64)
+    assert res["ok"] is (shift == 0)
+    for k, i in enumerate(AUX):
+        r = rows[f"aux slot {k} (HF id {i})"]
+        assert r["ok"] is (shift == 0)
+        assert shift == 0 or r["why"] == f"matches layer {i + shift} better: the store is one layer off"
+    assert sorted(Store(out).ids) == sorted(SAMPLES)                         # probes never reach the store
+
+
+def test_sglang_0_5_23_without_the_probe_switch_hook_skips_the_aux_slots(tmp_path, twin, head_dir):
+    """A 0.5.23 server launched with the capture hook alone: no probe switch, so the aux slots are reported
+    skipped (not passed, not failed); the final-slot checks still run."""
+    out, eng = capture_0_5_23(tmp_path, twin, probe_hook=False)
     rows, res = check(out, head_dir, eng)
     assert res["ok"] and rows["aux slots"]["ok"] is None and "no eyas probe switch" in rows["aux slots"]["why"]
+    assert "eyas_probe_switch from 0.5.23" in rows["aux slots"]["why"]
     assert rows["final slot greedy"]["ok"] and rows["final slot post-norm"]["ok"]
+
+
+class Inner(nn.Module):
+    """An inner model whose server set layers_to_capture (or not): records the layers each forward ran with."""
+
+    def __init__(self, native):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Identity() for _ in range(4)])
+        self.layers_to_capture, self.ran = native, []
+
+    def forward(self, input_ids, positions, forward_batch, input_embeds=None):
+        self.ran.append(list(self.layers_to_capture))
+        return input_ids
+
+
+def test_the_probe_switch_hook_never_touches_the_servers_layers_outside_probe_batches(capsys):
+    from eyas.engines import served_check
+    idle = ForwardBatch(ForwardMode.IDLE, [], [], [], torch.zeros(0, dtype=torch.long), torch.zeros(0))
+    native = [1, 2, 3]
+    m = Inner(native)
+    m.register_forward_hook(make_probe_switch_hook({}))
+
+    def run(reqs):
+        fb = batch(reqs) if reqs else idle
+        m(fb.input_ids, fb.positions, fb)
+        return m.ran[-1], list(served_check._ACTIVE)
+    assert run({}) == (native, [])
+    assert run({probe_rid([1, 2], 0): [5, 6]}) == (native, [])       # not installed at an idle forward
+    assert run({"warmup": [5, 6]}) == (native, [])                   # installed at the first forward with requests
+    assert run({probe_rid([1, 2], 1): [5, 6]}) == ([1, 2], [[1, 2]])
+    assert m.layers_to_capture is native
+    assert run({probe_rid([1, 2], 2): [5, 6], "other": [7]})[0] == native
+    got, why = run({probe_rid([2, 4], 3): [5, 6]})
+    assert got == native and why[0].startswith("layer 4 is past the model's 4 layers")
+    assert m.layers_to_capture is native and native == [1, 2, 3]
+
+    bare = Inner([])                                                 # the server captures nothing: no switch
+    bare.register_forward_hook(make_probe_switch_hook({}))
+    for reqs in ({"warmup": [5]}, {probe_rid([1, 2], 4): [5]}):
+        fb = batch(reqs)
+        bare(fb.input_ids, fb.positions, fb)
+    assert bare.ran == [[], []] and bare.layers_to_capture == []
+    assert "has no layers_to_capture set by the server" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("normed", [True, False])

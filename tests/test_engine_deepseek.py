@@ -158,9 +158,10 @@ def flag(args: list[str], name: str, k: int = 1) -> list[str]:
     return args[i + 1:i + 1 + k]
 
 
-def serve(tmp_path, hf, *, kimi: bool, version: str, tbo: bool = False):
-    """Build the SGLang-shaped model, register the hooks launch-args prints, run a warm-up and one batch of
-    every prompt through root.forward(), as SGLang's runner does -> {sample id: (ids, aux, final)}."""
+def serve(tmp_path, hf, *, kimi: bool, version: str, tbo: bool = False, then=()):
+    """Build the SGLang-shaped model, register the hooks launch-args prints, run a warm-up, one batch of every
+    prompt and the batches `then` ({rid: ids} each) through root.forward(), as SGLang's runner does
+    -> {sample id: (ids, aux, final)}."""
     packed = version >= "0.5.23"
     tmp_path.mkdir(parents=True, exist_ok=True)
     root = (KimiK25ForConditionalGeneration if kimi else DeepseekV3ForCausalLM)(hf, packed=packed)
@@ -177,7 +178,8 @@ def serve(tmp_path, hf, *, kimi: bool, version: str, tbo: bool = False):
         root.set_eagle3_layers_to_capture([int(x) for x in flag(args, "--return-aux-hidden-state-layer-ids", 3)])
     with torch.no_grad():
         for fb in (batch({"warmup": [1, 2, 3]}, tbo=tbo),
-                   batch({f"{sid}#a0": ids for sid, ids in PROMPTS.items()}, tbo=tbo)):
+                   batch({f"{sid}#a0": ids for sid, ids in PROMPTS.items()}, tbo=tbo),
+                   *(batch(reqs, tbo=tbo) for reqs in then)):
             root.forward(fb.input_ids, fb.positions, fb)
     return writer.samples, hf_ids
 
@@ -208,6 +210,45 @@ def test_the_stand_in_is_not_vacuous(tmp_path, twin):
     _, g_aux, _ = got["s2"]
     aux_off, _ = reference(twin, PROMPTS["s2"], [i + 1 for i in hf_ids])
     assert not torch.allclose(g_aux, aux_off, atol=1e-3)
+
+
+@pytest.mark.parametrize("kimi", [False, True], ids=["deepseek_v3", "kimi_k25"])
+def test_a_probe_on_a_0_5_23_launch_reaches_the_capture_hook_unpacked(tmp_path, twin, kimi):
+    """The served check's probe on a 0.5.23 launch (the server's 3 layers set by itself, aux packed (N, K*h); Kimi:
+    input_ids None at the logits processor): 5 layers arrive as (T, 5, h), each the HF stream entering that layer,
+    and the capture is unchanged."""
+    from eyas.engines.served_check import PROBE_DIR, probe_rid
+    rid, ids = probe_rid([0, 1, 2, 3, 4], "x"), PROMPTS["s2"]
+    got, hf_ids = serve(tmp_path, twin, kimi=kimi, version="0.5.23", then=[{rid: ids}])
+    p = torch.load(tmp_path / PROBE_DIR / f"{rid}.pt", weights_only=True)
+    with torch.no_grad():
+        hs = twin(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    assert p["ids"].tolist() == ids and p["layers"] == [0, 1, 2, 3, 4] and p["states"].shape == (len(ids), 5, 64)
+    torch.testing.assert_close(p["states"], torch.stack([hs[i][0] for i in range(5)], 1), rtol=1e-5, atol=1e-5)
+    assert sorted(got) == sorted(PROMPTS)                       # the probe is never captured as a sample
+    torch.testing.assert_close(got["s2"][1], torch.stack([hs[i][0] for i in hf_ids], 1), rtol=1e-5, atol=1e-5)
+
+
+def test_the_0_5_23_sources_size_the_aux_states_from_the_switched_list_and_check_the_count_once():
+    """What the probe on 0.5.23 relies on, read from the wheel: the root calls its inner model as a module (hooks
+    run); the layer loop sizes its packer (DeepSeek) or list (Llama) from layers_to_capture at each forward; the
+    logits processor checks the aux count only at its first forward with tokens, which the probe switch hook
+    leaves to the server's own layers."""
+    import engine_src
+    whl = engine_src.wheel("0.5.23")
+    if whl is None:
+        pytest.skip("sglang 0.5.23 wheel not cached and PyPI unreachable")
+    ds = engine_src.read_member(whl, "sglang/srt/models/deepseek_v2.py")
+    fwd = ds.split("class DeepseekV2Model(", 1)[1].split("\n    def forward(", 1)[1].split("\nclass ", 1)[0]
+    assert "aux_hidden_states = AuxHiddenStatePacker(len(self.layers_to_capture))" in fwd
+    assert "if i in self.layers_to_capture" in fwd and "return hidden_states, aux_hidden_states.finalize()" in fwd
+    assert "hidden_states = self.model(\n" in ds.split("class DeepseekV2ForCausalLM(", 1)[1]
+    llama = engine_src.read_member(whl, "sglang/srt/models/llama.py")
+    assert "aux_hidden_states = AuxHiddenStateList()" in llama and "return hidden_states, aux_hidden_states" in llama
+    lp = engine_src.read_member(whl, "sglang/srt/layers/logits_processor.py")
+    check = lp.split("def _check_aux_hidden_states(", 1)[1].split("\n    def ", 1)[0]
+    assert "self._aux_hidden_states_checked" in check and "forward_mode.is_idle()" in check
+    assert "hidden_states.shape[0] == 0" in check and "self._aux_hidden_states_checked = True" in check
 
 
 def test_no_ids_anywhere_rejects_each_request_instead_of_crashing_the_server(tmp_path):

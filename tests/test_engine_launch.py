@@ -37,7 +37,10 @@ def test_smollm2_0_5_23(capsys, tmp_path):
     assert flag(out, "--cuda-graph-backend-decode") == ["disabled"] == flag(out, "--cuda-graph-backend-prefill")
     spec = json.loads(flag(out, "--forward-hooks")[0].strip("'"))
     assert spec[0]["target_modules"] == ["logits_processor"] and spec[0]["config"]["aux_layer_ids"] == [2, 15, 27]
-    assert len(spec) == 1
+    # the server sets its layers itself; the hook on the inner model only installs the served check's probe switch
+    assert [s["name"] for s in spec] == ["eyas_capture", "eyas_probe_switch"]
+    assert spec[1]["target_modules"] == ["model"] and spec[1]["config"] == {}
+    assert spec[1]["hook_factory"] == "eyas.engines.sglang_hook:make_probe_switch_hook"
 
 
 def test_deepseek_0_5_14_no_aux_flag(capsys, tmp_path):

@@ -140,4 +140,6 @@ def test_the_enable_hook_targets_the_inner_model_not_the_root():
     assert inner_model_module("language_model.logits_processor") == "language_model.model"
     spec = hook_spec("S", "D", HF_IDS, num_layers=6, aux_flag=False)
     assert spec[1]["target_modules"] == ["model"] and spec[1]["config"] == {"layers_to_capture": HF_IDS}
-    assert len(hook_spec("S", "D", HF_IDS, num_layers=6, aux_flag=True)) == 1
+    spec = hook_spec("S", "D", HF_IDS, num_layers=6, aux_flag=True, lm_head="language_model.logits_processor")
+    assert [(s["name"], s["target_modules"]) for s in spec] == [
+        ("eyas_capture", ["language_model.logits_processor"]), ("eyas_probe_switch", ["language_model.model"])]

@@ -68,7 +68,7 @@ def test_version_gates_follow_the_releases(version, tmp_path):
     args = la.sglang_args(cfg, version)
     assert ("--enable-return-aux-hidden-states" in args) == lay["aux_flag"]
     spec = json.loads(args[args.index("--forward-hooks") + 1])
-    assert [s["name"] for s in spec] == ["eyas_capture"] + ([] if lay["aux_flag"] else ["eyas_enable_aux"])
+    assert [s["name"] for s in spec] == ["eyas_capture", "eyas_probe_switch" if lay["aux_flag"] else "eyas_enable_aux"]
 
 
 def _wheel(version):

@@ -4,8 +4,9 @@ Every SGLang flag emitted for a version is checked to be declared in that versio
 (server_args.py / arg_groups/**, tests/test_engine_sglang_versions.py), from 0.5.10 to 0.5.23:
   --disable-radix-cache, --chunked-prefill-size -1, CUDA graphs off (--disable-cuda-graph before
   0.5.14, --cuda-graph-backend-{decode,prefill} disabled from 0.5.14), --forward-hooks JSON (list of
-  {name, target_modules, hook_factory, config}), and from 0.5.23 --enable-return-aux-hidden-states
-  with --speculative-algorithm EAGLE3 --return-aux-hidden-state-layer-ids IDS; attention DP as --attn-dp-size N
+  {name, target_modules, hook_factory, config}: the capture hook and a hook on the inner model), and from
+  0.5.23 --enable-return-aux-hidden-states with --speculative-algorithm EAGLE3
+  --return-aux-hidden-state-layer-ids IDS; attention DP as --attn-dp-size N
   from 0.5.22, --dp-size N --enable-dp-attention before; --trust-remote-code for a target whose config or
   tokenizer is its own code. Never --enable-two-batch-overlap: under it DeepSeek/Kimi layers capture nothing.
 vLLM flags come from its extract_hidden_states example and connector source (never --enable-dbo, which that
@@ -30,6 +31,7 @@ FIRST_AUX_FLAG_VERSION = (0, 5, 23)   # --enable-return-aux-hidden-states
 FIRST_ATTN_DP_SIZE_VERSION = (0, 5, 22)   # --attn-dp-size N; it deprecates --dp-size N --enable-dp-attention
 HOOK_FACTORY = "eyas.engines.sglang_hook:make_capture_hook"
 AUX_ENABLE_FACTORY = "eyas.engines.sglang_hook:make_aux_enable_hook"
+PROBE_SWITCH_FACTORY = "eyas.engines.sglang_hook:make_probe_switch_hook"
 # Where SGLang keeps the target's LogitsProcessor, as a name in model.named_modules(), when it is not the
 # root's `logits_processor`: multimodal wrappers hold the language model in an attribute. hook_manager
 # matches target_modules against those names with fnmatch, so the name must be exact; a miss only logs
@@ -99,12 +101,17 @@ def hook_spec(store: str, data: str, hf_ids, *, num_layers: int, aux_flag: bool,
     cfg = {"store": store, "data": data, "aux_layer_ids": list(hf_ids), "num_layers": num_layers}
     spec = [{"name": "eyas_capture", "target_modules": [lm_head],
              "hook_factory": HOOK_FACTORY, "config": cfg}]
+    # A hook on the inner model (the LM head's sibling `model`, which owns layers_to_capture; not the root, name
+    # "": SGLang calls the root's .forward() directly, so its hooks never run). Without
+    # --enable-return-aux-hidden-states it switches aux capture on after its first forward (the server's
+    # warm-up); with it the server captures by itself and the hook only installs the served check's probe switch.
+    inner = [inner_model_module(lm_head)]
     if not aux_flag:
-        # No --enable-return-aux-hidden-states: a hook on the inner model (the LM head's sibling `model`, which
-        # owns layers_to_capture) switches aux capture on after its first forward (the server's warm-up). Not
-        # the root (name ""): SGLang calls the root's .forward() directly, so its hooks never run.
-        spec.append({"name": "eyas_enable_aux", "target_modules": [inner_model_module(lm_head)],
+        spec.append({"name": "eyas_enable_aux", "target_modules": inner,
                      "hook_factory": AUX_ENABLE_FACTORY, "config": {"layers_to_capture": list(hf_ids)}})
+    else:
+        spec.append({"name": "eyas_probe_switch", "target_modules": inner,
+                     "hook_factory": PROBE_SWITCH_FACTORY, "config": {}})
     return spec
 
 

@@ -13,9 +13,11 @@ with the head shards is enough):
   aux slots   (SGLang, the probe)
     A probe request (rid `eyas-probe-<layers>-<n>`) re-sends a stored sample's first tokens. In a forward whose
     batch holds nothing but probe requests, a pre-hook on the inner model switches `layers_to_capture` to the
-    layers named in the rid (SGLang loop indices, no HF->SGLang mapping) and the post-hook restores it; the
-    capture hook writes what it got to STORE/probe/ (never to the store). A probe batched with other requests
-    is reported and resent.
+    layers named in the rid (SGLang loop indices, no HF->SGLang mapping) and the post-hook puts the list it
+    replaced back (the same object); the capture hook writes what it got to STORE/probe/ (never to the store).
+    A probe batched with other requests is reported and resent. The switch is installed by launch-args' hook on
+    the inner model: eyas_enable_aux before SGLang 0.5.23, eyas_probe_switch from 0.5.23 (the server sets the
+    layers itself; aux states of any count arrive packed (N, K*h) or as a list, both unpacked to (N, K, h)).
     anchor      probe layer 0 must be the embedding of the ids: loop index i is then "the stream entering layer i"
                 = HF id i. A capture placed after the layer (the seed's own bug) fails here, whatever ids it got.
     neighbours  stored slot k with declared HF id i must match probe layer i within tol, closer than layers
@@ -47,6 +49,8 @@ CHECK_FILE = "check.json"
 # Inner-model classes whose layer loop can capture layer 0 (the embedding output): see the module docstring.
 LAYER0_MODULES = ("DeepseekV2Model",)
 NO_SWITCH = "the inner model has no eyas probe switch"
+SWITCH_HOOKS = ("the inner-model hook of `eyas engine launch-args` installs it: eyas_enable_aux before SGLang "
+                "0.5.23, eyas_probe_switch from 0.5.23")
 
 
 class ProbeUnavailable(EyasError):
@@ -70,7 +74,7 @@ def probe_layers(rid: str) -> list[int] | None:
 _ACTIVE: list = []
 
 
-def _forward_batch(args, kwargs):
+def find_forward_batch(args, kwargs):
     for a in (*args, *kwargs.values()):
         if hasattr(a, "rids") and hasattr(a, "forward_mode"):
             return a
@@ -79,7 +83,7 @@ def _forward_batch(args, kwargs):
 
 class ProbeSwitch:
     """Forward pre-hook + hook on the inner model that owns `layers_to_capture` (installed by the aux enable
-    hook at its first call: hook_manager registers forward hooks only)."""
+    or probe switch hook at its first call: hook_manager registers forward hooks only)."""
 
     def __init__(self, module):
         self.saved = None
@@ -88,7 +92,7 @@ class ProbeSwitch:
     def pre(self, module, args, kwargs):
         self.post(module, args, None)                     # a forward that raised left the switch on
         _ACTIVE.clear()
-        fb = _forward_batch(args, kwargs)
+        fb = find_forward_batch(args, kwargs)
         rids = list(getattr(fb, "rids", None) or [])
         wants = [probe_layers(r) for r in rids]
         if not rids or any(w is None for w in wants):
@@ -99,9 +103,12 @@ class ProbeSwitch:
             _ACTIVE.append(f"{type(module).__name__} cannot capture layer 0 (only {', '.join(LAYER0_MODULES)})")
         elif not wants[0]:
             _ACTIVE.append("a probe asking no layers")
+        elif wants[0][-1] >= len(getattr(module, "layers", range(wants[0][-1] + 1))):
+            _ACTIVE.append(f"layer {wants[0][-1]} is past the model's {len(module.layers)} layers (a model that "
+                           f"captures nothing would break the server's (hidden, aux) unpack)")
         else:
-            self.saved = list(module.layers_to_capture)
-            module.layers_to_capture = wants[0]
+            self.saved = module.layers_to_capture         # the object itself: restored untouched
+            module.layers_to_capture = list(wants[0])
             _ACTIVE.append(wants[0])
         return None
 
@@ -134,8 +141,7 @@ def record_probe(store, rids, ext, pre, ids, aux) -> bool:
     if len(probes) < len(rids):
         why = "batched with other requests (the layers were not switched)"
     elif act is None:
-        why = (f"{NO_SWITCH} (the eyas_enable_aux hook of `eyas engine launch-args` installs it: SGLang before "
-               f"0.5.23)")
+        why = f"{NO_SWITCH} ({SWITCH_HOOKS})"
     elif isinstance(act, str):
         why = act
     elif ids is None or aux is None or ext is None or aux.shape[1] != len(act):

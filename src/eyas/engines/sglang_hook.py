@@ -4,8 +4,9 @@ It is registered on the target's `logits_processor` (hook_manager.register_forwa
 positional inputs are (input_ids, hidden_states, lm_head, forward_batch, aux_hidden_states):
   input_ids      (N,)    None when the model was called with input_embeds (Kimi-K2.5): forward_batch.input_ids
   hidden_states  (N, h)  final-norm output of every token of the batch (before pruning to last tokens)
-  aux            list of 3 x (N, h), or packed (N, 3h) from 0.5.23; the residual stream entering the
-                 captured layers (SGLang's layers_to_capture = HF ids)
+  aux            list of K x (N, h), or packed (N, K*h) from 0.5.23 (DeepSeek; Llama keeps the list); the
+                 residual stream entering the captured layers (SGLang's layers_to_capture = HF ids); K = 3,
+                 or the layers a served-check probe asked for
   forward_batch  .rids, .extend_seq_lens_cpu, .extend_prefix_lens_cpu, .forward_mode
 Only attention-TP rank 0 of each attention-DP group writes (TP ranks hold the same states after the
 all-reduce); DP group g writes store rank g + 1 (rank 0 is the capture client, engines/locking.py), so each
@@ -297,6 +298,38 @@ def make_aux_enable_hook(config: dict):
         if state["mode"] == "handoff" and isinstance(output, tuple) and len(output) == 2:
             _AUX_HANDOFF[:] = [output[1]]
             return output[0]
+        return None
+    return hook
+
+
+def make_probe_switch_hook(config: dict):
+    """--forward-hooks factory for SGLang 0.5.23+, whose --enable-return-aux-hidden-states sets the inner model's
+    `layers_to_capture` itself; config {} (unused).
+
+    Same target as the enable hook (the inner model). It never writes `layers_to_capture`: at the first forward
+    whose batch carries requests it only installs the served check's probe switch (engines/served_check.py),
+    which swaps the layers for probe-only batches and puts the server's own list back after each. Not at an
+    idle forward: 0.5.23's logits processor checks the aux count once, at its first forward with tokens, and
+    that forward must see the server's layers, not a probe's. A model whose `layers_to_capture` is absent or
+    empty gets no switch (its probes are reported unchecked).
+    """
+    state: dict = {}
+
+    def hook(module, args, output):
+        if state:
+            return None
+        from eyas.engines.served_check import find_forward_batch, install_probe_switch  # noqa: PLC0415
+        fb = find_forward_batch(args, {})
+        if fb is not None and not list(getattr(fb, "rids", None) or []):
+            return None                              # idle (DP attention): wait for a forward with requests
+        state["done"] = True
+        if list(getattr(module, "layers_to_capture", None) or []):
+            install_probe_switch(module)
+        else:
+            import sys  # noqa: PLC0415
+            print(f"eyas probe switch: {type(module).__name__} has no layers_to_capture set by the server, so the "
+                  f"served check cannot probe its aux slots (launched without --enable-return-aux-hidden-states?)",
+                  file=sys.stderr, flush=True)
         return None
     return hook
 
