@@ -66,8 +66,7 @@ class BenchConfig:
     """torch.compile the target's graphed steps (CUDA)."""
     persist_steps: bool = False
     """With compile: keep the target's compiled steps in $EYAS_CACHE/steps, so later benches load them instead of
-    tracing them again (torch.compile(...).aot_compile). On the H200 (torch 2.11, session 15) a second bench
-    loaded the first one's steps: compile + warm-up 4.0 s against 17.3 s without (BENCHMARKS.md)."""
+    tracing them again (torch.compile(...).aot_compile); what it saves on the H200: BENCHMARKS.md."""
     baselines: bool = True
     """Also run plain decoding and prompt lookup."""
     lossless_turns: int = 4
@@ -321,9 +320,7 @@ def _methods(cfg, runner, drafter, eos, *, baselines=None) -> list[_Method]:
         methods.append(_Method("lookup", lambda p, seed, n=cfg.max_new_tokens: lk.generate(p, n, eos_ids=eos, seed=seed),
                                lk))
     if drafter is not None:
-        # A compiled runner compiles the drafter's steps too: on the H200, chain-5 one-graph rounds ran at 982 tok/s
-        # against 740 with the drafter eager (BENCHMARKS.md, "Issue 14 on one H200, session 11"), tree one-graph
-        # rounds at 875 against 671 ("... session 14").
+        # A compiled runner compiles the drafter's steps too: with an eager drafter the rounds are slower (BENCHMARKS.md).
         dec = SpecDecoder(runner, drafter, cfg.spec, compile_drafter=runner.compiled)
         methods.append(_Method(f"eagle-{cfg.spec.method}",
                                lambda p, seed, n=cfg.max_new_tokens: dec.generate(p, n, eos_ids=eos, seed=seed), dec))

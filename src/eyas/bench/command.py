@@ -55,8 +55,7 @@ def bench_config(args: argparse.Namespace, device: str):
 
     shape = {"method": "tree"} if args.tree else {"method": "chain", **({"k": args.chain} if args.chain else {})}
     graph_round = args.one_graph_round
-    if graph_round is None:  # one-graph rounds beat host rounds on the H200: chains (BENCHMARKS.md, session 11) and
-        # trees (session 14, decode.py: 875 tok/s against 480; host rounds with the compiled proposer 686)
+    if graph_round is None:  # greedy chains and trees on CUDA: one-graph rounds beat host rounds (BENCHMARKS.md)
         graph_round = device.startswith("cuda") and args.temperature == 0
     if graph_round:
         shape["graph_round"] = True
