@@ -25,6 +25,16 @@ def make_tiny_llama(*, layers=4, hidden=64, heads=4, kv_heads=2, vocab=256, inte
     return model
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module: tiny models run many times faster than on two contended threads.
+    Modules opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def tiny_llama():
     return make_tiny_llama()

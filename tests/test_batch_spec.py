@@ -19,7 +19,9 @@ from eyas.decode.batch import BatchChainDecoder, BatchSpecConfig, accept
 from eyas.decode.spec import SpecConfig, SpecDecoder
 from eyas.errors import EyasError
 from eyas.target.runner import Runner
-from test_decode import make_drafter, one_thread, peaky, train_drafter  # noqa: F401 (one_thread: autouse)
+from test_decode import make_drafter, peaky, train_drafter
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models on one thread
 
 NEW = 24
 

@@ -24,12 +24,7 @@ from eyas.target import target_from_model
 from eyas.target.runner import Runner
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models on one thread
 
 
 @pytest.fixture(scope="module")

@@ -18,13 +18,7 @@ AUX = [2, 3, 4]  # default_aux_layer_ids(7)
 REPLY = 16       # regenerated reply length (the random twin never says eos that early)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run many times faster on one thread than on two contended ones."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models on one thread
 
 
 @pytest.fixture(scope="module")

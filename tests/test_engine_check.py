@@ -125,13 +125,7 @@ class Engine:
         return {"text": "x", "output_ids": [int(logits[len(ids) - 1].argmax())], "meta_info": {"id": rid}}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: one intra-op thread is many times faster than several on a shared CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models on one thread
 
 
 @pytest.fixture(scope="module")

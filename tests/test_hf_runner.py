@@ -20,12 +20,7 @@ TEXTS = ["Hello there, how are you today?", "Paris is the capital", "def main():
          "The quick brown fox jumps over", "numbers 1234"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models on one thread
 
 
 @pytest.fixture(scope="module")

@@ -39,13 +39,7 @@ from eyas.train.ttt import TTTConfig, target_logits_from_final, ttt_forward
 K = 4  # chain length = TTT steps
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run ~10x faster on one thread than on two contended ones."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models on one thread
 
 
 # ----------------------------------------------------------------------------- helpers

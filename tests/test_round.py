@@ -24,7 +24,8 @@ from eyas.decode.spec import SpecConfig, SpecDecoder
 from eyas.errors import EyasError
 from eyas.target.runner import Runner
 from test_batch_spec import NEW, batch1_accepted, overshoots, record, setup  # noqa: F401 (setup: fixture)
-from test_decode import one_thread  # noqa: F401 (autouse)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models on one thread
 
 
 def chain(k: int) -> SpecConfig:

@@ -7,6 +7,7 @@ drafted at position t in decoding is exactly TTT's step-0..K-1 predictions at t.
 row (segment ids, positions restarting) to cover the packed eval batches too.
 """
 
+import pytest
 import torch
 
 from eyas.decode.spec import SpecConfig, SpecDecoder, SpecStats
@@ -15,7 +16,8 @@ from eyas.train.data import Batch, target_features
 from eyas.train.metrics import chain_acceptance, round_counts
 from eyas.train.ttt import TTTConfig, ttt_forward
 from test_batch_spec import NEW, setup  # noqa: F401 (setup: fixture)
-from test_decode import one_thread  # noqa: F401 (autouse)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models on one thread
 
 K = 4
 

@@ -20,8 +20,9 @@ from eyas.decode.round_tree import RoundTreeDecoder
 from eyas.decode.spec import SpecConfig, SpecDecoder
 from eyas.errors import EyasError
 from eyas.target.runner import Runner
-from test_decode import one_thread  # noqa: F401 (autouse)
 from test_tree_static import IDS, NEW, SETTINGS, runs, setup, trap_host_reads  # noqa: F401 (setup: fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models on one thread
 
 
 def tree(top_k=10, depth=6, total=60) -> SpecConfig:

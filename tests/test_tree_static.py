@@ -24,7 +24,9 @@ from eyas.decode.spec import SpecConfig, SpecDecoder
 from eyas.decode.tree import Draft, select_tree
 from eyas.decode.tree_static import StaticTreeDrafting, ancestor_mask, select, stable_topk, tree_plan
 from eyas.target.runner import Runner
-from test_decode import make_drafter, one_thread, peaky, train_drafter  # noqa: F401 (one_thread: autouse)
+from test_decode import make_drafter, peaky, train_drafter
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models on one thread
 
 NEW = 24
 # (drafter, top_k, depth, total_tokens): the test_decode tree, the default tree, a pool smaller than total
