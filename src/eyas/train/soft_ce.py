@@ -8,7 +8,9 @@ soft labels p = softmax(f @ Wt^T) from its final states f (N, h_t) and draft-voc
 
 The (N, Vd) logits, soft labels and their gradient exist one chunk of rows at a time, and the gradients
 are computed in the forward pass (as Liger's fused linear cross-entropy does), so nothing of size
-N x Vd is kept for the backward. The naive reference is `soft_ce_reference` (tests/test_soft_ce.py).
+N x Vd is kept for the backward. A caller that already holds the target's draft-vocab logits (N, Vd) passes
+them instead of f and Wt (ttt.py computes them once per position, not once per TTT step). The naive reference is
+`soft_ce_reference` (tests/test_soft_ce.py).
 """
 
 from __future__ import annotations
@@ -56,13 +58,15 @@ class _FusedSoftCE(torch.autograd.Function):
         gx = torch.empty(x.shape, dtype=dtype, device=x.device) if need_grad else None  # (N, h)
         gw = torch.zeros(w.shape, dtype=torch.float32, device=x.device) if need_grad else None  # (Vd, h)
         with torch.autocast(x.device.type, enabled=False):
-            wc, wtc = w.to(dtype), wt.to(dtype)
+            wc, wtc = w.to(dtype), None if wt is None else wt.to(dtype)
             # on CUDA the elementwise/reduction part is one compiled kernel set (a few passes over (c, Vd))
             part = _compiled_chunk() if x.is_cuda else _chunk
             for i in range(0, N, chunk):
                 xc = x[i:i + chunk].to(dtype)                                    # (c, h)
                 wr = None if weight is None else weight[i:i + chunk].float()     # (c,)
-                ls, pr, dz = part(xc @ wc.T, f[i:i + chunk].to(dtype) @ wtc.T, wr)  # dz (c, Vd) softmax(z) - p
+                fc = f[i:i + chunk]                                              # (c, h_t) or (c, Vd)
+                zt = fc if wtc is None else fc.to(dtype) @ wtc.T                 # (c, Vd) target logits
+                ls, pr, dz = part(xc @ wc.T, zt, wr)                             # dz (c, Vd) softmax(z) - p
                 loss += ls
                 pred[i:i + chunk] = pr
                 if need_grad:
@@ -82,10 +86,11 @@ class _FusedSoftCE(torch.autograd.Function):
         return dx, dw, None, None, None, None, None
 
 
-def fused_soft_ce(x: Tensor, w: Tensor, f: Tensor, wt: Tensor, *, chunk: int = 4096,
+def fused_soft_ce(x: Tensor, w: Tensor, f: Tensor, wt: Tensor | None, *, chunk: int = 4096,
                   weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(sum over rows of soft CE, drafter argmax per row). x (N, h) normed drafter states, w (Vd, h) the drafter's
-    lm_head weight, f (N, h_t) the target's final states, wt (Vd, h_t) the target's lm_head rows of the draft vocab.
+    lm_head weight, f (N, h_t) the target's final states, wt (Vd, h_t) the target's lm_head rows of the draft vocab;
+    or wt None and f (N, Vd) the target's draft-vocab logits themselves (f @ wt^T, computed by the caller).
     weight (N,) of 0/1, optional: rows weighted 0 add nothing to the loss or the gradients (fixed-size row sets).
 
     Matmuls run in the autocast dtype when autocast is on (else x's dtype); logsumexp/softmax in fp32."""
@@ -95,7 +100,9 @@ def fused_soft_ce(x: Tensor, w: Tensor, f: Tensor, wt: Tensor, *, chunk: int = 4
         return (x.sum() + w.sum()) * 0.0, torch.empty(0, dtype=torch.long, device=x.device)
     if weight is not None and weight.shape != x.shape[:1]:
         raise ValueError(f"fused_soft_ce: weight {tuple(weight.shape)} for {x.shape[0]} rows")
-    return _FusedSoftCE.apply(x, w, f.detach(), wt.detach(), int(chunk), _compute_dtype(x),
+    if wt is None and f.shape[1] != w.shape[0]:
+        raise ValueError(f"fused_soft_ce: target logits have {f.shape[1]} columns for a {w.shape[0]}-token head")
+    return _FusedSoftCE.apply(x, w, f.detach(), None if wt is None else wt.detach(), int(chunk), _compute_dtype(x),
                               None if weight is None else weight.detach())
 
 

@@ -29,6 +29,11 @@ from eyas.errors import EyasError
 from eyas.train.soft_ce import fused_soft_ce
 
 
+LABEL_TABLE_BYTES = 256 << 20
+"""Largest (positions x V_draft) table of target logits one batch keeps; past it each step recomputes its labels in
+chunks (a CPU batch of 2048 tokens and an 8k draft vocabulary takes 32 MiB; 16 x 2048 rows x 32k, 2 GiB, do not)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class TTTConfig:
     num_steps: int = 7
@@ -169,13 +174,25 @@ def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, val
         # About x_{s+1}, per position s: the full-vocab target argmax, and its draft id when in the draft vocab.
         # Only positions s with loss_mask[s+1] can ever be counted (as t+k+1 of some step), so the full-vocab
         # product runs there only; elsewhere tgt_id stays 0 and is never read.
+        # The soft labels of every step are rows of these same positions (step k at t reads position t+k+1):
+        # when their draft-vocab logits fit in LABEL_TABLE_BYTES they are taken from the full-vocab product here,
+        # once per position, instead of a second product per step (K x V_draft more multiply-adds per position).
         need = _shift(lmask, 1)                                                    # (B, T)
         tgt_id = torch.zeros(B * T, dtype=torch.long, device=dev)                  # (B*T,)
         at, _ = _select(need, max_counted)                                         # (N,) (extra ones: not read)
         rows, step = final.reshape(B * T, -1)[at], cfg.chunk_size or 4096          # (N, h_t)
-        if rows.shape[0]:
-            tgt_id[at] = torch.cat([target_logits_from_final(rows[i:i + step], lm_head_weight).argmax(-1)
-                                    for i in range(0, rows.shape[0], step)])
+        N, Vd = rows.shape[0], token_ids.numel()
+        itemsize = (torch.get_autocast_dtype(dev.type).itemsize if torch.is_autocast_enabled(dev.type)
+                    else lm_head_weight.element_size())
+        keep, table = N * Vd * itemsize <= LABEL_TABLE_BYTES, None
+        for i in range(0, N, step):
+            z = target_logits_from_final(rows[i:i + step], lm_head_weight)        # (c, V)
+            tgt_id[at[i:i + step]] = z.argmax(-1)
+            if keep:
+                table = z.new_empty(N, Vd) if table is None else table            # (N, Vd) target draft logits
+                table[i:i + step] = z[:, token_ids]                                # (c, Vd)
+        row_of = torch.zeros(B * T, dtype=torch.long, device=dev)                  # (B*T,) position -> table row
+        row_of[at] = torch.arange(N, device=dev)
         tgt_id = tgt_id.view(B, T)                                                 # (B, T)
         in_draft = t2d[tgt_id]                                                     # (B, T)
         tgt_draft = torch.searchsorted(token_ids, tgt_id).clamp(max=token_ids.numel() - 1)  # (B, T)
@@ -197,9 +214,12 @@ def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, val
                 & _shift(lmask, k + 2))                                            # (B, T) drafted in decoding
         m = span & _shift(in_draft, k + 1)                                         # (B, T) counted (loss, acc_k)
         at, wt = _select(m, max_counted)                                           # (N,), weights (N,) or None
-        ls, pr = fused_soft_ce(drafter.norm(out.reshape(B * T, -1)[at]), drafter.lm_head.weight,
-                               _shift(final, k + 1).reshape(B * T, -1)[at], w_draft, chunk=cfg.chunk_size or 4096,
-                               weight=wt)
+        if table is not None:  # counted rows read position t+k+1 (same row, need True); weight-0 extras any row
+            f_k, w_k = table[row_of[(at + k + 1).clamp(max=B * T - 1)]], None      # (N_k, Vd) target logits
+        else:
+            f_k, w_k = _shift(final, k + 1).reshape(B * T, -1)[at], w_draft        # (N_k, h_t) target states
+        ls, pr = fused_soft_ce(drafter.norm(out.reshape(B * T, -1)[at]), drafter.lm_head.weight, f_k, w_k,
+                               chunk=cfg.chunk_size or 4096, weight=wt)
         pred = torch.full((B * T,), -1, dtype=torch.long, device=dev)              # (B*T,)
         pred[at] = pr                                     # extra (weight 0) entries land where m is False
         pred = pred.view(B, T)                                                     # (B, T): read only where m

@@ -1,0 +1,78 @@
+"""The cpu-demo's training path skips multiplies it does not need, and its loss stays the naive reference's.
+
+TTT step k at position t takes its soft labels from the target at position t+k+1, so across the K steps the same
+positions are labelled K times. ttt_forward computes each needed position's target logits once (the full-vocab
+product that also gives the argmax) and every step reads its rows from that table; past LABEL_TABLE_BYTES it
+falls back to one draft-vocab product per step. Both must equal the step-by-step reference of test_ttt.py.
+"""
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import eyas.train.ttt as ttt
+from eyas.train.ttt import TTTConfig, ttt_forward
+from test_ttt import make_case, run_fast, run_naive, ttt_inputs
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("budget", ["table", "per_step"])
+@pytest.mark.parametrize("K", [1, 3])
+def test_both_label_paths_equal_naive_reference(monkeypatch, budget, K):
+    monkeypatch.setattr(ttt, "LABEL_TABLE_BYTES", 1 << 30 if budget == "table" else 0)
+    d, c = make_case(seed=10 + K, B=3, T=11)
+    loss_n, met_n, grads_n = run_naive(d, c, K)
+    assert all(n > 0 for n in met_n["count_k"]), met_n
+    for chunk in (None, 4):
+        out, grads = run_fast(d, c, K, chunk_size=chunk)
+        torch.testing.assert_close(out.loss, loss_n.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.loss_k, torch.tensor(met_n["loss_k"]), rtol=1e-5, atol=1e-5)
+        for name in grads_n:
+            torch.testing.assert_close(grads[name], grads_n[name], rtol=1e-5, atol=1e-5, msg=name)
+        for key in ("count_k", "correct_k", "cond_count_k", "cond_correct_k"):
+            assert getattr(out, key).tolist() == met_n[key], key
+
+
+def _flops(d, c, K, budget, monkeypatch, **kw) -> tuple[int, list[int]]:
+    monkeypatch.setattr(ttt, "LABEL_TABLE_BYTES", budget)
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        out = ttt_forward(d, **ttt_inputs(c), cfg=TTTConfig(num_steps=K), **kw)
+    return fc.get_total_flops(), out
+
+
+@pytest.mark.parametrize("bounded", [False, True])
+def test_labels_cost_no_product_per_step(monkeypatch, bounded):
+    """With the table, the forward does exactly 2 * rows_k * V_draft * h_t fewer FLOPs per step k than the per-step
+    path: the steps' draft-vocab label products are gone; what is left of the target's head is the one full-vocab
+    product per needed position that the argmax needs anyway."""
+    K = 3
+    d, c = make_case(seed=3, B=3, T=11, V=64, Vd=40)
+    h_t, Vd = c["final"].shape[-1], d.config.draft_vocab_size
+    kw = {"max_counted": int(c["valid"].sum())} if bounded else {}
+    per_step, ref = _flops(d, c, K, 0, monkeypatch, **kw)
+    once, out = _flops(d, c, K, 1 << 30, monkeypatch, **kw)
+    rows = [kw["max_counted"]] * K if bounded else out.count_k.tolist()   # rows per step's soft CE
+    assert per_step - once == sum(2 * n * Vd * h_t for n in rows)
+    for key in ("count_k", "correct_k", "cond_count_k", "cond_correct_k", "accept_len"):
+        assert torch.equal(getattr(out, key), getattr(ref, key)), key
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=1e-6)
+
+
+def test_bf16_autocast_table_equals_per_step_labels(monkeypatch):
+    """Under the CPU's bf16 autocast (the cpu-demo's training) the draft columns of the full-vocab product are the
+    same numbers as the draft-vocab product per step: equal losses and gradients."""
+    K = 3
+    d, c = make_case(seed=7, B=3, T=11, V=64, Vd=40)
+    res = {}
+    for budget in (0, 1 << 30):
+        monkeypatch.setattr(ttt, "LABEL_TABLE_BYTES", budget)
+        d.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = ttt_forward(d, **ttt_inputs(c), cfg=TTTConfig(num_steps=K))
+        out.loss.backward()
+        res[budget] = out.loss.detach(), {n: p.grad.clone() for n, p in d.named_parameters()}
+    (l0, g0), (l1, g1) = res[0], res[1 << 30]
+    assert torch.equal(l0, l1)
+    for name in g0:
+        assert torch.equal(g0[name], g1[name]), name
