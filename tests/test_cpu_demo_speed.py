@@ -76,3 +76,15 @@ def test_bf16_autocast_table_equals_per_step_labels(monkeypatch):
     assert torch.equal(l0, l1)
     for name in g0:
         assert torch.equal(g0[name], g1[name]), name
+
+
+def test_first_argmax_keeps_argmax_ties_and_nan():
+    """The counted-position mask depends on which id wins a tie in the bf16 target logits (bf16 logits tie
+    often): first_argmax must pick argmax's index, the first maximum, NaN included."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randint(-2, 3, (64, 4099), generator=g).bfloat16()           # many ties per row
+    z[5, 9] = z[6, 4000] = z[6, 17] = float("nan")
+    assert torch.equal(ttt.first_argmax(z), z.argmax(-1))
+    assert ttt.first_argmax(z)[6] == 17
+    w = torch.randn(64, 4099, generator=g)
+    assert torch.equal(ttt.first_argmax(w), w.argmax(-1))

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from eyas.train.ttt import first_argmax
+
 
 class Sums:
     """Sums of TTT outputs over micro-batches (and ranks after all_reduce), as one flat float64 tensor."""
@@ -141,7 +143,7 @@ def frequency_baseline(input_ids: Tensor, loss_mask: Tensor, valid: Tensor, fina
     loss_mask[s+1] and argmax(target logits at s) is in the draft vocab (the same rule as eyas.train.ttt).
     """
     B, T = input_ids.shape
-    tgt = torch.cat([F.linear(final[:, i:i + chunk].to(lm_head_weight.dtype), lm_head_weight).argmax(-1)
+    tgt = torch.cat([first_argmax(F.linear(final[:, i:i + chunk].to(lm_head_weight.dtype), lm_head_weight))
                      for i in range(0, T, chunk)], dim=1)                     # (B, T) target argmax at s
     v, lm = valid.bool(), loss_mask.bool() & valid.bool()
     m = torch.zeros(B, T, dtype=torch.bool, device=input_ids.device)

@@ -30,13 +30,16 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
 def _chunk(z: Tensor, zt: Tensor, wr: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(loss sum, drafter argmax, dloss/dz) of one chunk from drafter logits z and target logits zt, (c, Vd);
     wr (c,) optional row weights: 0 drops a row from the loss and the gradient, 1 keeps it."""
+    # Few passes over (c, Vd) and no temporaries of that size but p: on the CPU these elementwise passes, not the
+    # matmuls, were most of the loss's time. z's buffer becomes dz (z is the caller's temporary product).
     z = z.float()                                                                # (c, Vd)
     lse = torch.logsumexp(z, dim=-1)                                             # (c,)
-    p = torch.softmax(zt.float(), dim=-1)                                        # (c, Vd)
-    ce, dz = lse - (p * z).sum(-1), torch.exp(z - lse[:, None]) - p              # (c,), (c, Vd)
+    p = torch.softmax(zt, dim=-1, dtype=torch.float32)                           # (c, Vd)
+    ce, pred = lse - torch.linalg.vecdot(p, z), z.max(-1).indices                # (c,), (c,) first max = argmax
+    dz = z.sub_(lse[:, None]).exp_().sub_(p)                                     # (c, Vd) softmax(z) - p
     if wr is not None:
-        ce, dz = ce * wr, dz * wr[:, None]
-    return ce.sum(), z.argmax(-1), dz
+        ce, dz = ce * wr, dz.mul_(wr[:, None])
+    return ce.sum(), pred, dz
 
 
 @functools.cache

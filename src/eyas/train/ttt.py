@@ -95,6 +95,12 @@ def target_logits_from_final(final: Tensor, lm_head_weight: Tensor, token_ids: T
     return F.linear(final.to(w.dtype), w)
 
 
+def first_argmax(z: Tensor) -> Tensor:
+    """z.argmax(-1), the first index of the maximum: max(-1) has the same rule and is several times faster on bf16
+    CPU tensors, where argmax of the (rows, 49k) target logits cost about as much as the product itself."""
+    return z.max(-1).indices
+
+
 def _shift(x: Tensor, s: int) -> Tensor:
     """y[:, t] = x[:, t + s], zero/False past the end. x (B, T, ...)."""
     if s == 0:
@@ -187,7 +193,7 @@ def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, val
         keep, table = N * Vd * itemsize <= LABEL_TABLE_BYTES, None
         for i in range(0, N, step):
             z = target_logits_from_final(rows[i:i + step], lm_head_weight)        # (c, V)
-            tgt_id[at[i:i + step]] = z.argmax(-1)
+            tgt_id[at[i:i + step]] = first_argmax(z)
             if keep:
                 table = z.new_empty(N, Vd) if table is None else table            # (N, Vd) target draft logits
                 table[i:i + step] = z[:, token_ids]                                # (c, Vd)
