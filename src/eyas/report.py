@@ -88,6 +88,17 @@ def _fmt(x, nd=3):
     return "-" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
 
 
+def _prompts_note(r: dict, eagle: dict) -> str:
+    """'; 30 prompts of 2065-5754 tokens (15 conversation tau 2.1, 15 document tau 2.6)' for a bench whose
+    prompts have kinds (the long set), else ''."""
+    p = r.get("prompts")
+    if not p or not p.get("kinds"):
+        return ""
+    taus = eagle.get("tau_by_kind", {})
+    kinds = ", ".join(f"{n} {k}" + (f" tau {taus[k]:.2f}" if k in taus else "") for k, n in p["kinds"].items())
+    return f"; {r['records']} prompts of {p['tokens']['min']}-{p['tokens']['max']} tokens ({kinds})"
+
+
 def write_report(run: Path, state: dict, cfg) -> str:
     """Write RUN/report.md; return the one-screen summary printed at the end of `eyas run`."""
     stages = state["stages"]
@@ -194,7 +205,8 @@ def write_report(run: Path, state: dict, cfg) -> str:
             lines.append(f"{name}: tau {by[eagle]['tau']:.2f} (prompt lookup {by.get('lookup', {}).get('tau', 0):.2f}, "
                          f"no drafter 1.00), speedup {_fmt(by[eagle].get('speedup'), 2)}x on {r.get('device')}, "
                          f"lossless {lossless_cell((r.get('lossless') or {}).get(eagle))}"
-                         + (f", {ag['dtype']} agreement {ag['identical_turns']}/{ag['turns']} turns" if ag else ""))
+                         + (f", {ag['dtype']} agreement {ag['identical_turns']}/{ag['turns']} turns" if ag else "")
+                         + _prompts_note(r, by[eagle]))
         sec = r.get("seconds")
         if sec:
             timing.append(f"| {name} | {sec['load']:.1f} | {sec['warmup']:.1f} | {sec['decode']:.1f} | "

@@ -97,6 +97,7 @@ def resolve_stages(cfg: RunConfig, run: Path, *, vocab_size: int | None, progres
     """Every stage's config from the recipe; what eyas run sets or derives is set here, and only here."""
     from eyas.bench.bench import BenchConfig
     from eyas.capture.capture import CaptureConfig
+    from eyas.data.longprompts import is_long_set
     from eyas.data.prepare import PrepareConfig
     from eyas.train.config import TrainConfig
 
@@ -131,10 +132,12 @@ def resolve_stages(cfg: RunConfig, run: Path, *, vocab_size: int | None, progres
         if prompts == "heldout":
             prompts = "sharegpt-heldout" if cfg.data == "sharegpt" else f"heldout:{cfg.data}"
         label = "sharegpt-heldout" if prompts == "sharegpt-heldout" else (
-            "heldout" if prompts.startswith("heldout:") else Path(prompts).stem)
-        bc = build("bench", BenchConfig, **{**b, "prompts": prompts}, target=cfg.target, device=dev,
-                   # prompts that leave room for a reply inside the training budget (RoPE positions seen)
-                   max_prompt_tokens=max(1, prepare.max_len - prepare.max_new_tokens), compile=dev == "cuda",
+            "heldout" if prompts.startswith("heldout:") else "long" if is_long_set(prompts) else Path(prompts).stem)
+        table = {**b, "prompts": prompts}
+        if not is_long_set(prompts):  # unless the table sets it: prompts that leave room for a reply inside the
+            # training budget (RoPE positions seen); the long set keeps its own range (BenchConfig)
+            table.setdefault("max_prompt_tokens", max(1, prepare.max_len - prepare.max_new_tokens))
+        bc = build("bench", BenchConfig, **table, target=cfg.target, device=dev, compile=dev == "cuda",
                    json_out=None)
         name = f"{label}-{bc.spec.method}" + (f"{bc.spec.k}" if bc.spec.method == "chain" else "")
         if name in bench:

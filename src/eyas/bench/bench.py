@@ -20,13 +20,15 @@ from pathlib import Path
 import torch
 
 from eyas.bench.check import DTYPE_NAMES, agreement, exact_fp32, first_turns, fp32_drafter, fp32_runner, lossless_verdict
+from eyas.bench.prompts import _prompt, first_messages, load_bench_prompts, prompt_summary, tau_by_kind
 from eyas.bench.startup import compile_cache, tree_nodes, verify_shapes, warm_up
 from eyas.decode.graphed import GraphedChainDrafting
+from eyas.data.longprompts import LONG_TOKENS, is_long_set
 from eyas.decode.spec import SpecConfig, SpecDecoder, SpecStats
 from eyas.errors import EyasError
 from eyas.target.fingerprint import cache_root
 
-PROMPT_SETS = ("sharegpt-heldout", "humaneval")
+PROMPT_SETS = ("sharegpt-heldout", "humaneval", "long")
 
 
 SPEC_KNOBS = tuple(f.name for f in fields(SpecConfig))
@@ -44,7 +46,8 @@ class BenchConfig:
     """Drafter: eyas run dir (RUN/, e.g. runs/cpu-demo), train run dir, drafter dir, or exported/published EAGLE-3
     dir (None: baselines only)."""
     prompts: str = "sharegpt-heldout"
-    """sharegpt-heldout | humaneval | a .jsonl with `prompt` or `turns`."""
+    """sharegpt-heldout | humaneval | long (held-out chats kept whole, 2k-6k tokens) | a .jsonl with `prompt` or
+    `turns` (and optionally `context`)."""
     spec: SpecConfig = SpecConfig()
     """The drafter's decoding: method chain | tree, its shape and sampling; prompt lookup takes k and max_ngram."""
     max_new_tokens: int = 128
@@ -54,10 +57,14 @@ class BenchConfig:
     max_turns: int | None = None
     """Answer only the first N user turns of each record (None = all)."""
     max_prompt_tokens: int | None = None
-    """Skip records whose first prompt (chat template applied) is longer, e.g. to match what a drafter
-    was trained on; skipped records are counted in the report (None = keep all)."""
-    max_seq: int = 2048
-    """Target cache slots; longer prompts are left-truncated (counted)."""
+    """Skip records whose first prompt (context + first turn, chat template applied) is longer, e.g. to match what
+    a drafter was trained on; skipped records are counted in the report (None = keep all; 6144 for `long`)."""
+    min_prompt_tokens: int | None = None
+    """Skip records whose first prompt is shorter, counted like max_prompt_tokens (None = keep all; 2048 for
+    `long`)."""
+    max_seq: int | None = None
+    """Target cache slots; longer prompts are left-truncated (counted). None: room for a max_prompt_tokens prompt,
+    its reply and a draft, rounded up to 64, and at least 2048."""
     device: str = "cpu"
     """cpu | cuda."""
     dtype: str | None = None
@@ -86,6 +93,13 @@ class BenchConfig:
         for f in own:
             object.__setattr__(self, f.name, kw.get(f.name, f.default))
         object.__setattr__(self, "spec", replace(spec or SpecConfig(), **flat))
+        if is_long_set(self.prompts):  # the set's own length range, unless given
+            lo, hi = LONG_TOKENS
+            object.__setattr__(self, "min_prompt_tokens", lo if self.min_prompt_tokens is None else self.min_prompt_tokens)
+            object.__setattr__(self, "max_prompt_tokens", hi if self.max_prompt_tokens is None else self.max_prompt_tokens)
+        if self.max_seq is None:
+            need = (self.max_prompt_tokens or 0) + self.max_new_tokens + max(self.spec.draft_size, self.spec.k) + 2
+            object.__setattr__(self, "max_seq", max(2048, -(-need // 64) * 64))
         self.__post_init__()
 
     def __post_init__(self):
@@ -99,6 +113,9 @@ class BenchConfig:
             raise EyasError(f"limit must be >= 1, got {self.limit}")
         if self.max_turns is not None and self.max_turns < 1:
             raise EyasError(f"max_turns must be >= 1, got {self.max_turns}")
+        lo, hi = self.min_prompt_tokens, self.max_prompt_tokens
+        if (lo is not None and lo < 1) or (hi is not None and hi < 1) or (None not in (lo, hi) and lo > hi):
+            raise EyasError(f"prompt token range [{lo}, {hi}]: expected 1 <= min_prompt_tokens <= max_prompt_tokens")
         if self.lossless_turns < 0:
             raise EyasError(f"lossless_turns must be >= 0, got {self.lossless_turns}")
         if self.persist_steps and not self.compile:
@@ -123,30 +140,6 @@ class BenchConfig:
         if unknown:
             raise EyasError(f"bench config: unknown keys {unknown}")
         return cls(spec=None if spec is None else SpecConfig(**spec), **d)
-
-
-def load_bench_prompts(cfg: BenchConfig, tokenizer=None) -> tuple[list[dict], int]:
-    """Prompt records and how many were skipped for a first prompt over cfg.max_prompt_tokens."""
-    from eyas.data.chat import encode_prompt
-    from eyas.data.sources import load_prompts
-
-    skipped = 0
-
-    def short(r: dict) -> bool:
-        nonlocal skipped
-        if len(encode_prompt(tokenizer, [{"role": "user", "content": r["turns"][0]}])) > cfg.max_prompt_tokens:
-            skipped += 1
-            return False
-        return True
-
-    filtering = cfg.max_prompt_tokens is not None and tokenizer is not None
-    recs = load_prompts(cfg.prompts, limit=cfg.limit, keep=short if filtering else None)
-    if cfg.max_turns is not None:
-        recs = [{**r, "turns": r["turns"][:cfg.max_turns]} for r in recs]
-    if not recs:
-        raise EyasError(f"{cfg.prompts}: no prompts" + (f" of at most {cfg.max_prompt_tokens} tokens"
-                                                         if skipped else ""))
-    return recs, skipped
 
 
 def _sync(device):
@@ -242,9 +235,9 @@ def _run(cfg, target, drafter, drafter_meta, records, out) -> dict:
         if tuple(drafter.config.aux_layer_ids) != tuple(target.aux_layer_ids) and meta.get("target") is None:
             print(f"note: drafter aux layers {list(drafter.config.aux_layer_ids)} differ from the target default "
                   f"{list(target.aux_layer_ids)}; using the drafter's", file=out)
-    too_long = 0
+    skipped = {"too_long": 0, "too_short": 0}
     if records is None:
-        records, too_long = load_bench_prompts(cfg, tok)
+        records, _ = load_bench_prompts(cfg, tok, skipped)
     if not records:
         raise EyasError(f"{cfg.prompts}: empty prompt set")
     # One runner per target and shape for the whole process: a fresh runner per benchmark would compile
@@ -268,7 +261,7 @@ def _run(cfg, target, drafter, drafter_meta, records, out) -> dict:
     # runner's shapes; the drafters' graphs are all captured in their first round or by `_warm_up`).
     clock = time.perf_counter()
     shapes = _warm_up(cfg, runner, methods, drafter)
-    first = _prompt(tok, [{"role": "user", "content": records[0]["turns"][0]}], room)[0]
+    first = _prompt(tok, first_messages(records[0]), room)[0]
     for m in methods:
         m.decode(first, cfg.seed, min(cfg.max_new_tokens, 4 * (cfg.spec.max_depth + 1) + 8))
     _sync(runner.device)
@@ -286,8 +279,10 @@ def _run(cfg, target, drafter, drafter_meta, records, out) -> dict:
     report = {"config": cfg.to_dict(), "target": target.fingerprint, "drafter": meta.get("source"),
               "device": str(runner.device), "dtype": DTYPE_NAMES.get(runner.dtype, str(runner.dtype)),
               "records": len(records), "turns": sum(len(r["turns"]) for r in records),
-              "truncated": truncated, "skipped_long_prompts": too_long, "methods": {m.name: m.report() for m in methods},
-              "warmup": {"shapes": shapes, "late_shapes": late}}
+              "truncated": truncated, "skipped_long_prompts": skipped["too_long"],
+              "skipped_short_prompts": skipped["too_short"], "prompts": prompt_summary(records, tok),
+              "methods": {m.name: m.report() for m in methods}, "warmup": {"shapes": shapes, "late_shapes": late}}
+    tau_by_kind(report, records)
     by = {m.name: m for m in methods}
     plain = by.get("plain")
     for m in methods:
@@ -357,20 +352,13 @@ def prompt_room(cfg: BenchConfig) -> int:
     return room
 
 
-def _prompt(tok, msgs, room) -> tuple[list[int], bool]:
-    from eyas.data.chat import encode_prompt
-
-    ids = encode_prompt(tok, msgs)
-    return (ids[-room:], True) if len(ids) > room else (ids, False)
-
-
 def _decode_all(methods, records, tok, room, cfg, device) -> int:
     """Answer every turn of every record with each method (own earlier answers as context); timed per method.
     Returns the number of left-truncated prompts (counted once, on the first method)."""
     truncated = 0
     for ri, rec in enumerate(records):
         for m in methods:
-            msgs, outs = [], []
+            msgs, outs = [dict(c) for c in rec.get("context", ())], []   # a fixed context: as written
             m.per_record.append([0, 0])
             for ti, turn in enumerate(rec["turns"]):
                 msgs.append({"role": "user", "content": turn})
@@ -431,8 +419,17 @@ def format_table(report: dict) -> str:
         rows.append(f"seconds: load {s['load']:.1f}, compile+warm-up {s['warmup']:.1f}, decoding {s['decode']:.1f}{share}, "
                     f"lossless check {s['lossless_check']:.1f}"
                     + (f"; inductor cache {cache['fx_graph_hits']} hits, {cache['fx_graph_misses']} misses" if cache else ""))
-    rows.append(f"{report['records']} prompts, {report['turns']} turns, {report['truncated']} truncated, "
+    p = report.get("prompts")
+    about = ""
+    if p:
+        kinds = ", ".join(f"{n} {k}" for k, n in p["kinds"].items())
+        about = f" ({kinds + '; ' if kinds else ''}first prompt {p['tokens']['min']}-{p['tokens']['max']} tokens, " \
+                f"median {p['tokens']['median']})"
+    rows.append(f"{report['records']} prompts{about}, {report['turns']} turns, {report['truncated']} truncated, "
                 f"device {report['device']}")
+    for name, m in report["methods"].items():
+        if m.get("tau_by_kind") and name != "plain":
+            rows.append(f"{name} tau by kind: " + ", ".join(f"{k} {t:.2f}" for k, t in m["tau_by_kind"].items()))
     return "\n".join(rows)
 
 

@@ -27,8 +27,8 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="greedy chains and trees: run each whole round on the device, one CUDA graph on CUDA "
                         "(default: on for greedy chains and trees on CUDA, off otherwise)")
     add_flags(p, BenchConfig, ["top_k", "depth", "total_tokens", "temperature", "top_p", "max_new_tokens", "limit",
-                               "max_turns", "max_prompt_tokens", "max_seq", "device", "dtype", "compile", "persist_steps",
-                               "baselines", "lossless_turns", "seed", "json_out"],
+                               "max_turns", "max_prompt_tokens", "min_prompt_tokens", "max_seq", "device", "dtype",
+                               "compile", "persist_steps", "baselines", "lossless_turns", "seed", "json_out"],
               device={"default": None, "help": "cpu or cuda (default: cuda if available)"},
               dtype={"choices": ["fp32", "bf16", "fp16"]},
               baselines={"help": "skip plain decoding and prompt lookup"},

