@@ -56,6 +56,9 @@ PRESETS_NOW: dict[str, dict] = {name: {**k, **({"dtype": "auto", "autocast": "au
                                                                           == "chain" else {})} for j in (1, 3, 0, 2)]}
                                           if name == "gpu" else {})}
                                 for name, k in OLD_PRESETS.items()}
+# Since issue 33 the gpu recipe benches the long-prompt set third, with its own prompt range (max_seq derived).
+PRESETS_NOW["gpu"]["bench"].insert(2, dict(prompts="long", method="chain", k=5, graph_round=True, limit=30,
+                                           max_new_tokens=256, min_prompt_tokens=2048, max_prompt_tokens=6144))
 
 
 def old_stage_configs(name: str, *, vocab: int, data: str = "sharegpt", target: str = "smollm2-135m"):
@@ -86,7 +89,8 @@ def old_stage_configs(name: str, *, vocab: int, data: str = "sharegpt", target: 
         n = (label if b["prompts"] == "heldout" else prompts) + f"-{b['method']}" + (
             str(b["k"]) if b["method"] == "chain" else "")
         bench[n] = BenchConfig(target=target, prompts=prompts, method=b["method"], k=b["k"], limit=b["limit"],
-                               max_turns=b.get("max_turns"), max_prompt_tokens=max(1, k["max_len"] - k["max_new_tokens"]),
+                               max_turns=b.get("max_turns"), min_prompt_tokens=b.get("min_prompt_tokens"),
+                               max_prompt_tokens=b.get("max_prompt_tokens", max(1, k["max_len"] - k["max_new_tokens"])),
                                max_new_tokens=b["max_new_tokens"], device=k["device"],
                                graph_round=b.get("graph_round", False),
                                json_out=str(RUN / "bench" / f"{n}.json"), compile=k["device"] == "cuda")
