@@ -88,3 +88,34 @@ def test_first_argmax_keeps_argmax_ties_and_nan():
     assert ttt.first_argmax(z)[6] == 17
     w = torch.randn(64, 4099, generator=g)
     assert torch.equal(ttt.first_argmax(w), w.argmax(-1))
+
+
+def test_capture_runs_causal_attention_without_a_mask_and_stores_the_unpadded_states(tmp_path, monkeypatch):
+    """Capture's batches are right-padded, so no attention mask is needed: every SDPA call is the causal kernel
+    (attn_mask None, is_causal), and each sample's stored states are its states computed alone, unpadded."""
+    from conftest import make_tiny_llama
+    from eyas.capture import CaptureConfig, run_capture
+    from eyas.store import Store
+    from eyas.target import target_from_model
+    from eyas.target.hooks import capture_states
+
+    model = make_tiny_llama(layers=3)
+    model.config._attn_implementation = "sdpa"
+    target = target_from_model(model)
+    g = torch.Generator().manual_seed(1)
+    samples = [(f"s{k}", torch.randint(3, 256, (n,), generator=g).tolist(), [0] * (n // 2) + [1] * (n - n // 2))
+               for k, n in enumerate((31, 7, 19, 30, 4, 12))]
+    calls, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, *a, **kw):
+        calls.append((attn_mask is None, kw.get("is_causal", False), q.shape[-2]))
+        return sdpa(q, k, v, attn_mask, *a, **kw)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    run_capture(CaptureConfig(out=str(tmp_path / "s"), progress=False, batch_tokens=128), target, samples=samples)
+    monkeypatch.undo()
+    assert calls and all(none and causal for none, causal, _ in calls), calls
+    store = Store(tmp_path / "s", target=target, dtype=torch.float32)
+    for sid, tok, _ in samples:
+        s = store.by_id(sid)
+        alone = capture_states(model, target.aux_layer_ids, torch.tensor([tok]))[0].bfloat16().float()  # (T, 4, h)
+        assert torch.equal(torch.cat([s.aux, s.final[:, None]], 1), alone), sid
