@@ -12,7 +12,8 @@
 #                bash benchmarks/twin_live.sh prep           (.stage-twin/: the twin, ShareGPT training conversations,
 #                                                             prepared data for capture, held-out bench prompts; the
 #                                                             drafter is trained on the device from the served twin's
-#                                                             own replies: the `drafter` phase)
+#                                                             own replies: the `drafter` phase, unless an export is
+#                                                             in .stage-twin/drafter: `stage` puts it in place)
 #   call 1   carry .stage-twin, .stage-engines/sglang/part-00   bash benchmarks/twin_live.sh stage && STAGE_MARK=...
 #                                                             bash benchmarks/engines_live.sh stage sglang 00
 #   calls    carry .stage-engines/ENGINE/part-NN               STAGE_MARK=... bash benchmarks/engines_live.sh stage ENGINE NN
@@ -28,6 +29,8 @@ export EYAS_CACHE=${EYAS_CACHE:-/root/cache} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_D
 site() { echo ${SITE_ROOT:-/root}/site-$1; }
 need_engine() { case ${1:-} in sglang|vllm) ;; *) echo "ENGINE must be sglang or vllm"; exit 2 ;; esac; }
 LIMIT=${LIMIT:-16}                              # bench prompts per set
+# VLLM_EAGER=1: vLLM servers with --enforce-eager (no compile or graph capture at start; their speeds then say
+# nothing about compiled serving)
 
 case $cmd in
 prep)  # here, on the CPU (seconds): the twin, conversations to regenerate on the device, prepared data, prompts
@@ -57,16 +60,21 @@ PY
 stage)  # device: the twin, its drafter, prepared data and prompts under $STAGE
   mkdir -p $STAGE && rm -rf $STAGE/twin $STAGE/twin-drafter $STAGE/twin-prep &&
   cp -r $T/twin $STAGE/twin && cp -r $T/prep $STAGE/twin-prep && cp $T/convs.jsonl $T/prompts-*.jsonl $STAGE/ &&
+  if [ -d $T/drafter ]; then mkdir -p $WORK && rm -rf $WORK/drafter && cp -r $T/drafter $WORK/drafter; fi &&
   ls $STAGE; exit $? ;;
 bg)
   shift; [ $# -gt 0 ] || { echo "usage: twin_live.sh bg ENGINE [ENGINE]"; exit 2; }
   [ -f $STAGE/twin/config.json ] || { echo "machine was replaced (no $STAGE/twin): stage again"; exit 3; }
   mkdir -p $WORK/bench && rm -f $WORK/*.done $WORK/*.log && rm -rf $WORK/src && cp -r src $WORK/src && cp "$0" $WORK/job.sh &&
-    cp benchmarks/train.py $WORK/bench/
-  # then (KIMI_TRAIN=1) the Kimi-shaped drafter's training throughput, once the engines have freed the GPU
-  kimi="python3 $WORK/bench/train.py --shapes kimi --seqs 2048,8192 --attention flex --compile 1 --no-record"
-  setsid nohup bash -c "for e in $*; do bash $WORK/job.sh job \$e > $WORK/\$e.log 2>&1; echo \$? > $WORK/\$e.done; done;
-    [ -n '${KIMI_TRAIN:-}' ] && { $kimi > $WORK/kimi-train.log 2>&1; echo \$? > $WORK/kimi.done; }" \
+    cp benchmarks/*.py benchmarks/*.sh $WORK/bench/ && touch $WORK/BENCHMARKS.md
+  # then (KIMI_TRAIN=1) the Kimi-shaped drafter's training throughput, once the engines have freed the GPU, then
+  # (AFTER=SCRIPT) any other GPU script, its log in $WORK/after.log; BEFORE=SCRIPT runs one before the engine jobs
+  # (which wait for their engine's install anyway), its log in $WORK/before.log
+  kimi="timeout ${KIMI_LIMIT:-480} python3 $WORK/bench/train.py --shapes kimi --seqs 2048,8192 --attention flex --compile 1 --no-record"
+  setsid nohup bash -c "[ -n '${BEFORE:-}' ] && { bash ${BEFORE:-} > $WORK/before.log 2>&1; echo \$? > $WORK/before.done; };
+    for e in $*; do bash $WORK/job.sh job \$e > $WORK/\$e.log 2>&1; echo \$? > $WORK/\$e.done; done;
+    [ -n '${KIMI_TRAIN:-}' ] && { $kimi > $WORK/kimi-train.log 2>&1; echo \$? > $WORK/kimi.done; };
+    [ -n '${AFTER:-}' ] && { bash ${AFTER:-} > $WORK/after.log 2>&1; echo \$? > $WORK/after.done; }" \
     > /dev/null 2>&1 < /dev/null &
   sleep 5; tail -n 5 $WORK/$1.log; echo "started: $*"; exit 0 ;;
 poll)
@@ -80,6 +88,7 @@ poll)
         $x/*.txt $x/store/check.json 2>/dev/null)
     done
     [ -f $WORK/kimi-train.log ] && cp $WORK/kimi-train.log $OUT/
+    for f in before.log after.log BENCHMARKS.md; do [ -f $WORK/$f ] && cp $WORK/$f $OUT/; done
   fi
   [ -f $WORK/$e.done ]; exit $? ;;
 job) ;;
@@ -168,7 +177,7 @@ drafter() {  # data the served twin regenerated (greedy) -> in-process capture -
       --attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.3 || return 1
   else
     start_server regen $PORT vllm serve $TW --dtype bfloat16 --port $PORT --gpu-memory-utilization 0.3 \
-      --max-model-len 2048 || return 1
+      --max-model-len 2048 ${VLLM_EAGER:+--enforce-eager} || return 1
   fi
   python3 -m eyas prepare --target $TW --data $STAGE/convs.jsonl --out $WORK/regen --max-len 1536 --regenerate \
     --server http://127.0.0.1:$PORT --regen-temperature 0 --max-new-tokens ${REGEN_TOKENS:-192} --concurrency 64 \
@@ -191,7 +200,7 @@ serve() {  # the plain server and the EAGLE-3 server side by side; eyas bench --
       --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4 || return 1
   else
     local base=(vllm serve $TW --dtype bfloat16 --served-model-name twin --gpu-memory-utilization 0.3 --max-num-seqs 4
-                --max-model-len 2048)
+                --max-model-len 2048 ${VLLM_EAGER:+--enforce-eager})
     start_server plain $PORT "${base[@]}" --port $PORT || return 1
     start_server spec $PORT2 "${base[@]}" --port $PORT2 \
       --speculative-config "{\"method\":\"eagle3\",\"model\":\"$DR\",\"num_speculative_tokens\":3}" || return 1
