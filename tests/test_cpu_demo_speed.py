@@ -3,7 +3,9 @@
 TTT step k at position t takes its soft labels from the target at position t+k+1, so across the K steps the same
 positions are labelled K times. ttt_forward computes each needed position's target logits once (the full-vocab
 product that also gives the argmax) and every step reads its rows from that table; past LABEL_TABLE_BYTES it
-falls back to one draft-vocab product per step. Both must equal the step-by-step reference of test_ttt.py.
+falls back to one draft-vocab product per step. Both must equal the step-by-step reference of test_ttt.py. The
+trainer keeps each sample's full-vocab argmax after its first epoch, so later epochs multiply only the draft
+vocabulary's rows; capture runs maskless causal attention over its right-padded batches.
 """
 
 import pytest
@@ -32,6 +34,24 @@ def test_both_label_paths_equal_naive_reference(monkeypatch, budget, K):
             torch.testing.assert_close(grads[name], grads_n[name], rtol=1e-5, atol=1e-5, msg=name)
         for key in ("count_k", "correct_k", "cond_count_k", "cond_correct_k"):
             assert getattr(out, key).tolist() == met_n[key], key
+
+
+@pytest.mark.parametrize("budget", ["table", "per_step"])
+def test_given_target_ids_equal_computing_them(monkeypatch, budget):
+    """A second pass that is handed the first pass's target_ids (what the trainer keeps between epochs) gives the
+    same loss, counts and gradients, with either label path."""
+    monkeypatch.setattr(ttt, "LABEL_TABLE_BYTES", 1 << 30 if budget == "table" else 0)
+    K = 3
+    d, c = make_case(seed=4, B=3, T=11, V=64, Vd=40)
+    ref, grads = run_fast(d, c, K)
+    d.zero_grad()
+    out = ttt_forward(d, **ttt_inputs(c), cfg=TTTConfig(num_steps=K), target_ids=ref.target_ids.to(torch.int32))
+    out.loss.backward()
+    assert torch.equal(out.loss, ref.loss) and torch.equal(out.target_ids, ref.target_ids)
+    for key in ("count_k", "correct_k", "cond_count_k", "cond_correct_k", "accept_len"):
+        assert torch.equal(getattr(out, key), getattr(ref, key)), key
+    for name, g in grads.items():
+        assert torch.equal(d.get_parameter(name).grad, g), name
 
 
 def _flops(d, c, K, budget, monkeypatch, **kw) -> tuple[int, list[int]]:
@@ -119,3 +139,35 @@ def test_capture_runs_causal_attention_without_a_mask_and_stores_the_unpadded_st
         s = store.by_id(sid)
         alone = capture_states(model, target.aux_layer_ids, torch.tensor([tok]))[0].bfloat16().float()  # (T, 4, h)
         assert torch.equal(torch.cat([s.aux, s.final[:, None]], 1), alone), sid
+
+
+def test_later_epochs_reuse_the_target_argmax_and_train_the_same_drafter(tmp_path, monkeypatch):
+    """Offline and unpacked (the cpu-demo), the trainer keeps each training sample's full-vocab target argmax from
+    its first pass: after epoch 0 the training steps multiply only the draft vocabulary's rows of the target's head,
+    and every train and eval record and the final drafter equal a run that recomputes the argmax every step."""
+    from test_train import capture, cfg, drafter_state, make_samples, records, tiny_target
+    from eyas.train.trainer import Trainer
+
+    t = tiny_target()
+    store = capture(tmp_path, t, make_samples(40))
+    kw = dict(steps=None, epochs=3, checkpoint_every=0, eval_fraction=0.2, device="cpu")
+    V, calls, real = t.vocab_size, [], ttt.target_logits_from_final
+
+    def spy(final, w, token_ids=None):
+        calls.append((trainer.epoch, trainer.module.training, w.shape[0] if token_ids is None else len(token_ids)))
+        return real(final, w, token_ids)
+    monkeypatch.setattr(ttt, "target_logits_from_final", spy)
+    trainer = Trainer(cfg(tmp_path, store, "kept", **kw), target=t)
+    trainer.train()
+    kept = [(e, rows) for e, training, rows in calls if training]
+    assert {rows for e, rows in kept if e == 0} == {V}
+    assert {rows for e, rows in kept if e > 0} == {64}                        # draft vocabulary only
+    assert len(trainer.target_ids) == len(trainer.train_idx)
+
+    trainer = Trainer(cfg(tmp_path, store, "recomputed", **kw), target=t)
+    trainer.target_ids = None                                                 # recompute every step
+    trainer.train()
+    assert records(tmp_path / "kept") == records(tmp_path / "recomputed")
+    assert records(tmp_path / "kept", "eval") == records(tmp_path / "recomputed", "eval")
+    a, b = drafter_state(tmp_path / "kept"), drafter_state(tmp_path / "recomputed")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

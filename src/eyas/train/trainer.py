@@ -47,11 +47,12 @@ class TTTModule(nn.Module):
         self.drafter, self.ttt = drafter, ttt
 
     def forward(self, input_ids, loss_mask, valid, aux, final, embed_weight, lm_head_weight, segment_ids=None,
-                position_ids=None, max_counted=None):
+                position_ids=None, max_counted=None, target_ids=None):
         o = ttt_forward(self.drafter, input_ids=input_ids, loss_mask=loss_mask, valid=valid, aux=aux, final=final,
                         embed=embed_weight, lm_head_weight=lm_head_weight, cfg=self.ttt, segment_ids=segment_ids,
-                        position_ids=position_ids, max_counted=max_counted)
-        return o.loss, o.loss_k, o.count_k, o.correct_k, o.cond_count_k, o.cond_correct_k, o.accept_len
+                        position_ids=position_ids, max_counted=max_counted, target_ids=target_ids)
+        return (o.loss, o.loss_k, o.count_k, o.correct_k, o.cond_count_k, o.cond_correct_k, o.accept_len,
+                o.target_ids)
 
 
 def run_train(cfg: TrainConfig, target=None) -> dict:
@@ -154,6 +155,9 @@ class Trainer:
             print(f"eyas train: autocast {'bf16' if use_bf16 else 'off (fp32)'} on {self.device.type}: {why} "
                   f"(--autocast bf16|off to choose)", file=sys.stderr)
         self.step, self.epoch, self.pos, self.seen = 0, 0, 0, 0
+        # Offline, unpacked: each training sample's full-vocab target argmax, kept from its first pass, so later
+        # epochs multiply only the draft vocabulary's rows of the target's head (the store's states never change).
+        self.target_ids: dict[int, torch.Tensor] | None = None if cfg.online or self.packed else {}
         self._restore()
 
     def plan(self, epoch: int) -> list[list[list[int]]]:
@@ -240,11 +244,15 @@ class Trainer:
         for a, idx in enumerate(batch):
             b, n_tok, n_loss = self._features(idx)
             self._watch(step, "features", b.ids, nonfinite_flags(b))
+            known = self._known_targets(idx, b.input_ids)
             with dist.sync_grads(model, last=a == len(batch) - 1):
                 with self.amp:
                     lmask = b.valid if cfg.loss_on == "all" else b.loss_mask
                     o = TTTOutput(*model(b.input_ids, lmask, b.valid, b.aux, b.final, self.embed_w, self.lm_w,
-                                         b.segment_ids, b.position_ids, n_loss))
+                                         b.segment_ids, b.position_ids, n_loss, known))
+                if known is None and self.target_ids is not None:
+                    for r, i in enumerate(idx):
+                        self.target_ids[i] = o.target_ids[r, :self.source.lengths[i]].to(torch.int32)
                 self._watch(step, "loss", b.ids, ~torch.isfinite(o.loss.detach()))
                 (o.loss / len(batch)).backward()
             sums.add(o, n_tok)
@@ -260,6 +268,15 @@ class Trainer:
             return None, lr, None
         self.check_finite()
         return sums.all_reduce().summary(), lr, float(gnorm)
+
+    def _known_targets(self, idx: list[int], input_ids: torch.Tensor) -> torch.Tensor | None:
+        """(B, T) target argmax of the micro-batch's samples from their earlier passes, or None (not all seen)."""
+        if self.target_ids is None or any(i not in self.target_ids for i in idx):
+            return None
+        out = torch.zeros(input_ids.shape, dtype=torch.long)                    # (B, T)
+        for r, i in enumerate(idx):
+            out[r, :self.source.lengths[i]] = self.target_ids[i]
+        return out.to(input_ids.device)
 
     def _watch(self, step: int, what: str, ids: list[str], flags: torch.Tensor) -> None:
         if hasattr(flags, "full_tensor"):  # FSDP2's gradient norm is a DTensor

@@ -80,6 +80,10 @@ class TTTOutput:
     what a greedy decoding round that starts there accepts. Rounds start only at some positions; see
     metrics.round_tau for the estimate that follows decoding's round starts."""
 
+    target_ids: Tensor | None = None
+    """(B, T) int64, detached: the full-vocab target argmax at s (about x_{s+1}) where loss_mask[s+1], else 0; what
+    ttt_forward's target_ids takes on a later pass over the same rows."""
+
     @property
     def acc_k(self) -> list[float]:
         return (self.correct_k / self.count_k.clamp(min=1)).tolist()
@@ -150,7 +154,7 @@ def _select(m: Tensor, n: int | None) -> tuple[Tensor, Tensor | None]:
 def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, valid: Tensor, aux: Tensor,
                 final: Tensor, embed: nn.Module | Tensor, lm_head_weight: Tensor, cfg: TTTConfig = TTTConfig(),
                 segment_ids: Tensor | None = None, position_ids: Tensor | None = None,
-                max_counted: int | None = None) -> TTTOutput:
+                max_counted: int | None = None, target_ids: Tensor | None = None) -> TTTOutput:
     """TTT loss and metrics for one batch.
 
     input_ids, loss_mask, valid: (B, T) (valid False on padding); aux (B, T, 3h_t) concat(low, mid, high);
@@ -160,6 +164,8 @@ def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, val
     sample); by default each row is one sample (segment = valid) at positions 0..T-1. max_counted: an upper bound
     on the positions with loss_mask & valid, known on the host (the trainer counts them before the copy); with
     it the counted positions are gathered into fixed-size row sets and the forward never waits for the device.
+    target_ids: (B, T) the full-vocab target argmax at each position s with loss_mask[s+1] (TTTOutput.target_ids of an
+    earlier pass over the same rows): the full-vocab product is skipped.
     """
     B, T = input_ids.shape
     if loss_mask.shape != (B, T) or valid.shape != (B, T) or aux.shape[:2] != (B, T) or final.shape[:2] != (B, T):
@@ -183,26 +189,33 @@ def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, val
         # The soft labels of every step are rows of these same positions (step k at t reads position t+k+1):
         # when their draft-vocab logits fit in LABEL_TABLE_BYTES they are taken from the full-vocab product here,
         # once per position, instead of a second product per step (K x V_draft more multiply-adds per position).
+        # Given target_ids (the same argmax, kept from an earlier epoch) only the draft-vocab columns are multiplied.
         need = _shift(lmask, 1)                                                    # (B, T)
-        tgt_id = torch.zeros(B * T, dtype=torch.long, device=dev)                  # (B*T,)
+        known = target_ids is not None
+        tgt_id = target_ids.reshape(B * T).long() if known else torch.zeros(B * T, dtype=torch.long, device=dev)
         at, _ = _select(need, max_counted)                                         # (N,) (extra ones: not read)
         rows, step = final.reshape(B * T, -1)[at], cfg.chunk_size or 4096          # (N, h_t)
         N, Vd = rows.shape[0], token_ids.numel()
         itemsize = (torch.get_autocast_dtype(dev.type).itemsize if torch.is_autocast_enabled(dev.type)
                     else lm_head_weight.element_size())
         keep, table = N * Vd * itemsize <= LABEL_TABLE_BYTES, None
-        for i in range(0, N, step):
-            z = target_logits_from_final(rows[i:i + step], lm_head_weight)        # (c, V)
-            tgt_id[at[i:i + step]] = first_argmax(z)
-            if keep:
-                table = z.new_empty(N, Vd) if table is None else table            # (N, Vd) target draft logits
-                table[i:i + step] = z[:, token_ids]                                # (c, Vd)
+        w_draft = lm_head_weight[token_ids]                                        # (Vd, h_t)
+        for i in range(0, N if keep or not known else 0, step):
+            if known:
+                zd = target_logits_from_final(rows[i:i + step], w_draft)           # (c, Vd)
+            else:
+                z = target_logits_from_final(rows[i:i + step], lm_head_weight)    # (c, V)
+                tgt_id[at[i:i + step]] = first_argmax(z)
+                if not keep:
+                    continue
+                zd = z[:, token_ids]                                               # (c, Vd)
+            table = zd.new_empty(N, Vd) if table is None else table               # (N, Vd) target draft logits
+            table[i:i + step] = zd
         row_of = torch.zeros(B * T, dtype=torch.long, device=dev)                  # (B*T,) position -> table row
         row_of[at] = torch.arange(N, device=dev)
         tgt_id = tgt_id.view(B, T)                                                 # (B, T)
         in_draft = t2d[tgt_id]                                                     # (B, T)
         tgt_draft = torch.searchsorted(token_ids, tgt_id).clamp(max=token_ids.numel() - 1)  # (B, T)
-        w_draft = lm_head_weight[token_ids]                                        # (Vd, h_t)
         embeds = embed(input_ids) if isinstance(embed, nn.Module) else F.embedding(input_ids, embed)  # (B, T, h)
         full_mask = None if use_flex else dense_masks(seg, K)                      # (B, T, K*T)
 
@@ -247,4 +260,4 @@ def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, val
         total = torch.zeros((), device=dev)
     return TTTOutput(loss=total, loss_k=torch.stack(losses), count_k=torch.stack(counts),
                      correct_k=torch.stack(corrects), cond_count_k=torch.stack(ccounts),
-                     cond_correct_k=torch.stack(ccorrects), accept_len=accept_len)
+                     cond_correct_k=torch.stack(ccorrects), accept_len=accept_len, target_ids=tgt_id)
