@@ -112,18 +112,23 @@ def test_parts_join_in_order_with_the_turns_as_written(tmp_path):
     assert doc == {"id": f"{a}_0..{a}_6@2", "kind": "document", "context": [], "turns": [t["u2"]]}
 
 
-def test_kinds_alternate_deterministically_and_every_record_is_long(tmp_path):
+def test_order_alternates_kinds_and_cycles_conversation_lengths_deterministically(tmp_path):
+    """Any first N of the set spreads over both kinds and the conversations' length classes: documents and
+    conversations alternate while both last, conversations cycle short / middle / long, each in file order."""
+    sizes = [2500, 4000, 13000, 2600, 20000, 4100, 2700, 2800, 4200, 2900, 3000, 3100]   # every 3rd: a document
     items = []
-    for i, cid in enumerate(ids_split(12, True)):
-        doc = text(cid, 2500 + 100 * i)                    # a document alone: a one-user-turn chat
-        items += [{"id": f"{cid}_0", "conversations": [h(doc), g("summary")]} if i % 3 == 0 else
-                  {"id": f"{cid}_0", "conversations": [h(text(cid + "x", 700)), g(text(cid + "y", 1500)),
+    for i, (cid, n) in enumerate(zip(ids_split(12, True), sizes)):
+        items += [{"id": f"{cid}_0", "conversations": [h(text(cid, n)), g("summary")]} if i % 3 == 0 else
+                  {"id": f"{cid}_0", "conversations": [h(text(cid + "x", 1000)), g(text(cid + "y", n - 1000)),
                                                        h("what next?"), g("this")]}]
     data = write_sharegpt(tmp_path / "chats.json", items)
     recs = load_prompts(f"long:{data}", heldout_fraction=FRACTION)
     assert recs == load_prompts(f"long:{data}", heldout_fraction=FRACTION)
-    kinds = [r["kind"] for r in recs]
-    assert kinds == ["document", "conversation"] * 4 + ["conversation"] * 4        # 4 documents, 8 conversations
+    ids = ids_split(12, True)
+    # conversations by class: short 1, 5, 7, 8, 10, 11; middle (13,000 bytes) 2; long (20,000 bytes) 4
+    order = [(r["kind"][0], ids.index(r["id"].split("_")[0])) for r in recs]
+    assert order == [("d", 0), ("c", 1), ("d", 3), ("c", 2), ("d", 6), ("c", 4), ("d", 9), ("c", 5), ("c", 7),
+                     ("c", 8), ("c", 10), ("c", 11)]
     assert all(sum(len(m["content"].encode()) for m in first_messages(r)) >= LONG_TOKENS[0] for r in recs)
     assert load_prompts(f"long:{data}", heldout_fraction=FRACTION, limit=3) == recs[:3]
 
@@ -325,8 +330,8 @@ def test_run_report_names_the_long_set(tmp_path):
 
 @pytest.mark.slow
 def test_the_shipped_long_set_with_smollm2():
-    """On the embedded ShareGPT copy and SmolLM2's tokenizer: at least 30 prompts of each... kind mix, all in the
-    range, none from a chat prepare trains on."""
+    """On the embedded ShareGPT copy and SmolLM2's tokenizer: over 100 prompts, both kinds in the first 30 and
+    lengths past 4k tokens, all in the range, none from a chat prepare trains on."""
     from eyas.target.meta import open_target_meta
 
     tok = open_target_meta("smollm2-135m", tensors=()).tokenizer
@@ -335,5 +340,6 @@ def test_the_shipped_long_set_with_smollm2():
     kinds = [r["kind"] for r in recs]
     assert len(recs) >= 100 and kinds.count("document") >= 15 and kinds[:30].count("document") == 15
     sizes = [len(encode_prompt(tok, first_messages(r))) for r in recs]
+    assert sum(n >= 4096 for n in sizes[:30]) >= 4                 # the first 30 reach past 4k tokens
     assert LONG_TOKENS[0] <= min(sizes) and max(sizes) <= LONG_TOKENS[1]
     assert all(is_heldout(chat_key(r["id"])) for r in recs)

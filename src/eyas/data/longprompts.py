@@ -7,11 +7,15 @@ The parts of one chat share one split key, so a chat is held out, or trained on,
 joins their consecutive parts back together: a part that starts where the chat ended, or one turn earlier
 with that same turn, continues it (the repeat dropped); any other part starts a new chat.
 
-One record per chat, from its messages up to its last user turn: that turn is the record's one turn
-(the model writes the final reply) and everything before it, earlier assistant turns as written, is the
-record's fixed `context`. `kind` is "conversation" when the context holds an assistant turn, else
-"document": a single user turn, in this data a pasted text with a request to summarise, rewrite or
-answer questions on it. No text is made up.
+Two kinds of record, both real held-out text, nothing made up:
+- "conversation": a chat with an assistant turn before its last user turn. That last user turn is the
+  record's one turn (the model writes the final reply); everything before it, earlier assistant turns as
+  written, is the record's fixed `context`.
+- "document": one user turn that is long alone (at least LONG_TOKENS[0] bytes), with the chat's system
+  message, if any, as its context: in this data a pasted text (an article, a chapter, a log, code) with a
+  request to summarise, fix or answer questions on it. Such a turn can also sit inside a conversation's
+  context; the conversation then asks about it later.
+The order spreads any first N over both kinds and over lengths (long_records).
 
 Length: the set is 2,048-6,144 tokens of the target's tokenizer (LONG_TOKENS), chat template applied to
 context + turn. This module does not know the tokenizer, so it keeps the chats with at least
@@ -29,6 +33,8 @@ from eyas.data.split import is_heldout
 
 LONG_TOKENS = (2048, 6144)
 """The long set's prompt length range in target tokens (chat template applied), both ends kept."""
+CONVERSATION_BYTES = (12_000, 19_000)
+"""Bounds of the conversations' length classes in UTF-8 bytes: about 3k and 4.5k tokens at 4 bytes a token."""
 
 _PART = re.compile(r"^.+_(?P<n>\d+)$")
 
@@ -78,7 +84,8 @@ def heldout_chats(data: str, fraction: float, skips) -> Iterator[tuple[str, tupl
             continue
         start = _offset(rec, sharegpt)
         raw = obj.get("conversations") if start is not None else None
-        if chat is not None and raw and chat["key"] == rec.split_key and raw[0]["from"] != "system":
+        if (chat is not None and raw and chat["next"] is not None and chat["key"] == rec.split_key
+                and raw[0]["from"] != "system"):
             # the part continues the chat where it ended, or repeats the chat's last turn first
             repeat = start == chat["next"] - 1 and chat["raw"] and raw[0] == chat["raw"][-1]
             if start == chat["next"] or repeat:
@@ -114,16 +121,26 @@ def _bytes(text: str) -> int:
 
 
 def long_records(data: str, fraction: float, skips, keep=None) -> Iterator[dict]:
-    """The long set's records of `data` that `keep` keeps (bench's token filter), documents and conversations
-    alternating while both last (so a bench's first N prompts hold both kinds), each kind in file order."""
-    queues: dict[str, list[dict]] = {"document": [], "conversation": []}
-    turn = "document"
+    """The long set's records of `data` that `keep` keeps (bench's token filter), ordered so that any first N
+    spreads over kinds and lengths: documents and conversations alternate while both last, and the
+    conversations cycle through three length classes (CONVERSATION_BYTES); each queue in file order. Reads
+    the whole source first."""
+    docs: list[dict] = []
+    convs: list[list[dict]] = [[] for _ in range(len(CONVERSATION_BYTES) + 1)]
     for cid, msgs in heldout_chats(data, fraction, skips):
         for rec in chat_records(cid, msgs):
             if keep is None or keep(rec):
-                queues[rec["kind"]].append(rec)
-        while queues[turn]:
-            yield queues[turn].pop(0)
-            turn = "conversation" if turn == "document" else "document"
-    rest = queues["document"] + queues["conversation"]
-    yield from rest
+                if rec["kind"] == "document":
+                    docs.append(rec)
+                else:
+                    size = sum(_bytes(m["content"]) for m in rec["context"]) + _bytes(rec["turns"][0])
+                    convs[sum(size >= b for b in CONVERSATION_BYTES)].append(rec)
+    yield from _deal([docs, list(_deal(convs))])
+
+
+def _deal(queues: list[list[dict]]) -> Iterator[dict]:
+    """One item from each non-empty queue in turn until all are empty."""
+    for i in range(max(map(len, queues), default=0)):
+        for q in queues:
+            if i < len(q):
+                yield q[i]

@@ -338,9 +338,10 @@ def load_prompts(name_or_path: str, *, heldout_fraction: float = 0.05, limit: in
 
     `sharegpt-heldout`: the user turns of the held-out ShareGPT conversations (the ones
     `prepare` never writes); `heldout:DATA`: the same for any conversation source DATA; `humaneval`: the 164
-    HumanEval prompts; `long` (`long:DATA`): the held-out chats kept whole, context + last user turn, at least
-    2,048 bytes of text (eyas.data.longprompts; bench keeps 2k-6k tokens); a .jsonl path: lines with `prompt` or
-    `turns` (or `messages`), optionally `context`; a .json path: ShareGPT user turns.
+    HumanEval prompts; `long` (`long:DATA`): the held-out chats kept whole (context + last user turn) and long
+    single user turns, at least 2,048 bytes of text (eyas.data.longprompts; bench keeps 2k-6k tokens; the whole
+    source is read, then ordered); a .jsonl path: lines with `prompt` or `turns` (or `messages`), optionally
+    `context`; a .json path: ShareGPT user turns.
     """
     if skips is None:  # our own log: one summary line at the end instead of a line per record
         own = SkipLog()
@@ -372,7 +373,7 @@ def load_prompts(name_or_path: str, *, heldout_fraction: float = 0.05, limit: in
         from eyas.data.longprompts import long_records
 
         for rec in long_records("sharegpt" if name_or_path == "long" else name_or_path.split(":", 1)[1],
-                                heldout_fraction, skips, keep):   # kinds alternate among the kept records
+                                heldout_fraction, skips, keep):   # ordered among the kept records
             kept.append(rec)
             if full():
                 break
