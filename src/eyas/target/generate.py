@@ -53,6 +53,12 @@ def generate(runner: Runner, prompts: list[list[int]], max_new_tokens: int, *, t
     return out
 
 
+def _pick(logits: Tensor, temperature: float, top_p: float, gen) -> Tensor:
+    """sample(): greedy as max(-1).indices, argmax's first-index rule, which is several times faster than argmax
+    over a bf16 vocabulary on the CPU."""
+    return logits.max(-1).indices if temperature == 0 else sample(logits, temperature, top_p, gen)
+
+
 def _compact(runner: Runner, live: Tensor, L: int) -> Tensor:
     """Rows `live` (1-D, ascending) of every layer's cache slots [:L] move to rows 0..len(live)-1."""
     n = live.numel()
@@ -87,7 +93,7 @@ def _generate_chunk(runner: Runner, prompts, max_new, temperature, top_p, eos, g
     # slots the decode steps can reach: T + steps - 1 (the last token is sampled, never fed)
     W = min(M, -(-(T + steps) // window) * window) if window else M
     tokens = torch.zeros(B, max(steps, 1), dtype=torch.long, device=dev)  # by original row
-    nxt = sample(logits[:, -1], temperature, top_p, gen)  # (B,)
+    nxt = _pick(logits[:, -1], temperature, top_p, gen)  # (B,)
     valid = torch.zeros(B, W, dtype=torch.bool, device=dev)
     valid[:, :T] = real
     pos = positions[:, -1:] + 1  # (B,1)
@@ -136,7 +142,7 @@ def _generate_chunk(runner: Runner, prompts, max_new, temperature, top_p, eos, g
         # A CUDA graph needs the full static mask; eagerly, attend only over the slots in use.
         L = W if dev.type == "cuda" else T + t + 1
         lg = step(nxt[:, None], pos, slot, valid[:, None, :L])
-        nxt = sample(lg[:, -1], temperature, top_p, gen)
+        nxt = _pick(lg[:, -1], temperature, top_p, gen)
         pos += 1
         slot += 1
     res = []
