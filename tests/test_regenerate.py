@@ -100,6 +100,9 @@ def test_local_greedy_matches_reference(use_runner):
 class Handler(BaseHTTPRequestHandler):
     plan: dict = {}       # conv first-user-text -> list of actions for successive requests
     seen: list = []
+    delay = 0.0           # seconds every request takes
+    inflight = peak = 0   # requests being answered now, and the most at once
+    lock = threading.Lock()
 
     def log_message(self, *a):
         pass
@@ -114,6 +117,17 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with Handler.lock:
+            Handler.inflight += 1
+            Handler.peak = max(Handler.peak, Handler.inflight)
+        try:
+            time.sleep(Handler.delay)
+            self._answer(req)
+        finally:
+            with Handler.lock:
+                Handler.inflight -= 1
+
+    def _answer(self, req):
         key = req["messages"][0]["content"]
         Handler.seen.append((key, time.monotonic(), req))
         actions = Handler.plan.get(key, [])
@@ -153,7 +167,7 @@ class Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def server():
-    Handler.plan, Handler.seen = {}, []
+    Handler.plan, Handler.seen, Handler.delay, Handler.inflight, Handler.peak = {}, [], 0.0, 0, 0
     srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()
@@ -209,6 +223,24 @@ def test_prepare_regenerate_through_server(server, tmp_path):
     s = PreparedData(tmp_path / "p")[0]
     text = tok.decode([i for i, k in zip(s.input_ids, s.loss_mask) if k])
     assert text == "R0:hello there<|im_end|>R1:hello there<|im_end|>"
+
+
+def test_prepare_keeps_concurrency_requests_in_flight_past_a_small_batch_size(server, tmp_path):
+    """With --server, --concurrency N means N requests in flight, whatever batch_size (the commit group) is: the
+    group grows to keep the server busy, and every conversation is still regenerated once and written in order."""
+    from eyas.data.prepare import PrepareConfig, run_prepare
+    from eyas.data.prepared import PreparedData
+
+    tok = make_tokenizer()
+    convs = [conv(f"c{i}", f"question {i}", "a", f"again {i}", "b") for i in range(24)]
+    target = target_from_model(make_tiny_llama(vocab=len(tok)), tok, name="tiny")
+    Handler.delay = 0.05
+    m = run_prepare(PrepareConfig(data=write_jsonl(tmp_path / "d.jsonl", convs), out=str(tmp_path / "p"),
+                                  regenerate=True, server=server, heldout_fraction=0.0, retries=0, batch_size=2,
+                                  concurrency=6), target, progress=False)
+    assert Handler.peak == 6, f"at most {Handler.peak} of 6 requests in flight"
+    assert m["counts"]["kept"] == 24 and m["counts"]["regenerated_turns"] == 48
+    assert [s.id for s in PreparedData(tmp_path / "p")] == [f"c{i}" for i in range(24)]
 
 
 def test_server_replies_are_cut_at_the_first_special(server, tmp_path):

@@ -68,7 +68,8 @@ class PrepareConfig:
     max_new_tokens: int = 512
     """Longest regenerated reply."""
     batch_size: int = 16
-    """Conversations per generation batch and per commit."""
+    """Conversations per generation batch and per commit. With --server, a group is at least 4 x concurrency
+    conversations: the group's requests are what is in flight, and it waits for its slowest conversation."""
     gen_batch: int | None = None
     """Rows per local generation forward (default: batch_size). A larger batch_size with a smaller
     gen_batch sorts more prompts by length before batching them, so less of each forward is padding."""
@@ -266,6 +267,10 @@ def run_prepare(cfg: PrepareConfig, target=None, *, progress: bool = True) -> di
         if bar is not None:
             bar.update(len(kept))
 
+    # Conversations per regenerate call and commit. A server gets enough to keep `concurrency` requests in flight
+    # while a group's slowest conversations finish; a kill loses at most one group's replies.
+    group = max(cfg.batch_size, 4 * cfg.concurrency) if cfg.server and cfg.regenerate else cfg.batch_size
+
     def process_source(convs: list[Conversation]) -> None:
         n_regen = 0 if not cfg.regenerate else len(convs) if cfg.regenerate_limit is None else \
             max(0, min(len(convs), cfg.regenerate_limit - st["sent_to_regeneration"]))
@@ -300,7 +305,7 @@ def run_prepare(cfg: PrepareConfig, target=None, *, progress: bool = True) -> di
                 rec = first_turns(rec, cfg.max_turns)
             chunk.append(rec)
             # never regenerate/tokenize past the limit: the chunk is at most what is still wanted
-            want = cfg.batch_size if cfg.limit is None else min(cfg.batch_size, cfg.limit - st["conversations"])
+            want = group if cfg.limit is None else min(group, cfg.limit - st["conversations"])
             if len(chunk) >= want:
                 process_source(chunk)
                 chunk = []
@@ -309,9 +314,9 @@ def run_prepare(cfg: PrepareConfig, target=None, *, progress: bool = True) -> di
         if chunk:
             process_source(chunk)
         commit(seen)
-        while st["self_prompts_done"] < cfg.self_prompts:  # Magpie: after the dataset, in chunks of batch_size
+        while st["self_prompts_done"] < cfg.self_prompts:  # Magpie: after the dataset, in groups
             start = st["self_prompts_done"]
-            n = min(cfg.batch_size, cfg.self_prompts - start)
+            n = min(group, cfg.self_prompts - start)
             prompts = backend.self_prompts(start, n, cfg.self_prompt_temperature)
             for p in prompts:
                 if isinstance(p, Skipped):
