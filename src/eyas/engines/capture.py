@@ -13,7 +13,8 @@ from eyas.errors import EyasError
 from eyas.store.lock import acquire_store_lock
 
 
-def _load(data: str):
+def load_prepared_samples(data: str):
+    """(manifest, {id: input_ids}, {id: loss_mask}) of the prepared directory DATA: what an engine capture sends."""
     from eyas.data.prepared import PreparedData  # noqa: PLC0415
     pd = PreparedData(data)
     ids = {s.id: s.input_ids for s in pd}
@@ -44,7 +45,7 @@ def run_engine_capture(cfg: EngineCaptureConfig, *, aux_layer_ids, hidden_size: 
 
 def _run(cfg: EngineCaptureConfig, aux_layer_ids, hidden_size: int, vocab_size: int, samples, post) -> dict:
     if samples is None:
-        prep, ids, masks = _load(cfg.data)
+        prep, ids, masks = load_prepared_samples(cfg.data)
     else:
         prep, ids, masks = samples
     out = Path(cfg.out)
