@@ -37,8 +37,8 @@ def test_sharegpt_small_read_chunks_give_same_result(tmp_path):
     items = [{"id": f"x{i}", "conversations": turns(("human", "é" * (i * 37)), ("gpt", "ü ok"))} for i in range(1, 30)]
     p = tmp_path / "sg.json"
     p.write_text(json.dumps(items))
-    whole = [(i, o) for i, o in sources._iter_json_array(p)]
-    tiny = [(i, o) for i, o in sources._iter_json_array(p, chunk=7)]  # splits multi-byte chars too
+    whole = [(i, o) for i, o in sources.iter_json_array(p)]
+    tiny = [(i, o) for i, o in sources.iter_json_array(p, chunk=7)]  # splits multi-byte chars too
     assert whole == tiny and [o for _, o in whole] == items
 
 

@@ -57,11 +57,12 @@ def heldout_chats(data: str, fraction: float, skips) -> Iterator[tuple[str, tupl
 
     A joined chat's id is "<first part id>..<last part id>"; a chat of one part keeps the part's id and
     its messages as `iter_conversations` gives them."""
-    from eyas.data.sources import Skipped, _iter_json_array, _iter_jsonl, _messages, _record, resolve_data
+    from eyas.data.sources import (Skipped, iter_json_array, iter_jsonl, normalize_messages, resolve_data,
+                                   to_conversation)
 
     path = resolve_data(data)
     sharegpt = path.suffix == ".json"
-    items = _iter_jsonl(path) if path.suffix == ".jsonl" else _iter_json_array(path)
+    items = iter_jsonl(path) if path.suffix == ".jsonl" else iter_json_array(path)
     chat = None   # {"key", "ids", "messages" (validated, one part), "raw" (ShareGPT turns), "next" (turn offset)}
 
     def emit():
@@ -69,14 +70,15 @@ def heldout_chats(data: str, fraction: float, skips) -> Iterator[tuple[str, tupl
             return chat["ids"][0], chat["messages"]
         # each part passed alone and no later part starts with a system turn, so the joined turns pass too;
         # a later part's leading assistant turn (dropped from the part alone) is the chat's own and kept
-        return f"{chat['ids'][0]}..{chat['ids'][-1]}", _messages(chat["raw"], sharegpt=True)
+        return f"{chat['ids'][0]}..{chat['ids'][-1]}", normalize_messages(chat["raw"], sharegpt=True)
 
     for item in items:
         if isinstance(item, Skipped):
             skips.add(item)
             continue
         idx, obj = item
-        rec = _record(obj, f"{path} {'line' if path.suffix == '.jsonl' else 'item'} {idx}", default_sharegpt=sharegpt)
+        where = f"{path} {'line' if path.suffix == '.jsonl' else 'item'} {idx}"
+        rec = to_conversation(obj, where, default_sharegpt=sharegpt)
         if isinstance(rec, Skipped):
             skips.add(rec)
             continue

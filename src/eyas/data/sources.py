@@ -111,7 +111,7 @@ def _has_surrogates(s: str) -> bool:
     return any("\ud800" <= c <= "\udfff" for c in s)
 
 
-def _messages(raw, *, sharegpt: bool) -> tuple[dict, ...]:
+def normalize_messages(raw, *, sharegpt: bool) -> tuple[dict, ...]:
     """Validate and normalise one conversation's turns, or raise _Bad(reason, detail)."""
     if not isinstance(raw, list):
         raise _Bad("malformed record", "expected a list of turns")
@@ -145,7 +145,8 @@ def _messages(raw, *, sharegpt: bool) -> tuple[dict, ...]:
     return tuple(system + body)
 
 
-def _record(obj, where: str, *, default_sharegpt: bool) -> Conversation | Skipped:
+def to_conversation(obj, where: str, *, default_sharegpt: bool) -> Conversation | Skipped:
+    """One parsed JSON record as a Conversation, or the Skipped that says why it cannot be one."""
     if not isinstance(obj, dict):
         return Skipped("malformed record", where, "expected a JSON object")
     raw_id = obj.get("id")
@@ -156,7 +157,7 @@ def _record(obj, where: str, *, default_sharegpt: bool) -> Conversation | Skippe
     if raw is None:
         return Skipped("malformed record", where, "no 'conversations' or 'messages' field")
     try:
-        messages = _messages(raw, sharegpt=sharegpt)
+        messages = normalize_messages(raw, sharegpt=sharegpt)
     except _Bad as e:
         return Skipped(e.reason, where, e.detail)
     cid = str(raw_id) if raw_id is not None else _content_id(messages)
@@ -167,7 +168,7 @@ def _record(obj, where: str, *, default_sharegpt: bool) -> Conversation | Skippe
 
 # --------------------------------------------------------------------------- readers
 
-def _iter_json_array(path: Path, chunk: int = 1 << 20) -> Iterator[tuple[int, object] | Skipped]:
+def iter_json_array(path: Path, chunk: int = 1 << 20) -> Iterator[tuple[int, object] | Skipped]:
     """Stream the items of a top-level JSON array; a truncated tail ends the stream as one Skipped."""
     decoder = json.JSONDecoder()
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
@@ -229,7 +230,8 @@ def _iter_json_array(path: Path, chunk: int = 1 << 20) -> Iterator[tuple[int, ob
                 raise EyasError(f"{path} item {index}: malformed JSON (expected ',' or ']' after item {index - 1})")
 
 
-def _iter_jsonl(path: Path) -> Iterator[tuple[int, object] | Skipped]:
+def iter_jsonl(path: Path) -> Iterator[tuple[int, object] | Skipped]:
+    """(line number, parsed object) of each line of a JSONL file; an unparsable line is one Skipped."""
     try:
         f = open(path, "rb")
     except OSError as e:
@@ -254,11 +256,13 @@ def iter_records(spec: str) -> Iterator[Conversation | Skipped]:
     """All records of a conversation source, in file order."""
     path = resolve_data(spec)
     if path.suffix == ".jsonl":
-        for item in _iter_jsonl(path):
-            yield item if isinstance(item, Skipped) else _record(item[1], f"{path} line {item[0]}", default_sharegpt=False)
+        for item in iter_jsonl(path):
+            yield item if isinstance(item, Skipped) else to_conversation(item[1], f"{path} line {item[0]}",
+                                                                         default_sharegpt=False)
     else:
-        for item in _iter_json_array(path):
-            yield item if isinstance(item, Skipped) else _record(item[1], f"{path} item {item[0]}", default_sharegpt=True)
+        for item in iter_json_array(path):
+            yield item if isinstance(item, Skipped) else to_conversation(item[1], f"{path} item {item[0]}",
+                                                                         default_sharegpt=True)
 
 
 def iter_conversations(spec: str, skips: SkipLog | None = None) -> Iterator[Conversation]:
@@ -321,7 +325,7 @@ def _context(raw) -> list[dict]:
 
 
 def _messages_for_prompts(raw, sharegpt: bool):
-    return [m for m in _messages(raw, sharegpt=sharegpt) if m["role"] == "user"]
+    return [m for m in normalize_messages(raw, sharegpt=sharegpt) if m["role"] == "user"]
 
 
 _REPORTED: set[str] = set()  # skip summaries already printed by load_prompts in this process
@@ -404,7 +408,7 @@ def load_prompts(name_or_path: str, *, heldout_fraction: float = 0.05, limit: in
         return kept
     if path.suffix != ".jsonl":
         raise EyasError(f"{name_or_path}: unknown prompt format {path.suffix!r} (expected .jsonl or .json)")
-    for item in _iter_jsonl(path):
+    for item in iter_jsonl(path):
         if isinstance(item, Skipped):
             skips.add(item)
             continue
