@@ -280,7 +280,7 @@ def test_header_is_safetensors_own_with_sorted_metadata():
     """st_header writes exactly safetensors.save's header but for the metadata order, which save randomises."""
     from safetensors.torch import save as st_save
 
-    from eyas.store.shardfile import _st_order, canonical, st_header
+    from eyas.store.shardfile import canonical, st_header, st_order
     g = torch.Generator().manual_seed(0)
     tensors = {"offsets": torch.arange(4), "scale": torch.rand(5, 4, generator=g),
                "input_ids": torch.arange(5, dtype=torch.int32), "loss_mask": torch.ones(5, dtype=torch.uint8),
@@ -290,7 +290,7 @@ def test_header_is_safetensors_own_with_sorted_metadata():
     assert len(raw) == 2                                   # save's metadata order is random...
     assert len({canonical(d) for d in raw}) == 1           # ...canonical's is not
     data = canonical(raw.pop())
-    order = _st_order(tuple((k, t.dtype) for k, t in tensors.items()))
+    order = st_order(tuple((k, t.dtype) for k, t in tensors.items()))
     entries = [(k, dt, tensors[k].shape, tensors[k].numel() * tensors[k].element_size()) for k, dt in order]
     head = st_header(entries, meta)
     assert data[: len(head)] == head

@@ -1,6 +1,6 @@
 """A shard file in memory: host buffers laid out as the finished safetensors file (StoreWriter's overlap path).
 
-`_Staging` holds the pinned buffers the device->host copies land in; `_Shard` packs a shard's rows into one
+`Staging` holds the pinned buffers the device->host copies land in; `Shard` packs a shard's rows into one
 reusable buffer with room in front for the header, so the file is written from it with no further copy;
 `st_header` writes exactly safetensors.save's header but with sorted metadata keys (save randomises their order,
 which made equal captures differ in sha256).
@@ -22,7 +22,7 @@ _PER_TOKEN = 32      # room a token needs for the other tensors: int32 id, uint8
 
 
 @functools.cache
-def _st_order(dtypes: tuple[tuple[str, torch.dtype], ...]) -> tuple[tuple[str, str], ...]:
+def st_order(dtypes: tuple[tuple[str, torch.dtype], ...]) -> tuple[tuple[str, str], ...]:
     """(name, safetensors dtype) in the order safetensors.save lays the tensors out, asked of the library."""
     data = st_save({k: torch.zeros(1, dtype=d) for k, d in dtypes})
     head = json.loads(data[8: 8 + int.from_bytes(data[:8], "little")])
@@ -54,7 +54,7 @@ def canonical(data: bytes) -> bytes:
     return data if new == data[: 8 + n] else new + data[8 + n:]
 
 
-def _tensors(lengths: list[int], input_ids: list, loss_mask: list, scale: list) -> dict[str, torch.Tensor]:
+def shard_tensors(lengths: list[int], input_ids: list, loss_mask: list, scale: list) -> dict[str, torch.Tensor]:
     """A shard's tensors other than `hidden`, from its batches."""
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
@@ -65,7 +65,7 @@ def _tensors(lengths: list[int], input_ids: list, loss_mask: list, scale: list) 
     return out
 
 
-class _Staging:
+class Staging:
     """Pinned host buffers one batch is copied into from the device; `free` is set once the intake has packed it."""
 
     def __init__(self):
@@ -82,7 +82,7 @@ class _Staging:
         return buf[:nbytes].view(like.dtype).view(like.shape)
 
 
-class _Shard:
+class Shard:
     """The shard being packed, in a reusable host buffer laid out as the finished file: `hidden` rows from `lead`
     on; when it closes, the header and the tensors safetensors puts before `hidden` go just in front of them and
     the ones after it just behind, so the file is one slice of the buffer (no concatenation, and no fresh pages

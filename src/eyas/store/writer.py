@@ -36,7 +36,7 @@ from eyas.errors import EyasError
 from eyas.manifest import MANIFEST, atomic_write_bytes, check_same, fsync_dir, read_manifest, write_manifest
 from eyas.store import format as fmt
 from eyas.store.lock import LOCK_RE
-from eyas.store.shardfile import STAGING, _Shard, _st_order, _Staging, _tensors, canonical
+from eyas.store.shardfile import STAGING, Shard, Staging, canonical, shard_tensors, st_order
 
 _STOP = object()
 
@@ -152,7 +152,7 @@ class StoreWriter:
         self.tokens_written = 0
         dtypes = {"input_ids": torch.int32, "loss_mask": torch.uint8, "offsets": torch.int64,
                   "hidden": fmt.DTYPES[self.dtype], **({"scale": torch.float32} if self.dtype == "fp8" else {})}
-        self._order = _st_order(tuple(dtypes.items()))
+        self._order = st_order(tuple(dtypes.items()))
         self._pending: list[tuple] = []   # overlap=False: the batches of the shard being gathered
         self._pending_bytes = 0
         self._write_manifest(complete=False)
@@ -197,7 +197,7 @@ class StoreWriter:
         dev = hidden.device
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(device=dev)
-            self._staging = [_Staging() for _ in range(STAGING)]
+            self._staging = [Staging() for _ in range(STAGING)]
         slot = self._staging[self._turn % STAGING]
         self._turn += 1
         while not slot.free.wait(0.5):  # the intake still packs what this buffer held STAGING batches ago
@@ -306,14 +306,14 @@ class StoreWriter:
                 if slot is not None:
                     slot.free.set()
 
-    def _take_shard(self) -> _Shard | None:
+    def _take_shard(self) -> Shard | None:
         try:
             return self._free.get_nowait()
         except queue.Empty:
             pass
         if self._unmade:
             self._unmade -= 1
-            return _Shard()
+            return Shard()
         while self._error is None:   # every buffer is being written: the disk is behind, and so back-pressure
             try:
                 return self._free.get(timeout=0.5)
@@ -321,7 +321,7 @@ class StoreWriter:
                 continue
         return None
 
-    def _hand_over(self, shard: _Shard) -> None:
+    def _hand_over(self, shard: Shard) -> None:
         name = fmt.shard_name(self.rank, self._next_index)
         self._next_index += 1
         while self._error is None:
@@ -339,7 +339,7 @@ class StoreWriter:
             name, shard = item
             try:
                 if self._error is None:
-                    tensors = _tensors(shard.lengths, shard.input_ids, shard.loss_mask, shard.scale)
+                    tensors = shard_tensors(shard.lengths, shard.input_ids, shard.loss_mask, shard.scale)
                     data = shard.finish(self._order, tensors, self._metadata(shard.ids))
                     self._commit(name, data, shard.ids, tensors)
             except BaseException as e:  # noqa: BLE001 - reported to the producer
@@ -358,8 +358,8 @@ class StoreWriter:
         self._next_index += 1
         batches, self._pending, self._pending_bytes = self._pending, [], 0
         ids = [i for b in batches for i in b[0]]
-        tensors = _tensors([n for b in batches for n in b[1]], [b[2] for b in batches], [b[3] for b in batches],
-                           [b[5] for b in batches if b[5] is not None])
+        tensors = shard_tensors([n for b in batches for n in b[1]], [b[2] for b in batches], [b[3] for b in batches],
+                                [b[5] for b in batches if b[5] is not None])
         data = canonical(st_save({**tensors, "hidden": torch.cat([b[4] for b in batches])},
                                  metadata=self._metadata(ids)))
         self._commit(name, data, ids, tensors)
