@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +28,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from eyas.errors import EyasError
 from eyas.sdpa import INFERENCE_SDPA
+from eyas.target.compile import CompilePolicy, check_attention, compile_step, has_regions
 from eyas.target.graphs import capture
 
 
@@ -159,6 +159,16 @@ class Layer(nn.Module):
         return x + self.proj(self.w2, F.silu(gate) * up)
 
 
+def runner_config(hf, max_batch: int, max_seq: int) -> RunnerConfig:
+    """The runner's shapes from an HF Llama-family config, for a cache of max_batch rows of max_seq slots."""
+    heads = hf.num_attention_heads
+    return RunnerConfig(
+        num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size, num_heads=heads,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+        vocab_size=hf.vocab_size, rms_norm_eps=hf.rms_norm_eps, max_batch=max_batch, max_seq=max_seq)
+
+
 def llama_family(hf) -> bool:
     """Whether `Runner` copies this target's weights into its own forward: bias-free SiLU Llama-family configs.
     Others decode through `HFRunner` (target/hf_runner.py), their own HF forward."""
@@ -186,8 +196,7 @@ def _verify_step(runner, ids, pos, slots, mask, capture):
 
 # compile regions: dynamo traces the whole step, but inductor compiles this body once and calls it for every
 # layer (their weights and caches are its inputs), instead of compiling N copies of it. None where torch lacks it.
-_layer_region = (torch.compiler.nested_compile_region(_layer_body)
-                 if hasattr(torch.compiler, "nested_compile_region") else None)
+_layer_region = torch.compiler.nested_compile_region(_layer_body) if has_regions() else None
 
 
 class _Unpickled(dict):
@@ -216,8 +225,7 @@ class Runner(nn.Module):
         self._compiled = None
         self._step_fns: dict = {}
         self._call_layer = _layer_body
-        self._compile_options: dict = {}
-        self._persist = None  # from_hf(persist=DIR): compiled steps saved to / loaded from DIR
+        self.policy = CompilePolicy()  # from_hf's compile settings (target/compile.py); eager by default
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -226,28 +234,14 @@ class Runner(nn.Module):
                 compile: bool = False, dynamic: bool = False, regions: bool = False,
                 compile_options: dict | None = None, attention: str = "matmul", gemv: int | None = None,
                 persist: str | os.PathLike | None = None) -> "Runner":
-        """Copy the weights of an HF LlamaForCausalLM into a Runner with a static KV cache; a target that is not
-        Llama-family (`llama_family`) gets the generic `HFRunner` instead (its own HF forward, eager; the options
-        below do not apply), with a note on stderr. compile: torch.compile
-        the decode step (each CUDA graph then replays fused kernels); dynamic: one compile for every batch and
-        slot count (batched generation meets many: compaction and windows), instead of one per shape; regions
-        (with compile): inductor compiles the decoder layer once for all layers, not the whole unrolled stack
-        (torch.compiler.nested_compile_region; SmolLM2's two bench steps compiled in 29 s instead of 103 s on a
-        2-core CPU, BENCHMARKS.md; the layers then do not fuse across their boundary); compile_options: inductor
-        options for those compiles (torch.compile `options`, e.g. {"coordinate_descent_tuning": True};
-        benchmarks/compile_variants.py measures them); attention: "matmul" (default: few-query steps as plain
-        matmuls, many as fused SDPA) or "flex" (flex_attention, its score function reading the bool mask: compiled,
-        one fused kernel per layer with a split over the keys for few queries; eager, a reference implementation);
-        gemv (with compile): the layer projections of steps of at most this many rows (batch x tokens; 1: batch-1
-        decode) as inductor reductions, not cuBLAS GEMMs (`Layer.proj`; compile_variants.py's gemv variants).
-        Default (None): 1 for a static-shape whole-model compile with matmul attention on CUDA, the configuration
-        measured (the H200's decode step took 0.903 ms against 1.128, tokens equal, verify steps unchanged;
-        BENCHMARKS.md session 13), else 0 (regions and flex with gemv pass on the CPU, unmeasured on a GPU).
-        gemv=8 slowed the chain-5 verify (1.632 ms against 1.193) and is not a default.
-        persist (with compile, static shapes): a directory where each compiled step is saved per input signature
-        and from which later processes load it without tracing (`eyas.target.persist`)."""
-        if attention not in ("matmul", "flex"):
-            raise EyasError(f"runner: attention {attention!r}: expected matmul or flex")
+        """Copy the weights of an HF LlamaForCausalLM into a Runner with a static KV cache of max_batch rows of
+        max_seq slots. A target that is not Llama-family (`llama_family`) gets the generic `HFRunner` instead (its
+        own HF forward, eager; the compile options do not apply), with a note on stderr.
+
+        compile, dynamic, regions, compile_options (inductor `options`), attention ("matmul" or "flex"), gemv (None:
+        the default for the device) and persist (a directory of saved compiled steps) are the fields of
+        `CompilePolicy` (target/compile.py), which documents and checks them."""
+        check_attention(attention)
         if not llama_family(model.config):
             from eyas.target.hf_runner import HFRunner
 
@@ -255,98 +249,55 @@ class Runner(nn.Module):
                   f"own HF forward (target/hf_runner.py: generic, eager, slow{'; compile ignored' if compile else ''})",
                   file=sys.stderr)
             return HFRunner.from_hf(model, max_batch=max_batch, max_seq=max_seq, dtype=dtype, device=device)
-        dev0 = torch.device(device) if device is not None else next(model.parameters()).device
-        if gemv is None:
-            gemv = 1 if compile and not dynamic and not regions and attention == "matmul" and dev0.type == "cuda" else 0
-        if int(gemv) < 0:
-            raise EyasError(f"runner: gemv {gemv!r}: expected a row count >= 0 (0: off)")
-        if persist is not None:
-            from eyas.target import persist as persist_mod
-
-            if not compile or dynamic:
-                raise EyasError("runner: persist needs compile=True with static shapes (dynamic=False)")
-            if regions or attention != "matmul":
-                raise EyasError("runner: persist saves whole-model matmul-attention steps only (not regions or flex)")
-            if (compile_options or {}).get("freezing"):  # frozen weights would be constants inside the file
-                raise EyasError("runner: persist cannot save steps compiled with inductor freezing (weights baked in)")
-            if not persist_mod.supported():
-                raise EyasError(f"runner: torch {torch.__version__} cannot save compiled functions "
-                                "(torch.compile(...).aot_compile); leave persist unset")
-        if gemv and not compile:
-            raise EyasError("runner: gemv needs compile=True (its reductions replace GEMMs in compiled steps only)")
-        if attention == "flex" and regions and compile:  # torch 2.13: an internal functionalization assert
-            raise EyasError("runner: flex attention inside compile regions fails to compile (torch "
-                            f"{torch.__version__}); use one or the other")
-        hf = model.config
-        dtype = dtype or next(model.parameters()).dtype
         device = torch.device(device) if device is not None else next(model.parameters()).device
-        heads = hf.num_attention_heads
-        cfg = RunnerConfig(
-            num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size, num_heads=heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
-            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
-            vocab_size=hf.vocab_size, rms_norm_eps=hf.rms_norm_eps, max_batch=max_batch, max_seq=max_seq)
-        r = cls(cfg, dtype=dtype, device=device)
+        policy = CompilePolicy.resolve(compile=compile, dynamic=dynamic, regions=regions,
+                                       compile_options=compile_options, attention=attention, gemv=gemv,
+                                       persist=persist, device=device)
+        r = cls(runner_config(model.config, max_batch, max_seq), dtype=dtype or next(model.parameters()).dtype,
+                device=device)
+        r.copy_hf_weights(model)
+        r.eval().requires_grad_(False)
+        r.policy = policy
         for layer in r.layers:
-            layer.flex = attention == "flex"
-            layer.gemv = int(gemv)
-        base = model.model
-        r.embed.weight.copy_(base.embed_tokens.weight)
-        r.lm_head.weight.copy_(model.lm_head.weight)
-        r.norm.copy_(base.norm.weight)
-        for mine, theirs in zip(r.layers, base.layers):
+            layer.flex = policy.attention == "flex"
+            layer.gemv = policy.gemv
+        if policy.compile:
+            if policy.regions:
+                r._call_layer = _layer_region
+            r._compiled = r._compile(r._decode, dynamic=policy.dynamic, free=_decode_step)
+        return r
+
+    @torch.no_grad()
+    def copy_hf_weights(self, model) -> None:
+        """Copy an HF Llama-family model's weights into this runner, and its RoPE table (HF's own rotary module,
+        so rope_scaling variants are covered, computed in fp32) for this runner's max_seq positions."""
+        base, dtype, device = model.model, self.dtype, self.device
+        self.embed.weight.copy_(base.embed_tokens.weight)
+        self.lm_head.weight.copy_(model.lm_head.weight)
+        self.norm.copy_(base.norm.weight)
+        for mine, theirs in zip(self.layers, base.layers):
             a, m = theirs.self_attn, theirs.mlp
             mine.wqkv.weight.copy_(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
             mine.wo.weight.copy_(a.o_proj.weight)
-            mine.w13 = nn.Linear(cfg.hidden_size, 2 * m.gate_proj.out_features, bias=False, dtype=dtype, device=device)
+            mine.w13 = nn.Linear(self.cfg.hidden_size, 2 * m.gate_proj.out_features, bias=False, dtype=dtype,
+                                 device=device)
             mine.w13.weight.copy_(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
-            mine.w2 = nn.Linear(m.down_proj.in_features, cfg.hidden_size, bias=False, dtype=dtype, device=device)
+            mine.w2 = nn.Linear(m.down_proj.in_features, self.cfg.hidden_size, bias=False, dtype=dtype, device=device)
             mine.w2.weight.copy_(m.down_proj.weight)
             mine.attn_norm.copy_(theirs.input_layernorm.weight)
             mine.mlp_norm.copy_(theirs.post_attention_layernorm.weight)
-        # RoPE table from HF's own rotary module (covers rope_scaling variants), computed in fp32.
-        pos = torch.arange(max_seq, device=device)[None]
+        pos = torch.arange(self.cfg.max_seq, device=device)[None]
         probe = torch.zeros(1, dtype=torch.float32, device=device)
-        rot = base.rotary_emb.to(device)
-        cos, sin = rot(probe, pos)
-        r.cos.copy_(cos[0])
-        r.sin.copy_(sin[0])
-        r.eval().requires_grad_(False)
-        r._compile_options = dict(compile_options or {})
-        if r._compile_options:
-            from torch._inductor import config as inductor_config
-
-            unknown = sorted(set(r._compile_options) - set(inductor_config.get_config_copy()))
-            if unknown:
-                raise EyasError(f"runner: unknown inductor option(s) {', '.join(unknown)} (torch {torch.__version__})")
-        if regions and compile:
-            if _layer_region is None:
-                raise EyasError(f"runner: compile regions need torch.compiler.nested_compile_region, which torch "
-                                f"{torch.__version__} lacks")
-            r._call_layer = _layer_region
-        if compile:
-            r._persist = None if persist is None else Path(persist)
-            r._compiled = r._compile(r._decode, dynamic=dynamic, free=_decode_step)
-        return r
+        cos, sin = base.rotary_emb.to(device)(probe, pos)
+        self.cos.copy_(cos[0])
+        self.sin.copy_(sin[0])
 
     def _compile(self, fn, dynamic, free=None, extra=()):
-        """torch.compile(fn); with persist, `free` (fn as a function of the runner, then `extra`) saved on disk."""
-        # every Runner compiles the same code objects (its _decode, its step_fn's step), and each runner, batch and
-        # shape is a recompile of them: dynamo's default limit of 8 stops a process that holds a few runners (a
-        # bench's, the batched decoder's, the tests'), with fullgraph an error; persist's fallbacks compile them too
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        if self._persist is not None and free is not None:
-            from eyas.target.persist import PersistentStep
-
-            first = self.layers[0]
-            sig = repr((self.cfg, str(self.dtype), first.gemv, first.flex, self._call_layer is _layer_region))
-            return PersistentStep(free, self, self._persist, sig, self._compile_options, extra)
-        c = torch.compile(fn, fullgraph=True, dynamic=dynamic, options=self._compile_options or None)
-        if self._call_layer is _layer_region:
-            # with dynamic shapes the norms' eps would become a symbolic float, which a compile region
-            # mishandles (torch 2.13: "Argument ... does not belong to this Graph"); it is a constant anyway
-            c = torch._dynamo.config.patch(specialize_float=True)(c)
-        return c
+        """`compile_step` under this runner's policy; a persisted step's files are named also by this runner's
+        shapes, dtype and layer settings."""
+        first = self.layers[0]
+        config = repr((self.cfg, str(self.dtype), first.gemv, first.flex, self._call_layer is _layer_region))
+        return compile_step(self.policy, fn, dynamic=dynamic, owner=self, free=free, extra=extra, config=config)
 
     @property
     def compiled(self) -> bool:

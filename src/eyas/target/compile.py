@@ -1,0 +1,120 @@
+"""How a Runner compiles its steps: from_hf's compile options checked as one policy, and the step compiler.
+
+`CompilePolicy.resolve` turns Runner.from_hf's keywords into one checked policy (gemv's default filled in) and
+refuses the combinations that cannot work, before any weight is copied. `compile_step` compiles one step under
+it: plain torch.compile, or with `persist` a step saved to and loaded from disk (`eyas.target.persist`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from eyas.errors import EyasError
+
+ATTENTION = ("matmul", "flex")
+
+
+def check_attention(attention: str) -> None:
+    """Refuse an attention kind the runner does not have (checked before the target's family is looked at)."""
+    if attention not in ATTENTION:
+        raise EyasError(f"runner: attention {attention!r}: expected matmul or flex")
+
+
+def has_regions() -> bool:
+    """Whether this torch has compile regions (torch.compiler.nested_compile_region)."""
+    return hasattr(torch.compiler, "nested_compile_region")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompilePolicy:
+    """How Runner.from_hf builds and compiles its steps; the default is eager with matmul attention."""
+
+    compile: bool = False
+    """torch.compile the decode and verify steps (each CUDA graph then replays fused kernels)."""
+    dynamic: bool = False
+    """One compile for every batch and slot count (batched generation meets many), not one per shape."""
+    regions: bool = False
+    """With compile: inductor compiles the decoder layer once for all layers, not the unrolled stack (faster to
+    compile, no fusion across layer boundaries; BENCHMARKS.md, 'compile regions vs whole-step compile')."""
+    options: dict = field(default_factory=dict)
+    """Inductor options for those compiles (torch.compile `options`); benchmarks/compile_variants.py compares them."""
+    attention: str = "matmul"
+    """"matmul" (few-query steps as plain matmuls, many as fused SDPA) or "flex" (flex_attention over the mask)."""
+    gemv: int = 0
+    """With compile: projections of steps of at most this many rows as inductor reductions, not GEMMs (0: off)."""
+    persist: Path | None = None
+    """With a static whole-model compile: where compiled steps are saved and loaded (`eyas.target.persist`)."""
+
+    @classmethod
+    def resolve(cls, *, compile: bool = False, dynamic: bool = False, regions: bool = False,
+                compile_options: dict | None = None, attention: str = "matmul", gemv: int | None = None,
+                persist: str | os.PathLike | None = None, device: torch.device) -> "CompilePolicy":
+        """The policy for from_hf's keywords on `device`, or an EyasError naming the setting that cannot work.
+
+        gemv None is the default: 1 for a static-shape whole-model compile with matmul attention on CUDA, where it
+        made the batch-1 decode step faster with equal tokens (BENCHMARKS.md, 'Runner compile variants'), else 0.
+        """
+        check_attention(attention)
+        if gemv is None:
+            whole_static_matmul = compile and not dynamic and not regions and attention == "matmul"
+            gemv = 1 if whole_static_matmul and device.type == "cuda" else 0
+        if int(gemv) < 0:
+            raise EyasError(f"runner: gemv {gemv!r}: expected a row count >= 0 (0: off)")
+        if persist is not None:
+            check_persist(compile=compile, dynamic=dynamic, regions=regions, attention=attention,
+                          compile_options=compile_options)
+        if gemv and not compile:
+            raise EyasError("runner: gemv needs compile=True (its reductions replace GEMMs in compiled steps only)")
+        if attention == "flex" and regions and compile:  # torch 2.13: an internal functionalization assert
+            raise EyasError("runner: flex attention inside compile regions fails to compile (torch "
+                            f"{torch.__version__}); use one or the other")
+        options = dict(compile_options or {})
+        if options:
+            from torch._inductor import config as inductor_config
+
+            unknown = sorted(set(options) - set(inductor_config.get_config_copy()))
+            if unknown:
+                raise EyasError(f"runner: unknown inductor option(s) {', '.join(unknown)} (torch {torch.__version__})")
+        if regions and compile and not has_regions():
+            raise EyasError(f"runner: compile regions need torch.compiler.nested_compile_region, which torch "
+                            f"{torch.__version__} lacks")
+        return cls(compile=compile, dynamic=dynamic, regions=regions, options=options, attention=attention,
+                   gemv=int(gemv), persist=None if persist is None else Path(persist))
+
+
+def check_persist(*, compile: bool, dynamic: bool, regions: bool, attention: str, compile_options: dict | None) -> None:
+    """Refuse persist where a saved step could not serve: only static whole-model matmul steps, weights not baked in."""
+    from eyas.target import persist as persist_mod
+
+    if not compile or dynamic:
+        raise EyasError("runner: persist needs compile=True with static shapes (dynamic=False)")
+    if regions or attention != "matmul":
+        raise EyasError("runner: persist saves whole-model matmul-attention steps only (not regions or flex)")
+    if (compile_options or {}).get("freezing"):  # frozen weights would be constants inside the file
+        raise EyasError("runner: persist cannot save steps compiled with inductor freezing (weights baked in)")
+    if not persist_mod.supported():
+        raise EyasError(f"runner: torch {torch.__version__} cannot save compiled functions "
+                        "(torch.compile(...).aot_compile); leave persist unset")
+
+
+def compile_step(policy: CompilePolicy, fn, *, dynamic, owner=None, free=None, extra=(), config: str = ""):
+    """torch.compile(fn) under `policy`; with persist and `free` (fn as a function of `owner`, then `extra`), a
+    PersistentStep that saves it on disk, its files named also by `config` (what else shapes the step's code)."""
+    # every Runner compiles the same code objects (its _decode, its step_fn's step), and each runner, batch and
+    # shape is a recompile of them: dynamo's default limit of 8 stops a process that holds a few runners (a
+    # bench's, the batched decoder's, the tests'), with fullgraph an error; persist's fallbacks compile them too
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    if policy.persist is not None and free is not None:
+        from eyas.target.persist import PersistentStep
+
+        return PersistentStep(free, owner, policy.persist, config, policy.options, extra)
+    c = torch.compile(fn, fullgraph=True, dynamic=dynamic, options=policy.options or None)
+    if policy.regions:
+        # with dynamic shapes the norms' eps would become a symbolic float, which a compile region
+        # mishandles (torch 2.13: "Argument ... does not belong to this Graph"); it is a constant anyway
+        c = torch._dynamo.config.patch(specialize_float=True)(c)
+    return c
