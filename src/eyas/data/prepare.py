@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from eyas.data.chat import TemplateError, check_chat_template, first_turn_framing, tokenize_conversation
 from eyas.data.prepared import SKIPS, PreparedWriter, Sample
 from eyas.data.sources import Conversation, Skipped, iter_records, resolve_data
-from eyas.data.split import sample_id
+from eyas.data.split import is_heldout, sample_id
 from eyas.errors import EyasError
 
 
@@ -189,114 +189,100 @@ def _load_state(old: dict | None) -> dict:
     return st
 
 
-def run_prepare(cfg: PrepareConfig, target=None, *, progress: bool = True) -> dict:
-    """Write the prepared TRAIN split of cfg.data into cfg.out; returns the manifest."""
-    from eyas.data.split import is_heldout
-
-    resolve_data(cfg.data)  # a missing file fails before the (slow) target load
-    if target is None and ((cfg.regenerate and not cfg.server) or cfg.self_prompts):
+def _open_target(cfg: PrepareConfig, target):
+    """`target`, or the one cfg names: with weights when this run generates locally, else tokenizer and config only."""
+    if target is not None:
+        return target
+    if (cfg.regenerate and not cfg.server) or cfg.self_prompts:
         from eyas.target import load_target   # local generation runs the target's forward
 
-        target = load_target(cfg.target, trust_remote_code=cfg.trust_remote_code)
-    elif target is None:
-        from eyas.target.meta import open_target_meta   # tokenizer, config and fingerprint: no weights loaded
+        return load_target(cfg.target, trust_remote_code=cfg.trust_remote_code)
+    from eyas.target.meta import open_target_meta   # tokenizer, config and fingerprint: no weights loaded
 
-        target = open_target_meta(cfg.target, trust_remote_code=cfg.trust_remote_code, tensors=())
+    return open_target_meta(cfg.target, trust_remote_code=cfg.trust_remote_code, tensors=())
+
+
+def run_prepare(cfg: PrepareConfig, target=None, *, progress: bool = True) -> dict:
+    """Write the prepared TRAIN split of cfg.data into cfg.out; returns the manifest."""
+    resolve_data(cfg.data)  # a missing file fails before the (slow) target load
+    target = _open_target(cfg, target)
     name = f"target {getattr(target, 'name', cfg.target)}"
     check_chat_template(target.tokenizer, name)
-    tok = target.tokenizer
-    check_max_len(tok, cfg.max_len, name)
+    check_max_len(target.tokenizer, cfg.max_len, name)
     writer = PreparedWriter(cfg.out, identity={"config": cfg.identity(), "target": target.fingerprint},
                             overwrite=cfg.overwrite)
     if writer.complete:
         print(f"eyas prepare: {cfg.out} is already complete", file=sys.stderr)
         return writer.manifest
-    st = _load_state(writer.state)
-    skipped, dropped = Counter(st["skipped"]), Counter(st["dropped"])
-    backend = None
-    if cfg.regenerate or cfg.self_prompts:
-        from eyas.data.regenerate import RegenStats, make_backend
-
-        backend = make_backend(cfg, target)
-        backend.stats = RegenStats(**st["regen"])
-
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        total = None if cfg.limit is None else cfg.limit + cfg.self_prompts
-        bar = tqdm(total=total, initial=st["conversations"], unit="conv", desc="prepare", file=sys.stderr,
-                   dynamic_ncols=True, disable=None)
-
-    def drop(r: Skipped, counter: Counter = dropped) -> None:
-        counter[r.reason] += 1
-        writer.log(r.reason, r.where, r.detail)
-
-    def process(convs: list[Conversation], n_regen: int, n_samples: int, temperature: float | None = None) -> None:
-        """(Regenerate,) tokenize and append conversations; the first n_regen go to the target."""
-        todo = [(k, s) for k, c in enumerate(convs[:n_regen]) for s in samples_of(c, n_samples)]
-        results = backend.regenerate([s for _, s in todo], temperature=temperature) if todo else []
-        items = list(zip([k for k, _ in todo], results)) + list(enumerate(convs))[n_regen:]
-        if todo:
-            for note in backend.notes:
-                writer.log(note.reason, note.where, note.detail)
-            backend.notes.clear()
-            if bar is not None and backend.stats.seconds:
-                bar.set_postfix(gen_tok_s=f"{backend.stats.new_tokens / backend.stats.seconds:.0f}")
-        kept = set()
-        for k, r in items:
-            if isinstance(r, Skipped):
-                drop(r)
-                continue
-            try:
-                t = tokenize_conversation(tok, r.messages, max_len=cfg.max_len)
-            except TemplateError as e:
-                drop(Skipped("chat template error", r.where, f"{r.id}: {e}"))
-                template_errors.append(f"{r.where}: {e}")
-                continue
-            if not any(t.loss_mask):
-                drop(Skipped("no trainable tokens", r.where, f"{r.id}: no assistant token within max-len"))
-                continue
-            writer.add(Sample(r.id, t.input_ids, t.loss_mask))
-            kept.add(k)
-            st["kept"] += 1
-            st["truncated"] += t.truncated
-            st["tokens"] += len(t.input_ids)
-            st["trainable_tokens"] += sum(t.loss_mask)
-        st["conversations"] += len(kept)
-        if bar is not None:
-            bar.update(len(kept))
-
-    # Conversations per regenerate call and commit. A server gets enough to keep `concurrency` requests in flight
-    # while a group's slowest conversations finish; a kill loses at most one group's replies.
-    group = max(cfg.batch_size, 4 * cfg.concurrency) if cfg.server and cfg.regenerate else cfg.batch_size
-
-    def process_source(convs: list[Conversation]) -> None:
-        n_regen = 0 if not cfg.regenerate else len(convs) if cfg.regenerate_limit is None else \
-            max(0, min(len(convs), cfg.regenerate_limit - st["sent_to_regeneration"]))
-        process(convs, n_regen, cfg.samples_per_prompt)
-        st["sent_to_regeneration"] += n_regen
-
-    def commit(consumed: int) -> None:
-        st["skipped"], st["dropped"] = dict(skipped), dict(dropped)
-        if backend is not None:
-            st["regen"] = dataclasses.asdict(backend.stats)
-        writer.commit(consumed, st)
-
-    template_errors: list[str] = []  # this run's (the first one names the failure if nothing is kept)
-    chunk: list[Conversation] = []
-    done = cfg.limit is not None and st["conversations"] >= cfg.limit
-    seen = writer.consumed  # source records consumed so far
+    run = _Preparation(cfg, target, writer, name, progress=progress)
     try:
+        seen = run.read_source()
+        run.write_self_prompts(seen)
+    finally:
+        run.close_bar()
+    return run.finish()
+
+
+class _Preparation:
+    """One run of the prepare stage into an open writer, resumed from its committed state.
+
+    `st` is that state as committed to disk (PreparedWriter.commit) and read back on resume: a dict of counts,
+    its keys in `_new_state`'s order (they become the manifest's counts); `skipped` and `dropped` count
+    records and samples by reason and go into it at each commit."""
+
+    def __init__(self, cfg: PrepareConfig, target, writer: PreparedWriter, name: str, *, progress: bool):
+        self.cfg, self.target, self.writer, self.name, self.tok = cfg, target, writer, name, target.tokenizer
+        self.st = _load_state(writer.state)
+        self.skipped, self.dropped = Counter(self.st["skipped"]), Counter(self.st["dropped"])
+        self.template_errors: list[str] = []  # this run's (the first one names the failure if nothing is kept)
+        self.backend = None
+        if cfg.regenerate or cfg.self_prompts:
+            from eyas.data.regenerate import RegenStats, make_backend
+
+            self.backend = make_backend(cfg, target)
+            self.backend.stats = RegenStats(**self.st["regen"])
+        self.bar = None
+        if progress:
+            from tqdm import tqdm
+
+            total = None if cfg.limit is None else cfg.limit + cfg.self_prompts
+            self.bar = tqdm(total=total, initial=self.st["conversations"], unit="conv", desc="prepare",
+                            file=sys.stderr, dynamic_ncols=True, disable=None)
+        # Conversations per regenerate call and commit. A server gets enough to keep `concurrency` requests in
+        # flight while a group's slowest conversations finish; a kill loses at most one group's replies.
+        self.group = max(cfg.batch_size, 4 * cfg.concurrency) if cfg.server and cfg.regenerate else cfg.batch_size
+
+    def drop(self, r: Skipped, counter: Counter | None = None) -> None:
+        """Count a skipped record or dropped sample by reason (default: dropped) and log it to skipped.jsonl."""
+        (self.dropped if counter is None else counter)[r.reason] += 1
+        self.writer.log(r.reason, r.where, r.detail)
+
+    def commit(self, consumed: int) -> None:
+        """Make everything added so far durable, with the first `consumed` source records done."""
+        self.st["skipped"], self.st["dropped"] = dict(self.skipped), dict(self.dropped)
+        if self.backend is not None:
+            self.st["regen"] = dataclasses.asdict(self.backend.stats)
+        self.writer.commit(consumed, self.st)
+
+    def done(self) -> bool:
+        return self.cfg.limit is not None and self.st["conversations"] >= self.cfg.limit
+
+    def read_source(self) -> int:
+        """Process the source records not yet consumed, a group at a time, committing after each group; returns
+        the source records consumed (what the self-prompts' commits record)."""
+        cfg, st = self.cfg, self.st
+        chunk: list[Conversation] = []
+        done = self.done()
+        seen = self.writer.consumed  # source records consumed so far
         for pos, rec in enumerate(iter_records(cfg.data)):
             if done:
                 break
-            if pos < writer.consumed:
+            if pos < self.writer.consumed:
                 continue
             seen = pos + 1
             st["read"] += 1
             if isinstance(rec, Skipped):
-                drop(rec, skipped)
+                self.drop(rec, self.skipped)
                 continue
             if is_heldout(rec.split_key, cfg.heldout_fraction):
                 st["heldout"] += 1
@@ -305,51 +291,113 @@ def run_prepare(cfg: PrepareConfig, target=None, *, progress: bool = True) -> di
                 rec = first_turns(rec, cfg.max_turns)
             chunk.append(rec)
             # never regenerate/tokenize past the limit: the chunk is at most what is still wanted
-            want = group if cfg.limit is None else min(group, cfg.limit - st["conversations"])
+            want = self.group if cfg.limit is None else min(self.group, cfg.limit - st["conversations"])
             if len(chunk) >= want:
-                process_source(chunk)
+                self.process_source(chunk)
                 chunk = []
-                done = cfg.limit is not None and st["conversations"] >= cfg.limit
-                commit(seen)
+                done = self.done()
+                self.commit(seen)
         if chunk:
-            process_source(chunk)
-        commit(seen)
-        while st["self_prompts_done"] < cfg.self_prompts:  # Magpie: after the dataset, in groups
+            self.process_source(chunk)
+        self.commit(seen)
+        return seen
+
+    def process_source(self, convs: list[Conversation]) -> None:
+        """Process source conversations; those within --regenerate-limit go to the target."""
+        cfg = self.cfg
+        n_regen = 0 if not cfg.regenerate else len(convs) if cfg.regenerate_limit is None else \
+            max(0, min(len(convs), cfg.regenerate_limit - self.st["sent_to_regeneration"]))
+        self.process(convs, n_regen, cfg.samples_per_prompt)
+        self.st["sent_to_regeneration"] += n_regen
+
+    def write_self_prompts(self, seen: int) -> None:
+        """Magpie: after the dataset, the target writes the self-prompt conversations not yet done, in groups."""
+        cfg, st = self.cfg, self.st
+        while st["self_prompts_done"] < cfg.self_prompts:
             start = st["self_prompts_done"]
-            n = min(group, cfg.self_prompts - start)
-            prompts = backend.self_prompts(start, n, cfg.self_prompt_temperature)
+            n = min(self.group, cfg.self_prompts - start)
+            prompts = self.backend.self_prompts(start, n, cfg.self_prompt_temperature)
             for p in prompts:
                 if isinstance(p, Skipped):
-                    drop(p)
+                    self.drop(p)
             convs = [p for p in prompts if not isinstance(p, Skipped)]
-            process(convs, len(convs), 1, temperature=0.0)
+            self.process(convs, len(convs), 1, temperature=0.0)
             st["self_prompts_done"] += n
-            commit(seen)
-    finally:
-        if bar is not None:
-            bar.close()
-    if not st["kept"] and dropped.get("chat template error"):
-        # a template that fails on every conversation: refuse to finish an empty dataset (the directory stays
-        # incomplete, so nothing reads it as prepared)
-        first = f"; first: {template_errors[0]}" if template_errors else ""
-        writer.close()
-        raise EyasError(f"{name}: its chat template failed on every conversation "
-                        f"({dropped['chat template error']}){first}; nothing prepared (details in "
-                        f"{writer.dir / SKIPS})")
-    counts = {k: v for k, v in st.items() if k not in ("regen", "skipped", "dropped")}
-    counts.update(skipped=dict(skipped), dropped=dict(dropped))
-    if backend is not None:
-        counts.update(backend.stats.as_dict())
-    manifest = {"config": asdict(cfg), "target": target.fingerprint, "counts": counts,
-                "heldout_fraction": cfg.heldout_fraction,
-                "format": {"file": "samples.jsonl",
-                           "record": "{id, input_ids, trainable: [[start, end), ...] token ranges with loss_mask 1}",
-                           "skipped": f"{SKIPS}: {{reason, where, detail}} per skipped record / dropped sample"}}
-    manifest = writer.finish(manifest)
-    line = problem_summary(counts, writer.dir / SKIPS)
-    if line:
-        print(line, file=sys.stderr)
-    return manifest
+            self.commit(seen)
+
+    def process(self, convs: list[Conversation], n_regen: int, n_samples: int,
+                temperature: float | None = None) -> None:
+        """(Regenerate,) tokenize and append conversations; the first n_regen go to the target."""
+        todo = [(k, s) for k, c in enumerate(convs[:n_regen]) for s in samples_of(c, n_samples)]
+        results = self.backend.regenerate([s for _, s in todo], temperature=temperature) if todo else []
+        items = list(zip([k for k, _ in todo], results)) + list(enumerate(convs))[n_regen:]
+        if todo:
+            self.log_regeneration()
+        kept = {k for k, r in items if self.add(r)}
+        self.st["conversations"] += len(kept)
+        if self.bar is not None:
+            self.bar.update(len(kept))
+
+    def log_regeneration(self) -> None:
+        """The backend's notes into skipped.jsonl; its generation rate on the progress bar."""
+        backend = self.backend
+        for note in backend.notes:
+            self.writer.log(note.reason, note.where, note.detail)
+        backend.notes.clear()
+        if self.bar is not None and backend.stats.seconds:
+            self.bar.set_postfix(gen_tok_s=f"{backend.stats.new_tokens / backend.stats.seconds:.0f}")
+
+    def add(self, r: Conversation | Skipped) -> bool:
+        """Tokenize one (regenerated) conversation and add it as a sample; False when it is dropped instead."""
+        if isinstance(r, Skipped):
+            self.drop(r)
+            return False
+        try:
+            t = tokenize_conversation(self.tok, r.messages, max_len=self.cfg.max_len)
+        except TemplateError as e:
+            self.drop(Skipped("chat template error", r.where, f"{r.id}: {e}"))
+            self.template_errors.append(f"{r.where}: {e}")
+            return False
+        if not any(t.loss_mask):
+            self.drop(Skipped("no trainable tokens", r.where, f"{r.id}: no assistant token within max-len"))
+            return False
+        self.writer.add(Sample(r.id, t.input_ids, t.loss_mask))
+        st = self.st
+        st["kept"] += 1
+        st["truncated"] += t.truncated
+        st["tokens"] += len(t.input_ids)
+        st["trainable_tokens"] += sum(t.loss_mask)
+        return True
+
+    def close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def finish(self) -> dict:
+        """Refuse an empty dataset that the chat template caused, else write the manifest and say what was lost."""
+        st, dropped, writer = self.st, self.dropped, self.writer
+        if not st["kept"] and dropped.get("chat template error"):
+            # a template that fails on every conversation: refuse to finish an empty dataset (the directory stays
+            # incomplete, so nothing reads it as prepared)
+            first = f"; first: {self.template_errors[0]}" if self.template_errors else ""
+            writer.close()
+            raise EyasError(f"{self.name}: its chat template failed on every conversation "
+                            f"({dropped['chat template error']}){first}; nothing prepared (details in "
+                            f"{writer.dir / SKIPS})")
+        counts = {k: v for k, v in st.items() if k not in ("regen", "skipped", "dropped")}
+        counts.update(skipped=dict(self.skipped), dropped=dict(dropped))
+        if self.backend is not None:
+            counts.update(self.backend.stats.as_dict())
+        fmt = {"file": "samples.jsonl",
+               "record": "{id, input_ids, trainable: [[start, end), ...] token ranges with loss_mask 1}",
+               "skipped": f"{SKIPS}: {{reason, where, detail}} per skipped record / dropped sample"}
+        manifest = {"config": asdict(self.cfg), "target": self.target.fingerprint, "counts": counts,
+                    "heldout_fraction": self.cfg.heldout_fraction, "format": fmt}
+        manifest = writer.finish(manifest)
+        line = problem_summary(counts, writer.dir / SKIPS)
+        if line:
+            print(line, file=sys.stderr)
+        return manifest
 
 
 def _by_reason(c: dict) -> str:
