@@ -78,7 +78,7 @@ class PrepareConfig:
     so each CUDA-graphed step replays fused kernels instead of ~35 small ones per layer. Costs one compile up
     front; like gen_batch it changes speed, not the data (up to bf16 rounding)."""
     regen_dtype: str | None = None
-    """Weights dtype of local regeneration: fp32, bf16 or fp16 (None: the target's). bf16 is ~2x faster on
+    """Weights dtype of local regeneration: fp32, bf16 or fp16 (None: the target's). bf16 is faster on
     CPUs with AVX512-BF16/AMX; the replies are then the bf16 target's, which is still the target's style."""
     max_turns: int | None = None
     """Keep only the first N user turns (and their replies) of each conversation (None: all)."""

@@ -337,8 +337,8 @@ def load_prompts(name_or_path: str, *, heldout_fraction: float = 0.05, limit: in
     messages before its first turn, fixed (a long chat's earlier turns as written), and "kind".
 
     `keep(record) -> bool` filters records before they count towards `limit`, so a filtered load stops as soon as
-    it has `limit` records (bench's --max-prompt-tokens: reading every held-out ShareGPT conversation first took
-    about 6 s per bench).
+    it has `limit` records (bench's --max-prompt-tokens: reading every held-out ShareGPT conversation first was
+    most of a bench's load time; docs/LOG.md).
 
     `sharegpt-heldout`: the user turns of the held-out ShareGPT conversations (the ones
     `prepare` never writes); `heldout:DATA`: the same for any conversation source DATA; `humaneval`: the 164

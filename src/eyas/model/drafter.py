@@ -154,7 +154,7 @@ class RMSNorm(nn.Module):
 
 # Decoding attends with at most this many query rows per kv head through plain matmuls: the fused SDPA kernels give
 # each (head, query block) one thread block and crawl through a long static cache (the drafter's attention was the
-# top kernel of a chain-5 round on the H200, 520 us of 1.9 ms: BENCHMARKS.md, session 12).
+# top kernel of a chain round: docs/decoding.md, BENCHMARKS.md "Kernels per decode step and round").
 GROUPED_ROWS = 256
 
 

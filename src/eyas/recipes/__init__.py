@@ -40,7 +40,7 @@ class RunKnobs:
     """cpu or cuda: every stage runs there (capture, train and bench take it; bench compiles on cuda)."""
     dtype: str = "fp32"
     """Weights dtype of the target in prepare, capture and train: fp32, bf16, fp16, or auto (bf16 on CUDA and on
-    CPUs with native bf16 instructions, fp32 elsewhere: emulated bf16 is ~100x slower, eyas.target.device)."""
+    CPUs with native bf16 instructions, fp32 elsewhere: emulated bf16 is far slower, eyas.target.device)."""
     bench_dtype: str | None = None
     """Weights dtype of the target in bench (None: `dtype`); fp32 makes the lossless check exact."""
     capture: bool = True

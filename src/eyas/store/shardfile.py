@@ -32,7 +32,7 @@ def st_order(dtypes: tuple[tuple[str, torch.dtype], ...]) -> tuple[tuple[str, st
 def st_header(entries, metadata: dict[str, str]) -> bytes:
     """The safetensors header of `entries` [(name, dtype, shape, nbytes)] in layout order, as safetensors.save
     writes it, except that the metadata keys are sorted: save emits them in a random order (a Rust HashMap), so
-    two captures of the same data used to differ in about half of their shards' sha256."""
+    two captures of the same data would differ in their shards' sha256 (docs/store.md)."""
     head, off = {"__metadata__": dict(sorted(metadata.items()))}, 0
     for name, dtype, shape, nbytes in entries:
         head[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + nbytes]}

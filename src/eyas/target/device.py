@@ -1,8 +1,8 @@
 """What the machine does fast: bf16 on this CPU or not.
 
-A CPU without bf16 instructions (AVX512-BF16 or AMX) emulates bf16 matmuls: on an AVX2-only EPYC a
-512 x 1024 x 1024 product took 1,097 ms in bf16 against 6.5 ms in fp32 (docs/LOG.md, session 3). The cpu-demo's
-bf16 settings are then 100x slower, not 2x faster, so presets ask `cpu_bf16_fast()` before choosing bf16.
+A CPU without bf16 instructions (AVX512-BF16 or AMX) emulates bf16 matmuls, orders of magnitude slower than fp32
+(docs/LOG.md has the measurement). The cpu-demo's bf16 settings would then be far slower, not faster, so presets
+ask `cpu_bf16_fast()` before choosing bf16.
 """
 
 from __future__ import annotations

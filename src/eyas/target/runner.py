@@ -78,8 +78,8 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def rowwise_linear(x: Tensor, weight: Tensor) -> Tensor:
     """x @ weight.T (no bias) as an fp32 multiply + sum over the input features, which inductor compiles to one
-    reduction kernel over all outputs. cuBLAS spends ~5.7 us per M = 1 GEMM on the H200, on a few dozen thread
-    blocks (BENCHMARKS.md, session 12)."""
+    reduction kernel over all outputs. cuBLAS runs an M = 1 GEMM latency-bound on a few dozen thread blocks
+    (BENCHMARKS.md, "Kernels per decode step and round")."""
     return (x.float()[..., None, :] * weight.float()).sum(-1).to(x.dtype)
 
 
@@ -134,7 +134,7 @@ class Layer(nn.Module):
         qg = q.reshape(B, KV, -1, D)  # (B,KV,rep*S,D)
         if self.flex:  # `bias` is the bool mask (B,S,L) here: a graph input, which compiled flex can read
             # The grouped layout, as below: query row r*S+s is position s. (Compiled flex with enable_gqa broke
-            # speculative equality, S > 1, on the H200 with torch 2.11: BENCHMARKS.md, session 12.)
+            # speculative equality, S > 1, with torch 2.11 on CUDA: docs/LOG.md.)
             o = flex_attention(qg, kc[:, :, :L], vc[:, :, :L],
                                score_mod=lambda score, b, h, qi, kv: torch.where(bias[b, qi % S, kv], score,
                                                                                  -torch.inf))
@@ -142,8 +142,8 @@ class Layer(nn.Module):
             # Few queries (decode, verify): plain matmuls parallelise over the keys; the fused SDPA
             # kernels give each (head, query block) one thread block and crawl through long caches.
             if kc.dtype == torch.bfloat16 and x.device.type == "cpu":
-                # CPU bf16 matmul copies a key slice [:L] first (measured 5x slower at L=300 than the
-                # product over every slot); score all slots, then keep the first L.
+                # CPU bf16 matmul copies a key slice [:L] first (slower than the product over every slot;
+                # docs/LOG.md); score all slots, then keep the first L.
                 att = torch.matmul(qg, kc.transpose(-1, -2))[..., :L]  # (B,KV,rep*S,L)
             else:
                 att = torch.matmul(qg, kc[:, :, :L].transpose(-1, -2))  # (B,KV,rep*S,L)
@@ -202,7 +202,7 @@ _layer_region = torch.compiler.nested_compile_region(_layer_body) if has_regions
 class _Unpickled(dict):
     """A runner's captured steps (Runner.graphed). `persist` compiles a step with the runner as an argument, and
     dynamo pickles that step's guard state, walking the runner's plain dicts, closures included; a CUDA graph cannot
-    be pickled ("cannot pickle 'CUDAGraph' object" on the H200, session 14). This dict pickles as an empty one.
+    be pickled ("cannot pickle 'CUDAGraph' object"). This dict pickles as an empty one.
     (Not a module-level weak map: its values hold the runner, which would then never be freed.)"""
 
     def __reduce__(self):
