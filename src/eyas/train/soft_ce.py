@@ -30,8 +30,8 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
 def _chunk(z: Tensor, zt: Tensor, wr: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(loss sum, drafter argmax, dloss/dz) of one chunk from drafter logits z and target logits zt, (c, Vd);
     wr (c,) optional row weights: 0 drops a row from the loss and the gradient, 1 keeps it."""
-    # Few passes over (c, Vd) and no temporaries of that size but p: on the CPU these elementwise passes, not the
-    # matmuls, were most of the loss's time. z's buffer becomes dz (z is the caller's temporary product).
+    # Few passes over (c, Vd) and no temporaries of that size but p: on the CPU these elementwise passes are a large
+    # share of the loss's time. z's buffer becomes dz (z is the caller's temporary product).
     z = z.float()                                                                # (c, Vd)
     lse = torch.logsumexp(z, dim=-1)                                             # (c,)
     p = torch.softmax(zt, dim=-1, dtype=torch.float32)                           # (c, Vd)

@@ -101,7 +101,7 @@ def target_logits_from_final(final: Tensor, lm_head_weight: Tensor, token_ids: T
 
 def first_argmax(z: Tensor) -> Tensor:
     """z.argmax(-1), the first index of the maximum: max(-1) has the same rule and is several times faster on bf16
-    CPU tensors, where argmax of the (rows, 49k) target logits cost about as much as the product itself."""
+    CPU tensors, where argmax over the target's whole vocabulary costs about as much as the product itself."""
     return z.max(-1).indices
 
 
