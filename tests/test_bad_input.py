@@ -1,5 +1,5 @@
-"""Bad input of issue 12, each refused (or counted) with one line naming the knob, file or record:
-a --set value that is no finite number, a --set draft vocabulary larger than the target's, a training max_len
+"""Bad input of eyas run, prepare and train, each refused (or counted) with one line naming the knob, file or
+record: a --set value that is no finite number, a --set draft vocabulary larger than the target's, a training max_len
 shorter than the chat template's framing, a sampled-reply count of 0 under eyas run, and a regeneration server
 (a real loopback HTTP server) whose replies are empty, null or only an end-of-turn token."""
 
