@@ -9,8 +9,8 @@ from eyas.knobs import from_known, to_json
 
 DEVICE_DEFAULTS = {"cuda": {"ttt_steps": 7, "draft_vocab": 32000}, "cpu": {"ttt_steps": 3, "draft_vocab": 8192}}
 """Values of the fields a config leaves None, per device kind (the draft vocabulary is also capped at the target's).
-CUDA: EAGLE-3's K and vocabulary. CPU: on 2 cores K=7 with a 32k vocabulary trains at about 80 tok/s, K=3 with 8k
-(the cpu-demo's) about 20x faster."""
+CUDA: EAGLE-3's K and vocabulary. CPU: K=3 and an 8k vocabulary, an order of magnitude faster to train on a few cores
+than K=7 with 32k."""
 
 CHOICES = {"loss_on": ("assistant", "all"), "attention": ("auto", "dense", "flex"), "pack": ("auto", "on", "off"),
            "autocast": ("auto", "bf16", "off")}
@@ -74,8 +74,8 @@ class TrainConfig:
     """Draft vocabulary size (None: the device's default, DEVICE_DEFAULTS, or the whole target vocabulary when that
     is smaller; a larger explicit value is refused)."""
     autocast: str = "auto"
-    """bf16 autocast: 'auto' (on CUDA, and on CPUs with native bf16 instructions, where it is ~2x faster; emulated
-    bf16 is ~100x slower), 'bf16' (always), 'off'."""
+    """bf16 autocast: 'auto' (on CUDA, and on CPUs with native bf16 instructions, where it is faster than fp32;
+    emulated bf16 is far slower), 'bf16' (always), 'off'."""
     loss_on: str = "assistant"
     """Positions that train the drafter: 'assistant' (the loss mask from prepare) or 'all' (every position,
     prompts included: the labels are the target's own distributions, so a prompt position is as valid an

@@ -368,8 +368,8 @@ class Trainer:
                 sink.log({"step": step, "split": "train", "epoch": self.epoch, "tokens_seen": self.seen, "lr": lr,
                           "grad_norm": gnorm, "tokens_per_s": rate, **train_summary})
             end_of_epoch = self.pos == len(self.plan(self.epoch))
-            # held-out: a fixed interval when one is set (an eval costs ~6 s on the gpu preset: epoch-end evals on top
-            # of eval_every 100 were a sixth of its training time), else each epoch's end
+            # held-out: a fixed interval when one is set (epoch-end evals on top of it cost the gpu preset a large
+            # share of its training time), else each epoch's end
             due = step % cfg.eval_every == 0 if cfg.eval_every else end_of_epoch
             if due or step == self.total:
                 last_eval = self.evaluate()
