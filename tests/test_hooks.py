@@ -46,8 +46,9 @@ def test_runner_capture_equals_hooks_for_every_id():
 
 
 def test_online_features_equal_capture_and_runner_step():
-    """Training's target_features == capture_states bit for bit (padding included), and the runner's verify step
-    (what a drafter sees when decoding) returns the same concatenated aux states."""
+    """Training's target_features == capture_states as the capture stage calls it (no mask for right-padded rows)
+    bit for bit, padding included; its real tokens equal the padding-masked forward's bit for bit; and the runner's
+    verify step (what a drafter sees when decoding) returns the same concatenated aux states."""
     model = make_tiny_llama(layers=N, seed=12)
     aux_ids = (1, 2, 4)
     target = target_from_model(model, aux_layer_ids=aux_ids)
@@ -56,8 +57,11 @@ def test_online_features_equal_capture_and_runner_step():
     valid[1, 7:] = False
     ids[1, 7:] = 0
     b = target_features(target, Batch(["a", "b"], ids, valid.clone(), valid))
-    ref = capture_states(model, aux_ids, ids, valid.long())                  # (B, T, 4, h)
+    ref = capture_states(model, aux_ids, ids, None)                          # (B, T, 4, h)
     assert torch.equal(b.aux, ref[:, :, :3].flatten(2)) and torch.equal(b.final, ref[:, :, 3])
+    masked = capture_states(model, aux_ids, ids, valid.long())               # (B, T, 4, h)
+    assert torch.equal(b.aux[valid], masked[:, :, :3].flatten(2)[valid]) and torch.equal(b.final[valid],
+                                                                                         masked[:, :, 3][valid])
 
     r = Runner.from_hf(model, max_batch=1, max_seq=16)
     for row, n in ((0, 10), (1, 7)):

@@ -150,6 +150,9 @@ def target_features(target, batch: Batch, sub_tokens: int | None = None, lengths
 
     Forward pre-hooks on layers[i] give hidden_states[i] (the residual entering layer i); the decoder stack's
     last_hidden_state is the final-norm output. No lm_head call, so no (T, V) logits; nothing is stored.
+    Rows are right-padded (collate's layout), so the forward runs with no attention mask, as capture does: causal
+    attention alone keeps every real token from the padding after it (its states are the masked forward's), and
+    SDPA takes its causal kernel instead of reading a dense mask. Padding positions hold states never trained on.
     With sub_tokens, rows run in length-sorted groups of at most that many padded tokens (each group cut to
     its own longest row), so short rows do not pay for the longest one. `lengths`: each row's valid count, when
     the caller knows it on the host (else it is read back from the device, a host sync).
@@ -167,8 +170,7 @@ def target_features(target, batch: Batch, sub_tokens: int | None = None, lengths
         Tg = max(1, max(lengths[r] for r in rows)) if sub_tokens else T
         ri = h2d(torch.tensor(rows), batch.input_ids.device)
         with LayerInputs(base.layers, target.aux_layer_ids) as cap:
-            final = base(input_ids=batch.input_ids[ri, :Tg].to(dev), attention_mask=batch.valid[ri, :Tg].to(dev).long(),
-                         use_cache=False).last_hidden_state                    # (b, Tg, h)
+            final = base(input_ids=batch.input_ids[ri, :Tg].to(dev), use_cache=False).last_hidden_state  # (b, Tg, h)
         aux = torch.cat([final if i == n else cap.states[i] for i in target.aux_layer_ids], dim=-1)  # (b, Tg, 3h)
         if not sub_tokens:
             batch.aux, batch.final = aux, final                                # (B, T, 3h) low|mid|high, (B, T, h)
