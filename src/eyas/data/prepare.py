@@ -80,6 +80,8 @@ class PrepareConfig:
     regen_dtype: str | None = None
     """Weights dtype of local regeneration: fp32, bf16 or fp16 (None: the target's). bf16 is faster on
     CPUs with AVX512-BF16/AMX; the replies are then the bf16 target's, which is still the target's style."""
+    device: str = "cpu"
+    """Device of local generation: cpu or cuda (the target loads there; on cuda in bf16 unless --regen-dtype)."""
     max_turns: int | None = None
     """Keep only the first N user turns (and their replies) of each conversation (None: all)."""
     seed: int = 0
@@ -117,6 +119,8 @@ class PrepareConfig:
             raise EyasError(f"--gen-batch must be >= 1, got {self.gen_batch}")
         if self.regen_dtype not in (None, "fp32", "bf16", "fp16"):
             raise EyasError(f"--regen-dtype {self.regen_dtype!r}: expected fp32, bf16 or fp16")
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise EyasError(f"--device {self.device!r}: expected cpu or cuda")
         if self.max_turns is not None and self.max_turns < 1:
             raise EyasError(f"--max-turns must be >= 1, got {self.max_turns}")
         if self.timeout <= 0:
@@ -130,7 +134,7 @@ class PrepareConfig:
         """The options that change the written data (a resume must match them)."""
         d = asdict(self)
         for k in ("out", "overwrite", "concurrency", "timeout", "retries", "batch_size", "gen_batch", "regen_compile",
-                  "trust_remote_code"):
+                  "device", "trust_remote_code"):
             d.pop(k)
         d["temperature"] = d.pop("regen_temperature")  # its name in manifests written before the rename
         if self.samples_per_prompt == 1:  # defaults of later knobs: older prepared directories still match
@@ -196,7 +200,7 @@ def _open_target(cfg: PrepareConfig, target):
     if (cfg.regenerate and not cfg.server) or cfg.self_prompts:
         from eyas.target import load_target   # local generation runs the target's forward
 
-        return load_target(cfg.target, trust_remote_code=cfg.trust_remote_code)
+        return load_target(cfg.target, device=cfg.device, trust_remote_code=cfg.trust_remote_code)
     from eyas.target.meta import open_target_meta   # tokenizer, config and fingerprint: no weights loaded
 
     return open_target_meta(cfg.target, trust_remote_code=cfg.trust_remote_code, tensors=())
