@@ -14,7 +14,7 @@ import torch
 from conftest import make_tiny_llama
 from test_bench import byte_tokenizer
 
-from eyas.bench.bench import BenchConfig, _prompt, prompt_room, run_bench
+from eyas.bench.bench import BenchConfig, prompt_ids, prompt_room, run_bench
 from eyas.bench.engine import EngineBenchConfig, open_tokenizer, run_engine_bench
 from eyas.cli import main as cli_main
 from eyas.decode.spec import SpecConfig, SpecDecoder, SpecStats
@@ -70,8 +70,8 @@ class Engine:
     lock = threading.Lock()  # every server decodes on the one runner: a timed-out request still decodes after
 
     def __init__(self, engine, decode, *, speculative, served="tiny", model_path="/models/tiny", counters=True,
-                 die_after=None, delay=0.0):
-        self.engine, self.decode, self.speculative = engine, decode, speculative
+                 die_after=None, delay=0.0, logprobs=None):
+        self.engine, self.decode, self.speculative, self.logprobs = engine, decode, speculative, logprobs
         self.served, self.model_path, self.counters = served, model_path, counters
         self.die_after, self.delay = die_after, delay
         self.replies, self.drafts, self.per_pos, self.bodies = 0, 0, [], []
@@ -140,13 +140,25 @@ class Engine:
         self.bodies.append(body)
         time.sleep(self.delay)
         if self.engine == "sglang" and path == "/generate":
-            ids, n, eos = body["input_ids"], body["sampling_params"]["max_new_tokens"], body["sampling_params"]["stop_token_ids"]
+            ids, n, eos = body["input_ids"], body["sampling_params"]["max_new_tokens"], body["sampling_params"].get("stop_token_ids")
         elif self.engine == "vllm" and path == "/v1/completions":
             if body["model"] != self.served:
                 return 404, {"error": {"message": f"The model `{body['model']}` does not exist."}}
-            ids, n, eos = body["prompt"], body["max_tokens"], body["stop_token_ids"]
+            ids, n, eos = body["prompt"], body["max_tokens"], body.get("stop_token_ids")
         else:
             return 404, {"detail": "Not Found"}
+        k = body.get("top_logprobs_num") if self.engine == "sglang" and body.get("return_logprob") else body.get("logprobs")
+        if k:   # one step with the next token's top-k log-probabilities, in each engine's reply format
+            if self.logprobs is None:
+                return 400, {"error": {"message": "logprobs are not served here"}}
+            with self.lock:
+                top = self.logprobs(ids).topk(k)
+            pairs = list(zip(top.values.tolist(), top.indices.tolist()))
+            if self.engine == "sglang":
+                return 200, {"text": "", "output_ids": [pairs[0][1]],
+                             "meta_info": {"output_top_logprobs": [[[v, i, None] for v, i in pairs]]}}
+            return 200, {"choices": [{"text": "", "token_ids": [pairs[0][1]],
+                                      "logprobs": {"top_logprobs": [{f"token_id:{i}": v for v, i in pairs}]}}]}
         with self.lock:
             out, st = self.decode(ids, n, eos)
             self.replies += 1
@@ -210,7 +222,7 @@ def test_weightless_dir_gives_the_targets_tokenizer_and_eos(tiny):
     tok, eos = open_tokenizer(d)
     msgs = [{"role": "user", "content": "hello there"}]
     assert eos == target.eos_token_ids == [257]
-    assert _prompt(tok, msgs, 100) == _prompt(target.tokenizer, msgs, 100)
+    assert prompt_ids(tok, msgs, 100) == prompt_ids(target.tokenizer, msgs, 100)
 
 
 @pytest.mark.parametrize("engine,concurrency,decoder", [
@@ -247,12 +259,12 @@ def test_engine_tau_is_the_in_process_tau(tiny, prompts, in_process, servers, tm
     assert eng["plain"]["url"] == plain.url and eng["spec"]["speculative"] is not None
     written = json.loads(out.read_text())
     assert written["methods"]["eagle-chain"]["tau"] == ours["tau"] and out.with_suffix(".png").exists()
-    # every request carried the ids of the in-process bench's prompt (the first turns here) and its eos ids
-    body = spec.bodies[-1]
-    sent = body["input_ids"] if engine == "sglang" else body["prompt"]
-    eos = body["sampling_params"]["stop_token_ids"] if engine == "sglang" else body["stop_token_ids"]
+    # the last record's request carried the ids of the in-process bench's prompt and its eos ids (with two records
+    # in flight, it need not be the last request)
+    sent = {tuple(b["input_ids"] if engine == "sglang" else b["prompt"]): b for b in spec.bodies}
     room = prompt_room(bench_cfg(prompts, d))
-    assert sent == _prompt(tiny[0].tokenizer, [{"role": "user", "content": "abcabcabcabc"}], room)[0] and eos == [257]
+    body = sent[tuple(prompt_ids(tiny[0].tokenizer, [{"role": "user", "content": "abcabcabcabc"}], room)[0])]
+    assert (body["sampling_params"]["stop_token_ids"] if engine == "sglang" else body["stop_token_ids"]) == [257]
     assert "eagle-chain" in capsys.readouterr().out
 
 
@@ -323,3 +335,49 @@ def test_a_server_that_dies_mid_run(tiny, prompts, servers, tmp_path, engine):
         run_engine_bench(bench_cfg(prompts, d, json_out=str(out)),
                          EngineBenchConfig(engine=engine, url=spec.url, plain_url=plain.url))
     assert not out.exists()
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_differing_replies_get_the_plain_servers_margins(tiny, prompts, decoders, servers, engine, capsys):
+    """A speculative server whose replies leave plain greedy at a known position (record 0: its third token becomes
+    the second likeliest; record 3: its second token the tenth likeliest): the report names each record's first
+    differing turn and position, and the margin is the plain server's log-probability gap there, equal to a naive
+    reference forward over the prompt and the common prefix; a drafted token outside the top 5 has no margin."""
+    target, _, d = tiny
+    model, spec_decode = target.model, decoders[0]("eagle-chain")
+
+    def logprobs(ids):
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].double(), -1)
+
+    flips = {}   # prompt ids -> (position, rank of the token put there)
+
+    def diverging(ids, n, eos):
+        out, st = spec_decode(ids, n, eos)
+        if tuple(ids) in flips:
+            j, rank = flips[tuple(ids)]
+            out = out[:j] + [logprobs(ids + out[:j]).topk(rank + 1).indices[rank].item()] + out[j + 1:]
+        return out, st
+
+    cfg = bench_cfg(prompts, d)
+    room = prompt_room(cfg)
+    tok = target.tokenizer
+    first = [prompt_ids(tok, [{"role": "user", "content": t}], room)[0] for t in ("hello there", "abcabcabcabc")]
+    flips[tuple(first[0])], flips[tuple(first[1])] = (2, 1), (1, 9)
+    spec = Engine(engine, diverging, speculative=True)
+    plain = servers(engine, spec=False, logprobs=logprobs)
+    try:
+        rep = run_engine_bench(cfg, EngineBenchConfig(engine=engine, url=spec.url, plain_url=plain.url))
+    finally:
+        spec.close()
+    ag = rep["agreement"]["eagle-chain"]
+    assert ag["identical_turns"] == 3
+    div = {r["record"]: r for r in ag["divergences"]}
+    assert sorted(div) == [0, 3] and div[0]["turn"] == div[3]["turn"] == 0
+    assert (div[0]["position"], div[3]["position"]) == (2, 1)
+    ref = logprobs(first[0] + decoders[1](first[0], 2, [])[0][:2])   # naive: the prompt and plain's first 2 tokens
+    assert div[0]["plain"] == ref.argmax().item() and div[0]["spec"] == ref.topk(2).indices[1].item()
+    assert div[0]["margin"] == pytest.approx((ref.max() - ref.topk(2).values[1]).item(), abs=1e-4)
+    assert div[3]["margin"] is None and div[3]["spec_logprob"] is None and div[3]["plain_logprob"] is not None
+    line = capsys.readouterr().out
+    assert "eagle-chain first differing tokens: 2 turn(s)" in line and "1 drafted token(s) outside" in line

@@ -195,13 +195,13 @@ def test_bench_encodes_the_context_before_the_turns_and_stays_lossless(tiny, tmp
     target, drafter = tiny
     path, ctx = context_prompts(tmp_path)
     seen = []
-    real = bench_mod._prompt
+    real = bench_mod.prompt_ids
 
     def spy(tok, msgs, room):
         seen.append([dict(m) for m in msgs])
         return real(tok, msgs, room)
 
-    monkeypatch.setattr(bench_mod, "_prompt", spy)
+    monkeypatch.setattr(bench_mod, "prompt_ids", spy)
     rep = run_bench(BenchConfig(prompts=path, k=3, max_new_tokens=10, max_seq=200), target=target, drafter=drafter)
     first = seen[1:]   # seen[0]: the warm-up prompt, the first record's first prompt
     assert seen[0] == ctx + [{"role": "user", "content": "and now?"}]

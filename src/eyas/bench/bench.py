@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from eyas.bench.check import DTYPE_NAMES, agreement, exact_fp32, first_turns, fp32_drafter, fp32_runner, lossless_verdict
-from eyas.bench.prompts import _prompt, first_messages, load_bench_prompts, prompt_summary, tau_by_kind
+from eyas.bench.prompts import prompt_ids, first_messages, load_bench_prompts, prompt_summary, tau_by_kind
 from eyas.bench.startup import compile_cache, tree_nodes, verify_shapes, warm_up
 from eyas.decode.graphed import GraphedChainDrafting
 from eyas.data.longprompts import LONG_TOKENS, is_long_set
@@ -147,7 +147,7 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-class _Method:
+class Method:
     """One decoding method over all conversations: outputs, stats and wall time."""
 
     def __init__(self, name, decode, decoder=None):
@@ -198,6 +198,22 @@ def run_bench(cfg: BenchConfig, *, target=None, drafter=None, drafter_meta: dict
         report["compile_cache"] = cache_info
     write_report(report, cfg.json_out, out)
     return report
+
+
+def divergence_line(name: str, div: list[dict]) -> str:
+    """One line on where `name`'s replies first left plain's: the plain side's logprob margins there."""
+    margins = [d["margin"] for d in div if d["margin"] is not None]
+    ended = sum(d["plain"] is None or d["spec"] is None for d in div)
+    outside = len(div) - len(margins) - ended
+    line = f"{name} first differing tokens: {len(div)} turn(s)"
+    if margins:
+        line += (f"; plain's logprob margin over the drafted token: max {max(margins):.3f}, median "
+                 f"{sorted(margins)[len(margins) // 2]:.3f} nats")
+    if ended:
+        line += f"; {ended} where one reply ended"
+    if outside:
+        line += f"; {outside} drafted token(s) outside plain's top candidates"
+    return line
 
 
 def write_report(report: dict, json_out: str | None, out) -> None:
@@ -261,7 +277,7 @@ def _run(cfg, target, drafter, drafter_meta, records, out) -> dict:
     # runner's shapes; the drafters' graphs are all captured in their first round or by `_warm_up`).
     clock = time.perf_counter()
     shapes = _warm_up(cfg, runner, methods, drafter)
-    first = _prompt(tok, first_messages(records[0]), room)[0]
+    first = prompt_ids(tok, first_messages(records[0]), room)[0]
     for m in methods:
         m.decode(first, cfg.seed, min(cfg.max_new_tokens, 4 * (cfg.spec.max_depth + 1) + 8))
     _sync(runner.device)
@@ -303,21 +319,21 @@ def _run(cfg, target, drafter, drafter_meta, records, out) -> dict:
     return report
 
 
-def _methods(cfg, runner, drafter, eos, *, baselines=None) -> list[_Method]:
+def _methods(cfg, runner, drafter, eos, *, baselines=None) -> list[Method]:
     baselines = cfg.baselines or drafter is None if baselines is None else baselines
     methods = []
     if baselines:
-        methods.append(_Method("plain", lambda p, seed, n=cfg.max_new_tokens: _plain(runner, p, n, cfg, eos, seed)))
+        methods.append(Method("plain", lambda p, seed, n=cfg.max_new_tokens: _plain(runner, p, n, cfg, eos, seed)))
         # With a drafter, lookup verifies through the eagle decoder's step (its aux output unused; with graph rounds,
         # the round's): one compiled S-generic function for both instead of two, one cold compile fewer.
         share = tuple(drafter.config.aux_layer_ids) if drafter is not None else None
         lk = SpecDecoder(runner, None, cfg.lookup, verify_capture=share)
-        methods.append(_Method("lookup", lambda p, seed, n=cfg.max_new_tokens: lk.generate(p, n, eos_ids=eos, seed=seed),
+        methods.append(Method("lookup", lambda p, seed, n=cfg.max_new_tokens: lk.generate(p, n, eos_ids=eos, seed=seed),
                                lk))
     if drafter is not None:
         # A compiled runner compiles the drafter's steps too: with an eager drafter the rounds are slower (BENCHMARKS.md).
         dec = SpecDecoder(runner, drafter, cfg.spec, compile_drafter=runner.compiled)
-        methods.append(_Method(f"eagle-{cfg.spec.method}",
+        methods.append(Method(f"eagle-{cfg.spec.method}",
                                lambda p, seed, n=cfg.max_new_tokens: dec.generate(p, n, eos_ids=eos, seed=seed), dec))
     return methods
 
@@ -362,7 +378,7 @@ def _decode_all(methods, records, tok, room, cfg, device) -> int:
             m.per_record.append([0, 0])
             for ti, turn in enumerate(rec["turns"]):
                 msgs.append({"role": "user", "content": turn})
-                ids, cut = _prompt(tok, msgs, room)
+                ids, cut = prompt_ids(tok, msgs, room)
                 truncated += cut and m is methods[0]
                 _sync(device)
                 t0 = time.perf_counter()
@@ -412,6 +428,8 @@ def format_table(report: dict) -> str:
     for name, a in report.get("agreement", {}).items():
         rows.append(f"{name} {a['dtype']} agreement: {a['identical_turns']}/{a['turns']} turns identical, mean identical "
                     f"prefix {a['mean_prefix_tokens']:.1f} tokens ({a['mean_prefix_share']:.0%} of the turn)")
+        if a.get("divergences"):
+            rows.append(divergence_line(name, a["divergences"]))
     if "seconds" in report:
         s = report["seconds"]
         share = f" ({s['decode'] / s['total']:.0%} of {s['total']:.1f} s)" if s.get("total") else ""

@@ -12,7 +12,9 @@ eyas's unit, tokens per target forward with the prefill counted, so plain decodi
   acceptance by position from vllm:spec_decode_num_accepted_tokens_per_pos. The counters are the server's:
   other traffic while the bench runs is counted too.
 The two servers' greedy replies are compared turn by turn (`agreement`): the engine's own losslessness check, in
-its dtype, where a near-tie may flip a token (check.py). Any failure stops the bench with one line saying how
+its dtype, where a near-tie may flip a token (check.py). Where they differ, the plain server's log-probabilities of
+its own token and the drafted one at the first differing position say whether it was such a near-tie
+(`divergences`). Any failure stops the bench with one line saying how
 many replies had finished; no partial report is written.
 """
 
@@ -26,14 +28,15 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eyas.bench.bench import BenchConfig, _Method, prompt_room, write_report
-from eyas.bench.prompts import _prompt, load_bench_prompts, prompt_summary, tau_by_kind
-from eyas.bench.check import agreement
+from eyas.bench.bench import BenchConfig, Method, prompt_room, write_report
+from eyas.bench.prompts import prompt_ids, load_bench_prompts, prompt_summary, tau_by_kind
+from eyas.bench.check import agreement, common_prefix
 from eyas.errors import EyasError
 
 ENGINES = ("sglang", "vllm")
 DRAFTS = "vllm:spec_decode_num_drafts"
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+TOP_K = 5   # candidates asked for at a differing position
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -167,6 +170,27 @@ class EngineServer:
                             f"take return_token_ids)")
         return out, None, None
 
+    def top_logprobs(self, ids: list[int], k: int) -> dict[int, float]:
+        """The server's log-probabilities of its k likeliest next tokens after prompt `ids` -> {token id: logprob}."""
+        if self.engine == "sglang":
+            r = self._call("POST", "/generate", {"input_ids": list(ids), "return_logprob": True, "top_logprobs_num": k,
+                                                 "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
+            tops = ((r.get("meta_info") or {}).get("output_top_logprobs") or [None])[0]
+            pairs = [(t[1], t[0]) for t in tops or ()]            # (logprob, token id, text) per candidate
+        else:
+            r = self._call("POST", "/v1/completions", {"model": self.model, "prompt": list(ids), "max_tokens": 1,
+                                                       "temperature": 0.0, "logprobs": k,
+                                                       "return_tokens_as_token_ids": True})
+            tops = ((((r.get("choices") or [{}])[0]).get("logprobs") or {}).get("top_logprobs") or [None])[0]
+            pairs = [(key.rsplit(":", 1)[-1], v) for key, v in (tops or {}).items()]   # "token_id:ID": logprob
+        try:
+            out = {int(t): float(v) for t, v in pairs}
+        except (TypeError, ValueError):
+            out = {}
+        if not out:
+            raise EyasError(f"{self.flag} {self.url}: the reply has no top log-probabilities for the next token")
+        return out
+
     def counters(self) -> tuple[float, list[float]]:
         """vLLM's (drafts, accepted drafts by position) now, summed over its engines' label sets."""
         drafts, pos = 0.0, {}
@@ -194,15 +218,24 @@ class EngineServer:
         return last
 
 
+def _turn_prompt(rec, tok, room, replies: list[list[int]]) -> tuple[list[int], bool]:
+    """The prompt of turn len(replies) of `rec`: its fixed context, then each earlier turn with the reply the
+    server gave (decoded as text, as a chat client would send it back)."""
+    msgs = [dict(c) for c in rec.get("context", ())]
+    for turn, out in zip(rec["turns"], replies):
+        msgs += [{"role": "user", "content": turn}, {"role": "assistant", "content": tok.decode(out, skip_special_tokens=True)}]
+    msgs.append({"role": "user", "content": rec["turns"][len(replies)]})
+    return prompt_ids(tok, msgs, room)
+
+
 def _answer(server, rec, tok, room, n, eos, spec, stop, on_reply=lambda: None) -> list[tuple]:
     """Every turn of one record, each with the server's own earlier replies as context -> per turn (reply ids,
     verify steps, histogram, truncated, seconds in the request); on_reply() after each reply."""
-    msgs, turns = [dict(c) for c in rec.get("context", ())], []   # a fixed context: as written
-    for turn in rec["turns"]:
+    turns = []
+    for _ in rec["turns"]:
         if stop.is_set():
             break
-        msgs.append({"role": "user", "content": turn})
-        ids, cut = _prompt(tok, msgs, room)
+        ids, cut = _turn_prompt(rec, tok, room, [t[0] for t in turns])
         t0 = time.perf_counter()
         out, verifies, hist = server.generate(ids, n, eos)
         dt = time.perf_counter() - t0
@@ -211,16 +244,42 @@ def _answer(server, rec, tok, room, n, eos, spec, stop, on_reply=lambda: None) -
                             f"no meta_info.spec_verify_ct (serve the target with its drafter there)")
         turns.append((out, verifies or 0, hist, cut, dt))
         on_reply()
-        msgs.append({"role": "assistant", "content": tok.decode(out, skip_special_tokens=True)})
     return turns
 
 
+def divergences(plain: EngineServer, records, tok, room, spec_out, plain_out, k: int = TOP_K) -> list[dict]:
+    """Where the speculative server's greedy reply first leaves the plain server's, in each record's first turn that
+    differs (later turns start from different contexts): the plain server's log-probabilities of its own token
+    and of the drafted one after the common prefix. A margin near zero is a near-tie that the two servers' kernels
+    (batch shapes, verify vs decode) may round either way; a large one, or a drafted token outside the plain
+    server's top k, is a lossless-decoding bug. margin None: one reply ended there, or the drafted token is not
+    in the top k."""
+    found = []
+    for ri, (rec, a_turns, b_turns) in enumerate(zip(records, plain_out, spec_out, strict=True)):
+        t = next((j for j, (a, b) in enumerate(zip(a_turns, b_turns)) if a != b), None)
+        if t is None:
+            continue
+        a, b = a_turns[t], b_turns[t]
+        p = common_prefix(a, b)
+        row = {"record": ri, "turn": t, "position": p, "plain": a[p] if p < len(a) else None,
+               "spec": b[p] if p < len(b) else None, "margin": None}
+        if row["plain"] is not None and row["spec"] is not None:
+            ids = _turn_prompt(rec, tok, room, a_turns[:t])[0] + a[:p]
+            lp = plain.top_logprobs(ids, k)
+            row["plain_logprob"] = lp.get(row["plain"])
+            row["spec_logprob"] = lp.get(row["spec"])
+            if row["plain_logprob"] is not None and row["spec_logprob"] is not None:
+                row["margin"] = round(row["plain_logprob"] - row["spec_logprob"], 4)
+        found.append(row)
+    return found
+
+
 def _serve_all(server: EngineServer, name: str, records, tok, room, cfg: BenchConfig, eng: EngineBenchConfig,
-               eos, *, spec: bool, depth: int = 0) -> tuple[_Method, int]:
+               eos, *, spec: bool, depth: int = 0) -> tuple[Method, int]:
     """All records on one server -> (the method's outputs, stats and seconds; prompts left-truncated).
     `depth`: draft positions the server proposes (acceptance is reported for each, reached or not).
     Stops at the first failure with one line saying how many replies had finished."""
-    m, total = _Method(name, None), sum(len(r["turns"]) for r in records)
+    m, total = Method(name, None), sum(len(r["turns"]) for r in records)
     if spec:
         m.stats.accepted_at = [0] * depth
     vllm_spec = spec and server.engine == "vllm"
@@ -376,6 +435,14 @@ def run_engine_bench(cfg: BenchConfig, eng: EngineBenchConfig, *, tokenizer=None
             report["methods"][spec_name]["speedup"] = round((sp.stats.tokens / sp.seconds)
                                                             / (plain.stats.tokens / plain.seconds), 3)
         report["agreement"] = {spec_name: {"dtype": dtype, **agreement(sp.outputs, plain.outputs)}}
+        clock = time.perf_counter()
+        try:
+            div = divergences(plain_srv, records, tokenizer, room, sp.outputs, plain.outputs)
+        except EyasError as e:   # the measurement stands without it: say why it is missing
+            print(f"warning: no margins at the differing tokens: {e}", file=out)
+            div = None
+        report["agreement"][spec_name]["divergences"] = div
+        seconds["divergences"] = time.perf_counter() - clock
     seconds["lossless_check"] = 0.0
     seconds["total"] = time.perf_counter() - t_start
     report["seconds"] = {k: round(v, 3) for k, v in seconds.items()}

@@ -45,7 +45,7 @@ def load_bench_prompts(cfg: BenchConfig, tokenizer=None, counts: dict | None = N
     return recs, n["too_long"]
 
 
-def _prompt(tok, msgs, room) -> tuple[list[int], bool]:
+def prompt_ids(tok, msgs, room) -> tuple[list[int], bool]:
     """Token ids of `msgs` with the generation prompt, left-truncated to `room` (and whether they were)."""
     from eyas.data.chat import encode_prompt
 
