@@ -30,7 +30,8 @@ from eyas.target import target_from_model
 REVIEWED_ABSENT = {
     "target_hidden_size",      # written only when it differs from hidden_size (the default both engines use)
     "num_aux_hidden_states",   # default: len(eagle_config ids) = 3
-    "norm_before_fc", "fc_norm", "use_aux_norm", "norm_output", "norm_before_residual",  # variants we don't train
+    "norm_before_fc",          # written (true) only for a drafter trained with it: the norm-before-fc export below
+    "fc_norm", "use_aux_norm", "norm_output", "norm_before_residual",  # variants we don't train
     "bias", "logit_scale", "target_layer_count", "rope_parameters", "intermediate_size_mlp",
     "original_max_position_embeddings", "rope_is_neox_style", "partial_rotary_factor", "layer_types",
     "sliding_window", "mlp_bias", "qkv_bias", "is_causal",
@@ -60,7 +61,8 @@ def vllm():
     return _source("vllm")
 
 
-@pytest.fixture(scope="module", params=[DRAFT_VOCAB, VOCAB, "smollm2"], ids=["draft-vocab", "full-vocab", "smollm2-shaped"])
+@pytest.fixture(scope="module", params=[DRAFT_VOCAB, VOCAB, "smollm2", "norm-before-fc"],
+                ids=["draft-vocab", "full-vocab", "smollm2-shaped", "norm-before-fc"])
 def exported(request, tmp_path_factory):
     if request.param == "smollm2":
         # A real export (EYAS_CHECK_EXPORT=runs/cpu-demo/export), or one with the embedded default's exact
@@ -83,7 +85,10 @@ def exported(request, tmp_path_factory):
             path = export_drafter(d, tmp_path_factory.mktemp("smollm2"))
         return json.loads((Path(path) / "config.json").read_text()), load_file(Path(path) / "model.safetensors")
     target = target_from_model(make_tiny_llama(layers=TARGET_LAYERS), name="tiny")
-    cfg = DrafterConfig.from_target(target.config, draft_vocab_size=request.param, aux_layer_ids=target.aux_layer_ids)
+    # EAGLE 3.1: both engines must build input_norm (3*h_t) from our config and fill it from our input_norm.weight
+    nbf = request.param == "norm-before-fc"
+    cfg = DrafterConfig.from_target(target.config, draft_vocab_size=DRAFT_VOCAB if nbf else request.param,
+                                    aux_layer_ids=target.aux_layer_ids, norm_before_fc=nbf)
     torch.manual_seed(0)
     d = Eagle3Drafter(cfg)
     out = export_drafter(d, tmp_path_factory.mktemp("exp"), meta={"target": target.fingerprint})
@@ -210,7 +215,8 @@ def test_config_fields(sglang, vllm, exported):
     assert not unknown, f"the EAGLE-3 loaders now read config fields we have not reviewed: {unknown}"
     ignored = sorted(set(config) - read - LLAMA_FIELDS - {"architectures", "torch_dtype", "eyas_target"})
     assert not ignored, f"we write config fields no EAGLE-3 loader reads: {ignored}"
-    assert not (read & REVIEWED_ABSENT & set(config))
+    assert not (read & REVIEWED_ABSENT & set(config) - {"norm_before_fc"})
+    assert config.get("norm_before_fc", False) is ("input_norm.weight" in exported[1])
     # eagle_config keys: SGLang reads the ids and use_aux_hidden_state from it.
     spec_aux = sglang["sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state"].tree
     assert {"eagle_aux_hidden_state_layer_ids", "use_aux_hidden_state"} <= dict_keys_read(spec_aux, "eagle_config")

@@ -10,6 +10,10 @@ targets), so it gets HF ids - 1. SGLang's deepseek_v2.py adds the 1 only when th
 the target given, a DeepSeek-family drafter whose low id is not 2 gets its HF ids as they are
 (target/layers.py holds every mapping).
 
+EAGLE 3.1's norm_before_fc: the top-level `norm_before_fc: true` and the weight `input_norm.weight` (3*h_t), read
+by SGLang (0.5.20 and later; 0.5.16 and earlier drop both silently) and vLLM (0.25 and later), which apply one RMSNorm to the
+concatenated aux features before fc; written only for a drafter trained with it (NORM_BEFORE_FC_NOTE).
+
 Full draft vocabulary (draft_vocab_size == vocab_size): d2t/t2d are identities and are NOT
 written, because vLLM 0.33 has no `draft_id_to_target_id` parameter then and refuses the key
 (checked by tests/test_engine_contract.py). SGLang is fine either way.
@@ -34,6 +38,11 @@ log = logging.getLogger(__name__)
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+NORM_BEFORE_FC_NOTE = ("this drafter normalises its aux features before fc (norm_before_fc). SGLang 0.5.16 and earlier "
+                       "ignore that key and the input_norm weight without a word and then draft poorly: serve it "
+                       "with SGLang >= 0.5.20 or vLLM >= 0.25.")
+
+
 def export_sglang_ids(hf_ids, arch: str | None = None, model_type: str | None = None) -> list[int]:
     """eagle_config's ids for the target's architecture (target/layers.py). Ids SGLang cannot capture (HF 0, or
     DeepSeek's HF first id 1) are written as HF - 1 with a warning: vLLM, which reads the HF ids, is unaffected."""
@@ -74,6 +83,8 @@ def export_config(cfg, *, dtype: torch.dtype = torch.bfloat16, arch: str | None 
     }
     if cfg.target_hidden_size != cfg.hidden_size:
         out["target_hidden_size"] = cfg.target_hidden_size
+    if cfg.norm_before_fc:  # absent = off in both engines, so a plain export stays as it was
+        out["norm_before_fc"] = True
     return out
 
 
@@ -186,8 +197,13 @@ def export_drafter(drafter, out_dir: str | os.PathLike, *, meta: dict | None = N
                                                       sglang_ids=config["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
                                                       engines=ENGINE_VERSIONS,
                                                       num_speculative_tokens=num_speculative_tokens,
-                                                      note=mismatch).encode())
+                                                      note=_notes(mismatch, cfg)).encode())
     return out
+
+
+def _notes(mismatch: str | None, cfg) -> str | None:
+    notes = [n for n in (mismatch, NORM_BEFORE_FC_NOTE if cfg.norm_before_fc else None) if n]
+    return " ".join(notes) or None
 
 
 def run_export(drafter_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str = "bf16",

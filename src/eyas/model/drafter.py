@@ -69,6 +69,8 @@ class DrafterConfig:
     """Draft vocabulary size (rows of lm_head, length of d2t)."""
     aux_layer_ids: tuple[int, int, int]
     """HF hidden_states indices of the low/mid/high aux features."""
+    norm_before_fc: bool = False
+    """EAGLE 3.1: one RMSNorm (`input_norm`, 3*h_t wide) over concat(low, mid, high) before fc (docs/training.md)."""
 
     def __post_init__(self):
         object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
@@ -91,14 +93,14 @@ class DrafterConfig:
             raise EyasError(f"drafter config: rope_type {rope_type!r} is not supported (supported: {ROPE_TYPES})")
 
     @classmethod
-    def from_target(cls, hf_config, *, draft_vocab_size: int, aux_layer_ids, intermediate_size: int | None = None
-                    ) -> "DrafterConfig":
+    def from_target(cls, hf_config, *, draft_vocab_size: int, aux_layer_ids, intermediate_size: int | None = None,
+                    norm_before_fc: bool = False) -> "DrafterConfig":
         """Derive every size, eps and the RoPE from the target's config (model/shape.py target_shape; docs/training.md,
         "The drafter's shape"). `hf_config`: a transformers config, a VLM wrapper of one, or an attribute view (or
         dict) of config.json whose language model may sit under `text_config`."""
         shape = target_shape(hf_config, intermediate_size=intermediate_size)
         return cls(**shape, draft_vocab_size=min(int(draft_vocab_size), shape["vocab_size"]),
-                   aux_layer_ids=tuple(aux_layer_ids))
+                   aux_layer_ids=tuple(aux_layer_ids), norm_before_fc=bool(norm_before_fc))
 
     def param_count(self) -> int:
         """Trainable parameters of Eagle3Drafter(self) (model/shape.py param_count)."""
@@ -250,6 +252,8 @@ class Eagle3Drafter(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.config = cfg
+        if cfg.norm_before_fc:  # only then: a plain drafter's state dict keeps exactly the EAGLE-3 keys
+            self.input_norm = RMSNorm(3 * cfg.target_hidden_size, cfg.rms_norm_eps)
         self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = DecoderLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -286,8 +290,12 @@ class Eagle3Drafter(nn.Module):
         return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     def fuse(self, aux: Tensor) -> Tensor:
-        """(B, T, 3*h_t) concat(low, mid, high) -> g (B, T, h)."""
-        return self.fc(aux.to(self.fc.weight.dtype))
+        """(B, T, 3*h_t) concat(low, mid, high) -> g (B, T, h); with norm_before_fc, fc(input_norm(concat)) as the
+        engines compute it (one norm over the whole concatenation, not one per aux slot)."""
+        aux = aux.to(self.fc.weight.dtype)
+        if self.config.norm_before_fc:
+            aux = self.input_norm(aux)                                       # (B, T, 3*h_t)
+        return self.fc(aux)
 
     def rope(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         freqs = position_ids.float()[..., None] * self.inv_freq                 # (B, S, hd/2)

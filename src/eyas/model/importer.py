@@ -6,7 +6,8 @@ Accepted: `midlayer.*` or `layers.0.*` names (optionally under `model.`), with o
 (rebuilt from d2t) or both maps (full vocab: identities); architectures LlamaForCausalLM or
 LlamaForCausalLMEagle3; aux layer ids as HF indices (top-level, vLLM), as SGLang ids
 (eagle_config, HF - 1), both (must agree) or neither (EAGLE default for the target's depth).
-`embed_tokens` is ignored with a warning: eyas always uses the frozen target embedding.
+`embed_tokens` is ignored with a warning: eyas always uses the frozen target embedding. `norm_before_fc` (EAGLE 3.1)
+is read where the engines read it and then needs `input_norm.weight`; a checkpoint without the key has no such norm.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ def drafter_config_from_hf(raw: dict, *, aux_layer_ids, where: str):
     from eyas.model.drafter import DrafterConfig
     from eyas.model.shape import target_rope
 
+    nbf = norm_before_fc(raw, where)
     try:
         h, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
         theta, scaling = target_rope(raw)
@@ -117,11 +119,20 @@ def drafter_config_from_hf(raw: dict, *, aux_layer_ids, where: str):
             rope_theta=theta, rope_scaling=scaling,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             vocab_size=int(raw["vocab_size"]), draft_vocab_size=int(raw.get("draft_vocab_size") or raw["vocab_size"]),
-            aux_layer_ids=aux_layer_ids)
+            aux_layer_ids=aux_layer_ids, norm_before_fc=nbf)
     except KeyError as e:
         raise EyasError(f"{where}: missing field {e.args[0]!r}") from e
     except (TypeError, ValueError) as e:
         raise EyasError(f"{where}: bad drafter config ({e})") from e
+
+
+def norm_before_fc(raw: dict, where: str) -> bool:
+    """EAGLE 3.1's flag as both engines read it: eagle_config's value, else the top-level one, else off. The
+    per-aux-slot variant (`fc_norm` / `use_aux_norm`, weights fc_norm.{0,1,2}) is another model: refused by name."""
+    if raw.get("fc_norm") or raw.get("use_aux_norm"):
+        raise EyasError(f"{where}: fc_norm / use_aux_norm (one RMSNorm per aux slot) is not supported by eyas; "
+                        f"only norm_before_fc (one RMSNorm over the concatenation)")
+    return bool((raw.get("eagle_config") or {}).get("norm_before_fc", raw.get("norm_before_fc", False)))
 
 
 def canonical_name(name: str) -> str:

@@ -73,10 +73,11 @@ def target_shape(hf_config, *, intermediate_size: int | None = None) -> dict:
 
 
 def param_count(cfg) -> int:
-    """Trainable parameters of Eagle3Drafter(cfg) for a DrafterConfig: fc, q/k/v/o, MLP, four RMSNorms, lm_head."""
+    """Trainable parameters of Eagle3Drafter(cfg) for a DrafterConfig: fc, q/k/v/o, MLP, four RMSNorms, lm_head
+    (and input_norm with norm_before_fc)."""
     h, a, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     return (3 * cfg.target_hidden_size * h + 2 * h * (a + 2 * kv) + a * h + 3 * h * cfg.intermediate_size
-            + 4 * h + cfg.draft_vocab_size * h)
+            + 4 * h + cfg.draft_vocab_size * h + (3 * cfg.target_hidden_size if cfg.norm_before_fc else 0))
 
 
 def summary(cfg) -> str:

@@ -22,7 +22,7 @@ def register(subparsers) -> None:
     add_flags(n, TrainConfig, ["epochs", "steps"])
     add_flags(p, TrainConfig, ["resume", "init", "lr", "batch_tokens", "grad_accum", "max_len", "ttt_steps",
                                "chunk_size", "draft_vocab", "attention", "allow_target_mismatch", "compile", "pack",
-                               "intermediate_size", "autocast", "init_from_target", "loss_on", "warmup_ratio",
+                               "intermediate_size", "norm_before_fc", "autocast", "init_from_target", "loss_on", "warmup_ratio",
                                "trust_remote_code", "eval_every", "checkpoint_every", "device", "seed", "deterministic", "eval_fraction",
                                "fsdp", "progress"],
               progress={"help": "no progress bar"}, **{n: {"choices": list(c)} for n, c in CHOICES.items()})

@@ -20,6 +20,9 @@ CHOICES = {"loss_on": ("assistant", "all"), "attention": ("auto", "dense", "flex
 RESUME_FREE = ("resume", "progress", "checkpoint_every", "keep_checkpoints", "target", "device", "compile",
                "eval_every", "allow_target_mismatch", "trust_remote_code")
 
+# Fields added after runs were written, with their defaults: identity() omits them at the default.
+ADDED_LATER = {"norm_before_fc": False}
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
@@ -89,6 +92,8 @@ class TrainConfig:
     """Without --init: start the drafter's norm and LM head from the target's final norm and LM-head rows."""
     intermediate_size: int | None = None
     """Drafter MLP width (default: the target's)."""
+    norm_before_fc: bool = False
+    """EAGLE 3.1: one RMSNorm over the concatenated aux features before fc (exported as the engines read it)."""
     device: str = "auto"
     """'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:N'. Under torchrun: cuda:LOCAL_RANK."""
     seed: int = 0
@@ -175,5 +180,7 @@ class TrainConfig:
         return from_known(cls, d, "train config")
 
     def identity(self) -> dict:
-        """The fields a --resume must match."""
-        return {k: v for k, v in self.to_dict().items() if k not in RESUME_FREE}
+        """The fields a --resume must match (a field added later is left out at its default, so that a run written
+        before it resumes)."""
+        return {k: v for k, v in self.to_dict().items()
+                if k not in RESUME_FREE and not (k in ADDED_LATER and v == ADDED_LATER[k])}

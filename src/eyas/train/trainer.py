@@ -107,7 +107,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.dcfg = DrafterConfig.from_target(target.config, draft_vocab_size=self.vocab.size,
                                               aux_layer_ids=target.aux_layer_ids,
-                                              intermediate_size=cfg.intermediate_size)
+                                              intermediate_size=cfg.intermediate_size,
+                                              norm_before_fc=cfg.norm_before_fc)
         drafter = Eagle3Drafter(self.dcfg)
         if self.rank == 0:  # the derived shape (docs/training.md, "The drafter's shape")
             print(f"eyas train: drafter: {self.dcfg.summary()}", file=sys.stderr)
