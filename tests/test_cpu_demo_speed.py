@@ -171,3 +171,45 @@ def test_later_epochs_reuse_the_target_argmax_and_train_the_same_drafter(tmp_pat
     assert records(tmp_path / "kept", "eval") == records(tmp_path / "recomputed", "eval")
     a, b = drafter_state(tmp_path / "kept"), drafter_state(tmp_path / "recomputed")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+class _Largest(torch.utils._python_dispatch.TorchDispatchMode):
+    """The most elements any op of the block returns (a broadcast copy of a weight shows up here)."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def test_prefill_logits_of_the_last_position_copy_no_weight():
+    """Regeneration's prefill asks for the last position's logits of B > 1 rows. On a strided (B, 1, h) view,
+    F.linear broadcast the head's weight into a (B, h, V) copy (seconds per prefill chunk on the CPU at gen_batch
+    32); the runner hands it a contiguous row instead: no op returns more than the head's logits or its weight, and
+    the logits equal the full forward's last position bit for bit, and the product on the strided view (the old
+    path) up to fp32 rounding."""
+    from conftest import make_tiny_llama
+    from eyas.target.runner import Runner
+
+    model = make_tiny_llama(layers=2, vocab=512, hidden=64)
+    B, T, V, h = 6, 9, 512, 64
+    runner = Runner.from_hf(model, max_batch=B, max_seq=32)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, V, (B, T), generator=g)
+    pos = torch.arange(T).expand(B, T)
+    mask = torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T)
+    with _Largest() as big:
+        last, _ = runner.forward(ids, pos, pos, mask, last_only=True)              # (B, 1, V)
+    assert last.shape == (B, 1, V)
+    assert big.numel <= max(V * h, B * T * 4 * h), big.numel                       # B * h * V = 196,608 on the old path
+    final, _ = runner.forward(ids, pos, pos, mask, logits=False)                   # (B, T, h)
+    head = runner.lm_head
+    assert torch.equal(last, head(final)[:, -1:])
+    old = torch.nn.functional.linear(final[:, -1:], head.weight)                   # the strided old path
+    torch.testing.assert_close(last, old, rtol=1e-5, atol=1e-6)                    # a batched product rounds apart
