@@ -5,7 +5,10 @@ positions are labelled K times. ttt_forward computes each needed position's targ
 product that also gives the argmax) and every step reads its rows from that table; past LABEL_TABLE_BYTES it
 falls back to one draft-vocab product per step. Both must equal the step-by-step reference of test_ttt.py. The
 trainer keeps each sample's full-vocab argmax after its first epoch, so later epochs multiply only the draft
-vocabulary's rows; capture runs maskless causal attention over its right-padded batches.
+vocabulary's rows; capture runs maskless causal attention over its right-padded batches. On the CPU the TTT attention
+runs by blocks (eyas.model.blocks: step 0's keys through the fused kernel, the later steps' diagonal keys beside
+it), equal to SDPA under the dense mask and to the step-by-step reference. Regeneration's prefill hands the head a
+contiguous last row (no broadcast copy of its weight).
 """
 
 import pytest
@@ -171,3 +174,138 @@ def test_later_epochs_reuse_the_target_argmax_and_train_the_same_drafter(tmp_pat
     assert records(tmp_path / "kept", "eval") == records(tmp_path / "recomputed", "eval")
     a, b = drafter_state(tmp_path / "kept"), drafter_state(tmp_path / "recomputed")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+class _Largest(torch.utils._python_dispatch.TorchDispatchMode):
+    """The most elements any op of the block returns (a broadcast copy of a weight shows up here)."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
+def test_prefill_logits_of_the_last_position_copy_no_weight():
+    """Regeneration's prefill asks for the last position's logits of B > 1 rows. On a strided (B, 1, h) view,
+    F.linear broadcast the head's weight into a (B, h, V) copy (seconds per prefill chunk on the CPU at gen_batch
+    32); the runner hands it a contiguous row instead: no op returns more than the head's logits or its weight, and
+    the logits equal the full forward's last position bit for bit, and the product on the strided view (the old
+    path) up to fp32 rounding."""
+    from conftest import make_tiny_llama
+    from eyas.target.runner import Runner
+
+    model = make_tiny_llama(layers=2, vocab=512, hidden=64)
+    B, T, V, h = 6, 9, 512, 64
+    runner = Runner.from_hf(model, max_batch=B, max_seq=32)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, V, (B, T), generator=g)
+    pos = torch.arange(T).expand(B, T)
+    mask = torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T)
+    with _Largest() as big:
+        last, _ = runner.forward(ids, pos, pos, mask, last_only=True)              # (B, 1, V)
+    assert last.shape == (B, 1, V)
+    assert big.numel <= max(V * h, B * T * 4 * h), big.numel                       # B * h * V = 196,608 on the old path
+    final, _ = runner.forward(ids, pos, pos, mask, logits=False)                   # (B, T, h)
+    head = runner.lm_head
+    assert torch.equal(last, head(final)[:, -1:])
+    old = torch.nn.functional.linear(final[:, -1:], head.weight)                   # the strided old path
+    torch.testing.assert_close(last, old, rtol=1e-5, atol=1e-6)                    # a batched product rounds apart
+
+
+# ----------------------------------------------------------------------------- TTT attention by blocks (CPU)
+def _right_padded(c):
+    """The case with every row one sample followed by padding (the trainer's unpacked rows)."""
+    B, T = c["valid"].shape
+    valid = torch.arange(T)[None] < torch.tensor([T - 1, T - 3, T][:B])[:, None]
+    return dict(c, valid=valid, loss_mask=c["loss_mask"] & valid)
+
+
+def _dense_attention(q, k, v, seg, s):
+    """The reference: SDPA over all (s+1)T keys under dense_masks' step-s mask, kv heads repeated."""
+    B, nh, T, hd = q.shape
+    rep = nh // k.shape[1]
+    mask = ttt.dense_masks(seg, s + 1)[:, None]                                  # (B, 1, T, (s+1)T)
+    y = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                                         attn_mask=mask)
+    return y.transpose(1, 2).reshape(B, T, nh * hd)
+
+
+@pytest.mark.parametrize("rows", ["packed", "right_padded"])
+@pytest.mark.parametrize("s", [0, 1, 2])
+def test_block_attention_equals_dense_masked_sdpa(rows, s):
+    """block_attend (step 0's keys through the fused kernel, each later step's key as a diagonal, merged by
+    log-sum-exp, with a hand-written backward) equals SDPA under the dense TTT mask at step s, forward and
+    gradients, with GQA, on packed rows (two samples, leading and trailing padding) and right-padded ones."""
+    from eyas.model.blocks import StepBlocks, block_attend
+
+    g = torch.Generator().manual_seed(s)
+    B, nh, nkv, T, hd = 3, 4, 2, 13, 8
+    if rows == "packed":
+        seg = torch.tensor([[1] * 6 + [2] * 5 + [0] * 2, [1] * 13, [0] * 2 + [1] * 11])
+    else:
+        seg = (torch.arange(T)[None] < torch.tensor([13, 9, 4])[:, None]).long()
+    q = torch.randn(B, nh, T, hd, generator=g, requires_grad=True)
+    k = torch.randn(B, nkv, (s + 1) * T, hd, generator=g, requires_grad=True)
+    v = torch.randn(B, nkv, (s + 1) * T, hd, generator=g, requires_grad=True)
+    dy = torch.randn(B, T, nh * hd, generator=g)
+    res = []
+    for fn in (lambda: _dense_attention(q, k, v, seg, s),
+               lambda: block_attend(q, k, v, StepBlocks(ttt.dense_masks(seg, 1)))):
+        y = fn()
+        y.backward(dy)
+        res.append((y.detach(), q.grad, k.grad, v.grad))
+        q.grad = k.grad = v.grad = None
+    for name, a, b in zip(("y", "dq", "dk", "dv"), *res):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("padding", ["left_and_right", "right"])
+@pytest.mark.parametrize("K", [1, 3])
+def test_blocks_ttt_equals_naive_reference_and_dense(padding, K):
+    """With attention 'blocks' (the CPU's default) the TTT loss, counts and gradients equal the step-by-step
+    reference and the dense-mask path, on make_case's rows (leading and trailing padding) and right-padded ones."""
+    d, c = make_case(seed=20 + K, B=3, T=11)
+    if padding == "right":
+        c = _right_padded(c)
+    loss_n, met_n, grads_n = run_naive(d, c, K)
+    outs = {}
+    for attention in ("blocks", "dense"):
+        d.zero_grad()
+        out = ttt_forward(d, **ttt_inputs(c), cfg=TTTConfig(num_steps=K, attention=attention))
+        out.loss.backward()
+        outs[attention] = out, {n: p.grad.clone() for n, p in d.named_parameters()}
+    for attention, (out, grads) in outs.items():
+        torch.testing.assert_close(out.loss, loss_n.detach(), rtol=1e-5, atol=1e-5)
+        for key in ("count_k", "correct_k", "cond_count_k", "cond_correct_k"):
+            assert getattr(out, key).tolist() == met_n[key], (attention, key)
+        for name in grads_n:
+            torch.testing.assert_close(grads[name], grads_n[name], rtol=1e-5, atol=1e-5, msg=f"{attention} {name}")
+    (ob, gb), (od, gd) = outs["blocks"], outs["dense"]
+    assert torch.equal(ob.accept_len, od.accept_len)
+
+
+def test_blocks_ttt_under_bf16_autocast_matches_dense():
+    """Under the CPU's bf16 autocast (the cpu-demo's training) blocks and dense give the same counts and the same loss
+    and gradients up to bf16 rounding (both round q, k, v to bf16; the fused kernels accumulate in fp32)."""
+    K = 3
+    d, c = make_case(seed=9, B=3, T=11, V=64, Vd=40)
+    c = _right_padded(c)
+    res = {}
+    for attention in ("blocks", "dense"):
+        d.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = ttt_forward(d, **ttt_inputs(c), cfg=TTTConfig(num_steps=K, attention=attention))
+        out.loss.backward()
+        res[attention] = out, {n: p.grad.clone() for n, p in d.named_parameters()}
+    (ob, gb), (od, gd) = res["blocks"], res["dense"]
+    assert ob.count_k.tolist() == od.count_k.tolist()
+    torch.testing.assert_close(ob.loss, od.loss, rtol=2e-2, atol=2e-2)
+    for name in gd:
+        rel = (gb[name] - gd[name]).norm() / gd[name].norm().clamp(min=1e-12)
+        assert rel < 3e-2, (name, float(rel))

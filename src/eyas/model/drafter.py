@@ -17,6 +17,7 @@ from torch.nn.attention import sdpa_kernel
 
 from eyas.errors import EyasError
 from eyas.knobs import from_known, to_json
+from eyas.model.blocks import StepBlocks, block_attend
 from eyas.model.shape import MLA_ROPE_THETA, ROPE_TYPES, param_count, summary, target_shape  # noqa: F401
 from eyas.sdpa import INFERENCE_SDPA
 
@@ -198,6 +199,8 @@ class Attention(nn.Module):
         if kv_cache is not None:
             k = torch.cat([kv_cache[0], k], dim=2)                        # (B, nkv, L, hd)
             v = torch.cat([kv_cache[1], v], dim=2)                        # (B, nkv, L, hd)
+        if isinstance(attn_mask, StepBlocks):  # the TTT mask by blocks (training on the CPU, eyas.train.ttt)
+            return self.o_proj(block_attend(q, k, v, attn_mask)), (k, v)
         if not isinstance(attn_mask, Tensor):  # a flex-attention BlockMask (training on the GPU, eyas.train.ttt)
             y = flex_attend(q, k.to(q.dtype), v.to(q.dtype), attn_mask)  # (B, nh, S, hd)
             return self.o_proj(y.transpose(1, 2).reshape(B, S, self.nh * self.hd)), (k, v)

@@ -346,7 +346,9 @@ class Runner(nn.Module):
         if cfg.num_layers in capture:
             captured[cfg.num_layers] = x
         if last_only:
-            x = x[:, -1:]
+            # contiguous: on a strided (B,1,h) view of B > 1 rows, F.linear broadcasts the head's weight into a
+            # (B, h, V) copy for a batched product (seconds per prefill on the CPU); (B,1,h) folds to one product
+            x = x[:, -1:].contiguous()  # (B,1,h)
         return (self.lm_head(x) if logits else x), captured
 
     def _decode(self, input_ids, positions, cache_slots, attn_mask):

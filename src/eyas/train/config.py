@@ -12,8 +12,8 @@ DEVICE_DEFAULTS = {"cuda": {"ttt_steps": 7, "draft_vocab": 32000}, "cpu": {"ttt_
 CUDA: EAGLE-3's K and vocabulary. CPU: K=3 and an 8k vocabulary, an order of magnitude faster to train on a few cores
 than K=7 with 32k."""
 
-CHOICES = {"loss_on": ("assistant", "all"), "attention": ("auto", "dense", "flex"), "pack": ("auto", "on", "off"),
-           "autocast": ("auto", "bf16", "off")}
+CHOICES = {"loss_on": ("assistant", "all"), "attention": ("auto", "dense", "flex", "blocks"),
+           "pack": ("auto", "on", "off"), "autocast": ("auto", "bf16", "off")}
 """The fields that take one of a few names, and those names (checked here; the choices of `eyas train`'s flags)."""
 
 # Fields that may change between a run and its --resume (they do not change the loss curve).
@@ -67,7 +67,8 @@ class TrainConfig:
     chunk_size: int | None = None
     """Positions per logits chunk in the TTT loss (None: whole sequence; set it on long sequences on GPU)."""
     attention: str = "auto"
-    """TTT attention: 'flex' (block-sparse flex_attention, CUDA), 'dense' (explicit mask) or 'auto' (flex on CUDA)."""
+    """TTT attention: 'flex' (block-sparse flex_attention, CUDA), 'blocks' (fused step 0 + diagonals, CPU), 'dense'
+    (explicit mask) or 'auto' (flex on CUDA, blocks on the CPU)."""
     pack: str = "auto"
     """Pack samples into rows of max_len tokens (batch_tokens // max_len rows per micro-batch, a fixed shape):
     'on', 'off' or 'auto' (on with CUDA)."""

@@ -11,10 +11,11 @@ Alignment (EAGLE3.md section 3, worked out with indices in docs/ttt.md). At step
   attends to    step-0 keys at j <= t (j valid or j == t) + keys of steps 1..k at position t (diagonal)
 
 Fast path: step k runs all T positions in one `drafter.layer` call with the keys of steps 0..k-1 as the cache.
-The attention rule is either a dense (B, T, (k+1)T) bool mask (`dense_masks`, the reference; CPU) or a flex-attention
-BlockMask (`flex_mask`; CUDA) that computes only the causal step-0 blocks and the k diagonal blocks. Logits and
-the soft cross-entropy run fused, in row chunks, at the counted positions only (eyas.train.soft_ce). Packed rows
-(several samples per row) carry segment ids: attention and counting never cross a sample boundary.
+The attention rule is a dense (B, T, (k+1)T) bool mask (`dense_masks`, the reference), a flex-attention BlockMask
+(`flex_mask`; CUDA) that computes only the causal step-0 blocks and the k diagonal blocks, or on the CPU the same
+blocks as StepBlocks (eyas.model.blocks: the fused kernel over step 0's keys, the diagonals beside it).
+Logits and the soft cross-entropy run fused, in row chunks, at the counted positions only (eyas.train.soft_ce).
+Packed rows (several samples per row) carry segment ids: attention and counting never cross a sample boundary.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from eyas.errors import EyasError
+from eyas.model.blocks import StepBlocks
 from eyas.train.soft_ce import fused_soft_ce
 
 
@@ -43,7 +45,8 @@ class TTTConfig:
     chunk_size: int | None = None
     """Rows per chunk of the fused LM head + soft cross-entropy (None: 4096)."""
     attention: str = "auto"
-    """'dense' (explicit mask, SDPA), 'flex' (BlockMask, flex_attention; CUDA for training) or 'auto' (flex on CUDA)."""
+    """'dense' (explicit mask, SDPA), 'flex' (BlockMask, flex_attention; CUDA for training), 'blocks' (StepBlocks; CPU)
+    or 'auto' (flex on CUDA, blocks on the CPU)."""
     reduction: str = "mean"
     """'mean': loss_k is the mean over step k's counted positions; 'sum': the plain sum (for the caller to divide)."""
 
@@ -54,8 +57,8 @@ class TTTConfig:
             raise EyasError(f"ttt: decay must be in (0, 1], got {self.decay}")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise EyasError(f"ttt: chunk_size must be >= 1 or None, got {self.chunk_size}")
-        if self.attention not in ("auto", "dense", "flex"):
-            raise EyasError(f"ttt: attention must be auto, dense or flex, got {self.attention!r}")
+        if self.attention not in ("auto", "dense", "flex", "blocks"):
+            raise EyasError(f"ttt: attention must be auto, dense, flex or blocks, got {self.attention!r}")
         if self.reduction not in ("mean", "sum"):
             raise EyasError(f"ttt: reduction must be 'mean' or 'sum', got {self.reduction!r}")
 
@@ -175,6 +178,9 @@ def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, val
     # flex's CUDA kernels need head_dim >= 16; smaller (test-sized) heads stay on the dense path under 'auto'
     use_flex = cfg.attention == "flex" or (cfg.attention == "auto" and input_ids.is_cuda
                                            and drafter.config.head_dim >= 16)
+    use_blocks = cfg.attention == "blocks" or (cfg.attention == "auto" and dev.type == "cpu")
+    if use_blocks and dev.type != "cpu":
+        raise EyasError(f"ttt: attention 'blocks' runs on the CPU only (this batch is on {dev.type})")
     token_ids, t2d = drafter.token_ids, drafter.t2d
     valid = valid.bool()
     seg = valid.long() if segment_ids is None else torch.where(valid, segment_ids, 0)   # (B, T)
@@ -217,7 +223,8 @@ def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, val
         in_draft = t2d[tgt_id]                                                     # (B, T)
         tgt_draft = torch.searchsorted(token_ids, tgt_id).clamp(max=token_ids.numel() - 1)  # (B, T)
         embeds = embed(input_ids) if isinstance(embed, nn.Module) else F.embedding(input_ids, embed)  # (B, T, h)
-        full_mask = None if use_flex else dense_masks(seg, K)                      # (B, T, K*T)
+        blocks = StepBlocks(dense_masks(seg, 1)) if use_blocks else None          # step 0's (B, T, T) block
+        full_mask = None if use_flex or use_blocks else dense_masks(seg, K)        # (B, T, K*T)
 
     hidden = drafter.fuse(aux)                                                     # (B, T, h) = g
     cache = None
@@ -226,7 +233,8 @@ def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, val
     total, losses, counts, corrects, ccounts, ccorrects = 0.0, [], [], [], [], []
     for k in range(K):
         emb_k = _shift(embeds, k + 1)                                              # (B, T, h) embed(x_{t+k+1})
-        mask_k = flex_mask(seg, k) if use_flex else full_mask[:, :, : (k + 1) * T]  # (B, T, (k+1)T)
+        mask_k = (flex_mask(seg, k) if use_flex else blocks if use_blocks
+                  else full_mask[:, :, : (k + 1) * T])                             # (B, T, (k+1)T)
         out, cache = drafter.layer(hidden, emb_k, positions + k, mask_k, cache)
         # counted: x_t .. x_{t+k+2} valid and in one sample, loss on x_{t+k+2}, target in the draft vocab
         span = ((seg > 0) & (seg == _shift(seg, k + 2)) & (holes == _shift(holes, k + 2))
