@@ -87,6 +87,8 @@ poll)
       [ -d $WORK/$x ] && (cd $WORK && tar czf $OUT/twin-$x-results.tgz --ignore-failed-read $x.log $x/*.json $x/*.jsonl $x/*.log \
         $x/*.txt $x/store/check.json 2>/dev/null)
     done
+    # the exported drafter (a few MB) comes back too: `stage` carries .stage-twin/drafter to the next machine
+    [ -f $WORK/drafter/config.json ] && (cd $WORK && tar czf $OUT/twin-drafter.tgz drafter)
     [ -f $WORK/kimi-train.log ] && cp $WORK/kimi-train.log $OUT/
     for f in before.log after.log BENCHMARKS.md; do [ -f $WORK/$f ] && cp $WORK/$f $OUT/; done
   fi
