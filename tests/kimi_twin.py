@@ -14,6 +14,7 @@ The language model's tensors are the DeepSeek twin's (same seed and sizes) bit f
 row, so states captured through this wrapper compare with the DeepSeek twin run in process.
 
     python tests/kimi_twin.py OUT [--live]     # --live: the twin's MLA sizes SGLang's kernels take, bf16
+    python tests/kimi_twin.py OUT --from TWIN  # around a DeepSeek twin directory already written
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from deepseek_twin import save_twin, twin_tokenizer  # noqa: E402
+from deepseek_twin import save_twin  # noqa: E402
 
 MEDIA_PAD = "<|media_pad|>"   # the image placeholder SGLang's Kimi processor looks for (processors/kimi_k25.py)
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
@@ -48,16 +49,6 @@ PROCESSOR_FILE = "processing_kimi_twin.py"
 PREFIX = "language_model."
 # The head tensors as a Kimi-K2.5 checkpoint names them.
 HEAD_TENSORS = tuple(PREFIX + n for n in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"))
-
-
-def kimi_tokenizer():
-    """The DeepSeek twin's tokenizer (same ids for all text) plus the image placeholder as a special token."""
-    from tokenizers import AddedToken
-
-    tok = twin_tokenizer()
-    tok.add_tokens([AddedToken(MEDIA_PAD, special=True, normalized=False)], special_tokens=True)
-    tok.chat_template = TEMPLATE
-    return tok
 
 
 def vision_config(text_hidden: int) -> dict:
@@ -123,25 +114,36 @@ def write_shards(out: Path, groups: list[dict[str, torch.Tensor]], max_bytes: in
 
 def save_kimi_twin(out, *, live: bool = False, seed: int = 0, layers: int = 7, dtype=torch.float32,
                    max_shard_size: int = 200_000) -> Path:
-    """Write the Kimi-K2.5 twin to `out` (see the module docstring)."""
-    from safetensors import safe_open
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tok = kimi_tokenizer()
+    """Write the Kimi-K2.5 twin to `out` (see the module docstring): save_twin's DeepSeek twin, wrapped."""
     with tempfile.TemporaryDirectory() as tmp:
         twin = save_twin(Path(tmp) / "twin", live=live, seed=seed, layers=layers, dtype=dtype)
-        text = json.loads((twin / "config.json").read_text())
-        lm = {}
-        for f in sorted(twin.glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as sf:
-                lm |= {k: sf.get_tensor(k) for k in sf.keys()}
-        gen = json.loads((twin / "generation_config.json").read_text())
+        return wrap_twin(twin, out, seed=seed, max_shard_size=max_shard_size)
+
+
+def wrap_twin(twin, out, *, seed: int = 0, max_shard_size: int = 200_000) -> Path:
+    """The Kimi-K2.5 twin around an existing DeepSeek twin directory (deepseek_twin.save_twin's): its tensors
+    under language_model. (plus the image token's row), its config as text_config, its tokenizer plus
+    `<|media_pad|>`, and a vision tower and projector in its dtype. A twin staged on another machine is wrapped
+    there, so the language model is bit for bit the one the in-process checks run."""
+    from safetensors import safe_open
+    from transformers import AutoTokenizer
+
+    twin, out = Path(twin), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(str(twin))
+    tok.add_tokens([MEDIA_PAD], special_tokens=True)
+    tok.chat_template = TEMPLATE
+    text = json.loads((twin / "config.json").read_text())
+    lm = {}
+    for f in sorted(twin.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            lm |= {k: sf.get_tensor(k) for k in sf.keys()}
+    dtype = lm["model.embed_tokens.weight"].dtype
     extra = len(tok) - int(text["vocab_size"])          # the image token's row, drawn like the others
     g = torch.Generator().manual_seed(seed + 1)
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         w = lm[name]
-        lm[name] = torch.cat([w, (torch.randn(extra, w.shape[1], generator=g) * w.float().std()).to(w.dtype)])
+        lm[name] = torch.cat([w, (torch.randn(extra, w.shape[1], generator=g) * w.float().std()).to(dtype)])
     text.update(vocab_size=len(tok), model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"])
     v = vision_config(int(text["hidden_size"]))
     vis = {k: t.to(dtype) for k, t in vision_tensors(v, seed=seed + 2).items()}
@@ -155,7 +157,7 @@ def save_kimi_twin(out, *, live: bool = False, seed: int = 0, layers: int = 7, d
            "video_placeholder": "<|kimi_k25_video_placeholder|>", "dtype": str(dtype).removeprefix("torch."),
            "text_config": text, "vision_config": v}
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    shutil.copy(twin / "generation_config.json", out / "generation_config.json")
     tok.save_pretrained(out)
     shutil.copy(Path(__file__).with_name("kimi_twin_processing.py"), out / PROCESSOR_FILE)
     (out / "processor_config.json").write_text(json.dumps(
@@ -165,6 +167,9 @@ def save_kimi_twin(out, *, live: bool = False, seed: int = 0, layers: int = 7, d
 
 
 if __name__ == "__main__":
-    live = "--live" in sys.argv
-    save_kimi_twin(sys.argv[1], live=live, dtype=torch.bfloat16 if live else torch.float32)
-    print(sys.argv[1])
+    live, args = "--live" in sys.argv, [a for a in sys.argv[1:] if a != "--live"]
+    if "--from" in args:      # wrap an existing DeepSeek twin directory (its sizes and dtype)
+        wrap_twin(args[args.index("--from") + 1], args[0])
+    else:
+        save_kimi_twin(args[0], live=live, dtype=torch.bfloat16 if live else torch.float32)
+    print(args[0])
