@@ -173,12 +173,18 @@ def test_processor_has_what_sglang_reads(kimi):
         assert hasattr(p, attr), attr
 
 
-def test_sglang_config_parses(kimi):
-    """SGLang's KimiK25Config (as HfModelConfigParser builds it): the DeepSeek text config with SGLang's keys,
-    the vision keys its vision tower and projector read."""
+def test_sglang_config_parses(kimi, deepseek):
+    """SGLang's KimiK25Config (as HfModelConfigParser builds it): its text config is the DeepSeek twin's config as
+    SGLang reads that twin (AutoConfig) but for the vocabulary, so the language model SGLang builds is the one it
+    served live; the vision keys its vision tower and projector read."""
+    from transformers import AutoConfig
+
     cfg = wheel_module(sglang_wheel(), "sglang/srt/configs/kimi_k25.py", "sglang_kimi_cfg").KimiK25Config
     c = cfg.from_pretrained(str(kimi))
     t, v = c.text_config, c.vision_config
+    skip = ("vocab_size", "_name_or_path")
+    ref = {k: x for k, x in AutoConfig.from_pretrained(str(deepseek)).to_dict().items() if k not in skip}
+    assert {k: x for k, x in t.to_dict().items() if k not in skip} == ref
     assert (type(t).__name__, t.vocab_size, t.num_hidden_layers, t.kv_lora_rank) == ("DeepseekV3Config", 321, 7, 32)
     assert (t.topk_method, t.scoring_func, t.moe_layer_freq, t.tie_word_embeddings) == ("noaux_tc", "sigmoid", 1, False)
     assert (v.hidden_size, v.vt_hidden_size, v.text_hidden_size, c.hidden_size) == (64, 64, 64, 64)
