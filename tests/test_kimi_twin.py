@@ -139,7 +139,7 @@ def test_processor_and_template(kimi, deepseek):
     assert p.media_processor.media_tokens_calculator({"type": "image", "image": Image.new("RGB", (32, 32))}) == 4
     v = cfg["vision_config"]
     assert (v["init_pos_emb_height"], v["init_pos_emb_width"]) == (4, 4)
-    with pytest.raises(Exception):     # 5.8.1: remote code refused; 5.24: its own Kimi processor lacks files
+    with pytest.raises((ValueError, OSError)):   # 5.8.1: remote code refused; 5.24: its Kimi processor, no files
         AutoProcessor.from_pretrained(str(kimi))
 
 
@@ -295,3 +295,23 @@ def test_sglang_kimi_loader_takes_every_tensor(kimi, deepseek, monkeypatch):
     names = [n for n, _ in model.named_modules()]
     for pattern in ("language_model.logits_processor", "language_model.model"):
         assert [n for n in names if fnmatch.fnmatch(n, pattern)] == [pattern]
+
+
+def test_sglang_renders_the_warmup_image_message(monkeypatch):
+    """SGLang's own template reading (parser/jinja_template_utils.py): the twin's template takes content lists
+    ('openai'), and the image message of SGLang's start-up warm-up renders with the placeholder its Kimi processor
+    splits on."""
+    import jinja2
+
+    from kimi_twin import TEMPLATE
+
+    monkeypatch.setitem(sys.modules, "sglang.srt.utils", types.SimpleNamespace(ImageData=dict))
+    j = wheel_module(sglang_wheel(), "sglang/srt/parser/jinja_template_utils.py", "sglang_jinja_utils")
+    assert j.detect_jinja_template_content_format(TEMPLATE) == "openai"
+    warmup = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,x"}},
+                                          {"type": "text", "text": "Describe the image."}]}
+    images: list = []
+    msg = j.process_content_for_template_format(warmup, "openai", images, [], [], [])
+    assert len(images) == 1
+    text = jinja2.Template(TEMPLATE).render(messages=[msg], add_generation_prompt=True)
+    assert text == f"<|im_start|>user\n{MEDIA_PAD}Describe the image.<|im_end|>\n<|im_start|>assistant\n"
