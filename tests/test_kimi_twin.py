@@ -315,3 +315,18 @@ def test_sglang_renders_the_warmup_image_message(monkeypatch):
     assert len(images) == 1
     text = jinja2.Template(TEMPLATE).render(messages=[msg], add_generation_prompt=True)
     assert text == f"<|im_start|>user\n{MEDIA_PAD}Describe the image.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_wrapping_a_bf16_twin_keeps_its_dtype(tmp_path):
+    """`kimi_twin.py OUT --from TWIN` (the device's path) around a bf16 twin: every tensor, vision included, and
+    config.json's dtype are bf16, as SGLang's --dtype auto reads them; the language model is TWIN's."""
+    from kimi_twin import wrap_twin
+
+    twin = save_twin(tmp_path / "twin", layers=2, dtype=torch.bfloat16)
+    k = wrap_twin(twin, tmp_path / "kimi")
+    stored = tensors(k)
+    assert {t.dtype for t in stored.values()} == {torch.bfloat16}
+    cfg = json.loads((k / "config.json").read_text())
+    assert cfg["dtype"] == cfg["text_config"]["dtype"] == "bfloat16"
+    d = tensors(twin)
+    assert all(torch.equal(stored[PREFIX + n][: w.shape[0]], w) for n, w in d.items())
