@@ -8,6 +8,7 @@ GPU layers, loads every vision and projector tensor of the checkpoint into a par
 every such parameter, and hands its DeepSeek loader exactly the DeepSeek twin's tensor names.
 """
 
+import ast
 import fnmatch
 import json
 import re
@@ -171,6 +172,18 @@ def test_processor_has_what_sglang_reads(kimi):
     assert keys and keys <= set(p.media_processor.media_proc_cfg)
     for attr in set(re.findall(r"hf_processor\.(\w+)", src)) - {"media_processor"}:
         assert hasattr(p, attr), attr
+    # SGLang's own resize math on its warm-up image (32x32): 4 tokens from a 4x4 patch grid, the twin's
+    # position grid, so its vision tower runs without interpolating positions.
+    fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == "navit_resize_config")
+    ns: dict = {"math": __import__("math")}
+    exec(compile(ast.Module([fn], []), "kimi_k25.py", "exec"), ns)  # noqa: S102 (test: a wheel's function)
+    c = p.media_processor.media_proc_cfg
+    r = ns["navit_resize_config"](32, 32, c["patch_size"], c["merge_kernel_size"], c["in_patch_limit"],
+                                  c["patch_limit_on_one_side"])
+    grid = tuple((r[f"new_{k}"] + r[f"pad_{k}"]) // c["patch_size"] for k in ("height", "width"))
+    assert r["num_tokens"] == 4 and grid == (4, 4)
+    v = json.loads((kimi / "config.json").read_text())["vision_config"]
+    assert grid == (v["init_pos_emb_height"], v["init_pos_emb_width"])
 
 
 def test_sglang_config_parses(kimi, deepseek):
