@@ -42,7 +42,7 @@ VISION = {"patch_size": 14, "init_pos_emb_height": 4, "init_pos_emb_width": 4, "
           "intermediate_size": 128, "merge_kernel_size": [2, 2], "video_attn_type": "spatial_temporal",
           "merge_type": "sd2_tpool", "mm_projector_type": "patchmerger", "projector_hidden_act": "gelu",
           "projector_ln_eps": 1e-5}
-# The media settings SGLang's Kimi processor reads at start-up and preprocesses images with on a GPU (the twin's values).
+# The media settings SGLang's Kimi processor reads at start-up and preprocesses GPU images with (the twin's values).
 MEDIA_PROC_CFG = {"patch_size": 14, "merge_kernel_size": 2, "in_patch_limit": 16384, "patch_limit_on_one_side": 512,
                   "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
 PROCESSOR_FILE = "processing_kimi_twin.py"
