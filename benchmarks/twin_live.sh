@@ -20,6 +20,10 @@
 #   call     carry the last part + SHA256SUMS                  STAGE_MARK=... bash benchmarks/engines_live.sh install ENGINE
 #   call                                                      bash benchmarks/twin_live.sh bg sglang vllm
 #   calls                                                     OUT=$OUT bash benchmarks/twin_live.sh poll ENGINE 540
+# The Kimi-K2.5 twin (opt-in phase `kimi`, SGLang only): after the same staging,
+#   call                                                      PHASES_SGLANG=kimi bash benchmarks/twin_live.sh bg sglang
+#   calls                                                     OUT=$OUT bash benchmarks/twin_live.sh poll sglang 540
+# (results in twin-sglang-results.tgz: sglang/kimi-*.{txt,log,json}, kimi.log = the server's log).
 set -uo pipefail
 cmd=${1:?usage: twin_live.sh prep|stage|bg ENGINE [ENGINE]|poll ENGINE S|job ENGINE}
 T=.stage-twin                                   # here: listed in .git/info/exclude, never committed
@@ -60,6 +64,7 @@ PY
 stage)  # device: the twin, its drafter, prepared data and prompts under $STAGE
   mkdir -p $STAGE && rm -rf $STAGE/twin $STAGE/twin-drafter $STAGE/twin-prep &&
   cp -r $T/twin $STAGE/twin && cp -r $T/prep $STAGE/twin-prep && cp $T/convs.jsonl $T/prompts-*.jsonl $STAGE/ &&
+  mkdir -p $STAGE/kimi-tools && cp tests/deepseek_twin.py tests/kimi_twin.py tests/kimi_twin_processing.py $STAGE/kimi-tools/ &&
   if [ -d $T/drafter ]; then mkdir -p $WORK && rm -rf $WORK/drafter && cp -r $T/drafter $WORK/drafter; fi &&
   ls $STAGE; exit $? ;;
 bg)
@@ -238,8 +243,46 @@ inproc() {  # eyas's own decoder on the same drafter and prompts, on this GPU, b
   done
   return $rc
 }
+kimi() {  # the Kimi-K2.5 twin: tests/kimi_twin.py wraps the staged twin as KimiK25ForConditionalGeneration's
+  # language model (bit for bit; plus a one-block MoonViT, the projector and the twin's own remote-code processor).
+  # SGLang's Kimi class calls that language model with input_ids=None and input_embeds (general_mm_embed_routine):
+  # capture through it from launch-args' server, the served check on (capture's default), then crosscheck against
+  # the DeepSeek twin in process. SGLang's start-up warm-up sends a Kimi model an image (its vision tower runs, with
+  # --mm-attention-backend triton_attn); if the server dies there it is started again with --skip-server-warmup
+  # (then the enable hook's first forward is the first capture sample, which the capture allows), and
+  # kimi-warmup.txt says which ran.
+  [ $e = sglang ] || { say "kimi: SGLang's phase"; return 1; }
+  local KT=$WORK/kimi STORE=$R/kimi-store tools=$STAGE/kimi-tools
+  [ -f $tools/kimi_twin.py ] || tools=$PWD/tests          # staged before `stage` copied them: the job's checkout
+  rm -rf $KT $STORE
+  python3 $tools/kimi_twin.py $KT --from $TW > $R/kimi-twin.log 2>&1 || { tail -n 20 $R/kimi-twin.log; return 1; }
+  python3 -m eyas engine launch-args sglang --target-config $KT/config.json --version 0.5.14 --model $KT \
+    --store $STORE --data $PREP > $R/kimi-launch.txt || return 1
+  cat $R/kimi-launch.txt
+  local launch="$(sed '1s/^python /python3 /' $R/kimi-launch.txt) $(engine_flags $PORT) --mm-attention-backend triton_attn"
+  if eval "start_server kimi $PORT $launch"; then
+    echo "image warm-up: ran" > $R/kimi-warmup.txt
+  else
+    stop_servers; mv $R/kimi.log $R/kimi-warmup-failed.log
+    say "kimi: no healthy server with the image warm-up (kimi-warmup-failed.log); again with --skip-server-warmup"
+    eval "start_server kimi $PORT $launch --skip-server-warmup" || return 1
+    echo "image warm-up: failed (kimi-warmup-failed.log); ran with --skip-server-warmup" > $R/kimi-warmup.txt
+  fi
+  local t=$(date +%s)
+  python3 -m eyas capture --engine sglang --url http://127.0.0.1:$PORT --data $PREP --out $STORE \
+    --target-config $KT/config.json > $R/kimi-capture.json 2> $R/kimi-capture.log; local rc=$?
+  tail -n 12 $R/kimi-capture.log; tail -n 3 $R/kimi-capture.json
+  say "kimi capture + served check: exit $rc in $(( $(date +%s) - t )) s ($(cat $R/kimi-warmup.txt))"
+  [ -f $STORE/check.json ] && cp $STORE/check.json $R/kimi-check.json
+  stop_servers
+  [ $rc = 0 ] || return 1
+  python3 -m eyas engine crosscheck --store $STORE --target $TW -n 16 > $R/kimi-crosscheck.txt 2>&1; local cc=$?
+  tail -n 12 $R/kimi-crosscheck.txt; say "kimi crosscheck against the DeepSeek twin in process: exit $cc"
+  [ $cc = 0 ]
+}
 # SGLang's job trains the drafter (vLLM's reuses it) and runs the engine-independent in-process bench; the
-# wrong-layer server needs the aux probe, which only SGLang's hook has. PHASES_SGLANG / PHASES_VLLM override.
+# wrong-layer server needs the aux probe, which only SGLang's hook has. PHASES_SGLANG / PHASES_VLLM override
+# (`kimi`: opt-in, SGLang).
 declare -A defaults=(["sglang"]="drafter capture serve inproc wrong" ["vllm"]="drafter capture serve")
 only=PHASES_${e^^}
 for p in ${!only:-${defaults[$e]}}; do

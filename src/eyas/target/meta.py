@@ -34,6 +34,8 @@ NAMES = {
     "norm": ("model.norm.weight", "language_model.model.norm.weight", "model.language_model.norm.weight",
              "language_model.norm.weight"),
 }
+# Where a multimodal checkpoint names its remote-code processor (auto_map.AutoProcessor).
+PROCESSOR_CONFIGS = ("processor_config.json", "preprocessor_config.json")
 FLOAT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 # Tensors that sit beside a quantized weight (GPTQ/AWQ, fp8 block scales, compressed-tensors packing).
 QUANT_COMPANIONS = ("weight_scale", "weight_scale_inv", "weight_packed", "weight_shape", "weight_zero_point",
@@ -108,16 +110,20 @@ def needs_remote_code(d: Path, raw: dict, *, engine: bool = False) -> list[str]:
     engine=False, in this process: transformers runs a config's auto_map.AutoConfig only for a model type it lacks
     (a DeepSeek-V3 config.json maps its own class yet opens without code here), a tokenizer's auto_map always.
     engine=True, in a serving engine (`eyas engine launch-args`), whose transformers may be older than this one:
-    any auto_map, and any model type (the wrapper's or its text_config's) this transformers lacks, counts."""
+    any auto_map, and any model type (the wrapper's or its text_config's) this transformers lacks, counts; so does a
+    processor's auto_map (processor_config.json, preprocessor_config.json), which SGLang loads through AutoProcessor
+    at start-up for a multimodal architecture (Kimi-K2.5)."""
     from transformers import CONFIG_MAPPING
 
     auto = raw.get("auto_map") or {}
     tok_cfg = read_json(d / "tokenizer_config.json") if (d / "tokenizer_config.json").exists() else {}
     if engine:
         types = sorted({raw.get("model_type"), (raw.get("text_config") or {}).get("model_type")} - {None})
+        procs = [f for f in PROCESSOR_CONFIGS if (d / f).exists() and read_json(d / f).get("auto_map")]
         return ((["config.json has an auto_map"] if auto else [])
                 + [f"transformers has no model_type {mt!r}" for mt in types if mt not in CONFIG_MAPPING]
-                + (["tokenizer_config.json has an auto_map"] if tok_cfg.get("auto_map") else []))
+                + (["tokenizer_config.json has an auto_map"] if tok_cfg.get("auto_map") else [])
+                + [f"{f} has an auto_map" for f in procs])
     why = []
     if "AutoConfig" in auto and raw.get("model_type") not in CONFIG_MAPPING:
         why.append(f"config.json auto_map.AutoConfig {auto['AutoConfig']!r}")
