@@ -113,3 +113,117 @@ def test_log_draft_mass_is_the_log_of_the_draft_columns_probability():
     torch.testing.assert_close(log_draft_mass(z, ids, rows=3), ref)
     torch.testing.assert_close(log_draft_mass(z.bfloat16(), ids), torch.log(F.softmax(z.bfloat16().double(), -1)[:, ids]
                                                                                 .sum(-1)).float())
+
+
+# ------------------------------------------------------------------------------------ TTT with the LK losses
+def naive_lk_ttt(d, c, K, loss, eta=3.0, decay=0.8):
+    """The TTT objective written out per step and position (EAGLE3.md section 3, as tests/test_ttt.naive_ttt) with
+    the LK per-position terms: returns (total loss, loss_k, alpha_k sums)."""
+    from test_ttt import naive_finish, naive_qkv, rms
+
+    ids, lmask, valid, aux, final, E, W = (c[k] for k in ("input_ids", "loss_mask", "valid", "aux", "final", "E", "W"))
+    B, T = ids.shape
+    cf, tok = d.config, d.token_ids
+    hid = [[d.fc.weight @ aux[b, t] for t in range(T)] for b in range(B)]
+    kv, total, loss_k, alpha_k = [], 0.0, [], []
+    for k in range(K):
+        kv.append([[naive_qkv(d, hid[b][t], E[ids[b, t + k + 1]] if t + k + 1 < T else torch.zeros(cf.hidden_size),
+                              t + k) for t in range(T)] for b in range(B)])
+        ces, alphas, new_hid = [], [], []
+        for b in range(B):
+            nb = []
+            for t in range(T):
+                pairs = [kv[0][b][j][1:] for j in range(t + 1) if valid[b, j] or j == t]
+                pairs += [kv[i][b][t][1:] for i in range(1, k + 1)]
+                out = naive_finish(d, hid[b][t], kv[k][b][t][0], [p[0] for p in pairs], [p[1] for p in pairs])
+                nb.append(out)
+                s = t + k + 2                                   # predicts x_s against P_{s-1}
+                if not (s < T and all(bool(valid[b, i]) for i in range(t, s + 1)) and bool(lmask[b, s])):
+                    continue
+                full = W @ final[b, s - 1]                                       # (V,) target logits
+                if not bool(d.t2d[full.argmax()]):
+                    continue
+                p_full = torch.softmax(full, 0)[tok]                             # the target's own p on draft tokens
+                p_norm = torch.softmax(full[tok], 0)                             # the soft labels
+                logq = torch.log_softmax(d.lm_head.weight @ rms(out, d.norm.weight, cf.rms_norm_eps), 0)
+                ces.append(-(p_norm * logq).sum())
+                alphas.append(torch.minimum(p_full, logq.exp()).sum())
+            new_hid.append(nb)
+        ce, al = torch.stack(ces), torch.stack(alphas)
+        if loss == "ce":
+            lk = ce.mean()
+        elif loss == "lk_alpha":
+            lk = -torch.log(al).mean()
+        else:
+            lam = torch.exp(-eta * al.detach().mean())
+            lk = lam * ce.mean() + (1 - lam) * (1 - al.mean())
+        total = total + decay ** k * lk
+        loss_k.append(float(lk.detach()))
+        alpha_k.append(float(al.sum()))
+        hid = new_hid
+    return total, loss_k, alpha_k
+
+
+@pytest.mark.parametrize("loss", ["lk_alpha", "lk_lambda", "ce"])
+def test_ttt_lk_losses_equal_the_naive_reference(loss):
+    """Same positions, mask, per-step weights and alignment as the CE; values, alpha_k and every gradient agree,
+    with the label table and with per-step labels (chunked), and with fixed-size row sets (weight-0 rows)."""
+    from test_ttt import make_case, ttt_inputs
+
+    from eyas.train import ttt as ttt_mod
+    from eyas.train.ttt import TTTConfig, ttt_forward
+
+    K = 3
+    d, c = make_case(seed=7, B=2, T=10)
+    d.zero_grad()
+    total, loss_k, alpha_k = naive_lk_ttt(d, c, K, loss, eta=2.5)
+    total.backward()
+    ref = {n: p.grad.clone() for n, p in d.named_parameters()}
+    n = int(c["valid"].sum())
+    for chunk, table, bound in ((None, True, None), (4, False, None), (3, True, n)):
+        d.zero_grad()
+        cfg = TTTConfig(num_steps=K, chunk_size=chunk, loss=loss, lk_eta=2.5)
+        mp = pytest.MonkeyPatch()
+        if not table:
+            mp.setattr(ttt_mod, "LABEL_TABLE_BYTES", 0)
+        try:
+            out = ttt_forward(d, **ttt_inputs(c), cfg=cfg, max_counted=bound, alpha=True)
+        finally:
+            mp.undo()
+        out.loss.backward()
+        torch.testing.assert_close(out.loss, total.detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.loss_k, torch.tensor(loss_k), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.alpha_k, torch.tensor(alpha_k), rtol=1e-5, atol=1e-5)
+        for name, g in ref.items():
+            torch.testing.assert_close(d.get_parameter(name).grad, g, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_default_ce_path_is_unchanged():
+    """loss='ce' without alpha runs soft_ce.fused_soft_ce, as before the LK losses: the same loss and gradients to
+    the bit as a direct re-implementation of the step loop's CE call would give; alpha=True leaves them equal too,
+    and only then is alpha_k measured."""
+    from test_ttt import make_case, ttt_inputs
+
+    from eyas.train import ttt as ttt_mod
+    from eyas.train.ttt import TTTConfig, ttt_forward
+
+    K = 3
+    d, c = make_case(seed=2, B=2, T=10)
+    calls = []
+    orig = ttt_mod.fused_soft_ce
+    mp = pytest.MonkeyPatch()
+    mp.setattr(ttt_mod, "fused_soft_ce", lambda *a, **kw: calls.append(1) or orig(*a, **kw))
+    try:
+        outs, grads = [], []
+        for alpha in (False, True):
+            d.zero_grad()
+            o = ttt_forward(d, **ttt_inputs(c), cfg=TTTConfig(num_steps=K), alpha=alpha)
+            o.loss.backward()
+            outs.append(o)
+            grads.append({n: p.grad.clone() for n, p in d.named_parameters()})
+    finally:
+        mp.undo()
+    assert len(calls) == K and outs[0].alpha_k is None and outs[1].alpha_k.shape == (K,)
+    assert torch.equal(outs[0].loss, outs[1].loss) and torch.equal(outs[0].loss_k, outs[1].loss_k)
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+    assert TTTConfig().loss == "ce"
