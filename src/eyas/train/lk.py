@@ -66,7 +66,7 @@ def _chunk(z: Tensor, zt: Tensor, lmass: Tensor, wr: Tensor | None, g_ce: bool, 
 @functools.cache
 def _compiled_chunk():
     # as soft_ce._compiled_chunk: the row dimension goes symbolic after its first change; one graph per set of
-    # requested gradients (a run uses two: its training loss's, and none for eval)
+    # requested gradients (a training run uses one)
     return torch.compile(_chunk)
 
 
@@ -82,7 +82,9 @@ class _FusedLK(torch.autograd.Function):
         gw = [torch.zeros(w.shape, dtype=torch.float32, device=x.device) if g else None for g in grads]  # (Vd, h)
         with torch.autocast(x.device.type, enabled=False):
             wc, wtc = w.to(dtype), None if wt is None else wt.to(dtype)
-            part = _compiled_chunk() if x.is_cuda else _chunk
+            # compiled for training on CUDA; a pass without gradients (eval) runs eagerly: its few passes over
+            # (c, Vd) cost less than the compile would
+            part = _compiled_chunk() if x.is_cuda and any(grads) else _chunk
             for i in range(0, N, chunk):
                 xc = x[i:i + chunk].to(dtype)                                    # (c, h)
                 wr = None if weight is None else weight[i:i + chunk].float()     # (c,)
