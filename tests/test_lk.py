@@ -83,6 +83,13 @@ def test_alpha_is_one_minus_total_variation_and_nla_finite_without_overlap():
     _, alpha, _, _ = fused_lk_terms(x, w, f, wt, lm)
     q, p = F.softmax(x @ w.T, -1), F.softmax(f @ wt.T, -1)
     torch.testing.assert_close(alpha, (1 - 0.5 * (p - q).abs().sum(-1)).sum().detach(), rtol=1e-5, atol=1e-5)
+    # with mass m < 1 on the draft vocabulary, the renormalised labels overstate alpha by a factor of at most 1/m
+    lm = torch.full((9,), math.log(0.6))
+    _, alpha, _, _ = fused_lk_terms(x, w, f, wt, lm)
+    a_full = torch.minimum(0.6 * p, q).sum(-1)
+    a_norm = torch.minimum(p, q).sum(-1)
+    torch.testing.assert_close(alpha, a_full.sum().detach(), rtol=1e-5, atol=1e-5)
+    assert bool((a_full < a_norm).all() and (a_norm <= a_full / 0.6 + 1e-6).all())
     # drafter and target certain of different tokens: alpha underflows to 0 in fp32, -log alpha stays finite
     xs = torch.zeros(2, 4, requires_grad=True)
     ws = torch.zeros(6, 4)
@@ -197,6 +204,24 @@ def test_ttt_lk_losses_equal_the_naive_reference(loss):
         torch.testing.assert_close(out.alpha_k, torch.tensor(alpha_k), rtol=1e-5, atol=1e-5)
         for name, g in ref.items():
             torch.testing.assert_close(d.get_parameter(name).grad, g, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_lk_lambda_at_eta_zero_is_the_ce():
+    """w = exp(-0 * alpha) = 1: lk_lambda's loss and gradients are the CE's."""
+    from test_ttt import make_case, ttt_inputs
+
+    from eyas.train.ttt import TTTConfig, ttt_forward
+
+    d, c = make_case(seed=3, B=2, T=10)
+    res = []
+    for loss in ("ce", "lk_lambda"):
+        d.zero_grad()
+        o = ttt_forward(d, **ttt_inputs(c), cfg=TTTConfig(num_steps=3, loss=loss, lk_eta=0.0))
+        o.loss.backward()
+        res.append((o.loss_k, {n: p.grad.clone() for n, p in d.named_parameters()}))
+    torch.testing.assert_close(res[0][0], res[1][0], rtol=1e-6, atol=1e-6)
+    for n, g in res[0][1].items():
+        torch.testing.assert_close(res[1][1][n], g, rtol=1e-6, atol=1e-6, msg=n)
 
 
 def test_default_ce_path_is_unchanged():

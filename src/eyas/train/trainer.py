@@ -385,7 +385,8 @@ class Trainer:
                               f"{last_eval.get('baseline_acc_0', float('nan')):.3f}), tau_est "
                               f"{last_eval['tau_est']:.2f}, replayed chain-{cfg.ttt_steps} tau "
                               f"{last_eval.get('round_tau_by_chain', [float('nan')])[-1]:.2f} (first replies "
-                              f"{last_eval.get('round_tau_first_by_chain', [float('nan')])[-1]:.2f})")
+                              f"{last_eval.get('round_tau_first_by_chain', [float('nan')])[-1]:.2f}), alpha_0 "
+                              f"{last_eval.get('alpha_k', [float('nan')])[0]:.3f}")
             if end_of_epoch:
                 self.epoch, self.pos = self.epoch + 1, 0
             if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == self.total:
