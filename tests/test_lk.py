@@ -288,6 +288,8 @@ def test_loss_is_a_flag_a_recipe_key_and_part_of_the_resume_identity(tmp_path):
     t = tt.tiny_target()
     store = tt.capture(tmp_path, t, tt.make_samples(24))
     run_train(tt.cfg(tmp_path, store, "r", steps=2), target=t)
+    recs = [json.loads(x) for x in open(tmp_path / "r" / "metrics.jsonl")]      # a ce run: alpha in eval only
+    assert {r["split"]: "alpha_k" in r for r in recs} == {"train": False, "eval": True}
     with pytest.raises(EyasError, match=r"training configuration does not match \(.*loss"):
         run_train(tt.cfg(tmp_path, store, "r", steps=2, loss="lk_alpha", resume=True), target=t)
 
