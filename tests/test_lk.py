@@ -315,3 +315,80 @@ def test_a_cpu_run_with_each_lk_loss_learns(tmp_path, loss):
     assert len(alpha0) == 60 and sum(alpha0[-10:]) / 10 > sum(alpha0[:5]) / 5 + 0.03, alpha0
     assert ev["acc_k"][0] > ev["baseline_acc_0"] + 0.08, ev
     assert len(ev["alpha_k"]) == 3 and 0.0 < ev["alpha_k"][0] <= 1.0
+
+
+@pytest.mark.parametrize("loss", ["lk_alpha", "lk_lambda"])
+def test_lk_losses_under_bf16_autocast_are_close_to_fp32(loss):
+    """The GPU trains under bf16 autocast: the matmuls in bf16, everything per row in fp32; the loss and alpha stay
+    within a few percent of fp32's and every gradient is finite."""
+    from test_ttt import make_case, ttt_inputs
+
+    from eyas.train.ttt import TTTConfig, ttt_forward
+
+    d, c = make_case(seed=8, B=2, T=12, h=64, V=300, Vd=200)
+    cfg = TTTConfig(num_steps=3, loss=loss)
+    ref = ttt_forward(d, **ttt_inputs(c), cfg=cfg)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o = ttt_forward(d, **ttt_inputs(c), cfg=cfg)
+    o.loss.backward()
+    assert abs(float(o.loss) - float(ref.loss)) < 0.03 * abs(float(ref.loss))
+    torch.testing.assert_close(o.alpha_k, ref.alpha_k, rtol=0.03, atol=0.03)
+    assert all(p.grad.dtype == p.dtype and torch.isfinite(p.grad).all() for p in d.parameters() if p.grad is not None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("grads", [("nla",), ("ce", "alpha")])
+def test_compiled_cuda_terms_equal_the_reference(grads):
+    """On CUDA the chunk step is compiled (training) or eager (no gradients): both equal the fp32 reference; the row
+    count changes between calls, as the last chunk's does in training."""
+    for N in (37, 29):
+        x, w, f, wt, lm = _case(N=N, Vd=300)
+        ref = reference(x, w, f, wt, lm)
+        coef = {"ce": 0.7, "alpha": -1.3, "nla": 1.1}
+        gx_r, gw_r = _grads(sum(coef[g] * ref[("ce", "alpha", "nla").index(g)] for g in grads), x, w)
+        xc, wc = x.detach().cuda().requires_grad_(True), w.detach().cuda().requires_grad_(True)
+        out = fused_lk_terms(xc, wc, f.cuda(), wt.cuda(), lm.cuda(), grads=grads, chunk=16)
+        gx, gw = _grads(sum(coef[g] * out[("ce", "alpha", "nla").index(g)] for g in grads), xc, wc)
+        for a, b in zip(out[:3], ref[:3]):
+            torch.testing.assert_close(a.cpu(), b.detach(), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(gx.cpu(), gx_r, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(gw.cpu(), gw_r, rtol=1e-4, atol=1e-4)
+        with torch.no_grad():
+            eager = fused_lk_terms(xc, wc, f.cuda(), wt.cuda(), lm.cuda(), chunk=16)
+        for a, b in zip(eager[:3], ref[:3]):
+            torch.testing.assert_close(a.cpu(), b.detach(), rtol=1e-4, atol=1e-4)
+
+
+def test_an_lk_run_resumes_bit_identically(tmp_path, monkeypatch):
+    """An lk_lambda run cut after step 6 (checkpoint at 4) and resumed equals the uninterrupted run to the bit:
+    the per-micro-batch weight w holds no state that a checkpoint could miss."""
+    import test_train as tt
+
+    from eyas.train import metrics
+    from eyas.train.trainer import run_train
+
+    t = tt.tiny_target()
+    store = tt.capture(tmp_path, t, tt.make_samples(40))
+    kw = dict(steps=8, checkpoint_every=4, loss="lk_lambda", lk_eta=2.0)
+    run_train(tt.cfg(tmp_path, store, "full", **kw), target=t)
+    orig = metrics.MetricsSink.log
+
+    class Cut(Exception):
+        pass
+
+    def cutting_log(self, rec):
+        orig(self, rec)
+        if rec["step"] == 6 and rec["split"] == "train":
+            raise Cut()
+    monkeypatch.setattr(metrics.MetricsSink, "log", cutting_log)
+    with pytest.raises(Cut):
+        run_train(tt.cfg(tmp_path, store, "cut", **kw), target=t)
+    monkeypatch.setattr(metrics.MetricsSink, "log", orig)
+    run_train(tt.cfg(tmp_path, store, "cut", resume=True, **kw), target=t)
+    recs = [[json.loads(x) for x in open(tmp_path / n / "metrics.jsonl")] for n in ("full", "cut")]
+    for r in recs[0] + recs[1]:
+        r.pop("tokens_per_s", None)
+    assert len(recs[0]) > 8 and recs[0] == recs[1] and all("alpha_k" in r for r in recs[0])
+    sa, sb = tt.drafter_state(tmp_path / "full"), tt.drafter_state(tmp_path / "cut")
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
