@@ -276,6 +276,9 @@ def test_loss_is_a_flag_a_recipe_key_and_part_of_the_resume_identity(tmp_path):
         TrainConfig(store="S", out="R", lk_eta=-1.0)
     # a run written before the fields resumes (left out of the identity at their defaults); an LK run names them
     assert TrainConfig(store="S", out="R").loss == "ce"
+    from eyas.train.config import CHOICES
+    from eyas.train.ttt import LOSSES
+    assert CHOICES["loss"] == LOSSES
     assert not {"loss", "lk_eta"} & set(TrainConfig(store="S", out="R").identity())
     assert TrainConfig(store="S", out="R", loss="lk_alpha").identity()["loss"] == "lk_alpha"
 

@@ -13,7 +13,8 @@ CUDA: EAGLE-3's K and vocabulary. CPU: K=3 and an 8k vocabulary, an order of mag
 than K=7 with 32k."""
 
 CHOICES = {"loss_on": ("assistant", "all"), "attention": ("auto", "dense", "flex", "blocks"),
-           "pack": ("auto", "on", "off"), "autocast": ("auto", "bf16", "off"), "loss": ("ce", "lk_alpha", "lk_lambda")}
+           "pack": ("auto", "on", "off"), "autocast": ("auto", "bf16", "off"),
+           "loss": ("ce", "lk_alpha", "lk_lambda")}   # loss: train.ttt.LOSSES
 """The fields that take one of a few names, and those names (checked here; the choices of `eyas train`'s flags)."""
 
 # Fields that may change between a run and its --resume (they do not change the loss curve).

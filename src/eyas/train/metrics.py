@@ -40,7 +40,7 @@ class Sums:
             t[5 + (2 + j) * K:5 + (3 + j) * K] += x.double()
         if rounds is not None:
             t[5 + 6 * K:5 + 10 * K] += rounds.to(t)
-        if getattr(out, "alpha_k", None) is not None:
+        if out.alpha_k is not None:
             t[5 + 10 * K:5 + 11 * K] += out.alpha_k.double()
             t[5 + 11 * K:5 + 12 * K] += out.count_k.double()
 
