@@ -29,8 +29,8 @@ from torch import Tensor
 from eyas.train.soft_ce import _compute_dtype
 
 ALPHA_FLOOR = 1e-20
-"""Smallest alpha taken into -log alpha (so nla <= 46 and its gradient stays finite where drafter and target
-share no mass in fp32)."""
+"""Smallest alpha taken into -log alpha (so nla is at most about 46, and its gradient stays finite where drafter and
+target share no mass in fp32)."""
 
 TERMS = ("ce", "alpha", "nla")
 

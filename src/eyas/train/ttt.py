@@ -178,7 +178,8 @@ def _select(m: Tensor, n: int | None) -> tuple[Tensor, Tensor | None]:
 def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, valid: Tensor, aux: Tensor,
                 final: Tensor, embed: nn.Module | Tensor, lm_head_weight: Tensor, cfg: TTTConfig = TTTConfig(),
                 segment_ids: Tensor | None = None, position_ids: Tensor | None = None,
-                max_counted: int | None = None, target_ids: Tensor | None = None, alpha: bool = False) -> TTTOutput:
+                max_counted: int | None = None, target_ids: Tensor | None = None,
+                alpha: bool = False) -> TTTOutput:
     """TTT loss and metrics for one batch.
 
     input_ids, loss_mask, valid: (B, T) (valid False on padding); aux (B, T, 3h_t) concat(low, mid, high);
