@@ -22,9 +22,9 @@ def register(subparsers) -> None:
     add_flags(n, TrainConfig, ["epochs", "steps"])
     add_flags(p, TrainConfig, ["resume", "init", "lr", "batch_tokens", "grad_accum", "max_len", "ttt_steps",
                                "chunk_size", "draft_vocab", "attention", "allow_target_mismatch", "compile", "pack",
-                               "intermediate_size", "norm_before_fc", "autocast", "init_from_target", "loss_on", "warmup_ratio",
-                               "trust_remote_code", "eval_every", "checkpoint_every", "device", "seed", "deterministic", "eval_fraction",
-                               "fsdp", "progress"],
+                               "intermediate_size", "norm_before_fc", "autocast", "init_from_target", "loss", "lk_eta",
+                               "loss_on", "warmup_ratio", "trust_remote_code", "eval_every", "checkpoint_every", "device",
+                               "seed", "deterministic", "eval_fraction", "fsdp", "progress"],
               progress={"help": "no progress bar"}, **{n: {"choices": list(c)} for n, c in CHOICES.items()})
     p.set_defaults(func=main)
 
@@ -45,5 +45,7 @@ def main(args) -> int:
         line.update(eval_acc_k=[round(a, 4) for a in ev["acc_k"]],
                     eval_cond_acc_k=[round(a, 4) for a in ev["cond_acc_k"]],
                     baseline_acc_0=round(ev.get("baseline_acc_0", float("nan")), 4), tau_est=round(ev["tau_est"], 3))
+        if "alpha_k" in ev:
+            line["eval_alpha_k"] = [round(a, 4) for a in ev["alpha_k"]]
     print(json.dumps(line))
     return 0

@@ -13,7 +13,8 @@ CUDA: EAGLE-3's K and vocabulary. CPU: K=3 and an 8k vocabulary, an order of mag
 than K=7 with 32k."""
 
 CHOICES = {"loss_on": ("assistant", "all"), "attention": ("auto", "dense", "flex", "blocks"),
-           "pack": ("auto", "on", "off"), "autocast": ("auto", "bf16", "off")}
+           "pack": ("auto", "on", "off"), "autocast": ("auto", "bf16", "off"),
+           "loss": ("ce", "lk_alpha", "lk_lambda")}   # loss: train.ttt.LOSSES
 """The fields that take one of a few names, and those names (checked here; the choices of `eyas train`'s flags)."""
 
 # Fields that may change between a run and its --resume (they do not change the loss curve).
@@ -21,7 +22,7 @@ RESUME_FREE = ("resume", "progress", "checkpoint_every", "keep_checkpoints", "ta
                "eval_every", "allow_target_mismatch", "trust_remote_code")
 
 # Fields added after runs were written, with their defaults: identity() omits them at the default.
-ADDED_LATER = {"norm_before_fc": False}
+ADDED_LATER = {"norm_before_fc": False, "loss": "ce", "lk_eta": 3.0}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +81,13 @@ class TrainConfig:
     autocast: str = "auto"
     """bf16 autocast: 'auto' (on CUDA, and on CPUs with native bf16 instructions, where it is faster than fp32;
     emulated bf16 is far slower), 'bf16' (always), 'off'."""
+    loss: str = "ce"
+    """Per-step TTT loss: 'ce' (soft cross-entropy against the target's draft-vocab law), 'lk_alpha' (mean of -log
+    alpha, alpha = sum_v min(p_v, q_v) the chance that the target accepts a token sampled from the drafter) or
+    'lk_lambda' (w CE + (1 - w)(1 - mean alpha), w = exp(-lk_eta * mean alpha)): the LK losses, arXiv 2602.23881."""
+    lk_eta: float = 3.0
+    """lk_lambda's decay: the CE's weight is exp(-lk_eta * the step's mean alpha over the micro-batch) (the paper's
+    eta; 0 gives the plain CE)."""
     loss_on: str = "assistant"
     """Positions that train the drafter: 'assistant' (the loss mask from prepare) or 'all' (every position,
     prompts included: the labels are the target's own distributions, so a prompt position is as valid an
@@ -154,6 +162,8 @@ class TrainConfig:
             raise EyasError(f"train: intermediate_size must be >= 1, got {self.intermediate_size}")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise EyasError(f"train: chunk_size must be >= 1, got {self.chunk_size}")
+        if not self.lk_eta >= 0.0:
+            raise EyasError(f"train: lk_eta must be >= 0, got {self.lk_eta}")
 
     def for_device(self, device) -> tuple["TrainConfig", str | None]:
         """This config with the fields left None that have per-device defaults filled in, and a line saying what was

@@ -20,8 +20,9 @@ class Sums:
     def __init__(self, K: int, device):
         self.K = K
         # [n_micro, loss, tokens, base_count, base_correct, loss_k*K, lsum_k*K, count_k*K, correct_k*K,
-        #  cond_count_k*K, cond_correct_k*K, round_tokens_j*K, round_forwards_j*K, the same two over first replies]
-        self.t = torch.zeros(5 + 10 * K, dtype=torch.float64, device=device)
+        #  cond_count_k*K, cond_correct_k*K, round_tokens_j*K, round_forwards_j*K, the same two over first replies,
+        #  alpha_sum_k*K, alpha_count_k*K (the positions of the micro-batches that measured alpha)]
+        self.t = torch.zeros(5 + 12 * K, dtype=torch.float64, device=device)
 
     def add(self, out, tokens: int, baseline: tuple[Tensor, Tensor] | None = None,
             rounds: Tensor | None = None) -> None:
@@ -38,7 +39,10 @@ class Sums:
         for j, x in enumerate((out.count_k, out.correct_k, out.cond_count_k, out.cond_correct_k)):
             t[5 + (2 + j) * K:5 + (3 + j) * K] += x.double()
         if rounds is not None:
-            t[5 + 6 * K:] += rounds.to(t)
+            t[5 + 6 * K:5 + 10 * K] += rounds.to(t)
+        if out.alpha_k is not None:
+            t[5 + 10 * K:5 + 11 * K] += out.alpha_k.double()
+            t[5 + 11 * K:5 + 12 * K] += out.count_k.double()
 
     def all_reduce(self) -> "Sums":
         import torch.distributed as dist
@@ -48,12 +52,13 @@ class Sums:
         return self
 
     def summary(self, *, token_weighted: bool = False) -> dict:
-        """loss / loss_k (mean over micro-batches, or token-weighted), acc_k, cond_acc_k, tau estimate."""
+        """loss / loss_k (mean over micro-batches, or token-weighted), acc_k, cond_acc_k, tau estimate, and alpha_k
+        (mean alpha per step over the counted positions) when measured."""
         K = self.K
         v = self.t.cpu().tolist()
         n, loss, tokens = max(v[0], 1.0), v[1], v[2]
         sec = lambda j: v[5 + j * K:5 + (j + 1) * K]   # noqa: E731
-        loss_k, lsum_k, count, correct, ccount, ccorrect, rtok, rfw, ftok, ffw = (sec(j) for j in range(10))
+        loss_k, lsum_k, count, correct, ccount, ccorrect, rtok, rfw, ftok, ffw, asum, acount = map(sec, range(12))
         acc = [c / max(m, 1.0) for c, m in zip(correct, count)]
         cond = [c / max(m, 1.0) for c, m in zip(ccorrect, ccount)]
         if token_weighted:
@@ -71,6 +76,10 @@ class Sums:
             # the same over each sample's first reply only: what `eyas bench` decodes (first turns), so the
             # number to hold a bench of the same prompt distribution against (later turns accept more)
             out["round_tau_first_by_chain"] = [a / max(b, 1.0) for a, b in zip(ftok, ffw)]
+        if any(acount):
+            # sum_v min(p_v, q_v): the chance that the target accepts a token sampled from the drafter (the LK losses'
+            # quantity; the temperature-1 acceptance, where acc_k is the greedy one)
+            out["alpha_k"] = [a / max(m, 1.0) for a, m in zip(asum, acount)]
         if v[3] > 0:
             out["baseline_acc_0"] = v[4] / v[3]
             out["baseline_positions"] = int(v[3])
@@ -183,7 +192,7 @@ class MetricsSink:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and k not in ("step", "epoch"):
                     self.tb.add_scalar(f"{split}/{k}", v, step)
-                elif isinstance(v, list) and k in ("loss_k", "acc_k", "cond_acc_k"):
+                elif isinstance(v, list) and k in ("loss_k", "acc_k", "cond_acc_k", "alpha_k"):
                     for i, x in enumerate(v):
                         self.tb.add_scalar(f"{split}/{k[:-2]}_{i}", x, step)
 

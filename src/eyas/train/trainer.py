@@ -47,12 +47,12 @@ class TTTModule(nn.Module):
         self.drafter, self.ttt = drafter, ttt
 
     def forward(self, input_ids, loss_mask, valid, aux, final, embed_weight, lm_head_weight, segment_ids=None,
-                position_ids=None, max_counted=None, target_ids=None):
+                position_ids=None, max_counted=None, target_ids=None, alpha=False):
         o = ttt_forward(self.drafter, input_ids=input_ids, loss_mask=loss_mask, valid=valid, aux=aux, final=final,
                         embed=embed_weight, lm_head_weight=lm_head_weight, cfg=self.ttt, segment_ids=segment_ids,
-                        position_ids=position_ids, max_counted=max_counted, target_ids=target_ids)
-        return (o.loss, o.loss_k, o.count_k, o.correct_k, o.cond_count_k, o.cond_correct_k, o.accept_len,
-                o.target_ids)
+                        position_ids=position_ids, max_counted=max_counted, target_ids=target_ids, alpha=alpha)
+        out = (o.loss, o.loss_k, o.count_k, o.correct_k, o.cond_count_k, o.cond_correct_k, o.accept_len, o.target_ids)
+        return out if o.alpha_k is None else out + (o.alpha_k,)   # TTTOutput's fields in order, alpha_k if measured
 
 
 def run_train(cfg: TrainConfig, target=None) -> dict:
@@ -125,7 +125,8 @@ class Trainer:
             from torch import _dynamo
             _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, 64)  # K steps x train/eval
             drafter.midlayer.compile(dynamic=False)  # in place: the state-dict keys stay the export keys
-        ttt = TTTConfig(num_steps=cfg.ttt_steps, decay=cfg.decay, chunk_size=cfg.chunk_size, attention=cfg.attention)
+        ttt = TTTConfig(num_steps=cfg.ttt_steps, decay=cfg.decay, chunk_size=cfg.chunk_size, attention=cfg.attention,
+                        loss=cfg.loss, lk_eta=cfg.lk_eta)
         # packed rows: (rows, row_len) of every micro-batch, a fixed shape
         self.packed = (max(1, cfg.batch_tokens // cfg.max_len), cfg.max_len) if cfg.packs(self.device) else None
         self.module = TTTModule(drafter, ttt)
@@ -158,7 +159,9 @@ class Trainer:
         self.step, self.epoch, self.pos, self.seen = 0, 0, 0, 0
         # Offline, unpacked: each training sample's full-vocab target argmax, kept from its first pass, so later
         # epochs multiply only the draft vocabulary's rows of the target's head (the store's states never change).
-        self.target_ids: dict[int, torch.Tensor] | None = None if cfg.online or self.packed else {}
+        # Not with an LK loss: its alpha needs the target's full-vocab normaliser, so every pass multiplies it all.
+        self.target_ids: dict[int, torch.Tensor] | None = ({} if not (cfg.online or self.packed) and cfg.loss == "ce"
+                                                           else None)
         self._restore()
 
     def plan(self, epoch: int) -> list[list[list[int]]]:
@@ -304,7 +307,8 @@ class Trainer:
         raise EyasError(f"step {step}: NaN/Inf in {what}, sample(s) {', '.join(map(repr, names)) or '(another rank)'}")
 
     def evaluate(self) -> dict:
-        """Token-weighted TTT metrics and the frequency baseline on the held-out split ({} when there is none)."""
+        """Token-weighted TTT metrics, the mean alpha per step (whatever the loss) and the frequency baseline on the
+        held-out split ({} when there is none)."""
         self.check_finite()
         if not self.eval_idx:
             return {}
@@ -322,7 +326,7 @@ class Trainer:
                 b, _, n_loss = self._features(batches[k % len(batches)])  # n_loss bounds the counted positions
                 with self.amp:  # DDP: the plain module (ranks may run different numbers of eval batches)
                     o = TTTOutput(*self.module(b.input_ids, b.loss_mask, b.valid, b.aux, b.final, self.embed_w,
-                                               self.lm_w, b.segment_ids, b.position_ids, n_loss))
+                                               self.lm_w, b.segment_ids, b.position_ids, n_loss, None, True))
                     base = frequency_baseline(b.input_ids, b.loss_mask, b.valid, b.final, self.lm_w,
                                               self.module.drafter.t2d, self.top_id)
                 if k < len(batches):
@@ -381,7 +385,8 @@ class Trainer:
                               f"{last_eval.get('baseline_acc_0', float('nan')):.3f}), tau_est "
                               f"{last_eval['tau_est']:.2f}, replayed chain-{cfg.ttt_steps} tau "
                               f"{last_eval.get('round_tau_by_chain', [float('nan')])[-1]:.2f} (first replies "
-                              f"{last_eval.get('round_tau_first_by_chain', [float('nan')])[-1]:.2f})")
+                              f"{last_eval.get('round_tau_first_by_chain', [float('nan')])[-1]:.2f}), alpha_0 "
+                              f"{last_eval.get('alpha_k', [float('nan')])[0]:.3f}")
             if end_of_epoch:
                 self.epoch, self.pos = self.epoch + 1, 0
             if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == self.total:

@@ -15,6 +15,10 @@ The attention rule is a dense (B, T, (k+1)T) bool mask (`dense_masks`, the refer
 (`flex_mask`; CUDA) that computes only the causal step-0 blocks and the k diagonal blocks, or on the CPU the same
 blocks as StepBlocks (eyas.model.blocks: the fused kernel over step 0's keys, the diagonals beside it).
 Logits and the soft cross-entropy run fused, in row chunks, at the counted positions only (eyas.train.soft_ce).
+TTTConfig.loss picks the per-step loss: 'ce' (that soft cross-entropy), or one of the LK losses (arXiv 2602.23881,
+eyas.train.lk) over the same positions, mask and step weights: 'lk_alpha' = mean of -log alpha, 'lk_lambda' =
+w CE + (1 - w)(1 - mean alpha) with w = exp(-lk_eta * mean alpha) of the step (detached), where alpha =
+sum_v min(p_v, q_v) is the chance that the target accepts a token sampled from the drafter.
 Packed rows (several samples per row) carry segment ids: attention and counting never cross a sample boundary.
 """
 
@@ -28,12 +32,17 @@ from torch import Tensor, nn
 
 from eyas.errors import EyasError
 from eyas.model.blocks import StepBlocks
+from eyas.train.lk import fused_lk_terms, log_draft_mass
 from eyas.train.soft_ce import fused_soft_ce
 
 
 LABEL_TABLE_BYTES = 256 << 20
 """Largest (positions x V_draft) table of target logits one batch keeps; past it each step recomputes its labels in
 chunks (a CPU batch of 2048 tokens and an 8k draft vocabulary takes 32 MiB; 16 x 2048 rows x 32k, 2 GiB, do not)."""
+
+
+LOSSES = ("ce", "lk_alpha", "lk_lambda")
+"""TTTConfig.loss's names (and `eyas train --loss`'s choices)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +58,10 @@ class TTTConfig:
     or 'auto' (flex on CUDA, blocks on the CPU)."""
     reduction: str = "mean"
     """'mean': loss_k is the mean over step k's counted positions; 'sum': the plain sum (for the caller to divide)."""
+    loss: str = "ce"
+    """Per-step loss: 'ce' (soft cross-entropy), 'lk_alpha' (-log alpha) or 'lk_lambda' (CE and 1 - alpha mixed)."""
+    lk_eta: float = 3.0
+    """lk_lambda: the CE's weight is exp(-lk_eta * the step's mean alpha); 0 gives the plain CE."""
 
     def __post_init__(self):
         if self.num_steps < 1:
@@ -61,6 +74,10 @@ class TTTConfig:
             raise EyasError(f"ttt: attention must be auto, dense, flex or blocks, got {self.attention!r}")
         if self.reduction not in ("mean", "sum"):
             raise EyasError(f"ttt: reduction must be 'mean' or 'sum', got {self.reduction!r}")
+        if self.loss not in LOSSES:
+            raise EyasError(f"ttt: loss must be {', '.join(LOSSES[:-1])} or {LOSSES[-1]}, got {self.loss!r}")
+        if not self.lk_eta >= 0.0:
+            raise EyasError(f"ttt: lk_eta must be >= 0, got {self.lk_eta}")
 
 
 @dataclass
@@ -86,6 +103,10 @@ class TTTOutput:
     target_ids: Tensor | None = None
     """(B, T) int64, detached: the full-vocab target argmax at s (about x_{s+1}) where loss_mask[s+1], else 0; what
     ttt_forward's target_ids takes on a later pass over the same rows."""
+    alpha_k: Tensor | None = None
+    """(K,) float32, detached: the sum over step k's counted positions of alpha = sum_v min(p_v, q_v), the chance
+    that the target accepts a token sampled from the drafter (eyas.train.lk); None unless measured (an LK loss, or
+    ttt_forward's alpha=True)."""
 
     @property
     def acc_k(self) -> list[float]:
@@ -157,7 +178,8 @@ def _select(m: Tensor, n: int | None) -> tuple[Tensor, Tensor | None]:
 def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, valid: Tensor, aux: Tensor,
                 final: Tensor, embed: nn.Module | Tensor, lm_head_weight: Tensor, cfg: TTTConfig = TTTConfig(),
                 segment_ids: Tensor | None = None, position_ids: Tensor | None = None,
-                max_counted: int | None = None, target_ids: Tensor | None = None) -> TTTOutput:
+                max_counted: int | None = None, target_ids: Tensor | None = None,
+                alpha: bool = False) -> TTTOutput:
     """TTT loss and metrics for one batch.
 
     input_ids, loss_mask, valid: (B, T) (valid False on padding); aux (B, T, 3h_t) concat(low, mid, high);
@@ -168,7 +190,9 @@ def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, val
     on the positions with loss_mask & valid, known on the host (the trainer counts them before the copy); with
     it the counted positions are gathered into fixed-size row sets and the forward never waits for the device.
     target_ids: (B, T) the full-vocab target argmax at each position s with loss_mask[s+1] (TTTOutput.target_ids of an
-    earlier pass over the same rows): the full-vocab product is skipped.
+    earlier pass over the same rows): the full-vocab product is skipped (not with alpha measured: alpha needs the
+    target's full-vocab normaliser at each position). alpha: also measure alpha_k with the 'ce' loss (the LK losses
+    always do); its CE is soft_ce's, to the bit on the CPU.
     """
     B, T = input_ids.shape
     if loss_mask.shape != (B, T) or valid.shape != (B, T) or aux.shape[:2] != (B, T) or final.shape[:2] != (B, T):
@@ -186,6 +210,7 @@ def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, val
     seg = valid.long() if segment_ids is None else torch.where(valid, segment_ids, 0)   # (B, T)
     positions = torch.arange(T, device=dev).expand(B, T) if position_ids is None else position_ids  # (B, T)
     lmask = loss_mask.bool() & valid
+    alpha = alpha or cfg.loss != "ce"
     holes = (~valid).long().cumsum(-1)                                           # (B, T) invalid tokens up to t
 
     with torch.no_grad():
@@ -196,8 +221,10 @@ def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, val
         # when their draft-vocab logits fit in LABEL_TABLE_BYTES they are taken from the full-vocab product here,
         # once per position, instead of a second product per step (K x V_draft more multiply-adds per position).
         # Given target_ids (the same argmax, kept from an earlier epoch) only the draft-vocab columns are multiplied.
+        # With alpha, also log m_s, the target's probability mass on the draft vocabulary (from the same product).
         need = _shift(lmask, 1)                                                    # (B, T)
-        known = target_ids is not None
+        known = target_ids is not None and not alpha
+        lmass = torch.zeros(B * T, dtype=torch.float32, device=dev) if alpha else None  # (B*T,) log m_s
         tgt_id = target_ids.reshape(B * T).long() if known else torch.zeros(B * T, dtype=torch.long, device=dev)
         at, _ = _select(need, max_counted)                                         # (N,) (extra ones: not read)
         rows, step = final.reshape(B * T, -1)[at], cfg.chunk_size or 4096          # (N, h_t)
@@ -212,6 +239,8 @@ def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, val
             else:
                 z = target_logits_from_final(rows[i:i + step], lm_head_weight)    # (c, V)
                 tgt_id[at[i:i + step]] = first_argmax(z)
+                if lmass is not None:
+                    lmass[at[i:i + step]] = log_draft_mass(z, token_ids)
                 if not keep:
                     continue
                 zd = z[:, token_ids]                                               # (c, Vd)
@@ -230,7 +259,8 @@ def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, val
     cache = None
     prev_right = torch.ones(B, T, dtype=torch.bool, device=dev)
     accept_len = torch.zeros(B, T, dtype=torch.long, device=dev)
-    total, losses, counts, corrects, ccounts, ccorrects = 0.0, [], [], [], [], []
+    total, losses, counts, corrects, ccounts, ccorrects, alphas = 0.0, [], [], [], [], [], []
+    grads = {"ce": ("ce",), "lk_alpha": ("nla",), "lk_lambda": ("ce", "alpha")}[cfg.loss]
     for k in range(K):
         emb_k = _shift(embeds, k + 1)                                              # (B, T, h) embed(x_{t+k+1})
         mask_k = (flex_mask(seg, k) if use_flex else blocks if use_blocks
@@ -245,12 +275,22 @@ def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, val
             f_k, w_k = table[row_of[(at + k + 1).clamp(max=B * T - 1)]], None      # (N_k, Vd) target logits
         else:
             f_k, w_k = _shift(final, k + 1).reshape(B * T, -1)[at], w_draft        # (N_k, h_t) target states
-        ls, pr = fused_soft_ce(drafter.norm(out.reshape(B * T, -1)[at]), drafter.lm_head.weight, f_k, w_k,
-                               chunk=cfg.chunk_size or 4096, weight=wt)
+        x_k, count = drafter.norm(out.reshape(B * T, -1)[at]), m.sum()             # (N_k, h)
+        if lmass is None:  # the plain CE
+            ls, pr = fused_soft_ce(x_k, drafter.lm_head.weight, f_k, w_k, chunk=cfg.chunk_size or 4096, weight=wt)
+        else:
+            lm_k = lmass[(at + k + 1).clamp(max=B * T - 1)]                         # (N_k,) log m at t+k+1
+            ce, a, nla, pr = fused_lk_terms(x_k, drafter.lm_head.weight, f_k, w_k, lm_k, grads=grads,
+                                            chunk=cfg.chunk_size or 4096, weight=wt)
+            alphas.append(a.detach())
+            if cfg.loss == "lk_lambda":  # sums over the step's positions: w CE_n + (1 - w)(1 - alpha_n)
+                lam = torch.exp(-cfg.lk_eta * a.detach() / count.clamp(min=1))      # () the CE's weight
+                ls = lam * ce + (1 - lam) * (count - a)
+            else:
+                ls = nla if cfg.loss == "lk_alpha" else ce
         pred = torch.full((B * T,), -1, dtype=torch.long, device=dev)              # (B*T,)
         pred[at] = pr                                     # extra (weight 0) entries land where m is False
         pred = pred.view(B, T)                                                     # (B, T): read only where m
-        count = m.sum()
         loss_k = ls / count.clamp(min=1) if cfg.reduction == "mean" else ls
         total = total + cfg.decay ** k * loss_k
         right = (pred == _shift(tgt_draft, k + 1)) & m
@@ -268,4 +308,5 @@ def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, val
         total = torch.zeros((), device=dev)
     return TTTOutput(loss=total, loss_k=torch.stack(losses), count_k=torch.stack(counts),
                      correct_k=torch.stack(corrects), cond_count_k=torch.stack(ccounts),
-                     cond_correct_k=torch.stack(ccorrects), accept_len=accept_len, target_ids=tgt_id)
+                     cond_correct_k=torch.stack(ccorrects), accept_len=accept_len, target_ids=tgt_id,
+                     alpha_k=torch.stack(alphas) if alphas else None)
