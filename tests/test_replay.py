@@ -261,10 +261,16 @@ def test_decoded_acceptance_equals_teacher_forced(tiny, fast):
 
 
 # ----------------------------------------------------------------------------- injected decode bugs
+def decode_step(mask) -> bool:
+    """Whether a drafter layer call is a decode-time draft step (one query, a dense mask); TTT's CPU attention
+    passes its own block structure instead of a mask, and the teacher-forced side must stay correct."""
+    return isinstance(mask, torch.Tensor) and mask.shape[1] == 1
+
+
 def _stale_slot(orig):
     """Draft step attends one extra stale key: the cache's first key is appended again."""
     def layer(hidden, emb, pos, mask, cache=None):
-        if cache is not None and mask.shape[1] == 1:
+        if cache is not None and decode_step(mask):
             k, v = cache
             cache = (torch.cat([k, k[:, :, :1]], 2), torch.cat([v, v[:, :, :1]], 2))
             mask = torch.cat([mask[..., :-1], torch.ones_like(mask[..., :1]), mask[..., -1:]], -1)
@@ -278,7 +284,7 @@ def _stale_slot(orig):
 def _rope_off_by_one(orig):
     """Draft steps (one query at a time) run at RoPE position p+k+1 instead of p+k."""
     def layer(hidden, emb, pos, mask, cache=None):
-        if mask.shape[1] == 1 and cache is not None:
+        if cache is not None and decode_step(mask):
             pos = pos + 1
         return orig(hidden, emb, pos, mask, cache)
     return layer
@@ -287,7 +293,7 @@ def _rope_off_by_one(orig):
 def _hide_newest_key(orig):
     """Draft steps cannot see the newest cached key (a mask off by one)."""
     def layer(hidden, emb, pos, mask, cache=None):
-        if mask.shape[1] == 1 and cache is not None:
+        if cache is not None and decode_step(mask):
             mask = mask.clone()
             live = mask[0, 0, :-1].nonzero().flatten()
             committed = [i for i in live.tolist() if i < cache[0].shape[2]]
