@@ -57,8 +57,8 @@ PRESETS_NOW: dict[str, dict] = {name: {**k, **({"dtype": "auto", "autocast": "au
                                           if name == "gpu" else {})}
                                 for name, k in OLD_PRESETS.items()}
 # Since issue 33 the cpu-demo is sized for 20 minutes on 2 cores: 1,360 conversations (770 regenerated), a 6,144-token
-# draft vocabulary, one held-out eval after the last step, and an fp32 lossless rerun of 2 turns instead of 4.
-PRESETS_NOW["cpu-demo"].update(limit=1360, regen_limit=770, draft_vocab=6144, eval_every=1000,
+# draft vocabulary, 3 epochs, one held-out eval after the last step, and an fp32 lossless rerun of 2 turns instead of 4.
+PRESETS_NOW["cpu-demo"].update(limit=1360, regen_limit=770, draft_vocab=6144, epochs=3, eval_every=1000,
                                bench=[{**PRESETS_NOW["cpu-demo"]["bench"][0], "lossless_turns": 2}])
 # Since issue 33 the gpu recipe benches the long-prompt set third, with its own prompt range (max_seq derived).
 PRESETS_NOW["gpu"]["bench"].insert(2, dict(prompts="long", method="chain", k=5, graph_round=True, limit=30,
@@ -139,12 +139,12 @@ def test_cli_recipe_and_preset_resolve_alike(monkeypatch):
     seen = []
     monkeypatch.setattr(eyas.run, "run_pipeline", seen.append)
     monkeypatch.chdir(ROOT)
-    assert main(["run", "--recipe", "recipes/cpu-demo.toml", "--set", "train.epochs=3"]) == 0
-    assert main(["run", "--preset", "cpu-demo", "--set", "epochs=3"]) == 0
+    assert main(["run", "--recipe", "recipes/cpu-demo.toml", "--set", "train.epochs=4"]) == 0
+    assert main(["run", "--preset", "cpu-demo", "--set", "epochs=4"]) == 0
     a, b = seen
     assert (a.preset, a.out, b.out) == ("cpu-demo", "runs/cpu-demo", "runs/cpu-demo")
     assert stages(a) == stages(b)
-    assert stages(a)[2] == replace(old_stage_configs("cpu-demo", vocab=49152)[2], epochs=3)
+    assert stages(a)[2] == replace(old_stage_configs("cpu-demo", vocab=49152)[2], epochs=4)
 
 
 def test_cli_refuses_preset_and_recipe_together(capsys):
