@@ -87,7 +87,8 @@ train() {  # $1: unit name, $2: ranks, $3: wrap (fsdp | ddp | ''): benchmarks/tr
   local py=(python3 $WORK/bench/train.py)
   [ "$2" -gt 1 ] && py=(python3 -m torch.distributed.run --standalone --nproc_per_node $2 $WORK/bench/train.py)
   [ "$2" = 1 ] && [ $TRAIN_DEVICE = cuda ] && export CUDA_VISIBLE_DEVICES=0
-  timeout $TRAIN_LIMIT "${py[@]}" --device $TRAIN_DEVICE $TRAIN_ARGS ${3:+--$3} --no-record --json $WORK/$1.json \
+  local wrap=(); [ "$3" = fsdp ] && wrap=(--fsdp)                     # DDP is train.py's default under torchrun
+  timeout $TRAIN_LIMIT "${py[@]}" --device $TRAIN_DEVICE $TRAIN_ARGS "${wrap[@]}" --no-record --json $WORK/$1.json \
     > $WORK/$1.log 2>&1; local rc=$?
   unset CUDA_VISIBLE_DEVICES
   grep -E "^\|" $WORK/$1.log | tail -n 4
@@ -117,7 +118,7 @@ for name in ("train2-fsdp", "train2-ddp"):
         tot = r["tok_s"] * 2
         b, where = base.get(s, (math.nan, "none"))
         print(f"| {name} | {s} | {tot:,.0f} | {b:,.0f} ({where}) | {tot / b:.2f}x | {r['peak_gib']:.1f} | "
-              f"{r['param_mib_rank']:,.0f} |")
+              f"{r['param_mib_rank']:,.1f} |")
 PY
 }
 unit() {  # one unit, timed, its exit status in units.txt
