@@ -4,6 +4,8 @@
     PYTHONPATH=src python benchmarks/train.py --device cpu --shapes tiny --seqs 128 --steps 2   # smoke test
     PYTHONPATH=src python benchmarks/train.py --shapes kimi --seqs 2048,8192 --attention flex --compile 1
     torchrun --nproc_per_node 2 benchmarks/train.py --shapes llama8b --seqs 2048 # DDP scaling (NCCL)
+    torchrun --nproc_per_node 2 benchmarks/train.py --shapes kimi --seqs 2048,8192 --fsdp --json r.json  # FSDP2
+    torchrun --nproc_per_node 2 benchmarks/train.py --device cpu --shapes tiny --seqs 128 --steps 1 --fsdp  # gloo
 
 Each row times full optimizer steps of the trainer's own pieces (TTTModule = drafter + TTT loss, bf16 autocast,
 AdamW, grad clip): per rank and step, batch_tokens // seq packed rows of `seq` tokens holding random samples of
@@ -11,13 +13,17 @@ AdamW, grad clip): per rank and step, batch_tokens // seq packed rows of `seq` t
 MFU counts useful FLOPs only: 3x the forward matmuls of the trained parts (fc once per token; per TTT step the
 q/k/v/o, MLP and lm_head matmuls plus causal attention over t/2 + k keys) and 1x the frozen target logits
 (full vocab once per token for the argmax, draft vocab once per step for the soft targets).
-Prints a table and appends a dated section to BENCHMARKS.md (repo root).
+Under torchrun every rank trains its own copy of the rows (DDP, or FSDP2 with --fsdp, wrapped by eyas.train.dist
+as `eyas train` wraps it); tokens/s counts all ranks, and peak memory and the parameter bytes a rank holds (FSDP2:
+its shards) are the largest over the ranks.
+Prints a table and appends a dated section to BENCHMARKS.md (repo root); --json writes the rows too.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import sys
@@ -85,9 +91,29 @@ def smollm2_target(device: torch.device):
     return target_from_model(model)
 
 
+def max_over_ranks(x: float) -> float:
+    """The largest `x` over the ranks (x itself in one process)."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return x
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([x], dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def local_param_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the parameters this rank holds: FSDP2's DTensor shards count their local part only."""
+    total = 0
+    for p in module.parameters():
+        t = p.to_local() if hasattr(p, "to_local") else p
+        total += t.numel() * t.element_size()
+    return total
+
+
 def bench(shape: str, T: int, K: int, steps: int, chunk: int | None, device: torch.device, ddp: bool, *,
           rows: int = 1, attention: str = "auto", compile_layer: bool = False, online: bool = False,
-          profile: bool = False) -> dict:
+          profile: bool = False, fsdp: bool = False) -> dict:
     from eyas.train.data import Batch, pack, target_features
 
     h, nh, nkv, hd, inter, V, Vd = SHAPES[shape]
@@ -104,8 +130,11 @@ def bench(shape: str, T: int, K: int, steps: int, chunk: int | None, device: tor
     module = TTTModule(drafter, TTTConfig(num_steps=K, chunk_size=chunk, attention=attention))
     model = module
     if ddp:
-        model = torch.nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda"
-                                                          else None)
+        import torch.distributed as tdist
+
+        from eyas.train.dist import Dist, parallelize
+        model = parallelize(module, Dist(rank=tdist.get_rank(), world=tdist.get_world_size(), device=device),
+                            fsdp=fsdp, shard_first=(drafter.midlayer,))
     fdt = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = smollm2_target(device) if online else None
     embed = (torch.randn(V, h, device=device) * 0.02).to(fdt)
@@ -164,10 +193,12 @@ def bench(shape: str, T: int, K: int, steps: int, chunk: int | None, device: tor
     except torch.OutOfMemoryError:
         return {"shape": shape, "seq": T, "rows": rows, "error": "out of memory"}
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    peak = float("nan") if device.type != "cuda" else max_over_ranks(peak)
+    param_mib = max_over_ranks(local_param_bytes(module) / 2**20)
     flops = sum(useful_flops(cfg, n, K) for n in lengths) + (2 * 135e6 * tokens if online else 0)
     return {"shape": shape, "seq": T, "rows": rows, "tokens": tokens, "attention": attention, "compile": compile_layer,
             "online": online, "chunk": chunk, "ms_step": dt * 1e3, "tok_s": tokens / dt, "flops_step": flops,
-            "peak_gib": peak}
+            "peak_gib": peak, "param_mib_rank": param_mib, "wrap": ("fsdp2" if fsdp else "ddp") if ddp else "none"}
 
 
 def trainer_bench(T: int, K: int, steps: int, device: torch.device, *, rows: int, log_every: int,
@@ -238,6 +269,8 @@ def main() -> int:
                     help="also time the real Trainer loop (online SmolLM2 target, prepared random samples), reading "
                          "metrics back every LOG_EVERY steps (0: skip; 1: every step, as before issue 12's change)")
     ap.add_argument("--no-record", action="store_true", help="do not append to BENCHMARKS.md")
+    ap.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 (fully_shard) instead of DDP")
+    ap.add_argument("--json", default="", help="also write the rows, ranks and matmul rate to this JSON file")
     args = ap.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -262,7 +295,8 @@ def main() -> int:
                 for comp in (c == "1" for c in args.compile.split(",")):
                     r = bench(shape, T, args.ttt_steps, args.steps, args.chunk_size or None, device, world > 1,
                               rows=max(1, args.batch_tokens // T), attention=attention, compile_layer=comp,
-                              online=args.online and shape == "smollm2", profile=args.profile)
+                              online=args.online and shape == "smollm2", profile=args.profile,
+                              fsdp=args.fsdp)
                     rows.append(r)
                     if rank == 0:
                         print(r, flush=True)
@@ -276,19 +310,24 @@ def main() -> int:
                     print(r, flush=True)
     if rank != 0:
         return 0
+    if args.json:
+        Path(args.json).write_text(json.dumps({"world": world, "wrap": ("fsdp2" if args.fsdp else "ddp") if world > 1
+                                               else "none", "matmul_flops": peak, "rows": rows}, indent=1) + "\n")
     what = "bf16" if device.type == "cuda" else "fp32"
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     lines = ["| drafter | row len x rows | tokens | ranks | attention | compiled | online target | ms/step "
-             "| tokens/s (all ranks) | TFLOP/step | MFU | peak GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| tokens/s (all ranks) | TFLOP/step | MFU | peak GiB | param MiB/rank |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    ranks = f"{world} ({'FSDP2' if args.fsdp else 'DDP'})" if world > 1 else "1"
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['shape']} | {r['seq']} x {r['rows']} | | {world} | | | | {r['error']} | | | | |")
+            lines.append(f"| {r['shape']} | {r['seq']} x {r['rows']} | | {ranks} | | | | {r['error']} | | | | | |")
             continue
         mfu = r["flops_step"] / (r["ms_step"] / 1e3) / peak
-        lines.append(f"| {r['shape']} | {r['seq']} x {r['rows']} | {r['tokens']} | {world} | {r['attention']} | "
+        lines.append(f"| {r['shape']} | {r['seq']} x {r['rows']} | {r['tokens']} | {ranks} | {r['attention']} | "
                      f"{'yes' if r['compile'] else 'no'} | {'yes' if r['online'] else 'no'} | {r['ms_step']:.1f} | "
-                     f"{r['tok_s'] * world:,.0f} | {r['flops_step'] / 1e12:.2f} | {mfu:.1%} | {r['peak_gib']:.1f} |")
+                     f"{r['tok_s'] * world:,.0f} | {r['flops_step'] / 1e12:.2f} | {mfu:.1%} | {r['peak_gib']:.1f} | "
+                     f"{r.get('param_mib_rank', float('nan')):,.1f} |")
     table = "\n".join(lines)
     note = (f"Measured {what} matmul rate: {peak / 1e12:.1f} TFLOP/s per device; MFU = useful "
             f"FLOPs / time / that rate. K = {args.ttt_steps} TTT steps; per rank and step, packed rows of random "

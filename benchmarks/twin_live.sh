@@ -104,7 +104,9 @@ esac
 
 # ---------------------------------------------------------------- the job (device, background)
 need_engine "${2:-}"; e=$2
-R=$WORK/$e; rm -rf $R; mkdir -p $R
+# RUN names the results directory (twin_x2.sh runs several configurations per engine); LA_PAR adds launch-args'
+# parallel sizes (--tp 2 --ep 2 ...), SRV_PAR the same sizes in the engine's own spelling to the serve phase's servers
+R=$WORK/${RUN:-$e}; rm -rf $R; mkdir -p $R
 export PYTHONPATH=$(site $e):$WORK/src:${SITE_EXTRA:-/tmp/site} PYTHONUNBUFFERED=1 PATH=$(site $e)/bin:$PATH
 wait_install() {  # the engine's wheels: the phases that need no server (a local drafter) start before they land
   local t=$(date +%s)
@@ -154,6 +156,7 @@ capture_with() {  # $1: store name, $2: launch-args --aux-layer-ids ('' = the de
   rm -rf $STORE $VDIR
   [ $e = sglang ] && extra=(--version 0.5.14) || extra=(--vllm-dir $VDIR)
   [ -n "$2" ] && extra+=(--aux-layer-ids $2)
+  extra+=(${LA_PAR:-})
   python3 -m eyas engine launch-args $e --target-config $TW/config.json --model $TW --store $STORE --data $PREP \
     "${extra[@]}" > $R/$1-launch.txt || return 1
   cat $R/$1-launch.txt
@@ -212,12 +215,13 @@ serve() {  # the plain server and the EAGLE-3 server side by side; eyas bench --
   if [ $e = sglang ]; then
     local base=(python3 -m sglang.launch_server --model-path $TW --dtype bfloat16 --attention-backend triton
                 --sampling-backend pytorch --disable-radix-cache --mem-fraction-static 0.3 --cuda-graph-max-bs 4)
+    base+=(${SRV_PAR:-})
     start_server plain $PORT "${base[@]}" --port $PORT || return 1
     start_server spec $PORT2 "${base[@]}" --port $PORT2 --speculative-algorithm EAGLE3 --speculative-draft-model-path $DR \
       --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4 || return 1
   else
     local base=(vllm serve $TW --dtype bfloat16 --served-model-name twin --gpu-memory-utilization 0.3 --max-num-seqs 4
-                --max-model-len 2048 ${VLLM_EAGER:+--enforce-eager})
+                --max-model-len 2048 ${VLLM_EAGER:+--enforce-eager} ${SRV_PAR:-})
     start_server plain $PORT "${base[@]}" --port $PORT || return 1
     start_server spec $PORT2 "${base[@]}" --port $PORT2 \
       --speculative-config "{\"method\":\"eagle3\",\"model\":\"$DR\",\"num_speculative_tokens\":3}" || return 1

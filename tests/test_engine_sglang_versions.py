@@ -90,5 +90,5 @@ def test_every_emitted_flag_exists_in_that_release(version, tmp_path):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(SMOL))
     sources = server_arg_sources(_wheel(version))
-    flags = [a for a in la.sglang_args(cfg, version, attn_dp=2) if a.startswith("--")]
+    flags = [a for a in la.sglang_args(cfg, version, tp=2, attn_dp=2, ep=2) if a.startswith("--")]
     assert [f for f in flags if not declares_flag(sources, f)] == []

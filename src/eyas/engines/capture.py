@@ -29,21 +29,22 @@ def store_header(prep_manifest: dict, cfg: EngineCaptureConfig, aux_ids, hidden_
 
 
 def run_engine_capture(cfg: EngineCaptureConfig, *, aux_layer_ids, hidden_size: int, vocab_size: int,
-                       samples=None, post=None, preflight=None) -> dict:
+                       samples=None, post=None, preflight=None, get=None) -> dict:
     """Create/resume STORE, send every sample not yet committed, retry rejected ones, finalize.
 
     The client is rank 0 of the store and holds its lock for the whole run (engines/locking.py): a second
     capture into the same directory, engine or in-process, is refused naming this one, and this one is
     refused while another holds it. It is taken before anything is read or sent. `preflight()` runs right
-    after it, before anything is sent (the served check locates its head tensors there).
+    after it, before anything is sent (the served check locates its head tensors there). `post` and `get`
+    replace the HTTP calls (tests).
     """
     with acquire_store_lock(cfg.out, CLIENT_RANK):
         if preflight is not None:
             preflight()
-        return _run(cfg, aux_layer_ids, hidden_size, vocab_size, samples, post)
+        return _run(cfg, aux_layer_ids, hidden_size, vocab_size, samples, post, get)
 
 
-def _run(cfg: EngineCaptureConfig, aux_layer_ids, hidden_size: int, vocab_size: int, samples, post) -> dict:
+def _run(cfg: EngineCaptureConfig, aux_layer_ids, hidden_size: int, vocab_size: int, samples, post, get) -> dict:
     if samples is None:
         prep, ids, masks = load_prepared_samples(cfg.data)
     else:
@@ -53,7 +54,7 @@ def _run(cfg: EngineCaptureConfig, aux_layer_ids, hidden_size: int, vocab_size: 
     with client_writer(out, header, wait_s=cfg.commit_wait_s, setup=True):
         pass                                                # creates or checks the store (resume)
     kw = {} if post is None else {"post": post}
-    probe = Probe(cfg, out)                                 # the first reply without a dump stops the capture
+    probe = Probe(cfg, out, **({} if get is None else {"get": get}))   # a reply without a dump stops the capture
     failures: dict[str, str] = {}
     for attempt in range(cfg.retries + 1):
         todo = {k: v for k, v in ids.items() if k not in committed(out)}

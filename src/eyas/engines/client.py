@@ -4,12 +4,18 @@ Each sample goes out as rid `{id}#a{attempt}` with max_new_tokens=1: the prompt 
 carries the states. Bounded concurrency (a thread pool), a timeout and retries per request; samples
 already committed to the store are never sent again (resume), and a sample id is written at most
 once (the hook / ingester refuse duplicates). Failures end up in STORE/engine-failures.jsonl.
+
+Under SGLang attention DP each group's hook knows only the samples it wrote itself, and SGLang's controller
+deals requests round robin: a retry of a sample whose first reply was lost would land on another group and be
+written twice. So every request of a sample carries `routed_dp_rank` = a fixed group of its id (`dp_group`),
+and all attempts of a sample meet the one hook that refuses its duplicates.
 """
 
 from __future__ import annotations
 
 import json
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,12 +41,15 @@ class EngineCaptureConfig:
     dtype: str = "bf16"      # store dtype (bf16 | fp8)
     commit_wait_s: float = 60.0  # how long to wait for the hook's idle flush to commit the last shard
     hook_wait_s: float = 10.0    # after the first reply, how long its dump (hook event, vLLM file) may take to show
+    dp_groups: int = 1       # SGLang DP groups: > 1 routes each sample to one (the probe reads it from the server)
 
     def __post_init__(self):
         if self.engine not in ("sglang", "vllm"):
             raise EyasError(f"engine {self.engine!r}: expected sglang or vllm")
-        if self.concurrency < 1 or self.retries < 0 or self.timeout_s <= 0 or self.hook_wait_s <= 0:
-            raise EyasError("concurrency >= 1, retries >= 0, timeout_s > 0 and hook_wait_s > 0 are required")
+        if self.concurrency < 1 or self.retries < 0 or self.timeout_s <= 0 or self.hook_wait_s <= 0 \
+                or self.dp_groups < 1:
+            raise EyasError("concurrency >= 1, retries >= 0, timeout_s > 0, hook_wait_s > 0 and dp_groups >= 1 are "
+                            "required")
         if self.engine == "vllm" and not self.vllm_dir:
             raise EyasError("vllm needs vllm_dir (the connector's shared_storage_path)")
         if self.engine == "vllm" and not self.target_config:
@@ -48,10 +57,17 @@ class EngineCaptureConfig:
                              "(read from the checkpoint beside config.json) turns it into the final state")
 
 
-def request_body(engine: str, rid: str, ids: list[int]) -> tuple[str, dict]:
+def dp_group(sample_id: str, groups: int) -> int:
+    """The DP group every request of `sample_id` goes to (the same in every run and process)."""
+    return zlib.crc32(sample_id.encode()) % groups
+
+
+def request_body(engine: str, rid: str, ids: list[int], dp_groups: int = 1) -> tuple[str, dict]:
     if engine == "sglang":
-        return "/generate", {"rid": rid, "input_ids": list(ids),
-                             "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+        body = {"rid": rid, "input_ids": list(ids), "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+        if dp_groups > 1:                    # SGLang >= 0.5.10: the DP controller sends it to that group
+            body["routed_dp_rank"] = dp_group(rid.split(ATTEMPT_SEP, 1)[0], dp_groups)
+        return "/generate", body
     return "/v1/completions", {"model": VLLM_SERVED_NAME, "prompt": list(ids), "max_tokens": 1, "temperature": 0.0,
                                "request_id": rid}
 
@@ -73,7 +89,7 @@ def send_all(cfg: EngineCaptureConfig, samples: dict, *, attempt: int, post=http
         last = ""
         for k in range(cfg.retries + 1):
             rid = f"{sid}{ATTEMPT_SEP}{attempt * (cfg.retries + 1) + k}"
-            path, body = request_body(cfg.engine, rid, samples[sid])
+            path, body = request_body(cfg.engine, rid, samples[sid], cfg.dp_groups)
             try:
                 return sid, post(cfg.url.rstrip("/") + path, body, cfg.timeout_s)
             except Exception as e:  # noqa: BLE001 - recorded and retried

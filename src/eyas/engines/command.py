@@ -15,10 +15,13 @@ def _launch(a) -> int:
         a.target_config = str(Path(a.target_config) / "config.json")
     if a.engine == "sglang":
         args = la.sglang_args(a.target_config, a.engine_version, model=a.model, store=a.store, data=a.data,
-                              aux_layer_ids=ids, tp=a.tp, attn_dp=a.attn_dp, lm_head=a.lm_head_module or None)
+                              aux_layer_ids=ids, tp=a.tp, attn_dp=a.attn_dp, ep=a.ep,
+                              lm_head=a.lm_head_module or None)
     else:
         n = a.max_model_len or ((la.longest_prompt(a.data) or 0) + 1)   # + the one token each request generates
-        args = la.vllm_args(a.target_config, model=a.model, out_dir=a.vllm_dir, aux_layer_ids=ids, tp=a.tp,
+        if a.attn_dp != 1:
+            la.check_parallel("vllm", a.tp, a.attn_dp, a.ep)
+        args = la.vllm_args(a.target_config, model=a.model, out_dir=a.vllm_dir, aux_layer_ids=ids, tp=a.tp, ep=a.ep,
                             max_model_len=n if n > 1 else None)
     print(la.format_command(args))
     return 0
@@ -89,7 +92,8 @@ def register(subparsers) -> None:
     la.add_argument("--vllm-dir", default="VLLM_OUT")
     la.add_argument("--aux-layer-ids", default="", help="HF ids a,b,c (default 2,N//2,N-3)")
     la.add_argument("--tp", type=int, default=1)
-    la.add_argument("--attn-dp", type=int, default=1)
+    la.add_argument("--attn-dp", type=int, default=1, help="SGLang attention-DP groups (dividing --tp)")
+    la.add_argument("--ep", type=int, default=1, help="expert parallel size (SGLang: dividing --tp; vLLM: --tp)")
     la.add_argument("--max-model-len", type=int, default=0,
                     help="vLLM's context (default: the longest sample of --data plus one; never the target's own)")
     la.add_argument("--lm-head-module", default="",

@@ -7,10 +7,11 @@ Every SGLang flag emitted for a version is checked to be declared in that versio
   {name, target_modules, hook_factory, config}: the capture hook and a hook on the inner model), and from
   0.5.23 --enable-return-aux-hidden-states with --speculative-algorithm EAGLE3
   --return-aux-hidden-state-layer-ids IDS; attention DP as --attn-dp-size N
-  from 0.5.22, --dp-size N --enable-dp-attention before; --trust-remote-code for a target whose config or
-  tokenizer is its own code. Never --enable-two-batch-overlap: under it DeepSeek/Kimi layers capture nothing.
+  from 0.5.22, --dp-size N --enable-dp-attention before; expert parallelism as --ep-size N (every release);
+  --trust-remote-code for a target whose config or tokenizer is its own code. Never --enable-two-batch-overlap: under it DeepSeek/Kimi layers capture nothing.
 vLLM flags come from its extract_hidden_states example and connector source (never --enable-dbo, which that
-path asserts against).
+path asserts against); expert parallelism is --enable-expert-parallel, whose EP size is the TP size.
+Parallel sizes a server would refuse at start (attention DP or EP not dividing TP) are refused here, in one line.
 """
 
 from __future__ import annotations
@@ -131,12 +132,31 @@ def check_sglang_version(version: str) -> None:
                         f"eyas capture needs SGLang >= {_dotted(FIRST_SUPPORTED)}")
 
 
+def check_parallel(engine: str, tp: int, attn_dp: int = 1, ep: int = 1) -> None:
+    """Refuse sizes the engine asserts against at start: SGLang needs tp % attn_dp == 0 and tp % ep == 0 (its
+    MoE runs tp / ep ways inside each expert group); vLLM's --enable-expert-parallel makes EP the TP size."""
+    if min(tp, attn_dp, ep) < 1:
+        raise EyasError(f"{engine} launch-args: --tp {tp}, --attn-dp {attn_dp}, --ep {ep}: each must be >= 1")
+    if tp % attn_dp:
+        raise EyasError(f"{engine} launch-args: --attn-dp {attn_dp} does not divide --tp {tp} (each attention-DP "
+                        f"group is tp / attn_dp GPUs)")
+    if engine == "sglang" and tp % ep:
+        raise EyasError(f"sglang launch-args: --ep {ep} does not divide --tp {tp} (SGLang splits each expert group "
+                        f"tp / ep ways)")
+    if engine == "vllm" and ep not in (1, tp):
+        raise EyasError(f"vllm launch-args: --ep {ep} with --tp {tp}: vLLM's --enable-expert-parallel makes the EP "
+                        f"size the TP size, so --ep must be 1 or {tp}")
+    if engine == "vllm" and attn_dp != 1:
+        raise EyasError("vllm launch-args: --attn-dp is SGLang's; vLLM capture runs one engine (tensor parallel)")
+
+
 def sglang_args(target_config, version: str, *, model: str = "MODEL", store: str = "STORE",
-                data: str = "PREPARED", aux_layer_ids=None, tp: int = 1, attn_dp: int = 1,
+                data: str = "PREPARED", aux_layer_ids=None, tp: int = 1, attn_dp: int = 1, ep: int = 1,
                 lm_head: str | None = None) -> list[str]:
     info = read_target_config(target_config) if not isinstance(target_config, dict) else target_config
     v = parse_version(version)
     check_sglang_version(version)
+    check_parallel("sglang", tp, attn_dp, ep)
     head = lm_head_module(info, lm_head)
     n = info["num_layers"]
     hf = list(resolve_aux_layer_ids(aux_layer_ids, n))
@@ -148,6 +168,8 @@ def sglang_args(target_config, version: str, *, model: str = "MODEL", store: str
     if attn_dp > 1:
         args += (["--attn-dp-size", str(attn_dp)] if v >= FIRST_ATTN_DP_SIZE_VERSION else
                  ["--dp-size", str(attn_dp), "--enable-dp-attention"])
+    if ep > 1:
+        args += ["--ep-size", str(ep)]
     args += ["--disable-radix-cache", "--chunked-prefill-size", "-1"]
     if v >= FIRST_GRAPH_BACKEND_VERSION:
         args += ["--cuda-graph-backend-decode", "disabled", "--cuda-graph-backend-prefill", "disabled"]
@@ -170,7 +192,7 @@ def longest_prompt(data) -> int | None:
 
 
 def vllm_args(target_config, *, model: str = "MODEL", out_dir: str = "VLLM_OUT", aux_layer_ids=None,
-              tp: int = 1, max_model_len: int | None = None) -> list[str]:
+              tp: int = 1, ep: int = 1, max_model_len: int | None = None) -> list[str]:
     """vLLM: extract_hidden_states speculative method + ExampleHiddenStatesConnector.
 
     Layer ids are HF indices (vLLM's convention). Id N (num_layers) is requested as the 4th state for
@@ -180,6 +202,7 @@ def vllm_args(target_config, *, model: str = "MODEL", out_dir: str = "VLLM_OUT",
     take about 15 GB per GPU and a 262k-token profiling forward.
     """
     info = read_target_config(target_config) if not isinstance(target_config, dict) else target_config
+    check_parallel("vllm", tp, 1, ep)
     if not max_model_len or int(max_model_len) < 2:
         raise EyasError("vLLM capture needs --max-model-len (or --data PREPARED, whose longest sample plus the one "
                         "generated token sets it): vLLM would otherwise batch and allocate the target's whole context")
@@ -191,7 +214,8 @@ def vllm_args(target_config, *, model: str = "MODEL", out_dir: str = "VLLM_OUT",
           "kv_connector_extra_config": {"shared_storage_path": out_dir}}
     return ["vllm", "serve", model, "--served-model-name", VLLM_SERVED_NAME,
             *(["--trust-remote-code"] if info.get("remote_code") else []),
-            "--tensor-parallel-size", str(tp), "--max-model-len", str(int(max_model_len)),
+            "--tensor-parallel-size", str(tp), *(["--enable-expert-parallel"] if ep > 1 else []),
+            "--max-model-len", str(int(max_model_len)),
             "--no-enable-prefix-caching", "--no-enable-chunked-prefill", "--enforce-eager",
             "--speculative-config", json.dumps(spec, separators=(",", ":")),
             "--kv-transfer-config", json.dumps(kv, separators=(",", ":"))]

@@ -8,6 +8,9 @@
 - The client's rank-0 StoreWriter has world size 1, so it deletes the temp files of every rank. While it runs
   (store creation, vLLM ingest, finalize) the client also holds the locks of every hook rank the store shows
   (`hook_ranks_held`). A hook still writing then makes the client wait, and after `wait_s` refuse, naming it.
+- Every sample is committed exactly once over all ranks: the client routes each sample to one DP group
+  (client.dp_group), whose hook refuses a second copy; `finalize_store` refuses a store where a sample id is in
+  two shards anyway, naming them (the reader would refuse it later, with no way to tell which writer did it).
 """
 
 from __future__ import annotations
@@ -76,11 +79,29 @@ def client_writer(store, header: dict, *, wait_s: float, setup: bool = False):
         w.close()
 
 
+def duplicate_samples(store) -> dict[str, list[str]]:
+    """Sample ids committed in more than one shard of `store` -> those shard files, in name order."""
+    from eyas.store.writer import read_sidecars  # noqa: PLC0415
+    where: dict[str, list[str]] = {}
+    for r in read_sidecars(Path(store)):
+        for i in r["ids"]:
+            where.setdefault(i, []).append(r["file"])
+    return {i: f for i, f in where.items() if len(f) > 1}
+
+
 def finalize_store(store, header: dict, expected_ids, *, wait_s: float) -> dict:
     """Mark STORE complete if it holds exactly `expected_ids`, with no hook writing meanwhile (a hook's shard
-    committed during finalize would rewrite the manifest as incomplete)."""
+    committed during finalize would rewrite the manifest as incomplete). A sample committed twice (two ranks
+    wrote it) leaves the store incomplete and raises, naming the sample and its shards."""
     from eyas.store.writer import StoreWriter  # noqa: PLC0415
     with hook_ranks_held(store, wait_s):
         w = StoreWriter(store, header=header, setup=False)
         w.close()
-        return w.finalize(set(expected_ids))
+        m = w.finalize(set(expected_ids))
+        dup = duplicate_samples(store)
+    if dup:
+        sid = min(dup)
+        raise EyasError(f"{store}: sample {sid!r} is committed twice, in {' and '.join(dup[sid])} ({len(dup)} "
+                        f"sample(s) so): two ranks wrote it; delete one of those shards and its .json record, then "
+                        f"rerun the same capture command (the shard's other samples are sent again)")
+    return m

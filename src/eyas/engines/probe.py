@@ -7,7 +7,7 @@ A server whose hook never runs still answers every request: SGLang only logs "No
 check each sample would wait for its commit, time out and be retried.
 
 A server that reports two-batch overlap (SGLang) or dual-batch overlap (vLLM) in its server info is refused
-before any request. Then the first round sends its first sample alone and looks for its dump before sending the rest: a hook event
+before any request; an SGLang server reporting several DP groups gets each sample routed to one (client.dp_group). Then the first round sends its first sample alone and looks for its dump before sending the rest: a hook event
 (STORE/engine-events-r*.jsonl) or a vLLM hidden-states file. No dump within `hook_wait_s` stops the capture
 with one line saying what to check. A hook that saw no aux states on two samples in a row stops it too. One
 such sample can be the server's first forward when it skipped its warm-up: before 0.5.23 eyas's enable hook
@@ -18,6 +18,7 @@ fix that.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from eyas.engines.client import EngineCaptureConfig, event_offsets, new_events, send_all
@@ -45,18 +46,31 @@ def overlap_flag(engine: str, info: dict) -> str | None:
     return "--enable-dbo" if isinstance(par, dict) and par.get("enable_dbo") else None
 
 
-def refuse_overlap(cfg: EngineCaptureConfig, get=http_get) -> None:
-    """Stop before any request when the server reports a batch-overlap flag. A server that reports nothing
-    (no such endpoint) passes: the SGLang hook refuses two-batch overlap itself when it loads."""
+def dp_groups(engine: str, info: dict) -> int:
+    """How many schedulers an SGLang server deals requests to: dp_size (0.5.14: `--dp-size N
+    --enable-dp-attention`), times attn_dp_size where the release has it (0.5.22+: `--attn-dp-size N`)."""
+    if engine != "sglang":
+        return 1
+    try:
+        return max(1, int(info.get("dp_size") or 1)) * max(1, int(info.get("attn_dp_size") or 1))
+    except (TypeError, ValueError):
+        return 1
+
+
+def refuse_overlap(cfg: EngineCaptureConfig, get=http_get) -> dict:
+    """Stop before any request when the server reports a batch-overlap flag; else its server info ({} when it
+    reports nothing: no such endpoint; the SGLang hook refuses two-batch overlap itself when it loads)."""
     for path in SERVER_INFO[cfg.engine]:
         try:
             info = get(cfg.url.rstrip("/") + path, min(cfg.timeout_s, 30.0))
         except Exception:  # noqa: BLE001 - an engine without the endpoint: nothing to check here
             continue
-        flag = overlap_flag(cfg.engine, info if isinstance(info, dict) else {})
+        info = info if isinstance(info, dict) else {}
+        flag = overlap_flag(cfg.engine, info)
         if flag:
             raise EyasError(overlap_refusal(cfg.url, flag))
-        return
+        return info
+    return {}
 
 
 class Probe:
@@ -70,7 +84,9 @@ class Probe:
     def send(self, todo: dict, *, attempt: int, **kw) -> dict:
         """send_all(todo) -> {id: reply | error}, its first samples alone until the capture side is verified."""
         if not self.flags_checked:
-            refuse_overlap(self.cfg, self.get)
+            groups = dp_groups(self.cfg.engine, refuse_overlap(self.cfg, self.get))
+            if groups > 1:
+                self.cfg = replace(self.cfg, dp_groups=groups)
             self.flags_checked = True
         resp: dict = {}
         for sid in list(todo):
