@@ -159,6 +159,14 @@ def test_init_head_whose_max_positions_differ_is_taken_with_the_runs_value(twin,
     assert t.dcfg.max_position_embeddings == ours
     got = t.module.drafter.state_dict()
     assert set(got) == set(state) and all(torch.equal(got[k], state[k]) for k in state)
+    # the drafter the head's own config builds holds the same RoPE frequencies (the one buffer derived from the
+    # config, non-persistent): only the position bound differs
+    from dataclasses import replace
+
+    from eyas.model.drafter import Eagle3Drafter
+    own = dict(Eagle3Drafter(replace(t.dcfg, max_position_embeddings=ours // 2)).named_buffers())
+    mine = dict(t.module.drafter.named_buffers())
+    assert torch.equal(own["inv_freq"], mine["inv_freq"])
     notes = [x for x in capsys.readouterr().err.splitlines() if "--init" in x]
     assert notes == [f"eyas train: --init {head}: max_position_embeddings {ours // 2} -> {ours}, the run's (it only "
                      f"bounds positions; the drafter's plain RoPE does not read it)"]
