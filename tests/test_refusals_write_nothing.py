@@ -210,7 +210,8 @@ def test_run_takes_trust_remote_code_and_refuses_without_writing(root, tmp_path,
 
     out = tmp_path / "run"
     argv = ["run", "--target", str(root / "remote"), "--data", str(root / "chats.jsonl"), "--out", str(out),
-            "--preset", "cpu-demo", "--quiet", "--until", "prepare", "--set", "prepare.regenerate=false", "--set", "prepare.regenerate_limit=null",
+            "--preset", "cpu-demo", "--quiet", "--until", "prepare", "--set", "prepare.regenerate=false",
+            "--set", "prepare.regenerate_limit=null",
             "--set", "prepare.limit=8", "--set", "dtype=\"fp32\""]
     line = fail(argv, capsys)
     assert "needs its own code" in line and "--trust-remote-code" in line

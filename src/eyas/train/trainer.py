@@ -34,8 +34,8 @@ from eyas.train.config import TrainConfig
 from eyas.train.data import (epoch_batches, group, group_packed, nonfinite_flags, pack, rank_batches, split_indices,
                              target_features)
 from eyas.train.metrics import MetricsSink, Sums, frequency_baseline, round_counts, truncate_metrics
-from eyas.train.setup import (KIND, build_vocab, check_init_config, check_run_dir, init_head_from_target, refuse_run_dir,
-                              schedule, write_vocab)
+from eyas.train.setup import (KIND, build_vocab, check_init_config, check_run_dir, init_head_from_target,
+                              refuse_run_dir, schedule, write_vocab)
 from eyas.train.setup import open_source as _open_source  # a module global: tests hand it a target object
 from eyas.train.ttt import TTTConfig, TTTOutput, ttt_forward
 
