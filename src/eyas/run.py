@@ -64,6 +64,9 @@ class RunConfig:
     """Print every skipped record and dropped sample (always written to RUN/logs/skipped.jsonl)."""
     until: str | None = None
     """Stop after this stage (e.g. to fit a job into time slices); a rerun without it continues."""
+    trust_remote_code: bool = False
+    """Let the target's own code (a remote-code tokenizer or config, as Kimi-K2.5's) run, in every stage that opens
+    the target; not part of the run's identity (it changes no output)."""
 
     def __post_init__(self):
         if self.until is not None and self.until not in STAGES:
@@ -111,9 +114,11 @@ def resolve_stages(cfg: RunConfig, run: Path, *, vocab_size: int | None, progres
             msg = str(e).removeprefix(f"{table}: ")
             raise EyasError(f"recipe {r.name} [{table}]: {msg}") from None
 
-    prepare = build("prepare", PrepareConfig, target=cfg.target, data=cfg.data, out=str(run / "prepared"), **r.prepare)
+    trust = dict(trust_remote_code=cfg.trust_remote_code)   # every stage that opens the target
+    prepare = build("prepare", PrepareConfig, target=cfg.target, data=cfg.data, out=str(run / "prepared"), **trust,
+                    **r.prepare)
     capture = build("capture", CaptureConfig, out=str(run / "store"), target=cfg.target, data=str(run / "prepared"),
-                    device=dev, progress=progress, **r.capture) if r.run.capture else None
+                    device=dev, progress=progress, **trust, **r.capture) if r.run.capture else None
     train = dict(r.train)
     if train.get("draft_vocab") is not None and vocab_size is not None:
         # a recipe's value is capped at the target's vocabulary (a preset serves every target); a --set one is refused
@@ -124,7 +129,7 @@ def resolve_stages(cfg: RunConfig, run: Path, *, vocab_size: int | None, progres
         train["draft_vocab"] = min(train["draft_vocab"], vocab_size)  # no larger than the target's vocabulary
     src = dict(data=str(run / "prepared")) if r.run.online else dict(store=str(run / "store"))
     train = build("train", TrainConfig, out=str(run / "train"), target=cfg.target, device=dev,
-                  max_len=prepare.max_len, progress=progress, **src, **train)
+                  max_len=prepare.max_len, progress=progress, **trust, **src, **train)
     bench = {}
     for b in r.bench:
         # "heldout" = the held-out split of the run's own data, which prepare never wrote
@@ -138,7 +143,7 @@ def resolve_stages(cfg: RunConfig, run: Path, *, vocab_size: int | None, progres
             # training budget (RoPE positions seen); the long set keeps its own range (BenchConfig)
             table.setdefault("max_prompt_tokens", max(1, prepare.max_len - prepare.max_new_tokens))
         bc = build("bench", BenchConfig, **table, target=cfg.target, device=dev, compile=dev == "cuda",
-                   json_out=None)
+                   json_out=None, **trust)
         name = f"{label}-{bc.spec.method}" + (f"{bc.spec.k}" if bc.spec.method == "chain" else "")
         if name in bench:
             raise EyasError(f"recipe {r.name}: two [[bench]] tables write bench/{name}.json")
@@ -161,9 +166,12 @@ class Log:
             print(line, flush=True)
 
 
-def _open_state(cfg: RunConfig, run: Path) -> dict:
+def _open_state(cfg: RunConfig, run: Path, *, check_only: bool = False) -> dict | None:
     """The run directory's state: a new one, the same run resumed, or (--overwrite) a changed run that keeps the
-    finished stages before the first one whose configuration changed."""
+    finished stages before the first one whose configuration changed. check_only: refuse as it would, change nothing
+    on disk and return None (run_pipeline calls it so before it opens the target)."""
+    if run.exists() and not run.is_dir():
+        raise EyasError(f"{run}: exists and is not a directory")
     path = run / "run.json"
     if path.exists():
         state, new = json.loads(path.read_text()), cfg.identity()
@@ -180,6 +188,8 @@ def _open_state(cfg: RunConfig, run: Path) -> dict:
                     else "--overwrite to start it again")
             raise EyasError(f"{run}: holds a run of another configuration ({'; '.join(diffs)}); "
                             f"use another --out, or {hint}")
+        if check_only:
+            return None
         if first != "prepare":
             for stage in redo:
                 shutil.rmtree(run / _stage_dir(stage), ignore_errors=True)
@@ -189,6 +199,8 @@ def _open_state(cfg: RunConfig, run: Path) -> dict:
             state["identity"] = new
             return state
         shutil.rmtree(run)
+    if check_only:
+        return None
     run.mkdir(parents=True, exist_ok=True)
     return {"identity": cfg.identity(), "stages": {}, "created": time.strftime("%Y-%m-%d %H:%M:%S")}
 
@@ -261,22 +273,24 @@ def run_pipeline(cfg: RunConfig) -> dict:
     if r.device == "cuda" and not torch.cuda.is_available():
         raise EyasError(f"recipe {cfg.preset!r} needs a CUDA GPU and none is available; use --preset cpu-demo")
     run = Path(cfg.out)
+    t_start = time.time()
+    # The run directory is refused, then the target opened, before anything is written: a run that cannot start
+    # leaves no directory behind.
+    _open_state(cfg, run, check_only=True)
+    dtype = resolve_dtype(r.dtype, r.device)
+    target = load_target(cfg.target, device=r.device, dtype=_dtype(dtype), trust_remote_code=cfg.trust_remote_code)
     state = _open_state(cfg, run)
     log = Log(run, cfg.quiet)
     _save_state(run, state)
-    t_start = time.time()
     log(f"eyas run: preset {cfg.preset}, target {cfg.target}, data {cfg.data} -> {run}", always=True)
     if cfg.preset == "cpu-demo":
         log("this is a demonstration on the CPU (small data, short training); for a real drafter run "
             "`eyas run --preset gpu` on a CUDA machine", always=True)
-
-    dtype = resolve_dtype(r.dtype, r.device)
     if r.device == "cpu" and r.dtype == "auto":
         from eyas.target.device import cpu_bf16_fast
         log("cpu: native bf16, so bf16 weights and autocast" if cpu_bf16_fast() else
             "cpu: no native bf16 instructions (AVX512-BF16/AMX), so fp32; on 2 cores that takes several times "
             "the 20 minutes the demo was sized for", always=True)
-    target = load_target(cfg.target, device=r.device, dtype=_dtype(dtype))
     configs = resolve_stages(cfg, run, vocab_size=target.vocab_size, progress=not cfg.quiet)
     stages = [s for s in STAGES if s != "capture" or configs.capture is not None]
     for stage in stages:
@@ -362,7 +376,8 @@ def _bench(cfg, c: Stages, run, target, redo=False) -> dict:
     dtype = resolve_dtype(r.dtype, r.device)
     if (r.bench_dtype or dtype) != dtype:  # e.g. an exact fp32 lossless check after bf16 data and training
         from eyas.target import load_target
-        target = load_target(cfg.target, device=r.device, dtype=_dtype(r.bench_dtype))
+        target = load_target(cfg.target, device=r.device, dtype=_dtype(r.bench_dtype),
+                             trust_remote_code=cfg.trust_remote_code)
     drafter, meta = open_drafter(run, target)
     drafter = drafter.to(target.device)
     results = {}
@@ -423,7 +438,7 @@ def register(subparsers) -> None:
     p.add_argument("--set", dest="overrides", action="append", type=_knob, default=[], metavar="KEY=VALUE",
                    help="change one recipe value, e.g. --set train.epochs=3 or --set prepare.limit=100; VALUE is "
                         "JSON (null for None); pre-recipe flat names such as limit=100 still work (repeatable)")
-    add_flags(p, RunConfig, ["overwrite", "quiet", "verbose", "until"], until={"choices": STAGES})
+    add_flags(p, RunConfig, ["overwrite", "quiet", "verbose", "until", "trust_remote_code"], until={"choices": STAGES})
     p.set_defaults(func=_main)
 
 

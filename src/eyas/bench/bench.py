@@ -82,6 +82,8 @@ class BenchConfig:
     """Sampling seed."""
     json_out: str | None = None
     """Write the report here (and the plot next to it as .png)."""
+    trust_remote_code: bool = False
+    """Let the target's own code (a remote-code tokenizer or config) run when the bench opens it."""
 
     def __init__(self, *, spec: SpecConfig | None = None, **kw):
         """The fields by name; a decode knob given flat (one of SPEC_KNOBS) is set in `spec`, on top of `spec` when
@@ -235,7 +237,7 @@ def _run(cfg, target, drafter, drafter_meta, records, out) -> dict:
     if target is None:
         from eyas.target import load_target
         dt = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
-        target = load_target(cfg.target, device=cfg.device, dtype=dt)
+        target = load_target(cfg.target, device=cfg.device, dtype=dt, trust_remote_code=cfg.trust_remote_code)
     tok = target.tokenizer
     if tok is None:
         raise EyasError(f"target {cfg.target!r} has no tokenizer; bench needs one to apply the chat template")

@@ -28,7 +28,8 @@ def register(subparsers) -> argparse.ArgumentParser:
                         "(default: on for greedy chains and trees on CUDA, off otherwise)")
     add_flags(p, BenchConfig, ["top_k", "depth", "total_tokens", "temperature", "top_p", "max_new_tokens", "limit",
                                "max_turns", "max_prompt_tokens", "min_prompt_tokens", "max_seq", "device", "dtype",
-                               "compile", "persist_steps", "baselines", "lossless_turns", "seed", "json_out"],
+                               "compile", "persist_steps", "baselines", "lossless_turns", "seed", "json_out",
+                               "trust_remote_code"],
               device={"default": None, "help": "cpu or cuda (default: cuda if available)"},
               dtype={"choices": ["fp32", "bf16", "fp16"]},
               baselines={"help": "skip plain decoding and prompt lookup"},
@@ -40,8 +41,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     from eyas.bench.engine import ENGINES, EngineBenchConfig
     served = p.add_argument_group("in a serving engine (--engine): the target and drafter are served, --target is "
                                   "the served model's directory (config and tokenizer, no weights)")
-    add_flags(served, EngineBenchConfig, ["engine", "url", "plain_url", "model", "request_timeout", "concurrency",
-                                          "trust_remote_code"],
+    # --trust-remote-code (above) reaches EngineBenchConfig too: from_args reads it by its field name
+    add_flags(served, EngineBenchConfig, ["engine", "url", "plain_url", "model", "request_timeout", "concurrency"],
               engine={"default": None, "required": False, "choices": ENGINES,
                       "help": "bench the drafter served by this engine at --url, from the engine's own counters"},
               url={"default": None, "required": False})
@@ -83,7 +84,7 @@ def main(args: argparse.Namespace) -> int:
     from eyas.target import load_target
 
     dtype = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
-    target = load_target(cfg.target, device=cfg.device, dtype=dtype)
+    target = load_target(cfg.target, device=cfg.device, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
     drafter, meta = open_drafter(cfg.drafter, target, allow_target_mismatch=True)
     report = run_bench(cfg, target=target, drafter=drafter, drafter_meta=meta)
     if warning := meta.get("target_mismatch"):

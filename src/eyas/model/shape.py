@@ -2,7 +2,8 @@
 
 DrafterConfig.from_target (model/drafter.py) is the entry point; this module reads the target's config in its
 spellings (transformers configs, VLM wrappers, attribute views or dicts of config.json; RoPE in transformers 4's
-or 5's fields) and derives the attention shape and RoPE of the drafter for it. No torch: a shape is plain numbers.
+or 5's fields; RoPE through target/fingerprint.py's rope_of, the fingerprint's reading) and derives the attention
+shape and RoPE of the drafter for it. No torch in this module: a shape is plain numbers.
 """
 
 from __future__ import annotations
@@ -30,16 +31,13 @@ def text_config(config):
 
 
 def target_rope(c) -> tuple[float, dict | None]:
-    """(rope_theta, scaling with "rope_type", or None for default RoPE) from either spelling: transformers 5's
-    rope_parameters or 4's rope_theta + rope_scaling ({"type": ...} or {"rope_type": ...}). `c`: a config or an
-    attribute view of one; a dict (config.json) is read as its keys."""
-    if isinstance(c, dict):
-        c = SimpleNamespace(**c)
-    rope = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
-    theta = float(rope.pop("rope_theta", None) or getattr(c, "rope_theta", None) or 10000.0)
-    if "type" in rope and "rope_type" not in rope:
-        rope["rope_type"] = rope.pop("type")
-    return theta, (rope if rope.get("rope_type", "default") != "default" else None)
+    """(rope_theta, 10000 where the config has none; scaling with "rope_type", or None for default RoPE), read as
+    the fingerprint reads it (target/fingerprint.py rope_of: either spelling; a config, an attribute view of one or
+    a dict of config.json)."""
+    from eyas.target.fingerprint import rope_of
+
+    theta, rope = rope_of(c)
+    return float(theta or 10000.0), (rope if rope["rope_type"] != "default" else None)
 
 
 def mla_or_moe(c) -> bool:

@@ -84,17 +84,18 @@ def stage_classes() -> dict[str, type]:
 
 TABLES = ("run", "prepare", "capture", "train", "bench")
 # Fields eyas run sets itself, per table, and where their value comes from.
-_TARGET, _DEVICE = "--target", "[run] device"
+_TARGET, _DEVICE, _TRUST = "--target", "[run] device", "--trust-remote-code"
 OWNED: dict[str, dict[str, str]] = {
-    "prepare": {"target": _TARGET, "data": "--data", "out": "the run directory", "overwrite": "the run's redo"},
+    "prepare": {"target": _TARGET, "data": "--data", "out": "the run directory", "overwrite": "the run's redo",
+                "trust_remote_code": _TRUST},
     "capture": {"target": _TARGET, "data": "the run's prepared/", "out": "the run directory",
-                "device": _DEVICE, "overwrite": "the run's redo", "progress": "--quiet"},
+                "device": _DEVICE, "overwrite": "the run's redo", "progress": "--quiet", "trust_remote_code": _TRUST},
     "train": {"target": _TARGET, "data": "[run] online", "store": "[run] online", "out": "the run directory",
               "device": _DEVICE, "max_len": "[prepare] max_len", "resume": "the run directory",
-              "progress": "--quiet"},
+              "progress": "--quiet", "trust_remote_code": _TRUST},
     "bench": {"target": _TARGET, "drafter": "the run's drafter", "device": _DEVICE,
               "compile": "[run] device (on cuda)",
-              "json_out": "the run directory", "dtype": "[run] bench_dtype"},
+              "json_out": "the run directory", "dtype": "[run] bench_dtype", "trust_remote_code": _TRUST},
 }
 # The flat knob names of the presets before recipes (run.json files and commands written then): their homes.
 LEGACY: dict[str, tuple[str, str]] = {

@@ -29,8 +29,8 @@ def lock_name(rank: int) -> str:
 class StoreLock:
     """Held from acquire_store_lock() until release() (or the process's death)."""
 
-    def __init__(self, path: Path, fd: int, created: bool):
-        self.path, self._fd, self._created = path, fd, created
+    def __init__(self, path: Path, fd: int, created: list[Path]):
+        self.path, self._fd, self._created = path, fd, created   # created: the directories made, deepest first
 
     def release(self) -> None:
         if self._fd is None:
@@ -38,11 +38,11 @@ class StoreLock:
         self.path.unlink(missing_ok=True)  # before unlocking: a waiter then finds a new file, not this one
         os.close(self._fd)
         self._fd = None
-        if self._created:  # a run that failed before writing anything leaves no empty store behind
+        for d in self._created:  # a run that failed before writing anything leaves no empty store (or parent)
             try:
-                self.path.parent.rmdir()
+                d.rmdir()
             except OSError:
-                pass
+                break
 
     def __enter__(self) -> "StoreLock":
         return self
@@ -64,7 +64,7 @@ def acquire_store_lock(store, rank: int = 0) -> StoreLock:
     store = Path(store)
     if store.exists() and not store.is_dir():
         raise EyasError(f"{store}: exists and is not a directory")
-    created = not store.exists()
+    created = [d for d in (store, *store.parents) if not d.exists()]   # deepest first
     try:
         store.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 VERSION = 3
 # Architecture fields that decide what the target computes; absent or None ones are left out.
@@ -68,13 +69,25 @@ def _number(v):
     return float(f"{v:.6g}") if isinstance(v, float) else v
 
 
-def _rope(cfg) -> dict:
-    """rope_theta and any scaling, the same whether the config spells rope_parameters (transformers 5)
-    or rope_theta + rope_scaling (4.x)."""
+def rope_of(cfg) -> tuple[float | None, dict]:
+    """(rope_theta, or None where the config has none; the RoPE parameters, their kind under "rope_type", "default"
+    when none) the same whether the config spells rope_parameters (transformers 5) or rope_theta + rope_scaling
+    (4.x). `cfg`: a config or an attribute view of one; a dict (config.json) is read as its keys. The one reading
+    of a target's RoPE: the fingerprint's (_rope) and the drafter shape's (model/shape.py target_rope)."""
+    if isinstance(cfg, dict):
+        cfg = SimpleNamespace(**cfg)
     params = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
     theta = params.pop("rope_theta", None) or getattr(cfg, "rope_theta", None)
     # a 4.x config spells the kind "type"; transformers 5 keeps that key beside the "rope_type" it adds
-    kind = params.pop("rope_type", None) or params.get("type") or "default"
+    if not params.get("rope_type"):
+        params["rope_type"] = params.pop("type", None) or "default"
+    return theta, params
+
+
+def _rope(cfg) -> dict:
+    """rope_theta and any scaling (rope_of), numbers normalised, the 4.x "type" key dropped."""
+    theta, params = rope_of(cfg)
+    kind = params.pop("rope_type")
     params.pop("type", None)
     out = {"rope_theta": _number(float(theta)) if theta is not None else None}
     if kind != "default":

@@ -1,5 +1,6 @@
-"""Set-up of a training run, in the order Trainer.__init__ calls it: the run directory, the data source and its
-target, the draft vocabulary, the drafter's head, and the learning-rate schedule.
+"""Set-up of a training run, in the order Trainer.__init__ calls it: the run directory's check, the data source and
+its target, the draft vocabulary, the drafter's head (or --init's), the learning-rate schedule, and last the run
+directory itself, so that a refusal at any step leaves nothing behind.
 
 The ranks and the DDP / FSDP2 wrap are train/dist.py's; the training loop itself is train/trainer.py's.
 """
@@ -24,9 +25,9 @@ KIND = "train"
 """The manifest kind of a training run directory."""
 
 
-def check_run_dir(cfg: TrainConfig, run: Path) -> None:
-    """Refuse a --out that is not a fresh or resumable training run; clear what a run killed before its first
-    manifest left behind; create the directory. Rank 0 only."""
+def refuse_run_dir(cfg: TrainConfig, run: Path) -> None:
+    """Refuse a --out that is not a fresh or resumable training run. Reads only: the trainer calls it before it opens
+    the target, so a refusal there (or of the target) leaves nothing behind."""
     if run.exists() and not run.is_dir():
         raise EyasError(f"{run}: exists and is not a directory")
     if (run / MANIFEST).exists():
@@ -37,11 +38,20 @@ def check_run_dir(cfg: TrainConfig, run: Path) -> None:
             check_same(old["config_identity"], cfg.identity(), what="training configuration", where=str(run))
         elif ckpt.list_checkpoints(run):
             raise EyasError(f"{run}: already holds a run with checkpoints; pass --resume or choose another --out")
-    elif run.is_dir() and any(run.iterdir()):
-        # a run killed before its first manifest leaves only the draft vocabulary (and temp files): start over
-        early = all(p.name == "vocab" or (p.name.startswith(".") and ".tmp-" in p.name) for p in run.iterdir())
-        if not early:
-            raise EyasError(f"{run}: not empty and not an eyas training run; refusing to write into it")
+    elif run.is_dir() and any(run.iterdir()) and not _killed_early(run):
+        raise EyasError(f"{run}: not empty and not an eyas training run; refusing to write into it")
+
+
+def _killed_early(run: Path) -> bool:
+    """A run killed before its first manifest leaves only the draft vocabulary (and temp files)."""
+    return all(p.name == "vocab" or (p.name.startswith(".") and ".tmp-" in p.name) for p in run.iterdir())
+
+
+def check_run_dir(cfg: TrainConfig, run: Path) -> None:
+    """refuse_run_dir, then clear what a run killed before its first manifest left behind and create the directory.
+    Rank 0 only, once everything else of the set-up has been checked."""
+    refuse_run_dir(cfg, run)
+    if not (run / MANIFEST).exists() and run.is_dir():
         shutil.rmtree(run / "vocab", ignore_errors=True)
         for p in run.glob(".*.tmp-*"):
             p.unlink(missing_ok=True)
@@ -102,10 +112,11 @@ def check_max_len_fits(cfg: TrainConfig, target) -> None:
     check_max_len(tok, cfg.max_len, f"target {getattr(target, 'name', None) or cfg.target}")
 
 
-def build_vocab(cfg: TrainConfig, source, train_idx, V: int, init_vocab, run: Path | None):
-    """(draft vocabulary, the draft id most common in training) from the loss-masked tokens of `train_idx`, or
-    --init's vocabulary with its coverage of them; written to RUN/vocab/ when `run` is given (rank 0)."""
-    from eyas.model.vocab import DraftVocab, build_draft_vocab, save_draft_vocab
+def build_vocab(cfg: TrainConfig, source, train_idx, V: int, init_vocab, *, announce: bool = True):
+    """(draft vocabulary, the draft id most common in training, its summary for RUN/vocab/) from the loss-masked
+    tokens of `train_idx`, or --init's vocabulary with its coverage of them. Writes nothing (write_vocab does);
+    `announce`: say on stderr how many samples add no loss (rank 0)."""
+    from eyas.model.vocab import DraftVocab, build_draft_vocab
 
     counts = torch.zeros(V, dtype=torch.int64)
     untrainable = []  # samples with no loss-masked token within max_len: they add no loss
@@ -120,7 +131,7 @@ def build_vocab(cfg: TrainConfig, source, train_idx, V: int, init_vocab, run: Pa
     if int(counts.sum()) == 0:
         raise EyasError(f"{source.where}: the training split has no trainable (loss-masked) tokens within the "
                         f"first --max-len {cfg.max_len} tokens of its {len(train_idx)} samples")
-    if untrainable and run is not None:
+    if untrainable and announce:
         print(f"eyas train: {len(untrainable)} of {len(train_idx)} training samples of {source.where} have no "
               f"trainable token within --max-len {cfg.max_len} (first: {untrainable[0]!r}); they add no loss",
               file=sys.stderr)
@@ -131,13 +142,36 @@ def build_vocab(cfg: TrainConfig, source, train_idx, V: int, init_vocab, run: Pa
     else:
         vocab = build_draft_vocab(counts, min(cfg.draft_vocab, V))  # for_device filled a None
     top_draft = int(vocab.token_ids[counts[vocab.token_ids].argmax()])
-    if run is not None:
-        (run / "vocab").mkdir(parents=True, exist_ok=True)
-        save_draft_vocab(vocab, run / "vocab" / "draft_vocab.safetensors")
-        summary = {"size": vocab.size, "vocab_size": V, "coverage": vocab.coverage, "most_common_id": top_draft,
-                   "trainable_tokens": int(counts.sum()), "split": "train"}
-        atomic_write_bytes(run / "vocab" / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
-    return vocab, top_draft
+    summary = {"size": vocab.size, "vocab_size": V, "coverage": vocab.coverage, "most_common_id": top_draft,
+               "trainable_tokens": int(counts.sum()), "split": "train"}
+    return vocab, top_draft, summary
+
+
+def write_vocab(run: Path, vocab, summary: dict) -> None:
+    """RUN/vocab/: draft_vocab.safetensors and summary.json (rank 0)."""
+    from eyas.model.vocab import save_draft_vocab
+
+    (run / "vocab").mkdir(parents=True, exist_ok=True)
+    save_draft_vocab(vocab, run / "vocab" / "draft_vocab.safetensors")
+    atomic_write_bytes(run / "vocab" / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
+
+
+POSITION_BOUND = ("max_position_embeddings",)
+"""DrafterConfig fields that only bound positions: nothing the drafter computes reads them (rope_inv_freq takes the
+theta and the scaling's own fields), so an --init head may differ in them and the run's value is kept (a published
+Kimi-K2 head says 131072, a Kimi-K2.5 run 262144)."""
+
+
+def check_init_config(init, run, where: str) -> str | None:
+    """Refuse an --init drafter config that differs from the run's in a field that changes the weights' shapes or
+    meaning (sizes, heads, eps, RoPE, vocabulary, aux layers), naming each; one that differs only in POSITION_BOUND
+    fields is accepted, and the returned line says which value the run keeps (None: no difference)."""
+    a, b = init.to_dict(), run.to_dict()
+    check_same({k: v for k, v in a.items() if k not in POSITION_BOUND},
+               {k: v for k, v in b.items() if k not in POSITION_BOUND}, what="drafter config of --init", where=where)
+    moved = [f"{k} {a[k]} -> {b[k]}" for k in POSITION_BOUND if a[k] != b[k]]
+    return (f"eyas train: --init {where}: {', '.join(moved)}, the run's (it only bounds positions; the drafter's "
+            f"plain RoPE does not read it)") if moved else None
 
 
 @torch.no_grad()

@@ -34,7 +34,8 @@ from eyas.train.config import TrainConfig
 from eyas.train.data import (epoch_batches, group, group_packed, nonfinite_flags, pack, rank_batches, split_indices,
                              target_features)
 from eyas.train.metrics import MetricsSink, Sums, frequency_baseline, round_counts, truncate_metrics
-from eyas.train.setup import KIND, build_vocab, check_run_dir, init_head_from_target, schedule
+from eyas.train.setup import (KIND, build_vocab, check_init_config, check_run_dir, init_head_from_target,
+                              refuse_run_dir, schedule, write_vocab)
 from eyas.train.setup import open_source as _open_source  # a module global: tests hand it a target object
 from eyas.train.ttt import TTTConfig, TTTOutput, ttt_forward
 
@@ -80,8 +81,8 @@ class Trainer:
         if chosen and self.rank == 0:
             print(chosen, file=sys.stderr)
         self.cfg, self.run = cfg, Path(cfg.out)
-        if self.rank == 0:
-            check_run_dir(cfg, self.run)
+        if self.rank == 0:  # read only: the run directory is made once the target and data have been checked
+            refuse_run_dir(cfg, self.run)
         dist.barrier()
         self.source, target, self.ref = _open_source(cfg, target, self.device)
         self.target = target
@@ -100,8 +101,8 @@ class Trainer:
             # checks the drafter's recorded target (each differing field named), or warns with --allow-target-mismatch
             init_drafter, _ = open_drafter(cfg.init, target, allow_target_mismatch=cfg.allow_target_mismatch)
             init_vocab = (init_drafter.d2t.clone(), init_drafter.t2d.clone())
-        self.vocab, self.top_id = build_vocab(cfg, self.source, self.train_idx, target.vocab_size, init_vocab,
-                                              self.run if self.rank == 0 else None)
+        self.vocab, self.top_id, vocab_summary = build_vocab(cfg, self.source, self.train_idx, target.vocab_size,
+                                                             init_vocab, announce=self.rank == 0)
 
         # --- the drafter, its loss module and the optimizer
         torch.manual_seed(cfg.seed)
@@ -109,14 +110,14 @@ class Trainer:
                                               aux_layer_ids=target.aux_layer_ids,
                                               intermediate_size=cfg.intermediate_size,
                                               norm_before_fc=cfg.norm_before_fc)
+        note = check_init_config(init_drafter.config, self.dcfg, cfg.init) if init_drafter is not None else None
         drafter = Eagle3Drafter(self.dcfg)
         if self.rank == 0:  # the derived shape (docs/training.md, "The drafter's shape")
             print(f"eyas train: drafter: {self.dcfg.summary()}", file=sys.stderr)
+            if note:
+                print(note, file=sys.stderr)
         drafter.set_vocab(self.vocab.d2t, self.vocab.t2d)
         if init_drafter is not None:
-            if init_drafter.config != self.dcfg:
-                check_same(init_drafter.config.to_dict(), self.dcfg.to_dict(), what="drafter config of --init",
-                           where=cfg.init)
             drafter.load_state_dict(init_drafter.state_dict())
         elif cfg.init_from_target:
             init_head_from_target(drafter, target)
@@ -162,6 +163,10 @@ class Trainer:
         # Not with an LK loss: its alpha needs the target's full-vocab normaliser, so every pass multiplies it all.
         self.target_ids: dict[int, torch.Tensor] | None = ({} if not (cfg.online or self.packed) and cfg.loss == "ce"
                                                            else None)
+        if self.rank == 0:  # everything above is checked: only now the run directory and its vocabulary
+            check_run_dir(cfg, self.run)
+            write_vocab(self.run, self.vocab, vocab_summary)
+        dist.barrier()
         self._restore()
 
     def plan(self, epoch: int) -> list[list[list[int]]]:
