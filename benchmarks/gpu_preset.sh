@@ -53,6 +53,7 @@ stage-b)
     exit 1
   until=${2:-prepare} ;;
 poll)  # wait up to $2 seconds for the background run, then copy what there is
+  [ -f /root/bg.log ] || { echo "machine was replaced (no background run here): nothing to wait for, stage again"; exit 3; }
   end=$(( $(date +%s) + ${2:-540} ))
   finished() { [ -f $RUN.done ] && { [ ! -s /root/after.cmd ] || [ -f /root/after.done ]; }; }
   while ! finished && [ $(date +%s) -lt $end ]; do sleep 5; done

@@ -84,6 +84,7 @@ bg)
   sleep 5; tail -n 5 $WORK/$1.log; echo "started: $*"; exit 0 ;;
 poll)
   need_engine "${2:-}"; e=$2; end=$(( $(date +%s) + ${3:-540} ))
+  [ -f $WORK/job.sh ] || { echo "machine was replaced (no job under $WORK): nothing to wait for, stage again"; exit 3; }
   while [ ! -f $WORK/$e.done ] && [ $(date +%s) -lt $end ]; do sleep 5; done
   [ -f $WORK/$e.done ] && echo "job finished: exit $(cat $WORK/$e.done)" || echo "job still running"
   tail -n ${LINES_SHOWN:-60} $WORK/$e.log

@@ -64,6 +64,7 @@ bg)
   sleep 5; tail -n 5 $WORK/x2.log; echo "started: $UNITS"; exit 0 ;;
 poll)
   end=$(( $(date +%s) + ${2:-540} ))
+  [ -f $WORK/job.sh ] || { echo "machine was replaced (no job under $WORK): nothing to wait for, stage again"; exit 3; }
   while [ ! -f $WORK/x2.done ] && [ $(date +%s) -lt $end ]; do sleep 5; done
   [ -f $WORK/x2.done ] && echo "job finished: exit $(cat $WORK/x2.done)" || echo "job still running"
   tail -n ${LINES_SHOWN:-40} $WORK/x2.log
