@@ -14,6 +14,7 @@ from torch.profiler import ProfilerActivity
 
 ATTENTION = re.compile(r"flash|fmha|attention|sdpa|softmax", re.I)
 MATMUL = re.compile(r"gemm|gemv|nvjet|xmma|cutlass|cublas|matmul|aten::(mm|addmm|bmm|baddbmm|linear)$", re.I)
+SYNC = re.compile(r"Sync|^Stream Wait")
 LAUNCH = re.compile(r"^cu(da)?(LaunchKernel|LaunchKernelEx|LaunchCooperativeKernel|GraphLaunch)")
 WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "aten::item", "aten::nonzero")
 """Host-side events that wait for (or, on the CPU, stand for) a value computed on the device. cudaDeviceSynchronize is
@@ -47,7 +48,10 @@ def device_work(prof, device: torch.device) -> list[tuple[str, float]]:
     out = []
     for e in prof.events():
         if device.type == "cuda":
-            if e.device_type == DeviceType.CUDA:
+            # Kernels, memcpys and memsets; not the device-side sync records or user-annotation ranges (kineto
+            # files those under the device too), which span waits rather than work.
+            if (e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+                    and not SYNC.search(e.name)):
                 out.append((e.name, e.time_range.elapsed_us()))
         elif e.device_type == DeviceType.CPU and e.name.startswith("aten::"):
             out.append((e.name, e.self_cpu_time_total))
@@ -64,8 +68,9 @@ def host_calls(prof) -> tuple[int, int, dict[str, int]]:
         if LAUNCH.match(e.name):
             launches += 1
             graphs += "GraphLaunch" in e.name
-        if e.name in waits:
-            waits[e.name] += 1
+        for w in WAITS:  # by prefix: CUPTI may name a runtime call with a version suffix
+            if e.name.startswith(w):
+                waits[w] += 1
     return launches, graphs, waits
 
 

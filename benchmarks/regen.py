@@ -69,7 +69,9 @@ def tiny_shaped(device: str, dtype: torch.dtype):
 def step_bytes(runner: Runner, rows: int, slots: int) -> dict[str, int]:
     """Bytes one decode step of `rows` rows attending `slots` cache slots must move at least: every weight once
     (of the embedding only the rows' own entries), each row's K/V over the slots in every layer, and the logits,
-    written by the head and read once by the sampler. (The new K/V entries and the small tensors are left out.)"""
+    written by the head and read once by the sampler. Left out: the new K/V entries, the small tensors, and the
+    additive attention mask, which each layer reads at most once per kv head (num_heads / kv_heads / (2 x head_dim)
+    of the K/V bytes)."""
     c, e = runner.cfg, runner.embed.weight.element_size()
     weights = sum(p.numel() * p.element_size() for n, p in runner.named_parameters() if not n.startswith("embed."))
     return {"weights": weights + rows * c.hidden_size * e,
@@ -189,16 +191,17 @@ def profile_markdown(p: dict, dev_kind: str) -> str:
         "| per decode step | value |", "|---|---|",
         f"| wall ms (timed window) | {p['wall_ms']:.3f} |",
         f"| wall ms (profiled window) | {wall:.3f} |",
-        f"| forward ms (timed window, {'CUDA events' if dev_kind == 'cuda' else 'timer'} around the step) | "
+        f"| forward ms (timed window, {'CUDA events' if dev_kind == 'cuda' else 'timer'} around the step's call) | "
         f"{p['forward_ms']:.3f} |",
         f"| device busy ms (sum of {unit}) | {busy:.3f} |",
         f"| device idle share (host bound) | {1 - busy / wall:.1%} |",
         f"| {unit} | {p['kernels']:.1f} |",
         f"| host launch calls (of them graph launches) | {p['launches']:.2f} ({p['graph_launches']:.2f}) |",
-        f"| host waits: cudaStreamSynchronize / cudaEventSynchronize | {w['cudaStreamSynchronize']:.2f} / "
-        f"{w['cudaEventSynchronize']:.2f} |",
-        f"| aten::item / aten::nonzero | {w['aten::item']:.2f} / {w['aten::nonzero']:.2f} |",
-        f"| measured tok/s (rows / timed wall) | {p['rows'] / p['wall_ms'] * 1e3:,.0f} |", "",
+        f"| host waits: cudaStreamSynchronize / cudaEventSynchronize | {w['cudaStreamSynchronize']:.3f} / "
+        f"{w['cudaEventSynchronize']:.3f} |",
+        f"| aten::item / aten::nonzero | {w['aten::item']:.3f} / {w['aten::nonzero']:.3f} |",
+        f"| measured tok/s (rows / timed wall; finished rows still computed count) | "
+        f"{p['rows'] / p['wall_ms'] * 1e3:,.0f} |", "",
         "| group | ms per step | share of busy |", "|---|---|---|"]
     lines += [f"| {g} | {ms:.3f} | {ms / busy:.0%} |" for g, ms in sorted(p["groups"].items(), key=lambda kv: -kv[1])]
     lines += ["", "| top kernel | group | per step | ms per step |", "|---|---|---|---|"]
@@ -259,18 +262,28 @@ def main(argv=None) -> int:
     cuda = a.device.startswith("cuda")
     rows, warm, runners = [], {}, {}
 
+    captured = {}  # the shared runner's CUDA graphs: the Layer.sdpa_rows they were captured under
+
     def ready(name):
-        """The runner for mode `name` with the decode attention it selects, warmed up (graphs, compilation)."""
+        """The runner for mode `name` with the decode attention it selects, warmed up (graphs, compilation). The
+        modes that share `runner` use the same graph keys, so a change of attention path drops its graphs first
+        (else a mode would replay graphs captured on another mode's path)."""
         Layer.sdpa_rows = 512 if name in ("window+compact", "compiled", "compiled+regions") else 1 << 30
         if name not in runners:
             runners[name] = runner if not name.startswith("compiled") else Runner.from_hf(
                 target.model, max_batch=a.batch, max_seq=a.max_seq, dtype=dtype, compile=True, dynamic=True,
                 regions=name == "compiled+regions")
+        r = runners[name]
+        stale = r is runner and captured.setdefault("rows", Layer.sdpa_rows) != Layer.sdpa_rows
+        if stale:
+            runner._graphs.clear()
+            captured["rows"] = Layer.sdpa_rows
+        if stale or name not in warm:
             t0 = time.perf_counter()
-            runners[name].generate(prompts[:a.batch], 20, temperature=1.0, eos_ids=eos, seed=1, **MODES[name])
-            sync(runners[name].device)
-            warm[name] = time.perf_counter() - t0
-        return runners[name]
+            r.generate(prompts[:a.batch], 20, temperature=1.0, eos_ids=eos, seed=1, **MODES[name])
+            sync(r.device)
+            warm.setdefault(name, time.perf_counter() - t0)
+        return r
 
     for name in [m for m in a.modes.split(",") if m]:
         r = ready(name)
