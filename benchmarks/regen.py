@@ -168,7 +168,8 @@ def profile_mode(runner: Runner, prompts, eos, a, name: str) -> dict:
     for kname, us in work:
         groups[group(kname)] = groups.get(group(kname), 0.0) + us
     run_bytes = sum(sum(step_bytes(runner, r, s).values()) for r, s in probe.shapes)
-    return {"mode": name, "skip": skip, "steps": n, "rows": rows, "slots": slots, "bw": bw,
+    return {"mode": name, "layers": runner.cfg.num_layers, "skip": skip, "steps": n, "rows": rows, "slots": slots,
+            "bw": bw,
             "wall_ms": 1e3 * probe.wall["timed"] / n, "wall_prof_ms": 1e3 * probe.wall["profiled"] / n,
             "forward_ms": 1e3 * probe.forward_s() / n, "busy_ms": sum(us for _, us in work) / 1e3 / n,
             "kernels": len(work) / n, "launches": launches / n, "graph_launches": graphs / n,
@@ -203,7 +204,8 @@ def profile_markdown(p: dict, dev_kind: str) -> str:
         f"| measured tok/s (rows / timed wall; finished rows still computed count) | "
         f"{p['rows'] / p['wall_ms'] * 1e3:,.0f} |", "",
         "| group | ms per step | share of busy |", "|---|---|---|"]
-    lines += [f"| {g} | {ms:.3f} | {ms / busy:.0%} |" for g, ms in sorted(p["groups"].items(), key=lambda kv: -kv[1])]
+    lines += [f"| {g} | {ms:.3f} | {ms / max(busy, 1e-9):.0%} |"
+              for g, ms in sorted(p["groups"].items(), key=lambda kv: -kv[1])]
     lines += ["", "| top kernel | group | per step | ms per step |", "|---|---|---|---|"]
     for k, c, ms in p["top"]:
         short = (k[:70] + "...") if len(k) > 73 else k
@@ -222,7 +224,11 @@ def profile_markdown(p: dict, dev_kind: str) -> str:
               f"Whole profiled call: {p['tokens']:,} tokens in {p['run_s']:.2f} s ({p['tokens'] / p['run_s']:,.0f} "
               f"tok/s, prefill included); {p['decode_steps']} decode steps computed {p['row_steps']:,} row-steps "
               f"({p['tokens'] / p['row_steps']:.0%} of them kept); their bytes at the copy bandwidth take "
-              f"{p['run_bytes'] / p['bw']:.3g} s."]
+              f"{p['run_bytes'] / p['bw']:.3g} s ({p['run_bytes'] / p['bw'] / p['run_s']:.0%} of the call)."]
+    if dev_kind == "cuda" and p["kernels"] < p["layers"]:
+        lines += ["", f"**The profiler saw {p['kernels']:.1f} kernels per step, fewer than the {p['layers']} layers: "
+                  "its device times are incomplete (were the graph's kernels traced?); the forward ms from CUDA "
+                  "events stands.**"]
     return "\n".join(lines)
 
 
