@@ -183,7 +183,7 @@ def profile_markdown(p: dict, dev_kind: str) -> str:
     """The --profile section's body: three small tables and the bandwidth and whole-run lines."""
     busy, wall = p["busy_ms"], p["wall_prof_ms"]
     w = p["waits"]
-    unit = "kernels" if dev_kind == "cuda" else "aten ops"  # on the CPU the ops are the device's work
+    unit = "kernels (memcpy, memset included)" if dev_kind == "cuda" else "aten ops"  # CPU: the ops are its work
     lines = [
         f"Mode {p['mode']}: decode steps {p['skip']}-{p['skip'] + p['steps'] - 1} timed, "
         f"{p['skip'] + p['steps']}-{p['skip'] + 2 * p['steps'] - 1} profiled; {p['rows']:g} rows per step "
