@@ -164,7 +164,9 @@ def run_one(args) -> int:
         prepared = pc.out
     budget = dict(data=prepared, out=str(out / "train"), steps=steps, epochs=None, eval_every=steps,
                   checkpoint_every=0, progress=False)
-    tc, base_tc = replace(c.train, **budget), replace(b.train, **budget)
+    # the base at the common budget: a steps lever's flags then show its own --steps
+    tc = replace(c.train, **budget)
+    base_tc = replace(b.train, **{**budget, "steps": args.steps, "eval_every": args.steps})
     mine_flags, not_flags = train_flags(tc)
     row["train_command"] = "eyas train " + " ".join(mine_flags)
     row["not_flags"] = not_flags
@@ -221,7 +223,8 @@ def table(rows: list[dict], *, command: str = "") -> str:
     base = next((r for r in rows if r["lever"] == "base"), None)
     tau = lambda r: r["bench"]["eagle-chain"]["tau"]   # noqa: E731
     first = rows[0]
-    lines = [f"## Training levers, equal budgets, one prepared dataset — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+    when = time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())
+    lines = [f"## Training levers, equal budgets, one prepared dataset — {when}",
              "", f"- machine: {first['device']}; torch {first['torch']}"]
     if command:
         lines.append(f"- command: `{command}`")
@@ -231,9 +234,9 @@ def table(rows: list[dict], *, command: str = "") -> str:
     if base and "lookup" in base["bench"]:
         lk = base["bench"]["lookup"]["tau"]
         lines.append(f"- prompt lookup on the same prompts: tau {lk:.2f}; base / lookup {tau(base) / lk:.3f}x")
-    lines += ["", "| lever | `eyas train` flags | steps | train s | tok/s | held-out acc_0..k (eval) | "
+    lines += ["", "| lever | `eyas train` flags | steps | train s | bench s | tok/s | held-out acc_0..k (eval) | "
               "eval chain-5 tau (first replies) | chain-5 tau (95% interval) | vs base |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ev = r.get("eval") or {}
         acc = " ".join(f"{a:.3f}" for a in ev.get("acc_k") or [])
@@ -241,8 +244,9 @@ def table(rows: list[dict], *, command: str = "") -> str:
         ci = r["bench"]["eagle-chain"].get("tau_ci95")
         vs = f"{tau(r) / tau(base):.3f}x" if base and r is not base else ("1.000x" if r is base else "-")
         sec = f"{r['train_s']:.0f}" + (f" (+ prepare {r['prepare_s']:.0f})" if r.get("prepare_s") else "")
-        lines.append(f"| {r['lever']} | `{r['flags']}` | {r['steps']} | {sec} | {_f(r.get('tokens_per_s'), ',.0f')} | "
-                     f"{acc} | {_f(first5[4] if len(first5) > 4 else None)} | {tau(r):.3f}"
+        lines.append(f"| {r['lever']} | `{r['flags']}` | {r['steps']} | {sec} | {_f(r.get('bench_s'), '.0f')} | "
+                     f"{_f(r.get('tokens_per_s'), ',.0f')} | {acc} | {_f(first5[4] if len(first5) > 4 else None)} | "
+                     f"{tau(r):.3f}"
                      f"{f' ({ci[0]:.2f}-{ci[1]:.2f})' if ci else ''} | {vs} |")
     lines.append("")
     return "\n".join(lines)

