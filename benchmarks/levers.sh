@@ -9,7 +9,8 @@
 # by its `poll` with PACK=prepared as prepared.tar.xz.part-*; `cat` the parts into one prepared.tar.xz here):
 #   here:  PREPARED_TXZ=/path/prepared.tar.xz bash benchmarks/gpu_preset.sh split     (.stage2/a, b and c)
 #   call 1, carry .stage2/a:  bash benchmarks/gpu_preset.sh stage-a
-#   call 2, carry .stage2/c:  bash benchmarks/gpu_preset.sh stage-c                     (unpacks /root/run/prepared)
+#   call 2, carry .stage2/c:  bash benchmarks/gpu_preset.sh stage-c   (unpacks /root/run/prepared; the preset's data
+#                             is ~15M tokens, ~19 MB of xz at the 1.25 bytes a token of a small prepared set)
 #   call 3, carry .stage2/b:  bash benchmarks/levers.sh bg > /root/levers-bg.log 2>&1; tail -n 20 /root/levers-bg.log
 #                             (assembles the GGUF, installs the wheels, starts the job, returns; do not pipe it)
 #   calls 4..:                bash benchmarks/levers.sh poll 540   (waits up to N s; $OUT gets levers.md/.png and
@@ -20,26 +21,32 @@
 # ~100 s more on the first bench), ROOT, PREP, TARGET. A lever whose row.json exists is skipped: a second bg call
 # with the same ROOT continues a cut job.
 #
-# Sizing of the default (LEVERS="base lk_lambda norm all lk_alpha", STEPS=300, LIMIT=60), from BENCHMARKS.md's gpu
-# preset runs on the H200: a step is 32,768 packed tokens (29.3k real) at ~114k tok/s steady, 0.26 s, so 300 steps
-# (8.8M tokens, 0.55 of an epoch of the preset's data) train in ~80 s (ttt7 ~90 s). Around that, per lever: Python
-# and the target from the safetensors cache ~20 s, compilation 100 s cold on the first lever and an estimated ~40 s
-# with the inductor cache warm, the held-out eval (888 conversations) ~15 s, the bench ~40 s (one process load,
-# CUDA-graph capture, eagle only on 60 prompts x 256 tokens, no fp32 rerun; the base also runs plain and prompt
-# lookup, +30 s). So ~200 s per lever, ~260 s for the first (+28 s to dequantise the GGUF once): 5 levers ~17.5
-# minutes, inside 20 with a margin for the estimates. Each lever's row records load, train and bench seconds: the
-# first job's rows size the next. More levers per lease: fewer STEPS, or two jobs (the second with LEVERS="base
-# ttt7 vocab16k init steps2x": each job needs its own base row, rows compare only inside a job).
+# Sizing of the default (LEVERS="base lk_lambda norm all lk_alpha", STEPS=300, LIMIT=60), from the gpu preset's
+# 5-epoch run in BENCHMARKS.md (2,402 steps, 70.35M tokens, 113.8k tok/s steady, steps 1-10 in 103 s, train 831 s):
+# a step is 29.3k real tokens in 0.26 s, so 300 steps (8.8M tokens, 0.62 of an epoch) train in ~80 s (ttt7 ~90 s).
+# Around that, per lever: Python and the target from the safetensors cache ~20 s; compilation 103 s cold on the first
+# lever, an estimated ~40 s with the inductor cache warm; the eval at the end (888 held-out conversations) <= 19 s
+# (what the preset's 831 s leave for its six evals and checkpoints); the bench ~40 s (load, CUDA-graph capture, eagle
+# only: the preset's 20.6 s decoded 3 methods on 30 prompts; no fp32 rerun), the base +30 s for plain and prompt
+# lookup. So ~200 s per lever and ~260 s for the first (+28 s to dequantise the GGUF once): 5 levers ~17.5 minutes,
+# inside 20 with a margin for the estimates. Each row records its load, train and bench seconds, so the first job's
+# rows size the next. More levers per lease: fewer STEPS, or a second job (LEVERS="base ttt7 vocab16k init steps2x";
+# each job needs its own base row: rows compare only inside a job).
 # Data levers (DATA_LEVERS="spp2 self8k", after the model levers): each runs the preset's whole prepare again with
 # its value (8 min for the preset's data at 28k tok/s of regeneration; spp2 regenerates twice the replies, ~15
 # min; self8k adds ~2M generated tokens, ~1.5 min) and then trains STEPS steps. At 300 steps (under one epoch)
 # more data cannot show: run them with STEPS >= 1000 (two epochs of the base data), one lever per lease.
 #
-# Rehearsal on the CPU (control flow, table, poll; a few ShareGPT conversations, 2 steps per lever, 2 prompts):
+# Rehearsal on the CPU (control flow, table, poll; 40 ShareGPT conversations, 2 steps per lever, 2 prompts; ~10 min on
+# 2 cores; the levers' shared values go in SET):
 #   python -m eyas prepare --target smollm2-135m --out /tmp/lev/prepared --limit 40 --max-turns 1 &&
 #   ROOT=/tmp/lev/root PREP=/tmp/lev/prepared TARGET=smollm2-135m STEPS=2 LIMIT=2 LEVERS="base norm steps2x" \
 #   SET="run.device=cpu train.attention=blocks train.compile=false train.batch_tokens=2048 train.draft_vocab=8192 \
-#   bench.0.max_new_tokens=24" bash benchmarks/levers.sh bg && OUT=/tmp/lev/out bash benchmarks/levers.sh poll 900
+#   train.eval_fraction=0.25 bench.0.max_new_tokens=16" bash benchmarks/levers.sh bg &&
+#   OUT=/tmp/lev/out bash benchmarks/levers.sh poll 900
+# A data lever the same way: LEVERS=base DATA_LEVERS=spp2 STEPS=1 LIMIT=1 ROOT=/tmp/lev/root2, SET as above plus
+# "prepare.limit=8 prepare.max_new_tokens=24 prepare.batch_size=8 prepare.gen_batch=8" (a small prepare of its own;
+# the preset's 512-row generation batch is killed for memory on a 23 GiB CPU machine).
 set -uo pipefail
 cmd=${1:?usage: levers.sh bg|job|poll SECONDS}
 ROOT=${ROOT:-/root/levers}
