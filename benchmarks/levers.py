@@ -51,15 +51,6 @@ def lever(name: str) -> dict:
     raise SystemExit(f"levers.py: unknown lever {name!r}; known: {' '.join([*LEVERS, *DATA_LEVERS])}")
 
 
-def knob(text: str) -> tuple[str, object]:
-    """KEY=VALUE as `eyas run --set` reads it (VALUE as JSON when it parses, else the string)."""
-    key, _, val = text.partition("=")
-    try:
-        return key, json.loads(val)
-    except json.JSONDecodeError:
-        return key, val
-
-
 def stages(target: str, overrides: dict, out: Path, vocab_size: int | None):
     """The gpu preset's stage configs with `overrides` applied, as `eyas run --preset gpu --set ...` resolves them."""
     from eyas.run import RunConfig, resolve_stages
@@ -132,11 +123,12 @@ def run_one(args) -> int:
     from eyas.bench.bench import run_bench
     from eyas.model.checkpoint import open_drafter
     from eyas.recipes import resolve_dtype
+    from eyas.run import parse_knob
     from eyas.target import load_target
     from eyas.train.trainer import run_train
 
     spec = lever(args.lever)
-    common = dict(knob(s) for s in args.set)
+    common = dict(parse_knob(s) for s in args.set)
     mine = {**common, **{k: v for k, v in spec.items() if k != "steps"}}
     steps = args.steps * spec.get("steps", 1)
     out = Path(args.root) / args.lever

@@ -413,7 +413,8 @@ def _export(cfg, c: Stages, run, target, redo=False) -> dict:
 STAGE_FUNCS = {"prepare": _prepare, "capture": _capture, "train": _train, "bench": _bench, "export": _export}
 
 
-def _knob(text: str) -> tuple[str, object]:
+def parse_knob(text: str) -> tuple[str, object]:
+    """--set KEY=VALUE: VALUE as JSON when it parses, else the string."""
     if "=" not in text:
         raise argparse.ArgumentTypeError(f"--set {text!r}: expected KEY=VALUE")
     key, val = text.split("=", 1)
@@ -435,7 +436,7 @@ def register(subparsers) -> None:
                            "help": "a recipe TOML file ([run], [prepare], [capture], [train], [[bench]]; docs/run.md)"})
     add_flags(p, RunConfig, ["out"], out={"default": None, "help": "run directory (default: runs/<preset or recipe "
                                                                   "name>)"})
-    p.add_argument("--set", dest="overrides", action="append", type=_knob, default=[], metavar="KEY=VALUE",
+    p.add_argument("--set", dest="overrides", action="append", type=parse_knob, default=[], metavar="KEY=VALUE",
                    help="change one recipe value, e.g. --set train.epochs=3 or --set prepare.limit=100; VALUE is "
                         "JSON (null for None); pre-recipe flat names such as limit=100 still work (repeatable)")
     add_flags(p, RunConfig, ["overwrite", "quiet", "verbose", "until", "trust_remote_code"], until={"choices": STAGES})
