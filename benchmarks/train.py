@@ -308,6 +308,9 @@ def main() -> int:
                                       log_every=args.trainer, attention=attention, compile_layer=comp)
                     rows.append(r)
                     print(r, flush=True)
+    if world > 1:      # every rank leaves the group before exit (a live gloo group at exit can abort the process)
+        dist.barrier()
+        dist.destroy_process_group()
     if rank != 0:
         return 0
     if args.json:

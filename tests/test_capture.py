@@ -316,6 +316,28 @@ def test_two_ranks_write_one_store(tmp_path):
     _assert_same_store(tmp_path / "s", tmp_path / "ref")
 
 
+@pytest.mark.slow
+def test_eyas_capture_under_torchrun_writes_one_store_and_exits_cleanly(tmp_path):
+    """`torchrun --nproc_per_node 2 -m eyas capture` (gloo on the CPU): both ranks exit 0 and leave one complete
+    store with shards of both ranks, equal sample for sample to a one-process capture."""
+    from test_faults import _cli_target_and_data
+
+    from eyas.target import load_target
+    tdir, prep, n = _cli_target_and_data(tmp_path)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1", "EYAS_CACHE": str(tmp_path / "c")}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        "-m", "eyas", "capture", "--target", str(tdir), "--data", str(prep), "--out",
+                        str(tmp_path / "s"), "--batch-tokens", "32", "--device", "cpu"],
+                       capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    store = Store(tmp_path / "s")
+    assert store.info()["ranks"] == [0, 1] and len(store) == n
+    store.verify()
+    run_capture(cfg(tmp_path / "ref", data=str(prep), batch_tokens=32), load_target(str(tdir)))
+    _assert_same_store(tmp_path / "s", tmp_path / "ref")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_capture_matches_cpu(tmp_path):

@@ -122,10 +122,10 @@ class Handler(BaseHTTPRequestHandler):
             Handler.peak = max(Handler.peak, Handler.inflight)
         try:
             time.sleep(Handler.delay)
-            self._answer(req)
-        finally:
+        finally:       # out of flight before the answer is written: the client may send its next request on receipt
             with Handler.lock:
                 Handler.inflight -= 1
+        self._answer(req)
 
     def _answer(self, req):
         key = req["messages"][0]["content"]

@@ -70,10 +70,12 @@ def _main(args) -> int:
         return _engine_main(args)
     device = args.device
     world = int(os.environ.get("WORLD_SIZE", 1))
+    owns = False
     if world > 1:
         import torch.distributed as dist
         if not dist.is_initialized():
             dist.init_process_group("gloo")  # only for barriers; every rank writes its own shards
+            owns = True
         if device == "cuda":
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
     try:
@@ -81,6 +83,8 @@ def _main(args) -> int:
     except ValueError as e:
         raise EyasError(f"capture: {e}") from None
     m = run_capture(cfg)
+    if owns:           # every rank is past run_capture's last barrier; a live gloo group at exit can abort the process
+        dist.destroy_process_group()
     keys = ("complete", "num_samples", "num_tokens", "num_shards", "bytes", "dtype")
     print(json.dumps({k: m[k] for k in keys}))
     return 0
