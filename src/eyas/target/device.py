@@ -1,4 +1,4 @@
-"""What the machine does fast: bf16 on this CPU or not.
+"""What the machine has and does fast: free memory for a target, bf16 on this CPU or not.
 
 A CPU without bf16 instructions (AVX512-BF16 or AMX) emulates bf16 matmuls, orders of magnitude slower than fp32
 (docs/LOG.md has the measurement). The cpu-demo's bf16 settings would then be far slower, not faster, so presets
@@ -30,3 +30,24 @@ def cpu_bf16_fast(cpuinfo: str | None = None) -> bool:
     import torch
 
     return any(x in torch.backends.cpu.get_cpu_capability() for x in ("BF16", "AMX"))
+
+
+def free_bytes(device) -> int | None:
+    """Memory a load onto `device` can take: free memory on a CUDA device, MemAvailable of /proc/meminfo for the
+    CPU; None where it cannot be told."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        return torch.cuda.mem_get_info(device.index if device.index is not None else torch.cuda.current_device())[0]
+    if device.type != "cpu":
+        return None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

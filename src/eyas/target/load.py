@@ -260,6 +260,22 @@ def _check_weights_cover_config(src, model, info: dict) -> None:
                     f"check num_hidden_layers and the weight files")
 
 
+def _check_fits(spec: str, src: Path, device, dtype: torch.dtype) -> None:
+    """Refuse, before reading a weight, a target whose weights alone exceed the device's free memory: loading a
+    1T-parameter checkpoint in process would run for hours and then die. Such targets run in a serving engine."""
+    from eyas.target.device import free_bytes
+    from eyas.target.meta import weights_bytes
+
+    need, free = weights_bytes(src, dtype), free_bytes(device)
+    if need is None or free is None or need <= free:
+        return
+    gib = 1 << 30
+    raise EyasError(f"target {spec!r}: its weights take {need / gib:,.1f} GiB as {str(dtype).removeprefix('torch.')}"
+                    f" and {device} has {free / gib:,.1f} GiB free, so it cannot be loaded in process; run it in a "
+                    f"serving engine instead: `eyas prepare --server URL`, `eyas capture --engine sglang|vllm`, "
+                    f"`eyas train --store` (docs/engines.md)")
+
+
 def load_target(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                 aux_layer_ids=None, trust_remote_code: bool = False, device_map=None) -> Target:
     """Load a target for eyas. Remote code runs only with trust_remote_code=True."""
@@ -274,6 +290,8 @@ def load_target(spec: str, *, device: str | torch.device = "cpu", dtype: torch.d
                             f"--trust-remote-code if you trust it")
     if dtype is None:
         dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    if isinstance(src, Path) and device_map is None:
+        _check_fits(spec, src, device, dtype)
     kw = dict(local_files_only=True, trust_remote_code=trust_remote_code)
     try:
         with _quiet_load_report():

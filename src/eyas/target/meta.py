@@ -15,6 +15,7 @@ trust_remote_code=True, and a target that needs it is refused without.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -91,6 +92,29 @@ def weight_map(d: Path) -> tuple[dict[str, str], Path] | None:
     if (d / SINGLE).exists():
         return {k: SINGLE for k in safetensors_header(d / SINGLE)[0]}, d / SINGLE
     return None
+
+
+def weights_bytes(d: Path, dtype: torch.dtype) -> int | None:
+    """Bytes the weights of directory `d` take once loaded with 16/32/64-bit floats in `dtype`, from the safetensors
+    headers alone (fp8 and integer tensors at their stored size: a lower bound). A directory lacking shards its
+    weight map names (a weightless copy) gives the index's `total_size`; None without safetensors or a total."""
+    found = weight_map(d)
+    if found is None:
+        return None
+    wm, _ = found
+    files = sorted(set(wm.values()))
+    present = [f for f in files if (d / f).exists()]
+    if len(present) < len(files):  # a weightless copy: only the index says how large the whole is
+        total = (read_json(d / INDEX).get("metadata") or {}).get("total_size") if (d / INDEX).exists() else None
+        return int(total) if isinstance(total, (int, float)) else None
+    size, to = 0, torch.empty((), dtype=dtype).element_size()
+    for f in present:
+        for t in safetensors_header(d / f)[0].values():
+            if t["dtype"] in ("F64", "F32", "F16", "BF16"):   # loaded as `dtype`
+                size += math.prod(t["shape"]) * to
+            else:                                             # fp8, packed integers: at least their stored size
+                size += t["data_offsets"][1] - t["data_offsets"][0]
+    return size
 
 
 def find_name(wm: dict[str, str], kind: str) -> str | None:
