@@ -157,3 +157,40 @@ def test_smollm2_gguf_tokenizer_masks():
             continue  # SmolLM2's vocabulary has no Llama-3 header tokens
         for conv in CONVS.values():
             check(tok, name, conv)
+
+
+def naive_mask(tok, text, spans):
+    """The definition, token by token: trainable when the token's first character lies in an assistant span."""
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    return enc["input_ids"], [int(b > a and any(s <= a < e for s, e in spans)) for a, b in enc["offset_mapping"]]
+
+
+@pytest.mark.slow
+def test_batched_tokenization_equals_the_definition_on_sharegpt():
+    """tokenize_conversations (one batch call, a character mask) on 300 real ShareGPT conversations with SmolLM2's
+    tokenizer: each equals the token-by-token definition and tokenize_conversation alone; a conversation the
+    template refuses, placed mid-batch, gives its TemplateError in its place and moves no other result."""
+    import itertools
+
+    from eyas.data.chat import tokenize_conversations
+    from eyas.data.sources import iter_conversations
+    from eyas.target import load_target
+
+    tok = load_target("smollm2-135m").tokenizer
+    convs = [list(c.messages) for c in itertools.islice(iter_conversations("sharegpt"), 300)]
+    bad = [{"role": "user", "content": "BOOM"}, {"role": "assistant", "content": "z"}]
+    tok_bad = make_tokenizer("{% for m in messages %}{% if m['content'] == 'BOOM' %}{{ raise_exception('boom') }}"
+                             "{% endif %}{% endfor %}" + SMOLLM2_TEMPLATE)
+    with pytest.raises(TemplateError):
+        tokenize_conversation(tok_bad, bad)
+    out = tokenize_conversations(tok, convs, max_len=2048)
+    assert len(out) == len(convs)
+    for conv, t in zip(convs, out):
+        last = max(i for i, m in enumerate(conv) if m["role"] == "assistant")
+        ids, mask = naive_mask(tok, *assistant_spans(tok, conv[: last + 1]))
+        assert (t.input_ids, t.loss_mask, t.truncated) == (ids[:2048], mask[:2048], len(ids) > 2048)
+        assert t == tokenize_conversation(tok, conv, max_len=2048)
+    mixed = tokenize_conversations(tok_bad, [CONVS["single"], bad, CONVS["multi"]])
+    assert isinstance(mixed[1], TemplateError)
+    assert mixed[0] == tokenize_conversation(tok_bad, CONVS["single"])
+    assert mixed[2] == tokenize_conversation(tok_bad, CONVS["multi"])

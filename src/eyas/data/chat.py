@@ -89,32 +89,64 @@ def assistant_spans(tokenizer, messages: Sequence[dict]) -> tuple[str, list[tupl
     return text, spans
 
 
-def _in_spans(start: int, spans: list[tuple[int, int]]) -> int:
-    return int(any(s <= start < e for s, e in spans))
+def _mask(ids: list[int], offsets, text: str, spans: list[tuple[int, int]]) -> list[int]:
+    """1 for each token that starts inside a span (by its character offset); empty-width tokens are 0."""
+    inside = bytearray(len(text) + 1)
+    for s, e in spans:
+        inside[s:e] = b"\x01" * (e - s)
+    return [inside[a] if b > a else 0 for a, b in offsets]
+
+
+def _split_tokenize(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """Without offsets (slow tokenizers): tokenize the pieces between span boundaries separately."""
+    ids, mask, pos = [], [], 0
+    for s, e in spans + [(len(text), len(text))]:
+        for piece, flag in ((text[pos:s], 0), (text[s:e], 1)):
+            if piece:
+                part = tokenizer(piece, add_special_tokens=False)["input_ids"]
+                ids += part
+                mask += [flag] * len(part)
+        pos = e
+    return ids, mask
+
+
+def _cut(ids: list[int], mask: list[int], max_len: int | None) -> Tokenized:
+    truncated = max_len is not None and len(ids) > max_len
+    return Tokenized(ids[:max_len], mask[:max_len], True) if truncated else Tokenized(ids, mask, False)
+
+
+def _trimmed(messages: Sequence[dict]) -> list[dict]:
+    """Trailing non-assistant turns dropped (nothing after the last reply is trained on)."""
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+    return list(messages[: last + 1])
 
 
 def tokenize_conversation(tokenizer, messages: Sequence[dict], *, max_len: int | None = None) -> Tokenized:
     """Token ids and loss mask for one conversation (trailing non-assistant turns are dropped)."""
-    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
-    messages = list(messages[: last + 1])
-    text, spans = assistant_spans(tokenizer, messages)
-    if getattr(tokenizer, "is_fast", False):
-        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = list(enc["input_ids"])
-        mask = [_in_spans(a, spans) if b > a else 0 for a, b in enc["offset_mapping"]]
-    else:  # no offsets: tokenize the pieces between span boundaries separately
-        ids, mask, pos = [], [], 0
-        for s, e in spans + [(len(text), len(text))]:
-            for piece, flag in ((text[pos:s], 0), (text[s:e], 1)):
-                if piece:
-                    part = tokenizer(piece, add_special_tokens=False)["input_ids"]
-                    ids += part
-                    mask += [flag] * len(part)
-            pos = e
-    truncated = max_len is not None and len(ids) > max_len
-    if truncated:
-        ids, mask = ids[:max_len], mask[:max_len]
-    return Tokenized(ids, mask, truncated)
+    out = tokenize_conversations(tokenizer, [messages], max_len=max_len)[0]
+    if isinstance(out, TemplateError):
+        raise out
+    return out
+
+
+def tokenize_conversations(tokenizer, conversations: Sequence[Sequence[dict]], *,
+                           max_len: int | None = None) -> list[Tokenized | TemplateError]:
+    """tokenize_conversation for many: each is rendered alone, and a fast tokenizer encodes them in one batch
+    call (its own threads). A conversation the template cannot render gives its TemplateError in its place."""
+    rendered: list[tuple[str, list[tuple[int, int]]] | TemplateError] = []
+    for messages in conversations:
+        try:
+            rendered.append(assistant_spans(tokenizer, _trimmed(messages)))
+        except TemplateError as e:
+            rendered.append(e)
+    ok = [r for r in rendered if not isinstance(r, TemplateError)]
+    if getattr(tokenizer, "is_fast", False) and ok:
+        enc = tokenizer([text for text, _ in ok], add_special_tokens=False, return_offsets_mapping=True)
+        done = iter([_cut(list(ids), _mask(ids, offs, text, spans), max_len)
+                     for ids, offs, (text, spans) in zip(enc["input_ids"], enc["offset_mapping"], ok)])
+    else:
+        done = iter([_cut(*_split_tokenize(tokenizer, text, spans), max_len) for text, spans in ok])
+    return [r if isinstance(r, TemplateError) else next(done) for r in rendered]
 
 
 def encode_prompt(tokenizer, messages: Sequence[dict]) -> list[int]:

@@ -16,7 +16,7 @@ import sys
 from collections import Counter
 from dataclasses import asdict, dataclass
 
-from eyas.data.chat import TemplateError, check_chat_template, first_turn_framing, tokenize_conversation
+from eyas.data.chat import TemplateError, Tokenized, check_chat_template, first_turn_framing, tokenize_conversations
 from eyas.data.prepared import SKIPS, PreparedWriter, Sample
 from eyas.data.sources import Conversation, Skipped, iter_records, resolve_data
 from eyas.data.split import is_heldout, sample_id
@@ -337,7 +337,9 @@ class _Preparation:
         items = list(zip([k for k, _ in todo], results)) + list(enumerate(convs))[n_regen:]
         if todo:
             self.log_regeneration()
-        kept = {k for k, r in items if self.add(r)}
+        live = [r.messages for _, r in items if not isinstance(r, Skipped)]
+        toks = iter(tokenize_conversations(self.tok, live, max_len=self.cfg.max_len))  # one batch call
+        kept = {k for k, r in items if self.add(r, None if isinstance(r, Skipped) else next(toks))}
         self.st["conversations"] += len(kept)
         if self.bar is not None:
             self.bar.update(len(kept))
@@ -351,16 +353,14 @@ class _Preparation:
         if self.bar is not None and backend.stats.seconds:
             self.bar.set_postfix(gen_tok_s=f"{backend.stats.new_tokens / backend.stats.seconds:.0f}")
 
-    def add(self, r: Conversation | Skipped) -> bool:
-        """Tokenize one (regenerated) conversation and add it as a sample; False when it is dropped instead."""
+    def add(self, r: Conversation | Skipped, t: Tokenized | TemplateError | None) -> bool:
+        """Add one (regenerated) conversation, tokenized as `t`, as a sample; False when it is dropped instead."""
         if isinstance(r, Skipped):
             self.drop(r)
             return False
-        try:
-            t = tokenize_conversation(self.tok, r.messages, max_len=self.cfg.max_len)
-        except TemplateError as e:
-            self.drop(Skipped("chat template error", r.where, f"{r.id}: {e}"))
-            self.template_errors.append(f"{r.where}: {e}")
+        if isinstance(t, TemplateError):
+            self.drop(Skipped("chat template error", r.where, f"{r.id}: {t}"))
+            self.template_errors.append(f"{r.where}: {t}")
             return False
         if not any(t.loss_mask):
             self.drop(Skipped("no trainable tokens", r.where, f"{r.id}: no assistant token within max-len"))

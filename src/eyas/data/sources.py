@@ -17,6 +17,7 @@ import gzip
 import hashlib
 import importlib.util
 import json
+import re
 import sys
 from collections import Counter
 from dataclasses import dataclass
@@ -107,8 +108,11 @@ def _content_id(messages) -> str:
     return hashlib.sha256(json.dumps(messages, sort_keys=True, ensure_ascii=True).encode()).hexdigest()[:16]
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _has_surrogates(s: str) -> bool:
-    return any("\ud800" <= c <= "\udfff" for c in s)
+    return _SURROGATE.search(s) is not None
 
 
 def normalize_messages(raw, *, sharegpt: bool) -> tuple[dict, ...]:
