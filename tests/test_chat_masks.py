@@ -168,11 +168,12 @@ def naive_mask(tok, text, spans):
 @pytest.mark.slow
 def test_batched_tokenization_equals_the_definition_on_sharegpt():
     """tokenize_conversations (one batch call, a character mask) on 300 real ShareGPT conversations with SmolLM2's
-    tokenizer: each equals the token-by-token definition and tokenize_conversation alone; a conversation the
+    tokenizer: each equals the token-by-token definition and tokenize_conversation alone, and each turn's prompt
+    from encode_prompts equals the template + tokenizer applied alone; a conversation the
     template refuses, placed mid-batch, gives its TemplateError in its place and moves no other result."""
     import itertools
 
-    from eyas.data.chat import tokenize_conversations
+    from eyas.data.chat import encode_prompts, tokenize_conversations
     from eyas.data.sources import iter_conversations
     from eyas.target import load_target
 
@@ -190,6 +191,11 @@ def test_batched_tokenization_equals_the_definition_on_sharegpt():
         ids, mask = naive_mask(tok, *assistant_spans(tok, conv[: last + 1]))
         assert (t.input_ids, t.loss_mask, t.truncated) == (ids[:2048], mask[:2048], len(ids) > 2048)
         assert t == tokenize_conversation(tok, conv, max_len=2048)
+    prefixes = [conv[:i] for conv in convs[:100] for i, m in enumerate(conv) if m["role"] == "assistant"]
+    assert encode_prompts(tok, prefixes) == [
+        tok(tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+        for p in prefixes]
+    assert isinstance(encode_prompts(tok_bad, [CONVS["single"][:1], bad[:1]])[1], TemplateError)
     mixed = tokenize_conversations(tok_bad, [CONVS["single"], bad, CONVS["multi"]])
     assert isinstance(mixed[1], TemplateError)
     assert mixed[0] == tokenize_conversation(tok_bad, CONVS["single"])

@@ -151,8 +151,23 @@ def tokenize_conversations(tokenizer, conversations: Sequence[Sequence[dict]], *
 
 def encode_prompt(tokenizer, messages: Sequence[dict]) -> list[int]:
     """Token ids of messages + the generation prompt (what the model continues from)."""
-    text = render(tokenizer, messages, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    out = encode_prompts(tokenizer, [messages])[0]
+    if isinstance(out, TemplateError):
+        raise out
+    return out
+
+
+def encode_prompts(tokenizer, prompts: Sequence[Sequence[dict]]) -> list[list[int] | TemplateError]:
+    """encode_prompt for many, in one tokenizer call; a prompt the template cannot render gives its TemplateError."""
+    texts: list[str | TemplateError] = []
+    for messages in prompts:
+        try:
+            texts.append(render(tokenizer, messages, add_generation_prompt=True))
+        except TemplateError as e:
+            texts.append(e)
+    ok = [t for t in texts if isinstance(t, str)]
+    ids = iter(tokenizer(ok, add_special_tokens=False)["input_ids"] if ok else [])
+    return [t if isinstance(t, TemplateError) else list(next(ids)) for t in texts]
 
 
 _PROBE = "EYASPROBEUSERTURN"

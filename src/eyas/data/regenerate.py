@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from eyas.data.chat import TemplateError, encode_prompt, special_strings, user_header
+from eyas.data.chat import TemplateError, encode_prompts, special_strings, user_header
 from eyas.data.sources import Conversation, Skipped
 from eyas.errors import EyasError
 
@@ -176,13 +176,11 @@ class LocalBackend:
         stop: list[str | None] = [None] * len(convs)  # why a conversation ended before its last turn
         for r in range(max((len(t) for t in turns), default=0)):
             batch, where = [], []
-            for k, c in enumerate(convs):
-                if stop[k] or r >= len(turns[k]):
-                    continue
+            live = [k for k in range(len(convs)) if not stop[k] and r < len(turns[k])]
+            prompts = encode_prompts(self.tok, [msgs[k][:turns[k][r]] for k in live])  # one tokenizer call
+            for k, prompt in zip(live, prompts):
                 i = turns[k][r]
-                try:
-                    prompt = encode_prompt(self.tok, msgs[k][:i])
-                except TemplateError:
+                if isinstance(prompt, TemplateError):
                     stop[k], msgs[k] = "chat template error", msgs[k][:i]
                     continue
                 if len(prompt) >= self.max_len:  # the reply would be truncated away anyway
