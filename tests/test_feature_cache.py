@@ -19,7 +19,7 @@ from eyas.errors import EyasError
 from eyas.target.hooks import decoder_stack
 from eyas.train import feature_cache as fc
 from eyas.train.config import TrainConfig
-from eyas.train.data import Batch, _pad, target_features
+from eyas.train.data import _pad, target_features
 from eyas.train.trainer import Trainer
 from test_train import V, _free_port, cfg, make_samples, tiny_target
 
@@ -200,40 +200,81 @@ def test_padding_never_reaches_the_drafter(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------ the cache itself
-@pytest.mark.parametrize("sub_tokens", [None, 48], ids=["whole", "groups"])
-def test_assembled_batch_is_the_online_layout_with_the_first_computed_states(sub_tokens):
+def check_assembly(t, cache, sub_tokens, device="cpu"):
     """Mixed lengths: a micro-batch of held and new samples gets the held ones' first-computed states, the new
     ones' states from the target, zeros on padding, in the online path's shape and dtype; then the new ones are
     held too."""
-    t = tiny_target()
     samples = make_samples(12)
     toks = [(torch.tensor(ids), torch.tensor(m)) for _, ids, m in samples]
     lengths = [len(x) for x, _ in toks]
 
     def batch(idx):
-        return _pad([samples[i][0] for i in idx], [toks[i] for i in idx], 64)
+        return _pad([samples[i][0] for i in idx], [toks[i] for i in idx], 64).to(device)
 
-    cache = fc.FeatureCache(1 << 20, torch.device("cpu"))
     a_idx, b_idx = [0, 1, 2, 3, 4], [7, 3, 0, 9, 5]
     a = fc.online_features(cache, t, batch(a_idx), a_idx, [lengths[i] for i in a_idx], sub_tokens)
-    assert set(cache.at) == set(a_idx) and cache.buf.dtype == a.aux.dtype == torch.float32
+    assert set(cache.at) == set(a_idx) and cache.buf.dtype == a.aux.dtype == t.dtype     # never a lossier dtype
     b = fc.online_features(cache, t, batch(b_idx), b_idx, [lengths[i] for i in b_idx], sub_tokens)
     online = target_features(t, batch(b_idx), sub_tokens=sub_tokens)
     assert b.aux.shape == online.aux.shape and b.final.shape == online.final.shape
-    assert b.aux.dtype == online.aux.dtype and b.aux.is_contiguous() and b.final.is_contiguous()
+    assert b.aux.dtype == online.aux.dtype and b.aux.device == online.aux.device
+    assert b.aux.is_contiguous() and b.final.is_contiguous()
     pad = ~online.valid[..., None]
     for x in (b.aux, b.final, online.aux, online.final):
         assert torch.count_nonzero(x * pad) == 0        # zeros on padding, both paths
+    tol = dict(rtol=1e-5, atol=1e-6) if t.dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     for r, i in enumerate(b_idx):
         n = lengths[i]
         if i in a_idx:                                  # held: exactly the states of its first forward
             ra = a_idx.index(i)
             assert torch.equal(b.aux[r, :n], a.aux[ra, :n]) and torch.equal(b.final[r, :n], a.final[ra, :n])
         else:                                           # new: the target's states (to rounding: other shapes)
-            torch.testing.assert_close(b.aux[r, :n], online.aux[r, :n], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(b.aux[r, :n], online.aux[r, :n], **tol)
     assert set(cache.at) == set(a_idx) | set(b_idx) and cache.top == sum(lengths[i] for i in cache.at)
     c = fc.online_features(cache, t, batch(b_idx), b_idx, [lengths[i] for i in b_idx], sub_tokens)
     assert torch.equal(c.aux, b.aux) and torch.equal(c.final, b.final)   # all held now: gathered whole
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("sub_tokens", [None, 48], ids=["whole", "groups"])
+def test_assembled_batch_is_the_online_layout_with_the_first_computed_states(sub_tokens, dtype):
+    t = tiny_target()
+    t.model.to(dtype)
+    check_assembly(t, fc.FeatureCache(1 << 20, torch.device("cpu")), sub_tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("where", ["device", "pinned host"])
+def test_gpu_assembled_batch_from_the_device_or_pinned_host(where):
+    """The CUDA paths: a cache on the device (gathered there) or in pinned host memory (device-to-host copies
+    waited for, gathered on the host, copied up), bf16 as the target gives it."""
+    t = tiny_target()
+    t.model.to("cuda", torch.bfloat16)
+    pinned = where == "pinned host"
+    cache = fc.FeatureCache(1 << 20, torch.device("cpu" if pinned else "cuda"), pinned=pinned)
+    for sub_tokens in (None, 48):
+        check_assembly(t, cache, sub_tokens, "cuda")
+        assert cache.buf.is_pinned() == pinned and cache.buf.is_cuda != pinned
+        cache = fc.FeatureCache(1 << 20, cache.device, pinned=pinned)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_training_runs_the_target_in_the_first_epoch_only(tmp_path, monkeypatch, capsys):
+    """On CUDA (packed rows, bf16 autocast, the 'auto' budget): the cache lives on the device, the target runs in
+    the first epoch only, and the run trains as the uncached one does (to the rounding of other batch shapes)."""
+    t = tiny_target()
+    t.model.to("cuda")
+    data = prepared(tmp_path, equal_length_samples())
+    kw = dict(device="cuda", deterministic=False, pack="on", max_len=32)
+    _, r_off = train(tmp_path, t, online_cfg(tmp_path, data, "off", feature_cache="off", **kw))
+    spy = Spy(monkeypatch, t)
+    on, r_on = train(tmp_path, t, online_cfg(tmp_path, data, "on", **kw), spy)
+    assert "feature cache: " in capsys.readouterr().err and on.fcache.device.type == "cuda"
+    assert set(spy.forwards) == {0}
+    assert r_on["eval"]["positions_k"] == r_off["eval"]["positions_k"]
+    assert r_on["eval"]["loss"] == pytest.approx(r_off["eval"]["loss"], rel=5e-2)
 
 
 def test_placement_device_then_pinned_host_then_the_larger_room():
