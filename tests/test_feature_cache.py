@@ -298,17 +298,15 @@ def test_placement_device_then_pinned_host_then_the_larger_room():
 
 
 def test_feature_cache_setting_is_checked_and_a_flag(tmp_path):
-    import argparse
-
-    from eyas.knobs import add_flags
+    from eyas.cli import build_parser
+    from eyas.knobs import from_args
 
     with pytest.raises(EyasError, match="feature_cache must be auto, off or a size in GB"):
         TrainConfig(out=str(tmp_path), data="d", target="t", feature_cache="lots")
     with pytest.raises(EyasError, match="feature_cache"):
         TrainConfig(out=str(tmp_path), data="d", target="t", feature_cache="-1")
-    ap = argparse.ArgumentParser()
-    add_flags(ap, TrainConfig)
-    assert ap.parse_args(["--out", "x", "--feature-cache", "0.5"]).feature_cache == "0.5"
+    args = build_parser().parse_args(["train", "--data", "d", "--target", "t", "--out", "x", "--feature-cache", "0.5"])
+    assert from_args(TrainConfig, args).feature_cache == "0.5"                      # `eyas train --feature-cache`
     a = TrainConfig(out=str(tmp_path), data="d", target="t")
     b = TrainConfig(out=str(tmp_path), data="d", target="t", feature_cache="off")
     assert a.feature_cache == "auto" and a.identity() == b.identity()   # a resume may change it
