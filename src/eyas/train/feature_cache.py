@@ -23,10 +23,10 @@ from torch import Tensor
 from eyas.train.config import feature_cache_budget
 from eyas.train.data import Batch, h2d, target_features
 
-DEVICE_MARGIN = (16 << 30, 0.2)
+DEVICE_MARGIN = (16e9, 0.2)
 """(bytes, share of the card) left free on a CUDA device, the larger of the two: training's own peak (activations,
 AdamW state, compile workspaces) grows after the room is measured at start."""
-HOST_MARGIN = (4 << 30, 0.25)
+HOST_MARGIN = (4e9, 0.25)
 """(bytes, share of RAM) of the host's available memory left to everything else."""
 
 
