@@ -1,6 +1,8 @@
 """Drafter training throughput: tokens/s, MFU against the card's measured bf16 matmul rate, peak memory.
 
     PYTHONPATH=src python benchmarks/train.py --batch-tokens 32768 --online     # GPU: SmolLM2 + 8B shapes
+    PYTHONPATH=src python benchmarks/train.py --shapes smollm2 --seqs 2048 --batch-tokens 32768 --attention flex \
+        --compile 1 --online --feature-cache off,device,host --trainer 10      # the target's share; cached epochs
     PYTHONPATH=src python benchmarks/train.py --device cpu --shapes tiny --seqs 128 --steps 2   # smoke test
     PYTHONPATH=src python benchmarks/train.py --shapes kimi --seqs 2048,8192 --attention flex --compile 1
     torchrun --nproc_per_node 2 benchmarks/train.py --shapes llama8b --seqs 2048 # DDP scaling (NCCL)
@@ -9,7 +11,11 @@
 
 Each row times full optimizer steps of the trainer's own pieces (TTTModule = drafter + TTT loss, bf16 autocast,
 AdamW, grad clip): per rank and step, batch_tokens // seq packed rows of `seq` tokens holding random samples of
-128..seq tokens, all trainable; random features, or (--online) a SmolLM2-shaped target's forward on the samples.
+128..seq tokens, all trainable; random features, or (--online) a target's forward on the samples (SmolLM2-shaped,
+or for the tiny shape a 4-layer tiny Llama), or (--feature-cache device|host) the states of that forward gathered
+from eyas.train.feature_cache as training's epochs after the first do (held on the device, or in pinned host
+memory). An online row also times the feature step alone (`feat ms`: the target's forward, or the gather), so its
+share of the step is measured, not estimated; the cached rows' rate is the steady rate of epochs 2 and later.
 MFU counts useful FLOPs only: 3x the forward matmuls of the trained parts (fc once per token; per TTT step the
 q/k/v/o, MLP and lm_head matmuls plus causal attention over t/2 + k keys) and 1x the frozen target logits
 (full vocab once per token for the argmax, draft vocab once per step for the soft targets).
@@ -77,17 +83,25 @@ def useful_flops(c: DrafterConfig, T: int, K: int) -> float:
     return 3 * trained + frozen
 
 
-def smollm2_target(device: torch.device):
-    """A SmolLM2-135M-shaped Llama with random weights (bf16) wrapped as an eyas target, for --online rows."""
+# shape -> the online target's (layers, intermediate): a Llama of the drafter's width and vocabulary
+TARGETS = {"smollm2": (30, 1536), "tiny": (4, 128)}
+
+
+def smollm2_target(device: torch.device, shape: str = "smollm2"):
+    """A Llama with random weights (bf16 on CUDA, else fp32) wrapped as an eyas target, for --online rows: SmolLM2-
+    135M's shape, or a 4-layer one of the tiny shape."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from eyas.target import target_from_model
 
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,
-                      tie_word_embeddings=True, rope_theta=100000.0)
+    h, nh, nkv, hd, _, V, _ = SHAPES[shape]
+    layers, inter = TARGETS[shape]
+    cfg = LlamaConfig(vocab_size=V, hidden_size=h, intermediate_size=inter, num_hidden_layers=layers,
+                      num_attention_heads=nh, num_key_value_heads=nkv, head_dim=hd, max_position_embeddings=8192,
+                      rms_norm_eps=1e-5, tie_word_embeddings=True, rope_theta=100000.0)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16).eval()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
     return target_from_model(model)
 
 
@@ -113,8 +127,9 @@ def local_param_bytes(module: torch.nn.Module) -> int:
 
 def bench(shape: str, T: int, K: int, steps: int, chunk: int | None, device: torch.device, ddp: bool, *,
           rows: int = 1, attention: str = "auto", compile_layer: bool = False, online: bool = False,
-          profile: bool = False, fsdp: bool = False) -> dict:
-    from eyas.train.data import Batch, pack, target_features
+          profile: bool = False, fsdp: bool = False, feature_cache: str = "off") -> dict:
+    from eyas.train.data import Batch, pack
+    from eyas.train.feature_cache import FeatureCache, online_features
 
     h, nh, nkv, hd, inter, V, Vd = SHAPES[shape]
     cfg = DrafterConfig(hidden_size=h, target_hidden_size=h, intermediate_size=inter, num_attention_heads=nh,
@@ -136,7 +151,7 @@ def bench(shape: str, T: int, K: int, steps: int, chunk: int | None, device: tor
         model = parallelize(module, Dist(rank=tdist.get_rank(), world=tdist.get_world_size(), device=device),
                             fsdp=fsdp, shard_first=(drafter.midlayer,))
     fdt = torch.bfloat16 if device.type == "cuda" else torch.float32
-    target = smollm2_target(device) if online else None
+    target = smollm2_target(device, shape) if online else None
     embed = (torch.randn(V, h, device=device) * 0.02).to(fdt)
     lm = (torch.randn(V, h, device=device) * 0.02).to(fdt)
     # rows packed rows of T tokens, each holding samples of 128..T tokens (a realistic mix), all trainable
@@ -157,11 +172,22 @@ def bench(shape: str, T: int, K: int, steps: int, chunk: int | None, device: tor
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), foreach=device.type == "cuda")
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    cache, idx = None, list(range(B))
+    if online and feature_cache != "off":   # filled by one forward, as the first epoch fills it
+        cache = FeatureCache(sum(lengths) * 4 * h * torch.empty((), dtype=target.dtype).element_size(),
+                             device if feature_cache == "device" else torch.device("cpu"),
+                             pinned=feature_cache == "host" and device.type == "cuda")
+        online_features(cache, target, Batch(padded.ids, padded.input_ids, padded.loss_mask, padded.valid), idx,
+                        lengths, sub_tokens=rows * T)
+        assert all(i in cache for i in idx)
+
+    def features():
+        b = padded
+        return online_features(cache, target, Batch(b.ids, b.input_ids, b.loss_mask, b.valid), idx, lengths,
+                               sub_tokens=rows * T)
 
     def step():
-        b = padded
-        if online:
-            b = target_features(target, Batch(b.ids, b.input_ids, b.loss_mask, b.valid), sub_tokens=rows * T)
+        b = features() if online else padded
         b = pack(b, rows, T) if rows > 1 or attention != "dense" else b
         with amp:
             loss = model(b.input_ids, b.loss_mask, b.valid, b.aux, b.final, embed, lm, b.segment_ids,
@@ -184,6 +210,13 @@ def bench(shape: str, T: int, K: int, steps: int, chunk: int | None, device: tor
             step()
         sync(device)
         dt = (time.perf_counter() - t0) / steps
+        feat = float("nan")
+        if online:  # the feature step alone: the target's forward, or the cache's gather
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                features()
+            sync(device)
+            feat = (time.perf_counter() - t0) / steps
         if profile and device.type == "cuda":
             from torch.profiler import ProfilerActivity, profile as prof
             with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
@@ -195,42 +228,50 @@ def bench(shape: str, T: int, K: int, steps: int, chunk: int | None, device: tor
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     peak = float("nan") if device.type != "cuda" else max_over_ranks(peak)
     param_mib = max_over_ranks(local_param_bytes(module) / 2**20)
-    flops = sum(useful_flops(cfg, n, K) for n in lengths) + (2 * 135e6 * tokens if online else 0)
+    target_params = sum(p.numel() for p in target.model.parameters()) if online and cache is None else 0
+    flops = sum(useful_flops(cfg, n, K) for n in lengths) + 2 * target_params * tokens
     return {"shape": shape, "seq": T, "rows": rows, "tokens": tokens, "attention": attention, "compile": compile_layer,
-            "online": online, "chunk": chunk, "ms_step": dt * 1e3, "tok_s": tokens / dt, "flops_step": flops,
+            "online": online, "feature_cache": feature_cache if online else "off", "chunk": chunk,
+            "ms_step": dt * 1e3, "tok_s": tokens / dt, "feat_ms": feat * 1e3, "flops_step": flops,
             "peak_gib": peak, "param_mib_rank": param_mib, "wrap": ("fsdp2" if fsdp else "ddp") if ddp else "none"}
 
 
 def trainer_bench(T: int, K: int, steps: int, device: torch.device, *, rows: int, log_every: int,
-                  attention: str, compile_layer: bool) -> dict:
+                  attention: str, compile_layer: bool, feature_cache: str = "off", shape: str = "smollm2") -> dict:
     """The real loop: eyas.train.trainer.Trainer on prepared data (random token samples of 128..T, all
-    trainable) with the online SmolLM2-shaped target, as `eyas train --online` runs it (collate, host-to-device
-    copies, target forward, packing, NaN checks, metrics). Steps whose metrics are not read back (log_every) do
-    not wait for the device. Rate = counted tokens / wall time of `steps` steps after warm-up."""
+    trainable) with the online target of `shape` (SmolLM2's by default), as `eyas train --online` runs it (collate,
+    host-to-device copies, target forward, packing, NaN checks, metrics). Steps whose metrics are not read back
+    (log_every) do not wait for the device. Rate = counted tokens / wall time of `steps` steps after warm-up.
+    feature_cache: the TrainConfig field; when it is not 'off', a first epoch (untimed) fills the cache and the
+    timed steps are the second epoch's."""
     import tempfile
 
     from eyas.data.prepared import PreparedWriter, Sample
     from eyas.train.config import TrainConfig
     from eyas.train.trainer import Trainer
 
-    target = smollm2_target(device)
+    target = smollm2_target(device, shape)
+    V, Vd = SHAPES[shape][5], SHAPES[shape][6]
     g = torch.Generator().manual_seed(2)
     tmp = Path(tempfile.mkdtemp(prefix="eyas-train-bench-"))
     w = PreparedWriter(tmp / "prep", identity={"bench": 1})
     n_samples = 0
     while n_samples < (steps + 8) * rows * T // ((128 + T) // 2) * 2:
         n = int(torch.randint(128, T + 1, (1,), generator=g))
-        w.add(Sample(f"s{n_samples}", torch.randint(0, 49152, (n,), generator=g).tolist(), [1] * n))
+        w.add(Sample(f"s{n_samples}", torch.randint(0, V, (n,), generator=g).tolist(), [1] * n))
         n_samples += 1
     w.commit(n_samples, {})
     w.finish({"target": target.fingerprint, "counts": {"kept": n_samples}})
-    cfg = TrainConfig(out=str(tmp / "run"), data=str(tmp / "prep"), target="random smollm2-shaped", device=str(device), max_len=T,
-                      batch_tokens=rows * T, ttt_steps=K, draft_vocab=32000, pack="on", attention=attention,
+    cfg = TrainConfig(out=str(tmp / "run"), data=str(tmp / "prep"), target=f"random {shape}-shaped", device=str(device),
+                      max_len=T, batch_tokens=rows * T, ttt_steps=K, draft_vocab=Vd, pack="on", attention=attention,
                       compile=compile_layer, eval_fraction=0.0, checkpoint_every=0, eval_every=0,
-                      log_every=log_every, progress=False, steps=steps + 4)
+                      log_every=log_every, progress=False, steps=steps + 4, feature_cache=feature_cache)
     tr = Trainer(cfg, target)
-    for _ in range(3):   # compile and warm up
+    warm = 3 if feature_cache == "off" else len(tr.plan(0))   # compile and warm up (and fill the cache)
+    for _ in range(warm):
         tr.train_step(tr.next_batch())
+        if tr.pos == len(tr.plan(tr.epoch)):
+            tr.epoch, tr.pos = tr.epoch + 1, 0
     t0, tok0, lengths = time.perf_counter(), tr.seen, []
     for i in range(steps):
         batch = tr.next_batch()
@@ -239,11 +280,41 @@ def trainer_bench(T: int, K: int, steps: int, device: torch.device, *, rows: int
     sync(device)
     dt = (time.perf_counter() - t0) / steps
     tokens = (tr.seen - tok0) / steps
-    flops = (sum(useful_flops(tr.dcfg, n, K) for n in lengths) + 2 * 135e6 * sum(lengths)) / steps
+    target_params = sum(p.numel() for p in target.model.parameters()) if feature_cache == "off" else 0
+    flops = (sum(useful_flops(tr.dcfg, n, K) for n in lengths) + 2 * target_params * sum(lengths)) / steps
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-    return {"shape": "smollm2 (Trainer)", "seq": T, "rows": rows, "tokens": int(tokens), "attention": attention,
-            "compile": compile_layer, "online": True, "chunk": None, "ms_step": dt * 1e3, "tok_s": tokens / dt,
-            "flops_step": flops, "peak_gib": peak}
+    return {"shape": f"{shape} (Trainer)", "seq": T, "rows": rows, "tokens": int(tokens), "attention": attention,
+            "compile": compile_layer, "online": True, "feature_cache": feature_cache, "chunk": None,
+            "ms_step": dt * 1e3, "tok_s": tokens / dt, "feat_ms": float("nan"), "flops_step": flops,
+            "peak_gib": peak}
+
+
+def features_of(r: dict) -> str:
+    """The table's word for where a row's features came from."""
+    if not r.get("online"):
+        return "random"
+    fc = r.get("feature_cache", "off")
+    return "target" if fc == "off" else f"cache ({fc})" if fc in ("device", "host") else f"target, cache {fc} (epoch 2)"
+
+
+def shares(rows: list[dict], world: int) -> list[str]:
+    """Lines under the table: per online row, the target forward's share of its step, and each cached row's rate
+    against it (same shape, length, attention and compile)."""
+    out = []
+    key = lambda r: (r["shape"], r["seq"], r["rows"], r["attention"], r["compile"])   # noqa: E731
+    base = {key(r): r for r in rows if r.get("online") and r.get("feature_cache") == "off" and "error" not in r}
+    for r in rows:
+        b = base.get(key(r))
+        if b is None or "error" in r or not r.get("online"):
+            continue
+        what = f"{r['shape']} {r['seq']} x {r['rows']} {r['attention']}{' compiled' if r['compile'] else ''}"
+        if r is b and b["feat_ms"] == b["feat_ms"]:
+            out.append(f"- {what}: the target's forward takes {b['feat_ms']:.1f} of {b['ms_step']:.1f} ms per step "
+                       f"({b['feat_ms'] / b['ms_step']:.0%}).")
+        elif r is not b:
+            out.append(f"- {what}, {features_of(r)}: {r['ms_step']:.1f} ms per step, {r['tok_s'] * world:,.0f} "
+                       f"tokens/s, {b['ms_step'] / r['ms_step']:.2f}x the online step.")
+    return out
 
 
 def pack_rows_fit(lengths, rows, T) -> bool:
@@ -263,10 +334,17 @@ def main() -> int:
                                                                   "(0: one row)")
     ap.add_argument("--attention", default="dense,flex", help="comma list of TTT attention paths to time")
     ap.add_argument("--compile", default="0", help="comma list of 0/1: torch.compile the decoder layer")
-    ap.add_argument("--online", action="store_true", help="include a SmolLM2-shaped target forward (random weights)")
+    ap.add_argument("--online", action="store_true", help="include a target forward (random weights; the smollm2 "
+                                                               "and tiny shapes)")
+    ap.add_argument("--feature-cache", default="off",
+                    help="comma list of off/device/host: online rows take the states from the target's forward (off) "
+                         "or from the feature cache on the device or in pinned host memory; the Trainer rows run "
+                         "with the cache off and, for device/host, 'auto' (a first epoch fills it, the second is "
+                         "timed)")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one more step per row")
     ap.add_argument("--trainer", type=int, default=0, metavar="LOG_EVERY",
-                    help="also time the real Trainer loop (online SmolLM2 target, prepared random samples), reading "
+                    help="also time the real Trainer loop (online target of --shapes' smollm2/tiny, else smollm2; "
+                         "prepared random samples), reading "
                          "metrics back every LOG_EVERY steps (0: skip; 1: every step, as before issue 12's change)")
     ap.add_argument("--no-record", action="store_true", help="do not append to BENCHMARKS.md")
     ap.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 (fully_shard) instead of DDP")
@@ -288,26 +366,33 @@ def main() -> int:
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
     peak = matmul_rate(device, 8192 if device.type == "cuda" else 1024, 20 if device.type == "cuda" else 3)
+    caches = args.feature_cache.split(",")
+    if not set(caches) <= {"off", "device", "host"}:
+        ap.error(f"--feature-cache: a comma list of off, device, host; got {args.feature_cache!r}")
     rows = []
     for shape in args.shapes.split(","):
         for T in (int(s) for s in args.seqs.split(",")):
             for attention in args.attention.split(","):
                 for comp in (c == "1" for c in args.compile.split(",")):
-                    r = bench(shape, T, args.ttt_steps, args.steps, args.chunk_size or None, device, world > 1,
-                              rows=max(1, args.batch_tokens // T), attention=attention, compile_layer=comp,
-                              online=args.online and shape == "smollm2", profile=args.profile,
-                              fsdp=args.fsdp)
-                    rows.append(r)
-                    if rank == 0:
-                        print(r, flush=True)
+                    online = args.online and shape in TARGETS
+                    for fcache in (caches if online else ["off"]):
+                        r = bench(shape, T, args.ttt_steps, args.steps, args.chunk_size or None, device, world > 1,
+                                  rows=max(1, args.batch_tokens // T), attention=attention, compile_layer=comp,
+                                  online=online, profile=args.profile, fsdp=args.fsdp, feature_cache=fcache)
+                        rows.append(r)
+                        if rank == 0:
+                            print(r, flush=True)
     if args.trainer and world == 1:
-        for T in (int(s) for s in args.seqs.split(",")):
+        for shape, T in ((s, int(t)) for s in [x for x in args.shapes.split(",") if x in TARGETS] or ["smollm2"]
+                         for t in args.seqs.split(",")):
             for attention in args.attention.split(","):
                 for comp in (c == "1" for c in args.compile.split(",")):
-                    r = trainer_bench(T, args.ttt_steps, args.steps, device, rows=max(1, args.batch_tokens // T),
-                                      log_every=args.trainer, attention=attention, compile_layer=comp)
-                    rows.append(r)
-                    print(r, flush=True)
+                    for fcache in dict.fromkeys("off" if c == "off" else "auto" for c in caches):
+                        r = trainer_bench(T, args.ttt_steps, args.steps, device, rows=max(1, args.batch_tokens // T),
+                                          log_every=args.trainer, attention=attention, compile_layer=comp,
+                                          feature_cache=fcache, shape=shape)
+                        rows.append(r)
+                        print(r, flush=True)
     if world > 1:      # every rank leaves the group before exit (a live gloo group at exit can abort the process)
         dist.barrier()
         dist.destroy_process_group()
@@ -318,23 +403,25 @@ def main() -> int:
                                                else "none", "matmul_flops": peak, "rows": rows}, indent=1) + "\n")
     what = "bf16" if device.type == "cuda" else "fp32"
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    lines = ["| drafter | row len x rows | tokens | ranks | attention | compiled | online target | ms/step "
+    lines = ["| drafter | row len x rows | tokens | ranks | attention | compiled | features | ms/step | feat ms "
              "| tokens/s (all ranks) | TFLOP/step | MFU | peak GiB | param MiB/rank |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     ranks = f"{world} ({'FSDP2' if args.fsdp else 'DDP'})" if world > 1 else "1"
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['shape']} | {r['seq']} x {r['rows']} | | {ranks} | | | | {r['error']} | | | | | |")
+            lines.append(f"| {r['shape']} | {r['seq']} x {r['rows']} | | {ranks} | | | | {r['error']} | | | | | | |")
             continue
         mfu = r["flops_step"] / (r["ms_step"] / 1e3) / peak
         lines.append(f"| {r['shape']} | {r['seq']} x {r['rows']} | {r['tokens']} | {ranks} | {r['attention']} | "
-                     f"{'yes' if r['compile'] else 'no'} | {'yes' if r['online'] else 'no'} | {r['ms_step']:.1f} | "
-                     f"{r['tok_s'] * world:,.0f} | {r['flops_step'] / 1e12:.2f} | {mfu:.1%} | {r['peak_gib']:.1f} | "
-                     f"{r.get('param_mib_rank', float('nan')):,.1f} |")
-    table = "\n".join(lines)
+                     f"{'yes' if r['compile'] else 'no'} | {features_of(r)} | {r['ms_step']:.1f} | "
+                     f"{r.get('feat_ms', float('nan')):.1f} | {r['tok_s'] * world:,.0f} | {r['flops_step'] / 1e12:.2f} "
+                     f"| {mfu:.1%} | {r['peak_gib']:.1f} | {r.get('param_mib_rank', float('nan')):,.1f} |")
+    table = "\n".join(lines) + "".join(f"\n{x}" if i else f"\n\n{x}" for i, x in enumerate(shares(rows, world)))
     note = (f"Measured {what} matmul rate: {peak / 1e12:.1f} TFLOP/s per device; MFU = useful "
             f"FLOPs / time / that rate. K = {args.ttt_steps} TTT steps; per rank and step, packed rows of random "
-            f"samples of 128..row-len tokens, all trainable; random features unless the online target runs. "
+            f"samples of 128..row-len tokens, all trainable; features: random, the target's forward on the samples, "
+            f"or its states gathered from the feature cache (device / pinned host); feat ms: that feature step "
+            f"alone. "
             f"'(Trainer)' rows time the real training loop (eyas.train.trainer.Trainer) on such samples"
             + (f", reading metrics back every {args.trainer} steps." if args.trainer else "."))
     print(table)

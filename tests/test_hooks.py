@@ -47,8 +47,8 @@ def test_runner_capture_equals_hooks_for_every_id():
 
 def test_online_features_equal_capture_and_runner_step():
     """Training's target_features == capture_states as the capture stage calls it (no mask for right-padded rows)
-    bit for bit, padding included; its real tokens equal the padding-masked forward's bit for bit; and the runner's
-    verify step (what a drafter sees when decoding) returns the same concatenated aux states."""
+    bit for bit on real tokens, zeros on padding; its real tokens equal the padding-masked forward's bit for bit; and
+    the runner's verify step (what a drafter sees when decoding) returns the same concatenated aux states."""
     model = make_tiny_llama(layers=N, seed=12)
     aux_ids = (1, 2, 4)
     target = target_from_model(model, aux_layer_ids=aux_ids)
@@ -58,7 +58,8 @@ def test_online_features_equal_capture_and_runner_step():
     ids[1, 7:] = 0
     b = target_features(target, Batch(["a", "b"], ids, valid.clone(), valid))
     ref = capture_states(model, aux_ids, ids, None)                          # (B, T, 4, h)
-    assert torch.equal(b.aux, ref[:, :, :3].flatten(2)) and torch.equal(b.final, ref[:, :, 3])
+    pad = ~valid[..., None]
+    assert torch.equal(b.aux, ref[:, :, :3].flatten(2) * ~pad) and torch.equal(b.final, ref[:, :, 3] * ~pad)
     masked = capture_states(model, aux_ids, ids, valid.long())               # (B, T, 4, h)
     assert torch.equal(b.aux[valid], masked[:, :, :3].flatten(2)[valid]) and torch.equal(b.final[valid],
                                                                                          masked[:, :, 3][valid])

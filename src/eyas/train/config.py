@@ -19,10 +19,21 @@ CHOICES = {"loss_on": ("assistant", "all"), "attention": ("auto", "dense", "flex
 
 # Fields that may change between a run and its --resume (they do not change the loss curve).
 RESUME_FREE = ("resume", "progress", "checkpoint_every", "keep_checkpoints", "target", "device", "compile",
-               "eval_every", "allow_target_mismatch", "trust_remote_code")
+               "eval_every", "allow_target_mismatch", "trust_remote_code", "feature_cache")
 
 # Fields added after runs were written, with their defaults: identity() omits them at the default.
 ADDED_LATER = {"norm_before_fc": False, "loss": "ce", "lk_eta": 3.0}
+
+
+def feature_cache_budget(setting: str) -> float | str | None:
+    """TrainConfig.feature_cache as a budget: 'auto' -> 'auto', 'off' -> None, '<GB>' -> bytes; ValueError else."""
+    s = str(setting).strip().lower()
+    if s in ("auto", "off"):
+        return None if s == "off" else "auto"
+    gb = float(s)
+    if not 0 < gb < float("inf"):
+        raise ValueError(s)
+    return gb * 1e9
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,6 +130,10 @@ class TrainConfig:
     """How many step-N checkpoints to keep (the newest)."""
     log_every: int = 1
     """Write train metrics every N optimizer steps."""
+    feature_cache: str = "auto"
+    """Online: keep each sample's target states from its first forward for later epochs and evals (train/
+    feature_cache.py): 'auto' (on the device when all fit the room left after a margin, else pinned host memory, else
+    as many as fit), a budget in GB (10^9 bytes), or 'off' (the target runs every step)."""
     fsdp: bool = False
     """Shard the drafter with FSDP2 (torch.distributed.fsdp.fully_shard) instead of DDP."""
     progress: bool = True
@@ -162,6 +177,11 @@ class TrainConfig:
             raise EyasError(f"train: intermediate_size must be >= 1, got {self.intermediate_size}")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise EyasError(f"train: chunk_size must be >= 1, got {self.chunk_size}")
+        try:
+            feature_cache_budget(self.feature_cache)
+        except ValueError:
+            raise EyasError(f"train: feature_cache must be auto, off or a size in GB (a positive number), got "
+                            f"{self.feature_cache!r}") from None
         if not self.lk_eta >= 0.0:
             raise EyasError(f"train: lk_eta must be >= 0, got {self.lk_eta}")
 

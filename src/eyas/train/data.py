@@ -152,7 +152,8 @@ def target_features(target, batch: Batch, sub_tokens: int | None = None, lengths
     last_hidden_state is the final-norm output. No lm_head call, so no (T, V) logits; nothing is stored.
     Rows are right-padded (collate's layout), so the forward runs with no attention mask, as capture does: causal
     attention alone keeps every real token from the padding after it (its states are the masked forward's), and
-    SDPA takes its causal kernel instead of reading a dense mask. Padding positions hold states never trained on.
+    SDPA takes its causal kernel instead of reading a dense mask. Padding positions hold zeros, as the store's
+    collate gives them (the TTT loss never reads them), so that a batch the feature cache assembles is this one.
     With sub_tokens, rows run in length-sorted groups of at most that many padded tokens (each group cut to
     its own longest row), so short rows do not pay for the longest one. `lengths`: each row's valid count, when
     the caller knows it on the host (else it is read back from the device, a host sync).
@@ -172,6 +173,9 @@ def target_features(target, batch: Batch, sub_tokens: int | None = None, lengths
         with LayerInputs(base.layers, target.aux_layer_ids) as cap:
             final = base(input_ids=batch.input_ids[ri, :Tg].to(dev), use_cache=False).last_hidden_state  # (b, Tg, h)
         aux = torch.cat([final if i == n else cap.states[i] for i in target.aux_layer_ids], dim=-1)  # (b, Tg, 3h)
+        pad = ~h2d(batch.valid[ri, :Tg], dev)[..., None]                       # (b, Tg, 1) the pad token's states
+        aux.masked_fill_(pad, 0)
+        final.masked_fill_(pad, 0)
         if not sub_tokens:
             batch.aux, batch.final = aux, final                                # (B, T, 3h) low|mid|high, (B, T, h)
             break

@@ -31,8 +31,9 @@ from eyas.manifest import check_same, write_manifest
 from eyas.train import checkpoint as ckpt
 from eyas.train import dist
 from eyas.train.config import TrainConfig
-from eyas.train.data import (epoch_batches, group, group_packed, nonfinite_flags, pack, rank_batches, split_indices,
-                             target_features)
+from eyas.train.data import epoch_batches, group, group_packed, nonfinite_flags, pack, rank_batches, split_indices
+from eyas.train.feature_cache import online_features
+from eyas.train.feature_cache import plan as plan_feature_cache
 from eyas.train.metrics import MetricsSink, Sums, frequency_baseline, round_counts, truncate_metrics
 from eyas.train.setup import (KIND, build_vocab, check_init_config, check_run_dir, init_head_from_target,
                               refuse_run_dir, schedule, write_vocab)
@@ -163,6 +164,14 @@ class Trainer:
         # Not with an LK loss: its alpha needs the target's full-vocab normaliser, so every pass multiplies it all.
         self.target_ids: dict[int, torch.Tensor] | None = ({} if not (cfg.online or self.packed) and cfg.loss == "ce"
                                                            else None)
+        # Online: the target's states of each sample from its first pass, for the later ones (train/feature_cache.py)
+        self.fcache = None
+        if cfg.online:
+            h, item = target.hidden_size, torch.empty((), dtype=target.dtype).element_size()
+            needed = sum(self.source.lengths[i] for i in self.train_idx + self.eval_idx) * 4 * h * item
+            self.fcache, where = plan_feature_cache(cfg.feature_cache, needed, self.device)
+            if self.rank == 0:
+                print(f"eyas train: feature cache: {where} (--feature-cache auto|GB|off)", file=sys.stderr)
         if self.rank == 0:  # everything above is checked: only now the run directory and its vocabulary
             check_run_dir(cfg, self.run)
             write_vocab(self.run, self.vocab, vocab_summary)
@@ -349,8 +358,8 @@ class Trainer:
         n_loss = int((b.valid if self.cfg.loss_on == "all" else b.loss_mask & b.valid).sum())
         b = b.to(self.device)
         if self.cfg.online:
-            b = target_features(self.target, b, sub_tokens=self.cfg.batch_tokens if self.packed else None,
-                                lengths=lengths)
+            b = online_features(self.fcache, self.target, b, idx, lengths,
+                                sub_tokens=self.cfg.batch_tokens if self.packed else None)
         return (pack(b, *self.packed, lengths=lengths) if self.packed else b), sum(lengths), n_loss
 
     # ------------------------------------------------------------------------------------------- loop
@@ -398,6 +407,8 @@ class Trainer:
                 self.save_checkpoint()
         sink.close()
         self.check_finite()
+        if self.fcache is not None:  # its memory back for what runs next in this process (eyas run's bench)
+            self.fcache.release()
 
         # --- the final drafter
         m, _ = dist.full_state_dict(self.module, None, cfg.fsdp)
