@@ -99,28 +99,30 @@ def drop_cache(path: Path) -> None:
             os.close(fd)
 
 
-def host_batch(src: StoreSource, idx: list[int]) -> int:
-    """What the trainer's _host_batch does on the host (bar pinning, which needs CUDA); returns valid tokens."""
-    b = src.collate(idx)
+def host_batch(src: StoreSource, idx: list[int]) -> tuple[int, int]:
+    """What the trainer's _host_batch does (features pinned when CUDA is there); (valid tokens, padded slots)."""
+    b = src.collate(idx, pin=True) if torch.cuda.is_available() else src.collate(idx)
     b.valid.sum(-1).tolist()
-    return int(b.valid.sum())
+    return int(b.valid.sum()), b.valid.numel()
 
 
 def one_pass(src: StoreSource, batches: list[list[int]], prefetch: bool, step_rate: float) -> dict:
     """Read every batch (one per step), synchronously or prefetched against a sleeping step."""
-    t0, tokens, read_s = time.perf_counter(), 0, 0.0
+    t0, tokens, slots = time.perf_counter(), 0, 0
     if not prefetch:
         for idx in batches:
-            tokens += host_batch(src, idx)
+            n, m = host_batch(src, idx)
+            tokens, slots = tokens + n, slots + m
         read_s = time.perf_counter() - t0
-        return {"tokens": tokens, "wall_s": read_s, "wait_s": read_s, "steps": len(batches)}
+        return {"tokens": tokens, "slots": slots, "wall_s": read_s, "wait_s": read_s, "steps": len(batches)}
     with Prefetcher(enumerate(batches), lambda idx: host_batch(src, idx)) as pre:
         for j in range(len(batches)):
-            n = pre.get(j)
-            tokens += n
+            n, m = pre.get(j)
+            tokens, slots = tokens + n, slots + m
             time.sleep(n / step_rate)                       # the step
         wait = pre.wait_s
-    return {"tokens": tokens, "wall_s": time.perf_counter() - t0, "wait_s": wait, "steps": len(batches)}
+    return {"tokens": tokens, "slots": slots, "wall_s": time.perf_counter() - t0, "wait_s": wait,
+            "steps": len(batches)}
 
 
 def reader(rank: int, world: int, args, path: Path, feature_dtype: torch.dtype, barrier, out) -> None:
@@ -159,6 +161,7 @@ def run(args, dtype: str, feature: str, path: Path) -> list[dict]:
         tokens, steps = sum(x["tokens"] for x in per), sum(x["steps"] for x in per)
         wall = max(x["wall_s"] for x in per)
         rows.append({"store": dtype, "features": feature, "case": case, "procs": args.procs, "tokens": tokens,
+                     "padded": sum(x["slots"] for x in per) / tokens,
                      "steps": steps, "tok_s": tokens / wall if case.startswith("sync") else None,
                      "gb_s": tokens / wall * 4 * args.hidden * torch.finfo(DTYPES[feature]).bits / 8 / 1e9
                      if case.startswith("sync") else None,
@@ -198,19 +201,22 @@ def main() -> int:
             rows += run(args, dtype, feature, path)
 
     need = args.step_rate * 4 * args.hidden * 2 / 1e9
-    lines = ["| store | features | pass | readers | steps | tokens | tokens/s (all) | feature GB/s (all) | "
-             "x the need | input ms/step (waited) | share of the loop waiting |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| store | features | pass | readers | steps | tokens | padded / valid | tokens/s (all) | "
+             "feature GB/s (all) | x the need | input ms/step (waited) | share of the loop waiting |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt_ = (lambda v, f: "" if v is None else format(v, f))  # noqa: E731
     for r in rows:
         lines.append(f"| {r['store']} | {r['features']} | {r['case']} | {r['procs']} | {r['steps']} | "
-                     f"{r['tokens']:,} | {fmt_(r['tok_s'], ',.0f')} | {fmt_(r['gb_s'], '.2f')} | "
+                     f"{r['tokens']:,} | {r['padded']:.2f} | {fmt_(r['tok_s'], ',.0f')} | {fmt_(r['gb_s'], '.2f')} | "
                      f"{fmt_(r['vs_need'], '.2f')} | {r['ms_step']:.1f} | {r['wait_share']:.1%} |")
     table = "\n".join(lines)
     note = (f"Need per rank: {args.step_rate:,.0f} tokens/s = {need:.2f} GB/s of bf16 features (h {args.hidden}, "
             f"4 states); x the need = tokens/s / ({args.procs} x {args.step_rate:,.0f}). sync: the trainer's "
             f"synchronous read (prefetch off), every read is waited for; pre: prefetched against a simulated step "
-            f"of tokens / {args.step_rate:,.0f} s. Rows of {args.max_len} tokens, batch_tokens {args.batch_tokens}.")
+            f"of tokens / {args.step_rate:,.0f} s. Rows of {args.max_len} tokens, batch_tokens {args.batch_tokens}; "
+            f"padded / valid: the host batch's (B, T) slots per valid token (collate pads to the longest sample; the rows are "
+            f"packed on the device). Features "
+            f"{'pinned' if torch.cuda.is_available() else 'pageable (no CUDA)'}.")
     print(table)
     print(note)
     if not args.no_record:
