@@ -214,8 +214,8 @@ def main() -> int:
             f"4 states); x the need = tokens/s / ({args.procs} x {args.step_rate:,.0f}). sync: the trainer's "
             f"synchronous read (prefetch off), every read is waited for; pre: prefetched against a simulated step "
             f"of tokens / {args.step_rate:,.0f} s. Rows of {args.max_len} tokens, batch_tokens {args.batch_tokens}; "
-            f"padded / valid: the host batch's (B, T) slots per valid token (collate pads to the longest sample; the rows are "
-            f"packed on the device). Features "
+            f"padded / valid: the host batch's (B, T) slots per valid token (collate pads to the longest sample; "
+            f"the rows are packed on the device). Features "
             f"{'pinned' if torch.cuda.is_available() else 'pageable (no CUDA)'}.")
     print(table)
     print(note)
