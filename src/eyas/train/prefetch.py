@@ -16,6 +16,8 @@ import threading
 import time
 from typing import Callable, Hashable, Iterable
 
+import torch
+
 THREAD_NAME = "eyas-prefetch"
 _END = object()
 _POLL_S = 0.05   # how often a blocked thread looks at the stop flag
@@ -24,13 +26,14 @@ _POLL_S = 0.05   # how often a blocked thread looks at the stop flag
 class Prefetcher:
     """`jobs` yields (key, job); get(key) returns make(job) for the next job, which must have that key.
 
-    wait_s: seconds get() has blocked so far (the time the caller waited for its input)."""
+    wait_s: seconds get() has blocked so far (the time the caller waited for its input). device: a CUDA device
+    becomes the thread's current device (CUDA's is per thread), so that pinning never touches another GPU."""
 
     def __init__(self, jobs: Iterable[tuple[Hashable, object]], make: Callable, *, depth: int = 1,
-                 name: str = THREAD_NAME):
+                 name: str = THREAD_NAME, device: torch.device | None = None):
         if depth < 1:
             raise ValueError(f"prefetch depth must be >= 1, got {depth}")
-        self._jobs, self._make = iter(jobs), make
+        self._jobs, self._make, self._device = iter(jobs), make, device
         self._ready: queue.Queue = queue.Queue()
         self._credit = threading.Semaphore(depth)     # jobs the thread may make before the caller takes one
         self._stop = threading.Event()
@@ -40,6 +43,8 @@ class Prefetcher:
 
     def _loop(self) -> None:
         try:
+            if self._device is not None and self._device.type == "cuda":
+                torch.cuda.set_device(self._device)
             while self._acquire():
                 item = next(self._jobs, _END)
                 if item is _END:

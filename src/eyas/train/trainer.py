@@ -347,7 +347,8 @@ class Trainer:
         # FSDP2 forwards are collective: every rank runs the same number (extra ones are discarded).
         rounds = math.ceil(len(batches) / world) if cfg.fsdp else len(batches[rank::world])
         jobs = ((j, batches[(j * world + rank) % len(batches)]) for j in range(rounds))
-        pre = Prefetcher(jobs, self._host_batch, name="eyas-prefetch-eval") if cfg.prefetch else None
+        pre = (Prefetcher(jobs, self._host_batch, name="eyas-prefetch-eval", device=self.device) if cfg.prefetch
+               else None)
         with torch.no_grad(), (pre or contextlib.nullcontext()):
             for j in range(rounds):
                 k = j * world + rank
@@ -391,7 +392,8 @@ class Trainer:
         Returns {step, train, eval, vocab_coverage}. With cfg.prefetch a thread makes the next step's input while
         this one runs (train/prefetch.py); it is stopped and joined on any exit, KeyboardInterrupt included."""
         pre = (Prefetcher(self._upcoming(self.epoch, self.pos, self.total - self.step),
-                          lambda batch: [self._host_batch(idx) for idx in batch]) if self.cfg.prefetch else None)
+                          lambda batch: [self._host_batch(idx) for idx in batch], device=self.device)
+               if self.cfg.prefetch else None)
         with pre or contextlib.nullcontext():
             return self._train(pre)
 
