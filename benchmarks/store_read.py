@@ -8,7 +8,9 @@ Writes (or reuses: keyed by hidden size, tokens, dtype and seed, under --dir) a 
 the real StoreWriter: samples of 256..2048 tokens, 40% of them cut at 2048 as regenerated conversations are, random
 states. Then times StoreSource.collate, the trainer's host-side read (store.get per sample, the conversion to the
 feature dtype, the copies into padded tensors), on the batches the trainer plans on CUDA (epoch_batches packed into
-batch_tokens // max_len rows, the rank's share by rank_batches), in four passes per store:
+batch_tokens // max_len rows, the rank's share by rank_batches), in five passes per store:
+  sync  fresh  a new reader, page cache dropped: as a fresh run starts, each shard's first read checks its sha256
+               (reads the whole shard) before the sample is read;
   sync  cold   page cache dropped (posix_fadvise DONTNEED on every shard, after the reader opened it) first;
   sync  warm   the same batches again, from the page cache;
   pre   cold / warm   the same through eyas.train.prefetch.Prefetcher, as `eyas train` runs it, against a simulated
@@ -82,10 +84,10 @@ def write_store(path: Path, dtype: str, hidden: int, tokens: int, max_len: int, 
     return path
 
 
-def open_source(path: Path, feature_dtype: torch.dtype, max_len: int) -> StoreSource:
-    """A fresh reader with every shard opened (its sha256 checked, which reads it) before any timed read."""
+def open_source(path: Path, feature_dtype: torch.dtype, max_len: int, open_shards: bool = True) -> StoreSource:
+    """A fresh reader; open_shards: with every shard opened (its sha256 checked, which reads it) before any read."""
     src = StoreSource(Store(path), max_len=max_len, feature_dtype=feature_dtype)
-    for k in range(len(src.store.records)):
+    for k in range(len(src.store.records) if open_shards else 0):
         src.store._shard(k)
     return src
 
@@ -129,17 +131,20 @@ def reader(rank: int, world: int, args, path: Path, feature_dtype: torch.dtype, 
     torch.set_num_threads(args.threads or (1 if world > 1 else torch.get_num_threads()))
     res = {}
     for mode in ("sync", "pre"):
-        src = open_source(path, feature_dtype, args.max_len)
+        src = open_source(path, feature_dtype, args.max_len, open_shards=mode == "pre")
         train_idx, _ = split_indices(src, 0.05)
         mb = epoch_batches(train_idx, src.lengths, batch_tokens=args.batch_tokens, seed=0, epoch=0,
                            packed=(max(1, args.batch_tokens // args.max_len), args.max_len))
         mine = [b[0] for b in rank_batches(mb, rank=rank, world_size=world, grad_accum=1)][: args.steps or None]
-        for cache in ("cold", "warm"):
+        for cache in ("fresh", "cold", "warm") if mode == "sync" else ("cold", "warm"):
             barrier.wait()
-            if cache == "cold" and rank == 0:
+            if cache != "warm" and rank == 0:
                 drop_cache(path)
             barrier.wait()
             res[f"{mode} {cache}"] = one_pass(src, mine, mode == "pre", args.step_rate)
+            if cache == "fresh":     # the next passes: a reader with every shard already open
+                del src
+                src = open_source(path, feature_dtype, args.max_len)
         del src
     out.put((rank, res))
 
