@@ -5,10 +5,11 @@
     PYTHONPATH=src python benchmarks/store_read.py --hidden 576 --tokens 200000  # SmolLM2-shaped
 
 Writes (or reuses: keyed by hidden size, tokens, dtype and seed, under --dir) a store per dtype (bf16, fp8) with
-the real StoreWriter: samples of 256..2048 tokens, 40% of them cut at 2048 as regenerated conversations are, random
-states. Then times StoreSource.collate, the trainer's host-side read (store.get per sample, the conversion to the
-feature dtype, the copies into padded tensors), on the batches the trainer plans on CUDA (epoch_batches packed into
-batch_tokens // max_len rows, the rank's share by rank_batches), in five passes per store:
+the real StoreWriter: samples of 256..2048 tokens, 40% of them at 2048 (long conversations cut at --max-len; mean
+about 1,500 tokens), random states, shards of the capture's default 512 MiB. Then times StoreSource.collate, the
+trainer's host-side read (store.get per sample, the conversion to the feature dtype, the copies into padded tensors),
+on the batches the trainer plans on CUDA (epoch_batches packed into batch_tokens // max_len rows, the rank's share
+by rank_batches), in five passes per store:
   sync  fresh  a new reader, page cache dropped: as a fresh run starts, each shard's first read checks its sha256
                (reads the whole shard) before the sample is read;
   sync  cold   page cache dropped (posix_fadvise DONTNEED on every shard, after the reader opened it) first;
