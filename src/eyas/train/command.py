@@ -24,7 +24,8 @@ def register(subparsers) -> None:
                                "chunk_size", "draft_vocab", "attention", "allow_target_mismatch", "compile", "pack",
                                "intermediate_size", "norm_before_fc", "autocast", "init_from_target", "loss", "lk_eta",
                                "loss_on", "warmup_ratio", "trust_remote_code", "eval_every", "checkpoint_every", "device",
-                               "seed", "deterministic", "eval_fraction", "fsdp", "progress", "feature_cache"],
+                               "seed", "deterministic", "eval_fraction", "fsdp", "progress", "feature_cache",
+                               "prefetch"],
               progress={"help": "no progress bar"}, **{n: {"choices": list(c)} for n, c in CHOICES.items()})
     p.set_defaults(func=main)
 

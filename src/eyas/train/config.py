@@ -19,7 +19,8 @@ CHOICES = {"loss_on": ("assistant", "all"), "attention": ("auto", "dense", "flex
 
 # Fields that may change between a run and its --resume (they do not change the loss curve).
 RESUME_FREE = ("resume", "progress", "checkpoint_every", "keep_checkpoints", "target", "device", "compile",
-               "eval_every", "allow_target_mismatch", "trust_remote_code", "feature_cache")
+               "eval_every", "allow_target_mismatch", "trust_remote_code", "feature_cache",
+               "prefetch")
 
 # Fields added after runs were written, with their defaults: identity() omits them at the default.
 ADDED_LATER = {"norm_before_fc": False, "loss": "ce", "lk_eta": 3.0}
@@ -138,6 +139,9 @@ class TrainConfig:
     """Shard the drafter with FSDP2 (torch.distributed.fsdp.fully_shard) instead of DDP."""
     progress: bool = True
     """Show a tqdm progress bar (rank 0)."""
+    prefetch: bool = True
+    """Make the next step's input (store read, dtype conversion, padding, pinning) in a background thread while
+    this step runs; each rank prefetches its own micro-batches. Off: the step reads its input itself."""
 
     def __post_init__(self):
         object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))

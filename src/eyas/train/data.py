@@ -98,12 +98,13 @@ class StoreSource:
         ids, mask = self._tokens[i]
         return ids[: self.max_len], mask[: self.max_len]
 
-    def collate(self, idx: list[int]) -> Batch:
+    def collate(self, idx: list[int], pin: bool = False) -> Batch:
+        """The samples `idx` as a right-padded Batch; pin: features in pinned memory (for a CUDA copy)."""
         samples = [self.store.get(i, self.feature_dtype) for i in idx]
         b = _pad([s.id for s in samples], [(s.input_ids, s.loss_mask) for s in samples], self.max_len)
         T, h = b.input_ids.shape[1], samples[0].final.shape[-1]
-        b.aux = torch.zeros(len(idx), T, 3 * h, dtype=self.feature_dtype)       # (B, T, 3h)
-        b.final = torch.zeros(len(idx), T, h, dtype=self.feature_dtype)         # (B, T, h)
+        b.aux = torch.zeros(len(idx), T, 3 * h, dtype=self.feature_dtype, pin_memory=pin)       # (B, T, 3h)
+        b.final = torch.zeros(len(idx), T, h, dtype=self.feature_dtype, pin_memory=pin)         # (B, T, h)
         for r, s in enumerate(samples):
             n = min(s.final.shape[0], self.max_len)
             b.aux[r, :n] = s.aux[:n].reshape(n, 3 * h)                          # (n, 3, h) -> (n, 3h) low|mid|high

@@ -35,6 +35,7 @@ from eyas.train.data import epoch_batches, group, group_packed, nonfinite_flags,
 from eyas.train.feature_cache import online_features
 from eyas.train.feature_cache import plan as plan_feature_cache
 from eyas.train.metrics import MetricsSink, Sums, frequency_baseline, round_counts, truncate_metrics
+from eyas.train.prefetch import Prefetcher
 from eyas.train.setup import (KIND, build_vocab, check_init_config, check_run_dir, init_head_from_target,
                               refuse_run_dir, schedule, write_vocab)
 from eyas.train.setup import open_source as _open_source  # a module global: tests hand it a target object
@@ -159,6 +160,7 @@ class Trainer:
             print(f"eyas train: autocast {'bf16' if use_bf16 else 'off (fp32)'} on {self.device.type}: {why} "
                   f"(--autocast bf16|off to choose)", file=sys.stderr)
         self.step, self.epoch, self.pos, self.seen = 0, 0, 0, 0
+        self.data_wait_s = 0.0   # seconds the loop waited for its training input (metrics.jsonl's data_wait_s)
         # Offline, unpacked: each training sample's full-vocab target argmax, kept from its first pass, so later
         # epochs multiply only the draft vocabulary's rows of the target's head (the store's states never change).
         # Not with an LK loss: its alpha needs the target's full-vocab normaliser, so every pass multiplies it all.
@@ -181,11 +183,23 @@ class Trainer:
     def plan(self, epoch: int) -> list[list[list[int]]]:
         """This rank's steps of `epoch`, each a list of grad_accum micro-batches (sample indices)."""
         if self._plan[0] != epoch:
-            mb = epoch_batches(self.train_idx, self.source.lengths, batch_tokens=self.cfg.batch_tokens,
-                               seed=self.cfg.seed, epoch=epoch, packed=self.packed)
-            self._plan = (epoch, rank_batches(mb, rank=self.rank, world_size=self.world,
-                                              grad_accum=self.cfg.grad_accum))
+            self._plan = (epoch, self._rank_plan(epoch))
         return self._plan[1]
+
+    def _rank_plan(self, epoch: int) -> list[list[list[int]]]:
+        """plan(epoch) without the cache: a pure function of the config and the data (the prefetch thread's)."""
+        mb = epoch_batches(self.train_idx, self.source.lengths, batch_tokens=self.cfg.batch_tokens,
+                           seed=self.cfg.seed, epoch=epoch, packed=self.packed)
+        return rank_batches(mb, rank=self.rank, world_size=self.world, grad_accum=self.cfg.grad_accum)
+
+    def _upcoming(self, epoch: int, pos: int, steps: int):
+        """((epoch, pos), micro-batches) of the next `steps` steps from data position (epoch, pos), in order."""
+        plan = self._rank_plan(epoch)
+        for _ in range(steps):
+            if pos == len(plan):
+                epoch, pos, plan = epoch + 1, 0, self._rank_plan(epoch + 1)
+            yield (epoch, pos), plan[pos]
+            pos += 1
 
     def tokens_of_step(self, epoch: int, pos: int) -> int:
         """Counted tokens (valid, all ranks) of step `pos` of `epoch`, from the plan: no host sync."""
@@ -249,9 +263,12 @@ class Trainer:
                              barrier=dist.barrier, keep=self.cfg.keep_checkpoints)
 
     # ------------------------------------------------------------------------------------------ steps
-    def train_step(self, batch: list[list[int]], sync: bool = True) -> tuple[dict | None, float, float | None]:
+    def train_step(self, batch: list[list[int]], sync: bool = True, host: list | None = None
+                   ) -> tuple[dict | None, float, float | None]:
         """One optimizer step over `batch` (this rank's micro-batches); advances step, data position and tokens seen.
         Returns (the step's train summary over all ranks, the lr it used, the gradient norm before clipping).
+        `host`: the micro-batches' _host_batch() results when prefetched, else they are made here (the seconds
+        spent on them add to data_wait_s).
 
         With sync=False nothing is read back from the device (summary and norm are None), so the host can queue
         the next step while this one runs; the NaN/Inf checks of such steps are read at the next check_finite()
@@ -260,7 +277,11 @@ class Trainer:
         sums = Sums(cfg.ttt_steps, self.device)
         step = self.step + 1
         for a, idx in enumerate(batch):
-            b, n_tok, n_loss = self._features(idx)
+            if host is None:
+                t0 = time.perf_counter()
+                h = self._host_batch(idx)
+                self.data_wait_s += time.perf_counter() - t0
+            b, n_tok, n_loss = self._features(idx, host[a] if host is not None else h)
             self._watch(step, "features", b.ids, nonfinite_flags(b))
             known = self._known_targets(idx, b.input_ids)
             with dist.sync_grads(model, last=a == len(batch) - 1):
@@ -334,10 +355,14 @@ class Trainer:
                    else group(by_len, self.source.lengths, cfg.batch_tokens))
         # FSDP2 forwards are collective: every rank runs the same number (extra ones are discarded).
         rounds = math.ceil(len(batches) / world) if cfg.fsdp else len(batches[rank::world])
-        with torch.no_grad():
+        jobs = ((j, batches[(j * world + rank) % len(batches)]) for j in range(rounds))
+        pre = (Prefetcher(jobs, self._host_batch, name="eyas-prefetch-eval", device=self.device) if cfg.prefetch
+               else None)
+        with torch.no_grad(), (pre or contextlib.nullcontext()):
             for j in range(rounds):
                 k = j * world + rank
-                b, _, n_loss = self._features(batches[k % len(batches)])  # n_loss bounds the counted positions
+                idx = batches[k % len(batches)]
+                b, _, n_loss = self._features(idx, pre.get(j) if pre else None)  # n_loss bounds the counted positions
                 with self.amp:  # DDP: the plain module (ranks may run different numbers of eval batches)
                     o = TTTOutput(*self.module(b.input_ids, b.loss_mask, b.valid, b.aux, b.final, self.embed_w,
                                                self.lm_w, b.segment_ids, b.position_ids, n_loss, None, True))
@@ -349,13 +374,20 @@ class Trainer:
         self.model.train()
         return sums.all_reduce().summary(token_weighted=True)
 
-    def _features(self, idx: list[int]):
-        """(the micro-batch on the device, with features and packed as configured; its token count; its count of
-        loss positions, an upper bound on what the TTT loss counts). Counts are taken on the host, so nothing here
-        waits for the device."""
-        b = self.source.collate(idx)
+    def _host_batch(self, idx: list[int]):
+        """(the collated micro-batch on the host, pinned for the copy when reading a store for CUDA; each row's
+        valid count; its count of loss positions). Reads only the source: the prefetch thread runs it."""
+        pin = self.device.type == "cuda" and not self.cfg.online
+        b = self.source.collate(idx, pin=True) if pin else self.source.collate(idx)
         lengths = b.valid.sum(-1).tolist()                                     # on the CPU: no host sync
         n_loss = int((b.valid if self.cfg.loss_on == "all" else b.loss_mask & b.valid).sum())
+        return b, lengths, n_loss
+
+    def _features(self, idx: list[int], host=None):
+        """(the micro-batch on the device, with features and packed as configured; its token count; its count of
+        loss positions, an upper bound on what the TTT loss counts). Counts are taken on the host, so nothing here
+        waits for the device. `host`: its _host_batch(), when already made."""
+        b, lengths, n_loss = host if host is not None else self._host_batch(idx)
         b = b.to(self.device)
         if self.cfg.online:
             b = online_features(self.fcache, self.target, b, idx, lengths,
@@ -366,7 +398,16 @@ class Trainer:
     def train(self) -> dict:
         """Step to the last step: metrics, evals (every eval_every steps, or at each epoch's end when it is 0; and
         after the last step) and checkpoints; then write the drafter and the complete manifest.
-        Returns {step, train, eval, vocab_coverage}."""
+        Returns {step, train, eval, vocab_coverage}. With cfg.prefetch a thread makes the next step's input while
+        this one runs (train/prefetch.py); it is stopped and joined on any exit, KeyboardInterrupt included."""
+        pre = (Prefetcher(self._upcoming(self.epoch, self.pos, self.total - self.step),
+                          lambda batch: [self._host_batch(idx) for idx in batch], device=self.device)
+               if self.cfg.prefetch else None)
+        with pre or contextlib.nullcontext():
+            return self._train(pre)
+
+    def _train(self, pre: Prefetcher | None) -> dict:
+        """train()'s loop; `pre` hands it each step's host batches, else they are made in the step."""
         from eyas.model.checkpoint import save_drafter
         from eyas.model.drafter import Eagle3Drafter
 
@@ -376,16 +417,24 @@ class Trainer:
         last_eval: dict = {}
         train_summary: dict = {}
         self.model.train()
+        waited = self.data_wait_s
         while self.step < self.total:
             n = self.tokens_of_step(self.epoch, self.pos)
             logged = (self.step + 1) % cfg.log_every == 0 or self.step + 1 == self.total
-            summary, lr, gnorm = self.train_step(self.next_batch(), sync=logged)   # others: no read-back
+            host = None
+            if pre is not None:
+                w0 = pre.wait_s
+                host = pre.get((self.epoch, self.pos))
+                self.data_wait_s += pre.wait_s - w0
+            summary, lr, gnorm = self.train_step(self.next_batch(), sync=logged, host=host)   # others: no read-back
             step = self.step
             rate = sink.step(n, summary and {"loss": f"{summary['loss']:.3f}", "acc0": f"{summary['acc_k'][0]:.3f}"})
             if logged:
                 train_summary = summary
                 sink.log({"step": step, "split": "train", "epoch": self.epoch, "tokens_seen": self.seen, "lr": lr,
-                          "grad_norm": gnorm, "tokens_per_s": rate, **train_summary})
+                          "grad_norm": gnorm, "tokens_per_s": rate, "data_wait_s": self.data_wait_s - waited,
+                          **train_summary})
+                waited = self.data_wait_s
             end_of_epoch = self.pos == len(self.plan(self.epoch))
             # held-out: a fixed interval when one is set (epoch-end evals on top of it cost the gpu preset a large
             # share of its training time), else each epoch's end
