@@ -85,9 +85,9 @@ def train(tmp_path, target, c, spy=None):
 
 
 def lines(run):
-    """metrics.jsonl without the wall-clock rate."""
+    """metrics.jsonl without the wall-clock fields."""
     rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
-    return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]
+    return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "data_wait_s")} for r in rows]
 
 
 def drafter(run):

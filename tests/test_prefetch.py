@@ -158,7 +158,7 @@ def test_exception_or_interrupt_in_a_step_leaves_no_thread(tmp_path, monkeypatch
 
 def test_online_prefetch_matches_sync_and_the_target_runs_in_the_loop(tmp_path, monkeypatch):
     from eyas.data.prepared import PreparedWriter, Sample
-    from eyas.train import trainer
+    from eyas.train import feature_cache
 
     t = tiny_target()
     samples = make_samples(24)
@@ -167,12 +167,12 @@ def test_online_prefetch_matches_sync_and_the_target_runs_in_the_loop(tmp_path, 
         w.add(Sample(sid, ids, m))
     w.commit(len(samples), {})
     w.finish({"target": t.fingerprint, "counts": {"kept": len(samples)}})
-    real, where = trainer.target_features, []
+    real, where = feature_cache.target_features, []
 
     def features(*a, **k):
         where.append(threading.current_thread().name)
         return real(*a, **k)
-    monkeypatch.setattr(trainer, "target_features", features)
+    monkeypatch.setattr(feature_cache, "target_features", features)
     for name, on in (("off", False), ("on", True)):
         run_train(cfg(tmp_path, None, name, data=str(tmp_path / "prep"), target="custom", steps=5, eval_every=2,
                       prefetch=on), target=t)

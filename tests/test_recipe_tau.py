@@ -21,7 +21,7 @@ RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "cpu-demo.toml"   # t
 SETS = ("prepare.limit=40", "prepare.max_len=160", "prepare.max_new_tokens=8", "prepare.batch_size=8",
         "prepare.gen_batch=8", "train.draft_vocab=64", "train.batch_tokens=512", "train.epochs=6",
         "bench.0.limit=3", "bench.0.max_new_tokens=8")
-TIMING = {"tokens_per_s", "seconds", "speedup"}   # wall-clock numbers in metrics.jsonl and the bench JSON
+TIMING = {"tokens_per_s", "data_wait_s", "seconds", "speedup"}   # wall-clock numbers in metrics.jsonl and the bench JSON
 
 
 def run(root, out, *how):
