@@ -142,6 +142,8 @@ def resolve_stages(cfg: RunConfig, run: Path, *, vocab_size: int | None, progres
         if not is_long_set(prompts):  # unless the table sets it: prompts that leave room for a reply inside the
             # training budget (RoPE positions seen); the long set keeps its own range (BenchConfig)
             table.setdefault("max_prompt_tokens", max(1, prepare.max_len - prepare.max_new_tokens))
+        if dev != "cuda":  # the bench compiles on cuda only, and saved steps are compiled ones (a CPU rehearsal)
+            table.pop("persist_steps", None)
         bc = build("bench", BenchConfig, **table, target=cfg.target, device=dev, compile=dev == "cuda",
                    json_out=None, **trust)
         name = f"{label}-{bc.spec.method}" + (f"{bc.spec.k}" if bc.spec.method == "chain" else "")
