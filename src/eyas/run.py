@@ -284,7 +284,10 @@ def run_pipeline(cfg: RunConfig) -> dict:
     state = _open_state(cfg, run)
     log = Log(run, cfg.quiet)
     _save_state(run, state)
-    _stop_stale_prewarm(run, state, log)
+    if (old := state.get("prewarm") or {}).get("pid") and "returncode" not in old:  # a killed run's, maybe alive
+        from eyas.bench.prewarm import stop_stale
+        if stop_stale(old["pid"], run.resolve() / "logs"):
+            log(f"prewarm: stopped the warm-up process (pid {old['pid']}) an interrupted run left running")
     log(f"eyas run: preset {cfg.preset}, target {cfg.target}, data {cfg.data} -> {run}", always=True)
     if cfg.preset == "cpu-demo":
         log("this is a demonstration on the CPU (small data, short training); for a real drafter run "
@@ -331,7 +334,8 @@ def _run_stages(cfg, configs, run, target, state, log, stages, started: list) ->
         if stage == "train" and (proc := _start_prewarm(cfg, configs, run, target, state, log)) is not None:
             started.append(proc)
         elif stage == "bench" and started:
-            _await_prewarm(started[0], state, log)
+            from eyas.bench.prewarm import await_before_bench
+            state["prewarm"].update(await_before_bench(started[0], log))
         log(f"{stage}: starting" + (" (resuming)" if (run / _stage_dir(stage)).exists() else ""))
         t0, before = time.time(), st.get("seconds", 0.0) if not st.get("done") else 0.0
         extra = {"prewarm": state.get("prewarm")} if stage == "bench" else {}
@@ -365,63 +369,16 @@ def _start_prewarm(cfg, c: Stages, run, target, state, log):
     if not (wanted and pending and reaches) or state["stages"].get("bench", {}).get("done"):
         return None
     try:
-        dcfg = planned_drafter_config(c.train, target)
-        spec = {"target": cfg.target, "device": r.device, "dtype": r.bench_dtype or resolve_dtype(r.dtype, r.device),
-                "trust_remote_code": cfg.trust_remote_code, "drafter": dcfg.to_dict(),
-                "benches": {n: b.to_dict() for n, b in pending.items()}}
-        proc = prewarm.Prewarm(run.resolve() / "logs", spec, cmd=prewarm.command)
+        proc = prewarm.start(run.resolve() / "logs", pending, c.train, target, target_spec=cfg.target,
+                             dtype=r.bench_dtype or resolve_dtype(r.dtype, r.device),
+                             trust_remote_code=cfg.trust_remote_code)
     except Exception as e:  # noqa: BLE001 - a warm-up is an optimisation; the run goes on without it
         log(f"prewarm: not started ({type(e).__name__}: {e}); the bench compiles its graphs itself", always=True)
         return None
-    state["prewarm"] = {"pid": proc.pid, "pending": list(pending),
-                        "drafter_config": json.loads(json.dumps(dcfg.to_dict()))}
+    state["prewarm"] = {"pid": proc.pid, "pending": list(pending), "drafter_config": proc.drafter_config}
     _save_state(run, state)   # the pid first: a resumed run stops a warm-up that a killed run left
     log(f"prewarm: warming {len(pending)} bench(es) in the background (pid {proc.pid}, logs/prewarm.log)")
     return proc
-
-
-def _await_prewarm(proc, state, log) -> None:
-    """Before the bench stage: wait (bounded) for the warm-up, record how it went in run.json, one log line."""
-    from eyas.bench import prewarm
-
-    before = proc.done()
-    t0 = time.time()
-    ended = before or proc.wait(prewarm.WAIT_S)
-    rec = proc.record()
-    state["prewarm"].update(rec, finished_before_bench=before, waited_s=round(time.time() - t0, 1))
-    if not ended:
-        log(f"prewarm: not finished after waiting {prewarm.WAIT_S:.0f} s; stopped it, the bench compiles what is "
-            f"left", always=True)
-    elif rec["returncode"] != 0 or "benches" not in rec:
-        log(f"prewarm: failed (exit status {rec['returncode']}, logs/prewarm.log); the bench compiles its graphs "
-            f"itself", always=True)
-    else:
-        log(f"prewarm: finished in {rec['seconds']:.0f} s, "
-            + ("before training ended" if before else f"{state['prewarm']['waited_s']:.0f} s after it"))
-
-
-def _stop_stale_prewarm(run: Path, state: dict, log) -> None:
-    """A run killed while its warm-up ran left that process (recorded in run.json) alive: stop it."""
-    from eyas.bench.prewarm import stop_stale
-
-    old = state.get("prewarm") or {}
-    if old.get("pid") and "returncode" not in old and stop_stale(old["pid"], run.resolve() / "logs" /
-                                                                 "prewarm-spec.json"):
-        log(f"prewarm: stopped the warm-up process (pid {old['pid']}) an interrupted run left running")
-
-
-def planned_drafter_config(train, target):
-    """The DrafterConfig the train stage will write (train/setup.py run_drafter_config, the Trainer's own rule)."""
-    import torch
-
-    from eyas.train.setup import run_drafter_config
-
-    tcfg, _ = train.for_device(torch.device(train.device))
-    init = None
-    if tcfg.init:
-        from eyas.model.checkpoint import open_drafter
-        init = open_drafter(tcfg.init, target, allow_target_mismatch=tcfg.allow_target_mismatch)[0].config
-    return run_drafter_config(tcfg, target, init)
 
 
 def _stage_dir(stage: str) -> str:

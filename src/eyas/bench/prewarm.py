@@ -24,6 +24,8 @@ import threading
 import time
 from pathlib import Path
 
+SPEC = "prewarm-spec.json"
+"""The warm-up's input under RUN/logs; its command line names it (stop_stale checks that)."""
 WAIT_S = 300.0
 """Longest wait, after training, for an unfinished warm-up: about two cold compiles of a bench (BENCHMARKS.md);
 the bench compiles what is left after that."""
@@ -80,11 +82,56 @@ def command(spec: Path, result: Path) -> list[str]:
     return [sys.executable, "-m", "eyas.bench.prewarm", str(spec), str(result)]
 
 
+def planned_drafter_config(train, target):
+    """The DrafterConfig the train stage of `train` (a TrainConfig) will write: train/setup.py run_drafter_config,
+    the Trainer's own rule, on the config resolved for its device (and --init's vocabulary, if any)."""
+    import torch
+
+    from eyas.train.setup import run_drafter_config
+
+    tcfg, _ = train.for_device(torch.device(train.device))
+    init = None
+    if tcfg.init:
+        from eyas.model.checkpoint import open_drafter
+        init = open_drafter(tcfg.init, target, allow_target_mismatch=tcfg.allow_target_mismatch)[0].config
+    return run_drafter_config(tcfg, target, init)
+
+
+def start(logs: Path, benches: dict, train, target, *, target_spec: str, dtype: str,
+          trust_remote_code: bool = False) -> "Prewarm":
+    """Start warming `benches` ({name: BenchConfig}) for the drafter `train` will write, in the background."""
+    dcfg = planned_drafter_config(train, target)
+    spec = {"target": target_spec, "device": next(iter(benches.values())).device, "dtype": dtype,
+            "trust_remote_code": trust_remote_code, "drafter": json.loads(json.dumps(dcfg.to_dict())),
+            "benches": {n: b.to_dict() for n, b in benches.items()}}
+    return Prewarm(logs, spec, cmd=command)  # looked up at call time: tests swap in a process made to fail
+
+
+def await_before_bench(proc: "Prewarm", log) -> dict:
+    """Before the bench stage: wait for the warm-up (at most WAIT_S, then stop it), say in one log line how it went,
+    and return what run.json records: Prewarm.record() plus finished_before_bench and waited_s."""
+    before = proc.done()
+    t0 = time.time()
+    ended = before or proc.wait(WAIT_S)
+    rec = {**proc.record(), "finished_before_bench": before, "waited_s": round(time.time() - t0, 1)}
+    if not ended:
+        log(f"prewarm: not finished after waiting {WAIT_S:.0f} s; stopped it, the bench compiles what is left",
+            always=True)
+    elif rec["returncode"] != 0 or "benches" not in rec:
+        log(f"prewarm: failed (exit status {rec['returncode']}, logs/prewarm.log); the bench compiles its graphs "
+            f"itself", always=True)
+    else:
+        log(f"prewarm: finished in {rec['seconds']:.0f} s, "
+            + ("before training ended" if before else f"{rec['waited_s']:.0f} s after it"))
+    return rec
+
+
 class Prewarm:
     """One warm-up process of a run directory: RUN/logs/prewarm-spec.json in, prewarm.json out, prewarm.log."""
 
     def __init__(self, logs: Path, spec: dict, cmd=command):
-        self.spec_path, self.result_path = logs / "prewarm-spec.json", logs / "prewarm.json"
+        self.spec_path, self.result_path = logs / SPEC, logs / "prewarm.json"
+        self.drafter_config = spec["drafter"]
         self.result_path.unlink(missing_ok=True)
         self.spec_path.write_text(json.dumps({**spec, "parent": os.getpid()}, indent=2) + "\n")
         self.started = time.time()
@@ -142,9 +189,11 @@ def _kill_group(pid: int, sig) -> None:
         pass
 
 
-def stop_stale(pid: int, spec_path: Path) -> bool:
+def stop_stale(pid: int, logs: Path) -> bool:
     """Stop a warm-up process a killed run left running: only if `pid` still leads its own process group and its
-    command line names `spec_path` (so never an unrelated process that reused the pid). True if one was stopped."""
+    command line names this run's LOGS/prewarm-spec.json (so never an unrelated process that reused the pid).
+    True if one was stopped."""
+    spec_path = logs / SPEC
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         if os.getpgid(pid) != pid or str(spec_path).encode() not in cmdline:
