@@ -183,6 +183,28 @@ def test_the_bench_runs_when_the_warm_up_fails_or_hangs(tiny_run_inputs, tmp_pat
         assert "prewarm: not finished after waiting" in log
 
 
+def test_an_interrupted_run_stops_its_warm_up(tiny_run_inputs, tmp_path, monkeypatch):
+    """Ctrl-C (KeyboardInterrupt) during training: the run records the train stage as unfinished, as before, and
+    its warm-up process is gone by the time run_pipeline has raised."""
+    import eyas.run as run_mod
+
+    monkeypatch.setattr(prewarm, "command", lambda spec, result: [sys.executable, "-c", "import time; "
+                                                                  "time.sleep(600)", str(spec)])
+    pids = []
+
+    def train(cfg, c, run, target, redo=False):
+        pids.append(json.loads((run / "run.json").read_text())["prewarm"]["pid"])
+        assert _alive(pids[0])
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(run_mod.STAGE_FUNCS, "train", train)
+    run = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        run_mod.run_pipeline(_run_cfg(tiny_run_inputs, run))
+    assert pids and not _alive(pids[0])
+    assert json.loads((run / "run.json").read_text())["stages"]["train"]["done"] is False
+
+
 _KILLED_RUN = """
 import sys, time
 import eyas.run as run_mod
