@@ -137,10 +137,11 @@ def _alive(pid: int) -> bool:
 
 
 def test_run_warms_the_benches_in_another_process_while_training(tiny_run_inputs, tmp_path, monkeypatch):
-    """The warm-up process is running when training starts (its pid in run.json), warms every bench, finishes, and
-    the drafter config it warmed for is the one training wrote."""
+    """The warm-up process is running when training starts (its pid in run.json) and warms every bench; with
+    `--until train` the run waits for it before it returns (its caches serve the next invocation). The next
+    invocation benches, and the drafter config the warm-up compiled for is the one training wrote."""
     import eyas.run as run_mod
-    from eyas.run import run_pipeline
+    from eyas.run import RunConfig, run_pipeline
 
     real_train, seen = run_mod.STAGE_FUNCS["train"], []
 
@@ -151,11 +152,14 @@ def test_run_warms_the_benches_in_another_process_while_training(tiny_run_inputs
 
     monkeypatch.setitem(run_mod.STAGE_FUNCS, "train", train)
     run = tmp_path / "run"
-    state = run_pipeline(_run_cfg(tiny_run_inputs, run))
+    state = run_pipeline(RunConfig(**{**_run_cfg(tiny_run_inputs, run).__dict__, "until": "train"}))
     pw = state["prewarm"]
-    assert seen == [(pw["pid"], True)] and pw["returncode"] == 0 and pw["drafter_matched"] is True
+    assert seen == [(pw["pid"], True)] and pw["returncode"] == 0 and not _alive(pw["pid"])
     assert set(pw["benches"]) == {"heldout-chain3"} and pw["benches"]["heldout-chain3"]["warmup"]["shapes"] > 0
-    assert state["stages"]["bench"]["done"] and not _alive(pw["pid"])
+    assert "bench" not in state["stages"]
+    state = run_pipeline(_run_cfg(tiny_run_inputs, run))
+    assert state["stages"]["bench"]["done"] and len(seen) == 1   # train done earlier: no second warm-up
+    assert state["prewarm"]["drafter_matched"] is True and set(state["prewarm"]["bench"]) == {"heldout-chain3"}
     # the knob is not part of the run's identity: turning it off resumes the same run
     assert _run_cfg(tiny_run_inputs, run).identity() == \
         _run_cfg(tiny_run_inputs, run, **{"run.prewarm_bench": False}).identity()

@@ -302,6 +302,9 @@ def run_pipeline(cfg: RunConfig) -> dict:
     started = []  # the bench's warm-up process, once the train stage starts it
     try:
         _run_stages(cfg, configs, run, target, state, log, stages, started)
+        if started and "returncode" not in state["prewarm"]:  # --until stopped before the bench: the caches it
+            from eyas.bench.prewarm import await_before_bench  # fills on disk serve the next invocation's bench
+            state["prewarm"].update(await_before_bench(started[0], log))
     finally:
         for proc in started:  # interrupted, failed, or done: never leave it running
             proc.stop()
@@ -358,15 +361,14 @@ def _run_stages(cfg, configs, run, target, state, log, stages, started: list) ->
 
 def _start_prewarm(cfg, c: Stages, run, target, state, log):
     """Start the warm-up process for the benches whose JSONs are not written yet, when [run] prewarm_bench (or,
-    unset, a bench that compiles) asks for it and this invocation reaches the bench stage; None otherwise. Any
-    failure to start is one log line: the bench then compiles its graphs itself."""
+    unset, a bench that compiles) asks for it; None otherwise. Any failure to start is one log line: the bench then
+    compiles its graphs itself."""
     from eyas.bench import prewarm
 
     r = cfg.recipe.run
     pending = {n: b for n, b in c.bench.items() if not Path(b.json_out).exists()}
     wanted = r.prewarm_bench if r.prewarm_bench is not None else any(b.compile for b in pending.values())
-    reaches = cfg.until is None or STAGES.index(cfg.until) >= STAGES.index("bench")
-    if not (wanted and pending and reaches) or state["stages"].get("bench", {}).get("done"):
+    if not (wanted and pending) or state["stages"].get("bench", {}).get("done"):
         return None
     try:
         proc = prewarm.start(run.resolve() / "logs", pending, c.train, target, target_spec=cfg.target,
