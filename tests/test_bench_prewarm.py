@@ -165,6 +165,19 @@ def test_run_warms_the_benches_in_another_process_while_training(tiny_run_inputs
         _run_cfg(tiny_run_inputs, run, **{"run.prewarm_bench": False}).identity()
 
 
+def test_auto_mode_warms_only_a_target_that_fits_twice(monkeypatch):
+    """prewarm_bench left unset warms beside training only while the warm-up's copy of the target's weights takes
+    at most AUTO_SHARE of the GPU's memory (the 135M target in bf16: about 0.2% of an H200's)."""
+    from types import SimpleNamespace
+
+    model = torch.nn.Linear(1000, 1000, bias=False).to(torch.bfloat16)   # 2,000,000 bytes of weights
+    target = SimpleNamespace(device=torch.device("cuda", 0), model=model)
+    for total, fits in ((2_000_000 / prewarm.AUTO_SHARE, True), (2_000_000 / prewarm.AUTO_SHARE - 1, False)):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev, t=total: SimpleNamespace(total_memory=t))
+        assert prewarm.fits_beside_training(target) is fits
+    assert prewarm.fits_beside_training(SimpleNamespace(device=torch.device("cpu"), model=model))
+
+
 @pytest.mark.parametrize("how", ["fails", "hangs"])
 def test_the_bench_runs_when_the_warm_up_fails_or_hangs(tiny_run_inputs, tmp_path, monkeypatch, how):
     """A warm-up process that exits with an error, or is still running after the bounded wait (then stopped), costs

@@ -370,6 +370,10 @@ def _start_prewarm(cfg, c: Stages, run, target, state, log):
     wanted = r.prewarm_bench if r.prewarm_bench is not None else any(b.compile for b in pending.values())
     if not (wanted and pending) or state["stages"].get("bench", {}).get("done"):
         return None
+    if r.prewarm_bench is None and not prewarm.fits_beside_training(target):
+        log(f"prewarm: off, a second copy of the target's weights would take over {prewarm.AUTO_SHARE:.0%} of the "
+            f"GPU's memory beside training (--set run.prewarm_bench=true to warm anyway)", always=True)
+        return None
     try:
         proc = prewarm.start(run.resolve() / "logs", pending, c.train, target, target_spec=cfg.target,
                              dtype=r.bench_dtype or resolve_dtype(r.dtype, r.device),

@@ -26,6 +26,9 @@ from pathlib import Path
 
 SPEC = "prewarm-spec.json"
 """The warm-up's input under RUN/logs; its command line names it (stop_stale checks that)."""
+AUTO_SHARE = 0.05
+"""Auto mode warms only when the warm-up's own copy of the target's weights takes at most this share of the GPU's
+memory: beside training, a second copy of a large target could push training out of memory."""
 WAIT_S = 300.0
 """Longest wait, after training, for an unfinished warm-up: about two cold compiles of a bench (BENCHMARKS.md);
 the bench compiles what is left after that."""
@@ -80,6 +83,17 @@ def main(argv: list[str] | None = None) -> int:
 def command(spec: Path, result: Path) -> list[str]:
     """The warm-up process's command line."""
     return [sys.executable, "-m", "eyas.bench.prewarm", str(spec), str(result)]
+
+
+def fits_beside_training(target) -> bool:
+    """Whether the warm-up's copy of `target`'s weights takes at most AUTO_SHARE of its GPU's memory (always, off
+    a GPU)."""
+    import torch
+
+    if target.device.type != "cuda":
+        return True
+    weights = sum(p.numel() * p.element_size() for p in target.model.parameters())
+    return weights <= AUTO_SHARE * torch.cuda.get_device_properties(target.device).total_memory
 
 
 def planned_drafter_config(train, target):

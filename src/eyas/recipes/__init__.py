@@ -49,7 +49,8 @@ class RunKnobs:
     """Train online from the prepared data (the target runs inside each step) instead of from the store."""
     prewarm_bench: bool | None = None
     """Compile the bench's graphs in a background process while the drafter trains (eyas/bench/prewarm.py), so the
-    bench finds them in the caches on disk. None: where a bench compiles (cuda). Not part of the run's identity."""
+    bench finds them in the caches on disk. None: where a bench compiles (cuda) and a second copy of the target fits
+    beside training (eyas.bench.prewarm.AUTO_SHARE). Not part of the run's identity."""
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
