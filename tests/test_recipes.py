@@ -63,6 +63,8 @@ PRESETS_NOW["cpu-demo"].update(limit=1360, regen_limit=770, draft_vocab=6144, ep
 # Since issue 33 the gpu recipe benches the long-prompt set third, with its own prompt range (max_seq derived).
 PRESETS_NOW["gpu"]["bench"].insert(2, dict(prompts="long", method="chain", k=5, graph_round=True, limit=30,
                                            max_new_tokens=256, min_prompt_tokens=2048, max_prompt_tokens=6144))
+# Since issue 33 the gpu recipe's benches keep their compiled steps on disk (persist_steps).
+PRESETS_NOW["gpu"]["bench"] = [{**b, "persist_steps": True} for b in PRESETS_NOW["gpu"]["bench"]]
 
 
 def old_stage_configs(name: str, *, vocab: int, data: str = "sharegpt", target: str = "smollm2-135m"):
@@ -97,6 +99,7 @@ def old_stage_configs(name: str, *, vocab: int, data: str = "sharegpt", target: 
                                max_prompt_tokens=b.get("max_prompt_tokens", max(1, k["max_len"] - k["max_new_tokens"])),
                                max_new_tokens=b["max_new_tokens"], device=k["device"],
                                graph_round=b.get("graph_round", False), lossless_turns=b.get("lossless_turns", 4),
+                               persist_steps=b.get("persist_steps", False),
                                json_out=str(RUN / "bench" / f"{n}.json"), compile=k["device"] == "cuda")
     return prepare, capture, train, bench
 

@@ -142,6 +142,8 @@ def resolve_stages(cfg: RunConfig, run: Path, *, vocab_size: int | None, progres
         if not is_long_set(prompts):  # unless the table sets it: prompts that leave room for a reply inside the
             # training budget (RoPE positions seen); the long set keeps its own range (BenchConfig)
             table.setdefault("max_prompt_tokens", max(1, prepare.max_len - prepare.max_new_tokens))
+        if dev != "cuda":  # the bench compiles on cuda only, and saved steps are compiled ones (a CPU rehearsal)
+            table.pop("persist_steps", None)
         bc = build("bench", BenchConfig, **table, target=cfg.target, device=dev, compile=dev == "cuda",
                    json_out=None, **trust)
         name = f"{label}-{bc.spec.method}" + (f"{bc.spec.k}" if bc.spec.method == "chain" else "")
@@ -282,6 +284,10 @@ def run_pipeline(cfg: RunConfig) -> dict:
     state = _open_state(cfg, run)
     log = Log(run, cfg.quiet)
     _save_state(run, state)
+    if (old := state.get("prewarm") or {}).get("pid") and "returncode" not in old:  # a killed run's, maybe alive
+        from eyas.bench.prewarm import stop_stale
+        if stop_stale(old["pid"], run.resolve() / "logs"):
+            log(f"prewarm: stopped the warm-up process (pid {old['pid']}) an interrupted run left running")
     log(f"eyas run: preset {cfg.preset}, target {cfg.target}, data {cfg.data} -> {run}", always=True)
     if cfg.preset == "cpu-demo":
         log("this is a demonstration on the CPU (small data, short training); for a real drafter run "
@@ -293,6 +299,29 @@ def run_pipeline(cfg: RunConfig) -> dict:
             "the 20 minutes the demo was sized for", always=True)
     configs = resolve_stages(cfg, run, vocab_size=target.vocab_size, progress=not cfg.quiet)
     stages = [s for s in STAGES if s != "capture" or configs.capture is not None]
+    started = []  # the bench's warm-up process, once the train stage starts it
+    try:
+        _run_stages(cfg, configs, run, target, state, log, stages, started)
+        if started and "returncode" not in state["prewarm"]:  # --until stopped before the bench: the caches it
+            from eyas.bench.prewarm import await_before_bench  # fills on disk serve the next invocation's bench
+            state["prewarm"].update(await_before_bench(started[0], log))
+    finally:
+        for proc in started:  # interrupted, failed, or done: never leave it running
+            proc.stop()
+    state["wall_seconds_this_invocation"] = round(time.time() - t_start, 1)
+    _save_state(run, state)
+    if cfg.until is not None and not all(state["stages"].get(s, {}).get("done") for s in stages):
+        log(f"stopped after {cfg.until} (--until); rerun without --until to continue", always=True)
+        return state
+    from eyas.report import write_report
+    summary = write_report(run, state, cfg)
+    log("report: " + str(run / "report.md"), always=True)
+    print(summary, flush=True)
+    return state
+
+
+def _run_stages(cfg, configs, run, target, state, log, stages, started: list) -> None:
+    """Each stage in order, skipping verified finished ones; a bench warm-up process it starts goes in `started`."""
     for stage in stages:
         if cfg.until is not None and STAGES.index(stage) > STAGES.index(cfg.until):
             break
@@ -305,10 +334,16 @@ def run_pipeline(cfg: RunConfig) -> dict:
             except (EyasError, OSError, ValueError, json.JSONDecodeError) as e:
                 log(f"{stage}: its output failed verification on resume ({e}); redoing the stage", always=True)
                 st = {"redo": True}
+        if stage == "train" and (proc := _start_prewarm(cfg, configs, run, target, state, log)) is not None:
+            started.append(proc)
+        elif stage == "bench" and started:
+            from eyas.bench.prewarm import await_before_bench
+            state["prewarm"].update(await_before_bench(started[0], log))
         log(f"{stage}: starting" + (" (resuming)" if (run / _stage_dir(stage)).exists() else ""))
         t0, before = time.time(), st.get("seconds", 0.0) if not st.get("done") else 0.0
+        extra = {"prewarm": state.get("prewarm")} if stage == "bench" else {}
         try:
-            summary = STAGE_FUNCS[stage](cfg, configs, run, target, redo=bool(st.get("redo")))
+            summary = STAGE_FUNCS[stage](cfg, configs, run, target, redo=bool(st.get("redo")), **extra)
         except KeyboardInterrupt:  # e.g. `timeout -s INT`: keep the time spent so far, resume on the next run
             state["stages"][stage] = {"done": False, "redo": bool(st.get("redo")),
                                       "seconds": round(before + time.time() - t0, 1)}
@@ -320,16 +355,36 @@ def run_pipeline(cfg: RunConfig) -> dict:
                                   "summary": summary}
         _save_state(run, state)
         log(f"{stage}: finished in {time.time() - t0:.0f} s")
-    state["wall_seconds_this_invocation"] = round(time.time() - t_start, 1)
-    _save_state(run, state)
-    if cfg.until is not None and not all(state["stages"].get(s, {}).get("done") for s in stages):
-        log(f"stopped after {cfg.until} (--until); rerun without --until to continue", always=True)
-        return state
-    from eyas.report import write_report
-    summary = write_report(run, state, cfg)
-    log("report: " + str(run / "report.md"), always=True)
-    print(summary, flush=True)
-    return state
+
+
+# ---- the bench's warm-up during training (eyas/bench/prewarm.py) ------------------------------------------------
+
+def _start_prewarm(cfg, c: Stages, run, target, state, log):
+    """Start the warm-up process for the benches whose JSONs are not written yet, when [run] prewarm_bench (or,
+    unset, a bench that compiles) asks for it; None otherwise. Any failure to start is one log line: the bench then
+    compiles its graphs itself."""
+    from eyas.bench import prewarm
+
+    r = cfg.recipe.run
+    pending = {n: b for n, b in c.bench.items() if not Path(b.json_out).exists()}
+    wanted = r.prewarm_bench if r.prewarm_bench is not None else any(b.compile for b in pending.values())
+    if not (wanted and pending) or state["stages"].get("bench", {}).get("done"):
+        return None
+    if r.prewarm_bench is None and not prewarm.fits_beside_training(target):
+        log(f"prewarm: off, a second copy of the target's weights would take over {prewarm.AUTO_SHARE:.0%} of the "
+            f"GPU's memory beside training (--set run.prewarm_bench=true to warm anyway)", always=True)
+        return None
+    try:
+        proc = prewarm.start(run.resolve() / "logs", pending, c.train, target, target_spec=cfg.target,
+                             dtype=r.bench_dtype or resolve_dtype(r.dtype, r.device),
+                             trust_remote_code=cfg.trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - a warm-up is an optimisation; the run goes on without it
+        log(f"prewarm: not started ({type(e).__name__}: {e}); the bench compiles its graphs itself", always=True)
+        return None
+    state["prewarm"] = {"pid": proc.pid, "pending": list(pending), "drafter_config": proc.drafter_config}
+    _save_state(run, state)   # the pid first: a resumed run stops a warm-up that a killed run left
+    log(f"prewarm: warming {len(pending)} bench(es) in the background (pid {proc.pid}, logs/prewarm.log)")
+    return proc
 
 
 def _stage_dir(stage: str) -> str:
@@ -368,7 +423,7 @@ def _train(cfg, c: Stages, run, target, redo=False) -> dict:
     return run_train(replace(c.train, resume=resume), target)
 
 
-def _bench(cfg, c: Stages, run, target, redo=False) -> dict:
+def _bench(cfg, c: Stages, run, target, redo=False, prewarm: dict | None = None) -> dict:
     from eyas.bench.bench import run_bench
     from eyas.model.checkpoint import open_drafter
 
@@ -380,7 +435,12 @@ def _bench(cfg, c: Stages, run, target, redo=False) -> dict:
                              trust_remote_code=cfg.trust_remote_code)
     drafter, meta = open_drafter(run, target)
     drafter = drafter.to(target.device)
-    results = {}
+    if prewarm and "drafter_config" in prewarm:  # the warm-up compiled for the config training was to write
+        prewarm["drafter_matched"] = json.loads(json.dumps(drafter.config.to_dict())) == prewarm["drafter_config"]
+        if not prewarm["drafter_matched"]:
+            Log(run, cfg.quiet)("prewarm: the trained drafter's config differs from the one warmed; the bench "
+                                "compiles the drafter's graphs itself", always=True)
+    results, ran = {}, {}
     (run / "bench").mkdir(exist_ok=True)
     sink = open(run / "logs" / "bench.log", "a")
     try:
@@ -389,10 +449,14 @@ def _bench(cfg, c: Stages, run, target, redo=False) -> dict:
             if path.exists() and not redo:
                 results[name] = json.loads(path.read_text())
                 continue
-            results[name] = run_bench(bc, target=target, drafter=drafter, drafter_meta=meta,
-                                      out=sink if cfg.quiet else sys.stdout)
+            results[name] = ran[name] = run_bench(bc, target=target, drafter=drafter, drafter_meta=meta,
+                                                  out=sink if cfg.quiet else sys.stdout)
     finally:
         sink.close()
+    if prewarm is not None:  # what the benches still compiled: 0 misses when the warm-up covered them
+        prewarm["bench"] = {n: {"warmup_s": r["seconds"]["warmup"], "warmup": r["warmup"],
+                                **({"compile_cache": r["compile_cache"]} if "compile_cache" in r else {})}
+                            for n, r in ran.items()}
     return {n: {m: {key: r["methods"][m].get(key) for key in ("tau", "tokens_per_s", "speedup")}
                 for m in r["methods"]} | {"lossless": r.get("lossless")} for n, r in results.items()}
 

@@ -21,7 +21,7 @@ import torch
 
 from eyas.bench.check import DTYPE_NAMES, agreement, exact_fp32, first_turns, fp32_drafter, fp32_runner, lossless_verdict
 from eyas.bench.prompts import prompt_ids, first_messages, load_bench_prompts, prompt_summary, tau_by_kind
-from eyas.bench.startup import compile_cache, tree_nodes, verify_shapes, warm_up
+from eyas.bench.startup import compile_cache, saved_steps, tree_nodes, verify_shapes, warm_up
 from eyas.decode.graphed import GraphedChainDrafting
 from eyas.data.longprompts import LONG_TOKENS, is_long_set
 from eyas.decode.spec import SpecConfig, SpecDecoder, SpecStats
@@ -189,16 +189,22 @@ _RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target mode
 
 
 def run_bench(cfg: BenchConfig, *, target=None, drafter=None, drafter_meta: dict | None = None,
-              records: list[dict] | None = None, out=None) -> dict:
-    """Run the benchmark; return (and optionally write) the report dict."""
+              records: list[dict] | None = None, out=None, warm_only: bool = False) -> dict:
+    """Run the benchmark; return (and optionally write) the report dict.
+
+    warm_only: set up and warm up exactly as the bench does (runner, methods, every shape, a short decode), then
+    return the report's warm-up part without decoding the prompt set or writing anything: what `eyas run` runs in
+    another process during training (bench/prewarm.py), so that the compile caches on disk (and the saved steps,
+    with persist_steps) hold every graph this bench builds. The drafter's weights do not matter, its config does."""
     out = out or sys.stdout
     t0 = time.perf_counter()
     with compile_cache(cfg.compile) as cache_info:
-        report = _run(cfg, target, drafter, drafter_meta, records, out)
+        report = _run(cfg, target, drafter, drafter_meta, records, out, warm_only)
     report["seconds"]["total"] = round(time.perf_counter() - t0, 3)
     if cfg.compile:
         report["compile_cache"] = cache_info
-    write_report(report, cfg.json_out, out)
+    if not warm_only:
+        write_report(report, cfg.json_out, out)
     return report
 
 
@@ -230,7 +236,7 @@ def write_report(report: dict, json_out: str | None, out) -> None:
         report["plot"] = plot_acceptance(report, path.with_suffix(".png"))
 
 
-def _run(cfg, target, drafter, drafter_meta, records, out) -> dict:
+def _run(cfg, target, drafter, drafter_meta, records, out, warm_only=False) -> dict:
     from eyas.target.runner import Runner
 
     clock = time.perf_counter()
@@ -272,6 +278,7 @@ def _run(cfg, target, drafter, drafter_meta, records, out) -> dict:
     room = prompt_room(cfg)
     methods = _methods(cfg, runner, drafter, eos)
     seconds = {"load": time.perf_counter() - clock}
+    before, saved = len(runner._graphs), saved_steps(runner)
 
     # Warm-up, not timed: compile and capture every shape of the timed loop, then decode a few rounds of the
     # first prompt per method (paths the shape set does not name, e.g. a drafter's chain graph); a few rounds
@@ -284,6 +291,12 @@ def _run(cfg, target, drafter, drafter_meta, records, out) -> dict:
         m.decode(first, cfg.seed, min(cfg.max_new_tokens, 4 * (cfg.spec.max_depth + 1) + 8))
     _sync(runner.device)
     seconds["warmup"] = time.perf_counter() - clock
+    # built: runner shapes this bench's warm-up added (0 when an earlier bench or warm-up of this process built them)
+    warm = {"shapes": shapes, "built": shapes - before}
+    if warm_only:
+        return {"config": cfg.to_dict(), "target": target.fingerprint, "device": str(runner.device),
+                "warmup": {**warm, **_saved_delta(cfg, runner, saved)},
+                "seconds": {k: round(v, 3) for k, v in seconds.items()}}
 
     clock = time.perf_counter()
     truncated = _decode_all(methods, records, tok, room, cfg, runner.device)
@@ -299,7 +312,8 @@ def _run(cfg, target, drafter, drafter_meta, records, out) -> dict:
               "records": len(records), "turns": sum(len(r["turns"]) for r in records),
               "truncated": truncated, "skipped_long_prompts": skipped["too_long"],
               "skipped_short_prompts": skipped["too_short"], "prompts": prompt_summary(records, tok),
-              "methods": {m.name: m.report() for m in methods}, "warmup": {"shapes": shapes, "late_shapes": late}}
+              "methods": {m.name: m.report() for m in methods},
+              "warmup": {**warm, "late_shapes": late, **_saved_delta(cfg, runner, saved)}}
     tau_by_kind(report, records)
     by = {m.name: m for m in methods}
     plain = by.get("plain")
@@ -319,6 +333,15 @@ def _run(cfg, target, drafter, drafter_meta, records, out) -> dict:
     seconds["lossless_check"] = time.perf_counter() - clock
     report["seconds"] = {k: round(v, 3) for k, v in seconds.items()}
     return report
+
+
+def _saved_delta(cfg, runner, before: dict) -> dict:
+    """With persist_steps: {"saved_steps": the runner's saved compiled steps loaded / compiled and saved / fallen
+    back to plain compiles since `before`}; else {}."""
+    if not cfg.persist_steps:
+        return {}
+    now = saved_steps(runner)
+    return {"saved_steps": {k: now[k] - before[k] for k in now}}
 
 
 def _methods(cfg, runner, drafter, eos, *, baselines=None) -> list[Method]:

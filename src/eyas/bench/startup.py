@@ -55,6 +55,16 @@ def compile_cache(enabled: bool):
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
 
 
+def saved_steps(runner) -> dict:
+    """Totals over a runner's saved compiled steps (target/persist.py PersistentStep; none without persist): files
+    loaded, steps compiled and saved, plain-compile fallbacks."""
+    from eyas.target.persist import PersistentStep
+
+    steps = [s for s in (getattr(runner, "_compiled", None), *getattr(runner, "_step_fns", {}).values())
+             if isinstance(s, PersistentStep)]
+    return {k: sum(getattr(s, k) for s in steps) for k in ("loaded", "compiled", "fallbacks")}
+
+
 def tree_nodes(top_k: int, depth: int, total: int, draft_vocab: int) -> int:
     """Draft nodes of an EAGLE-2 tree round (eagle.EagleDrafting.propose_tree): min(total, pool size)."""
     f = min(top_k, draft_vocab)

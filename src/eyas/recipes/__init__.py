@@ -47,6 +47,10 @@ class RunKnobs:
     """Run the capture stage (a hidden-state store on disk)."""
     online: bool = False
     """Train online from the prepared data (the target runs inside each step) instead of from the store."""
+    prewarm_bench: bool | None = None
+    """Compile the bench's graphs in a background process while the drafter trains (eyas/bench/prewarm.py), so the
+    bench finds them in the caches on disk. None: where a bench compiles (cuda) and a second copy of the target fits
+    beside training (eyas.bench.prewarm.AUTO_SHARE). Not part of the run's identity."""
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -141,6 +145,7 @@ class Recipe:
             return {k: v for k, v in table.items() if v != defaults.get(k, dataclasses.MISSING)}
 
         t = self.tables()
+        t["run"].pop("prewarm_bench")  # it changes no output: a resumed run may turn it on or off
         out = {name: sparse(name, t[name]) for name in TABLES if name != "bench"}
         out["bench"] = [sparse("bench", b) for b in t["bench"]]
         return json.loads(json.dumps(out))

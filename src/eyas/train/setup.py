@@ -156,6 +156,17 @@ def write_vocab(run: Path, vocab, summary: dict) -> None:
     atomic_write_bytes(run / "vocab" / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
 
 
+def run_drafter_config(cfg: TrainConfig, target, init_config=None):
+    """The DrafterConfig a run of `cfg` (resolved for its device: TrainConfig.for_device) trains on `target`: sizes
+    from the target, a draft vocabulary of min(draft_vocab, V) ids (build_vocab's), or --init's (`init_config`).
+    The Trainer builds its drafter from it; `eyas run` warms the bench's compiled graphs for it while training runs."""
+    from eyas.model.drafter import DrafterConfig
+
+    size = init_config.draft_vocab_size if init_config is not None else min(cfg.draft_vocab, target.vocab_size)
+    return DrafterConfig.from_target(target.config, draft_vocab_size=size, aux_layer_ids=target.aux_layer_ids,
+                                     intermediate_size=cfg.intermediate_size, norm_before_fc=cfg.norm_before_fc)
+
+
 POSITION_BOUND = ("max_position_embeddings",)
 """DrafterConfig fields that only bound positions: nothing the drafter computes reads them (rope_inv_freq takes the
 theta and the scaling's own fields), so an --init head may differ in them and the run's value is kept (a published

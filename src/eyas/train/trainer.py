@@ -37,7 +37,7 @@ from eyas.train.feature_cache import plan as plan_feature_cache
 from eyas.train.metrics import MetricsSink, Sums, frequency_baseline, round_counts, truncate_metrics
 from eyas.train.prefetch import Prefetcher
 from eyas.train.setup import (KIND, build_vocab, check_init_config, check_run_dir, init_head_from_target,
-                              refuse_run_dir, schedule, write_vocab)
+                              refuse_run_dir, run_drafter_config, schedule, write_vocab)
 from eyas.train.setup import open_source as _open_source  # a module global: tests hand it a target object
 from eyas.train.ttt import TTTConfig, TTTOutput, ttt_forward
 
@@ -73,7 +73,7 @@ class Trainer:
     loop: steps, metrics, evals and checkpoints until the last step, then the final drafter."""
 
     def __init__(self, cfg: TrainConfig, target=None):
-        from eyas.model.drafter import DrafterConfig, Eagle3Drafter
+        from eyas.model.drafter import Eagle3Drafter
         from eyas.target.device import cpu_bf16_fast
 
         self.dist = dist.setup(cfg.device, deterministic=cfg.deterministic)
@@ -108,10 +108,8 @@ class Trainer:
 
         # --- the drafter, its loss module and the optimizer
         torch.manual_seed(cfg.seed)
-        self.dcfg = DrafterConfig.from_target(target.config, draft_vocab_size=self.vocab.size,
-                                              aux_layer_ids=target.aux_layer_ids,
-                                              intermediate_size=cfg.intermediate_size,
-                                              norm_before_fc=cfg.norm_before_fc)
+        self.dcfg = run_drafter_config(cfg, target, init_drafter.config if init_drafter is not None else None)
+        assert self.dcfg.draft_vocab_size == self.vocab.size, (self.dcfg.draft_vocab_size, self.vocab.size)
         note = check_init_config(init_drafter.config, self.dcfg, cfg.init) if init_drafter is not None else None
         drafter = Eagle3Drafter(self.dcfg)
         if self.rank == 0:  # the derived shape (docs/training.md, "The drafter's shape")
