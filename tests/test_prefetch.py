@@ -109,8 +109,9 @@ def _store_with_shards(tmp_path):
 
 
 def test_corrupt_shard_found_by_the_thread_raises_the_sync_error_at_the_same_step(tmp_path, monkeypatch):
-    """A shard first read by step 3 has a flipped bit: with prefetch the thread finds it (while step 2 runs), and
-    training stops with the synchronous run's message, after the same logged steps, in the caller's thread."""
+    """A shard first read by step 3 gets a flipped bit while step 1 runs (every shard was checked at the start, so
+    the per-read check finds the rewrite): with prefetch the thread finds it (while step 2 runs), and training
+    stops with the synchronous run's message, after the same logged steps, in the caller's thread."""
     t, store = _store_with_shards(tmp_path)
     kw = dict(steps=6, eval_fraction=0.0)
     tr = Trainer(cfg(tmp_path, str(store), "plan", **kw), target=t)
@@ -121,18 +122,25 @@ def test_corrupt_shard_found_by_the_thread_raises_the_sync_error_at_the_same_ste
             first_use.setdefault(shard_of(i), s + 1)
     victim_k = next(k for k, s in sorted(first_use.items(), key=lambda x: x[1]) if 3 <= s <= 6)
     victim = store / tr.source.store.records[victim_k]["file"]
-    data = victim.read_bytes()
-    victim.write_bytes(data[:-5] + bytes([data[-5] ^ 1]) + data[-4:])   # same size
+    clean = victim.read_bytes()
+    real_step = Trainer.train_step
+
+    def step(self, *a, **k):
+        if self.step == 0:   # step 1 runs; the thread is making step 2's input, which does not read the victim
+            victim.write_bytes(clean[:-5] + bytes([clean[-5] ^ 1]) + clean[-4:])   # same size
+        return real_step(self, *a, **k)
+    monkeypatch.setattr(Trainer, "train_step", step)
 
     names, msgs = read_threads(monkeypatch), {}
     for name, on in (("sync", False), ("pre", True)):
         names.clear()
+        victim.write_bytes(clean)
         with pytest.raises(EyasError) as e:
             run_train(cfg(tmp_path, str(store), name, prefetch=on, **kw), target=t)
         msgs[name] = str(e.value)
         assert not prefetch_threads()
         assert names[-1] == (THREAD_NAME if on else "MainThread")    # the failing read's thread
-    assert msgs["sync"] == msgs["pre"] and msgs["sync"].startswith(f"{victim}: sha256 mismatch"), msgs
+    assert msgs["sync"] == msgs["pre"] and msgs["sync"].startswith(f"{victim}: shard changed on disk"), msgs
     assert "\n" not in msgs["pre"]
     steps = {n: [r["step"] for r in records(tmp_path / n)] for n in ("sync", "pre")}
     assert steps["sync"] == steps["pre"] == list(range(1, first_use[victim_k])), steps

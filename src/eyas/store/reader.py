@@ -12,7 +12,8 @@ import torch
 from safetensors import safe_open
 
 from eyas.errors import EyasError
-from eyas.manifest import check_same, read_manifest, sha256_file
+from eyas.manifest import check_same, read_manifest
+from eyas.target.fingerprint import file_sha256
 from eyas.store import format as fmt
 from eyas.store.writer import read_sidecars
 
@@ -114,9 +115,11 @@ class Store:
 
     # ---- random access ----
     def _shard(self, k: int):
-        """The open shard k. Its bytes are checked against the sha256 of its record when first opened, and its
-        size, mtime and inode before every read: a shard changed under a running reader (rewritten, truncated,
-        bit-flipped) stops it with an error naming the shard, never a silent bad sample or a SIGBUS."""
+        """The open shard k. Its bytes are checked against the sha256 of its record when first opened (the hash
+        is kept per machine in $EYAS_CACHE/hashes while the file's size, mtime and inode stay: every rank and run
+        after the first skips it; `eyas store verify` always rehashes), and its size, mtime and inode before every
+        read: a shard changed under a running reader (rewritten, truncated, bit-flipped) stops it with an error
+        naming the shard, never a silent bad sample or a SIGBUS."""
         if self._pid != os.getpid():  # forked DataLoader worker: reopen the maps
             self._handles, self._offsets, self._stat, self._pid = {}, {}, {}, os.getpid()
         rec = self.records[k]
@@ -131,7 +134,7 @@ class Store:
             if st.st_size != rec["bytes"]:
                 raise EyasError(f"{f}: shard is {st.st_size} bytes, its record says {rec['bytes']}: it is corrupted; "
                                 f"run `eyas store verify`")
-            if sha256_file(f) != rec["sha256"]:
+            if file_sha256(f) != rec["sha256"]:
                 raise EyasError(f"{f}: sha256 mismatch with its record: the shard is corrupted; "
                                 f"run `eyas store verify`")
             try:
@@ -146,6 +149,12 @@ class Store:
             raise EyasError(f"{f}: shard changed on disk while training read it (size {self._stat[k][0]} -> "
                             f"{st.st_size}, or rewritten); it may be corrupted; run `eyas store verify`")
         return h, self._offsets[k]
+
+    def check_shards(self, rank: int = 0, world: int = 1) -> None:
+        """Open (and so hash, where this machine has not) every world-th shard from `rank`: ranks that split the
+        store this way before training, then meet at a barrier, leave no shard for the training loop to hash."""
+        for k in range(rank, len(self.records), world):
+            self._shard(k)
 
     def __getitem__(self, i: int) -> StoredSample:
         return self.get(i)

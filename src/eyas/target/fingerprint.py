@@ -190,10 +190,12 @@ def _bytes_sha256(path: Path, start: int = 0, end: int | None = None) -> str:
 
 
 def file_sha256(path: str | os.PathLike) -> str:
-    """sha256 of a file's bytes, cached under $EYAS_CACHE/hashes by its path, size and mtime."""
+    """sha256 of a file's bytes, cached under $EYAS_CACHE/hashes by its path, size, mtime and inode: a file is
+    hashed once per machine while it stays as it is (a rewrite or replacement changes the key)."""
     path = Path(path).resolve()
     st = path.stat()
-    key = {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    key = {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino,
+           "device": st.st_dev}
     entry = cache_root() / "hashes" / f"{hashlib.sha256(str(path).encode()).hexdigest()[:32]}.json"
     return _cached_sha256(entry, key, lambda: _bytes_sha256(path))
 
