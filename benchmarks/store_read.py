@@ -7,7 +7,8 @@
 Writes (or reuses: keyed by hidden size, tokens, dtype and seed, under --dir) a store per dtype (bf16, fp8) with
 the real StoreWriter: samples of 256..2048 tokens, 40% of them at 2048 (long conversations cut at --max-len; mean
 about 1,500 tokens), random states, shards of the capture's default 512 MiB. Then times StoreSource.collate, the
-trainer's host-side read (store.get per sample, the conversion to the feature dtype, the copies into padded tensors),
+trainer's host-side read (the stored samples, the copies into padded tensors: a bf16 store converted to the feature
+dtype here, an fp8 store kept fp8 with its scales and dequantized on the device by Batch.to, not timed here),
 on the batches the trainer plans on CUDA (epoch_batches packed into batch_tokens // max_len rows, the rank's share
 by rank_batches), in five passes per store:
   sync  fresh  a new reader, page cache dropped: as a fresh run starts, each shard's first read checks its sha256

@@ -372,23 +372,23 @@ def test_shard_corrupted_while_training_stops_and_names_it(tmp_path, monkeypatch
                 samples=make_samples(24))
     shards = sorted(store.glob("shard-*.safetensors"))
     assert len(shards) >= 6
-    real_get, calls, hit = Store.get, [], []
+    real_get, calls, hit = Store.get_stored, [], []
 
-    def get(self, i, dtype=None):
+    def get(self, i):
         calls.append(i)
         if len(calls) == 5 and how.startswith("bit-flip"):   # training is under way: corrupt a shard not read yet
             victim = next(self.path / r["file"] for n, r in enumerate(self.records) if self._starts[n] > max(calls))
             data = victim.read_bytes()
             victim.write_bytes(data[:-5] + bytes([data[-5] ^ 1]) + data[-4:])   # same size
             hit.append(victim)
-        sample = real_get(self, i, dtype)
+        sample = real_get(self, i)
         if len(calls) == 5 and how.startswith("truncate"):   # the shard this sample came from, open and mapped
             victim = self.path / self.records[max(k for k in self._handles if self._starts[k] <= i)]["file"]
             victim.write_bytes(victim.read_bytes()[:-9])
             hit.append(victim)
         return sample
 
-    monkeypatch.setattr(Store, "get", get)
+    monkeypatch.setattr(Store, "get_stored", get)
     with pytest.raises(EyasError) as e:
         run_train(cfg(tmp_path, str(store), "run", steps=None, epochs=3, eval_fraction=0.1), target=t)
     assert hit and str(e.value).startswith(f"{hit[0]}: "), str(e.value)

@@ -32,12 +32,12 @@ def prefetch_threads() -> list[threading.Thread]:
 def read_threads(monkeypatch) -> list[str]:
     """Record the thread of every store read."""
     from eyas.store.reader import Store
-    real, names = Store.get, []
+    real, names = Store.get_stored, []
 
-    def get(self, i, dtype=None):
+    def get(self, i):
         names.append(threading.current_thread().name)
-        return real(self, i, dtype)
-    monkeypatch.setattr(Store, "get", get)
+        return real(self, i)
+    monkeypatch.setattr(Store, "get_stored", get)
     return names
 
 

@@ -160,6 +160,19 @@ class Store:
         return self.get(i)
 
     def get(self, i: int, dtype: torch.dtype | None = None) -> StoredSample:
+        ids, mask, hidden, scale = self.get_stored(i)
+        hidden = fmt.dequantize(hidden, scale, dtype or self.dtype)
+        return StoredSample(
+            id=self.ids[i % len(self)],
+            input_ids=ids.long(),
+            loss_mask=mask.bool(),
+            aux=hidden[:, :3],                                          # (T, 3, h)
+            final=hidden[:, 3],                                         # (T, h)
+        )
+
+    def get_stored(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Sample i as stored: (input_ids, loss_mask, hidden (T, 4, h) in the store's dtype, fp8 scales (T, 4) or
+        None), views of the mapped shard; get() dequantizes these."""
         if not -len(self) <= i < len(self):
             raise IndexError(f"sample {i} out of range for a store of {len(self)}")
         i %= len(self)
@@ -174,14 +187,7 @@ class Store:
         except Exception as e:  # noqa: BLE001 - safetensors raises its own types
             raise EyasError(f"{self.path / self.records[k]['file']}: cannot read sample {self.ids[i]!r} "
                             f"({' '.join(str(e).split())}); run `eyas store verify`") from e
-        hidden = fmt.dequantize(hidden, scale, dtype or self.dtype)
-        return StoredSample(
-            id=self.ids[i],
-            input_ids=input_ids.long(),
-            loss_mask=loss_mask.bool(),
-            aux=hidden[:, :3],                                          # (T, 3, h)
-            final=hidden[:, 3],                                         # (T, h)
-        )
+        return input_ids, loss_mask, hidden, scale
 
     def index_of(self, sample_id: str) -> int:
         try:

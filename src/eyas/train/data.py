@@ -52,6 +52,11 @@ class Batch:
     """Packed rows only: (B, T) int, 1.. per sample in the row, 0 on padding."""
     position_ids: Tensor | None = None
     """Packed rows only: (B, T) RoPE position of each token within its sample."""
+    scale: Tensor | None = None
+    """An fp8 store's batch on the host: (B, T, 4) float32 scales of the low, mid, high and final slots, with aux
+    and final still float8 (one byte a value to read, pin and copy); `to` dequantizes them on the device."""
+    dtype: torch.dtype | None = None
+    """With scale: what aux and final become on `to`."""
 
     @property
     def num_tokens(self) -> int:
@@ -61,7 +66,12 @@ class Batch:
         """On the device; from the CPU to CUDA through pinned memory without waiting (no host sync)."""
         f = (lambda t: None if t is None else h2d(t, device).to(dtype or t.dtype))
         g = (lambda t: None if t is None else h2d(t, device))
-        return Batch(self.ids, g(self.input_ids), g(self.loss_mask), g(self.valid), f(self.aux), f(self.final),
+        aux, final = f(self.aux), f(self.final)
+        if self.scale is not None:   # fp8 store: dequantized here, on the device (format.dequantize's arithmetic)
+            s, to = g(self.scale), dtype or self.dtype
+            aux = (g(self.aux).float().unflatten(-1, (3, -1)) * s[..., :3, None]).flatten(-2).to(to)  # (B, T, 3h)
+            final = (g(self.final).float() * s[..., 3:]).to(to)                                      # (B, T, h)
+        return Batch(self.ids, g(self.input_ids), g(self.loss_mask), g(self.valid), aux, final,
                      g(self.segment_ids), g(self.position_ids))
 
 
@@ -99,16 +109,23 @@ class StoreSource:
         return ids[: self.max_len], mask[: self.max_len]
 
     def collate(self, idx: list[int], pin: bool = False) -> Batch:
-        """The samples `idx` as a right-padded Batch; pin: features in pinned memory (for a CUDA copy)."""
-        samples = [self.store.get(i, self.feature_dtype) for i in idx]
-        b = _pad([s.id for s in samples], [(s.input_ids, s.loss_mask) for s in samples], self.max_len)
-        T, h = b.input_ids.shape[1], samples[0].final.shape[-1]
-        b.aux = torch.zeros(len(idx), T, 3 * h, dtype=self.feature_dtype, pin_memory=pin)       # (B, T, 3h)
-        b.final = torch.zeros(len(idx), T, h, dtype=self.feature_dtype, pin_memory=pin)         # (B, T, h)
-        for r, s in enumerate(samples):
-            n = min(s.final.shape[0], self.max_len)
-            b.aux[r, :n] = s.aux[:n].reshape(n, 3 * h)                          # (n, 3, h) -> (n, 3h) low|mid|high
-            b.final[r, :n] = s.final[:n]
+        """The samples `idx` as a right-padded Batch; pin: features in pinned memory (for a CUDA copy). An fp8
+        store's features stay fp8, with their scales, until Batch.to dequantizes them on the device."""
+        stored = [self.store.get_stored(i) for i in idx]
+        b = _pad([self.ids[i] for i in idx], [(ids.long(), mask.bool()) for ids, mask, _, _ in stored], self.max_len)
+        T, h = b.input_ids.shape[1], stored[0][2].shape[-1]
+        fp8 = stored[0][3] is not None
+        kind = stored[0][2].dtype if fp8 else self.feature_dtype
+        b.aux = torch.zeros(len(idx), T, 3 * h, dtype=kind, pin_memory=pin)       # (B, T, 3h)
+        b.final = torch.zeros(len(idx), T, h, dtype=kind, pin_memory=pin)         # (B, T, h)
+        if fp8:
+            b.scale, b.dtype = torch.zeros(len(idx), T, 4, pin_memory=pin), self.feature_dtype  # (B, T, 4)
+        for r, (_, _, hidden, scale) in enumerate(stored):
+            n = min(hidden.shape[0], self.max_len)
+            b.aux[r, :n] = hidden[:n, :3].reshape(n, 3 * h)                  # (n, 3, h) -> (n, 3h) low|mid|high
+            b.final[r, :n] = hidden[:n, 3]
+            if fp8:
+                b.scale[r, :n] = scale[:n]
         return b
 
 
