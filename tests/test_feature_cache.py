@@ -141,28 +141,16 @@ def test_budget_smaller_than_the_data_keeps_the_first_samples_and_trains_the_sam
     assert_same_run(tmp_path, "on", "off")
 
 
-class Crash(Exception):
-    pass
-
-
 def test_resume_in_the_second_epoch_refills_and_equals_an_uninterrupted_run(tmp_path, monkeypatch):
-    from eyas.train import metrics
+    from test_train import crashed_run
 
     t = tiny_target()
     data = prepared(tmp_path, equal_length_samples())
     full, _ = train(tmp_path, t, online_cfg(tmp_path, data, "full"))
     per_epoch = len(full.plan(0))
     cut = per_epoch + per_epoch // 2                    # a checkpoint in the middle of the second epoch
-    orig = metrics.MetricsSink.log
-
-    def crashing_log(self, rec):
-        orig(self, rec)
-        if rec["step"] == cut + 1 and rec["split"] == "train":
-            raise Crash()
-    monkeypatch.setattr(metrics.MetricsSink, "log", crashing_log)
-    with pytest.raises(Crash):
-        train(tmp_path, t, online_cfg(tmp_path, data, "cut", checkpoint_every=cut))
-    monkeypatch.setattr(metrics.MetricsSink, "log", orig)
+    crashed_run(monkeypatch, lambda: train(tmp_path, t, online_cfg(tmp_path, data, "cut", checkpoint_every=cut)),
+                step=cut + 1)
 
     spy = Spy(monkeypatch, t)
     resumed, _ = train(tmp_path, t, online_cfg(tmp_path, data, "cut", checkpoint_every=cut, resume=True), spy)

@@ -368,26 +368,13 @@ def test_an_lk_run_resumes_bit_identically(tmp_path, monkeypatch):
     the per-micro-batch weight w holds no state that a checkpoint could miss."""
     import test_train as tt
 
-    from eyas.train import metrics
     from eyas.train.trainer import run_train
 
     t = tt.tiny_target()
     store = tt.capture(tmp_path, t, tt.make_samples(40))
     kw = dict(steps=8, checkpoint_every=4, loss="lk_lambda", lk_eta=2.0)
     run_train(tt.cfg(tmp_path, store, "full", **kw), target=t)
-    orig = metrics.MetricsSink.log
-
-    class Cut(Exception):
-        pass
-
-    def cutting_log(self, rec):
-        orig(self, rec)
-        if rec["step"] == 6 and rec["split"] == "train":
-            raise Cut()
-    monkeypatch.setattr(metrics.MetricsSink, "log", cutting_log)
-    with pytest.raises(Cut):
-        run_train(tt.cfg(tmp_path, store, "cut", **kw), target=t)
-    monkeypatch.setattr(metrics.MetricsSink, "log", orig)
+    tt.crashed_run(monkeypatch, lambda: run_train(tt.cfg(tmp_path, store, "cut", **kw), target=t))
     run_train(tt.cfg(tmp_path, store, "cut", resume=True, **kw), target=t)
     recs = [[json.loads(x) for x in open(tmp_path / n / "metrics.jsonl")] for n in ("full", "cut")]
     for r in recs[0] + recs[1]:

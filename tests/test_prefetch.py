@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from test_train import Crash, capture, cfg, drafter_state, make_samples, records, tiny_target
+from test_train import capture, cfg, crashed_run, drafter_state, make_samples, records, tiny_target
 from eyas.errors import EyasError
 from eyas.train.config import TrainConfig
 from eyas.train.prefetch import THREAD_NAME
@@ -74,22 +74,13 @@ def test_resume_with_prefetch_equals_an_uninterrupted_run_without(tmp_path, monk
     """Killed after step 6 (its checkpoint at 4), resumed: the same records and drafter as one run without prefetch,
     and the step-4 checkpoint holds the data position the run without prefetch saved (the step's, though the thread
     had already read step 5's input)."""
-    from eyas.train import metrics
     from eyas.train.checkpoint import load_checkpoint
 
     t = tiny_target()
     store = capture(tmp_path, t, make_samples(40))
     run_train(cfg(tmp_path, store, "full", steps=8, checkpoint_every=4, keep_checkpoints=3, prefetch=False), target=t)
-    orig = metrics.MetricsSink.log
-
-    def crashing_log(self, rec):
-        orig(self, rec)
-        if rec["step"] == 6 and rec["split"] == "train":
-            raise Crash()
-    monkeypatch.setattr(metrics.MetricsSink, "log", crashing_log)
-    with pytest.raises(Crash):
-        run_train(cfg(tmp_path, store, "cut", steps=8, checkpoint_every=4, keep_checkpoints=3), target=t)
-    monkeypatch.setattr(metrics.MetricsSink, "log", orig)
+    crashed_run(monkeypatch, lambda: run_train(cfg(tmp_path, store, "cut", steps=8, checkpoint_every=4,
+                                                   keep_checkpoints=3), target=t))
     assert not prefetch_threads()
     (a, _), (b, _) = (load_checkpoint(tmp_path / r / "checkpoints" / "step-4") for r in ("full", "cut"))
     assert a["data"] == b["data"] and a["step"] == b["step"] == 4

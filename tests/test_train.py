@@ -140,22 +140,27 @@ class Crash(Exception):
     pass
 
 
-def test_resume_equals_uninterrupted(tmp_path, monkeypatch):
-    t = tiny_target()
-    store = capture(tmp_path, t, make_samples(40))
-    full = run_train(cfg(tmp_path, store, "full", steps=8, checkpoint_every=4), target=t)
-
+def crashed_run(monkeypatch, run, step: int = 6):
+    """run() with MetricsSink.log raising Crash right after it logs train step `step` (a kill between
+    checkpoints); the sink is restored afterwards."""
     from eyas.train import metrics
     orig = metrics.MetricsSink.log
 
     def crashing_log(self, rec):
         orig(self, rec)
-        if rec["step"] == 6 and rec["split"] == "train":
+        if rec["step"] == step and rec["split"] == "train":
             raise Crash()
     monkeypatch.setattr(metrics.MetricsSink, "log", crashing_log)
     with pytest.raises(Crash):
-        run_train(cfg(tmp_path, store, "cut", steps=8, checkpoint_every=4), target=t)
+        run()
     monkeypatch.setattr(metrics.MetricsSink, "log", orig)
+
+
+def test_resume_equals_uninterrupted(tmp_path, monkeypatch):
+    t = tiny_target()
+    store = capture(tmp_path, t, make_samples(40))
+    full = run_train(cfg(tmp_path, store, "full", steps=8, checkpoint_every=4), target=t)
+    crashed_run(monkeypatch, lambda: run_train(cfg(tmp_path, store, "cut", steps=8, checkpoint_every=4), target=t))
     assert len(records(tmp_path / "cut")) == 6            # the interrupted run logged past its checkpoint
     resumed = run_train(cfg(tmp_path, store, "cut", steps=8, checkpoint_every=4, resume=True), target=t)
 
