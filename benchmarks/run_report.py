@@ -50,6 +50,9 @@ def section(run: Path, command: str) -> str:
             rates = [r for r in rates if r]
             if rates:
                 lines.append(f"- train throughput (last step's running rate): {rates[-1]:,.0f} tok/s")
+            waits = [json.loads(x).get("data_wait_s") for x in metrics.read_text().splitlines() if '"train"' in x]
+            if any(w is not None for w in waits):
+                lines.append(f"- input wait (data_wait_s, summed over logged steps): {sum(w or 0 for w in waits):.1f} s")
     lines.append("")
     benches = sorted((run / "bench").glob("*.json")) if (run / "bench").exists() else []
     if benches:
@@ -66,7 +69,27 @@ def section(run: Path, command: str) -> str:
                 tau = f"{m['tau']:.2f}" + (f" ({ci[0]:.2f}-{ci[1]:.2f})" if ci else "")
                 lines.append(f"| {p.stem} ({r['records']} prompts) | {name} | {tau} | {m['tokens_per_s']} | "
                              f"{m.get('speedup', 1.0)} | {lossless} | {acc} |")
+        lines.append("")
+        lines += warmup_lines(state, benches)
     return "\n".join(lines) + "\n"
+
+
+def warmup_lines(state: dict, benches: list[Path]) -> list[str]:
+    """Issue 33 goal 1's start-up numbers: each bench process's own compile + warm-up seconds and what it still
+    compiled, and the warm-up process that ran during training (run.json `prewarm`)."""
+    out = []
+    for p in benches:
+        r = json.loads(p.read_text())
+        w, cache = r.get("warmup") or {}, r.get("compile_cache") or {}
+        out.append(f"- {p.stem}: load {r['seconds'].get('load', 0):.1f} s, compile + warm-up "
+                   f"{r['seconds'].get('warmup', 0):.1f} s (shapes {w.get('shapes')}, built here {w.get('built')}, "
+                   f"late {w.get('late_shapes')}; fx graph cache hits {cache.get('fx_graph_hits')} / misses "
+                   f"{cache.get('fx_graph_misses')}; saved steps {w.get('saved_steps')})")
+    pre = state.get("prewarm")
+    if pre:
+        out.append(f"- bench warm-up process during training: {pre.get('seconds')} s, exit {pre.get('returncode')}, "
+                   f"finished before bench: {pre.get('finished_before_bench')}, bench waited {pre.get('waited_s')} s")
+    return out
 
 
 def main() -> None:
