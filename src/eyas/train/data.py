@@ -66,11 +66,12 @@ class Batch:
         """On the device; from the CPU to CUDA through pinned memory without waiting (no host sync)."""
         f = (lambda t: None if t is None else h2d(t, device).to(dtype or t.dtype))
         g = (lambda t: None if t is None else h2d(t, device))
-        aux, final = f(self.aux), f(self.final)
         if self.scale is not None:   # fp8 store: dequantized here, on the device (format.dequantize's arithmetic)
             s, to = g(self.scale), dtype or self.dtype
             aux = (g(self.aux).float().unflatten(-1, (3, -1)) * s[..., :3, None]).flatten(-2).to(to)  # (B, T, 3h)
             final = (g(self.final).float() * s[..., 3:]).to(to)                                      # (B, T, h)
+        else:
+            aux, final = f(self.aux), f(self.final)
         return Batch(self.ids, g(self.input_ids), g(self.loss_mask), g(self.valid), aux, final,
                      g(self.segment_ids), g(self.position_ids))
 

@@ -62,9 +62,11 @@ def plan(setting: str, needed: int, device: torch.device, rooms: tuple[int, int]
     dev, host = rooms
     cap = needed if budget == "auto" else min(needed, int(budget))
     cuda = device.type == "cuda"
+    if cuda:  # pinned: torch's host allocator takes a request rounded up to a power of two, so that is the room
+        host = 1 << (int(host).bit_length() - 1) if host > 0 else host
     if cap <= dev:
         where, pinned = device, False
-    elif cuda and cap <= host:
+    elif cuda and pinned_bytes(cap) <= host:
         where, pinned = torch.device("cpu"), True
     else:  # a part: the larger room (the device on a tie)
         where, pinned = (device, False) if dev >= host or not cuda else (torch.device("cpu"), True)
@@ -74,6 +76,12 @@ def plan(setting: str, needed: int, device: torch.device, rooms: tuple[int, int]
     share = f"all {_size(needed)}" if cap >= needed else f"{cap / needed:.0%} of {_size(needed)}"
     place = "pinned host memory" if pinned else str(where)
     return FeatureCache(cap, where, pinned=pinned), f"{_size(cap)} in {place} ({share} of states)"
+
+
+def pinned_bytes(n: int) -> int:
+    """Host bytes a pinned tensor of n bytes holds: torch's CachingHostAllocator rounds each request up to a power
+    of two (its default; PYTORCH_CUDA_ALLOC_CONF can raise the threshold, which this ignores)."""
+    return 1 << (int(n) - 1).bit_length() if n > 1 else int(n)
 
 
 def _size(n: float) -> str:
