@@ -118,8 +118,8 @@ class Store:
         """The open shard k. Its bytes are checked against the sha256 of its record when first opened (the hash
         is kept per machine in $EYAS_CACHE/hashes while the file's size, mtime and inode stay: every rank and run
         after the first skips it; `eyas store verify` always rehashes), and its size, mtime and inode before every
-        read: a shard changed under a running reader (rewritten, truncated, bit-flipped) stops it with an error
-        naming the shard, never a silent bad sample or a SIGBUS."""
+        read: a shard rewritten or truncated under a running reader stops it with an error naming the shard, never
+        a silent bad sample or a SIGBUS (an in-place bit flip that keeps all three is `eyas store verify`'s to find)."""
         if self._pid != os.getpid():  # forked DataLoader worker: reopen the maps
             self._handles, self._offsets, self._stat, self._pid = {}, {}, {}, os.getpid()
         rec = self.records[k]

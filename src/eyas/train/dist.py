@@ -8,6 +8,7 @@ with one rank or many. Only training uses this module; capture keeps its own bar
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -75,6 +76,15 @@ def _on() -> bool:
 def barrier() -> None:
     if _on():
         tdist.barrier()
+
+
+def long_barrier(hours: float = 2.0) -> None:
+    """A barrier that may wait hours (a CPU group of its own), where ranks do unequal long work first, e.g. hashing
+    their share of a large store: the default group's NCCL barrier would time out after 10 minutes."""
+    if _on():
+        group = tdist.new_group(backend="gloo", timeout=datetime.timedelta(hours=hours))
+        tdist.barrier(group=group)
+        tdist.destroy_process_group(group)
 
 
 def any_rank(flag: bool, device: torch.device) -> bool:

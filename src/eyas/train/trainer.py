@@ -90,7 +90,7 @@ class Trainer:
         self.target = target
         if hasattr(self.source, "store"):  # offline: the ranks hash the store's shards between them, once
             self.source.store.check_shards(self.rank, self.world)
-            dist.barrier()
+            dist.long_barrier()
         self.train_idx, self.eval_idx = split_indices(self.source, cfg.eval_fraction)
         if not self.train_idx:
             raise EyasError(f"{self.source.where}: no training samples (empty data, all samples shorter than 3 "
