@@ -314,3 +314,14 @@ def test_every_table_field_is_typed_and_settable_or_owned():
         for f in fields(cls):
             assert _type_name(hints[f.name]), (table, f.name)
         assert set(OWNED.get(table, {})) <= {f.name for f in fields(cls)}, table
+
+
+def test_the_gpu_preset_on_the_cpu_trains_with_attention_auto():
+    """The gpu preset's flex attention (no backward off CUDA) becomes auto on a CPU rehearsal; asked for with --set,
+    it is refused at once, before any stage runs."""
+    gpu = resolve_stages(RunConfig(preset="gpu"), Path("RUN"), vocab_size=49152).train
+    cpu = resolve_stages(RunConfig(preset="gpu", overrides={"run.device": "cpu"}), Path("RUN"), vocab_size=49152).train
+    assert (gpu.attention, cpu.attention) == ("flex", "auto")
+    with pytest.raises(EyasError, match=r"^--set train.attention=flex: flex attention trains on CUDA only"):
+        resolve_stages(RunConfig(preset="gpu", overrides={"run.device": "cpu", "train.attention": "flex"}),
+                       Path("RUN"), vocab_size=49152)

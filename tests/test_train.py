@@ -446,3 +446,12 @@ def test_gpu_packed_flex_compiled_matches_packed_dense(tmp_path):
     assert a["train"]["positions_k"] == b["train"]["positions_k"] and a["eval"]["positions_k"] == b["eval"]["positions_k"]
     for ra, rb in zip(records(tmp_path / "dense"), records(tmp_path / "fast")):
         assert abs(ra["loss"] - rb["loss"]) < 2e-2 * abs(ra["loss"]), (ra, rb)
+
+
+def test_flex_attention_is_refused_on_the_cpu_before_anything_is_written(tmp_path):
+    """torch's flex_attention has no backward on the CPU: one line naming the fix, no run directory."""
+    t = tiny_target()
+    store = capture(tmp_path, t, make_samples(12))
+    with pytest.raises(EyasError, match=r"^train: --attention flex trains on CUDA only .* use auto, dense or blocks"):
+        run_train(cfg(tmp_path, store, "run", attention="flex"), target=t)
+    assert not (tmp_path / "run").exists()

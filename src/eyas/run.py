@@ -127,6 +127,12 @@ def resolve_stages(cfg: RunConfig, run: Path, *, vocab_size: int | None, progres
             raise EyasError(f"--set {asked[-1]}={train['draft_vocab']}: larger than the target's vocabulary "
                             f"({vocab_size} tokens of {cfg.target}); use at most {vocab_size}")
         train["draft_vocab"] = min(train["draft_vocab"], vocab_size)  # no larger than the target's vocabulary
+    if dev != "cuda" and train.get("attention") == "flex":  # flex has no backward off CUDA (a CPU rehearsal)
+        asked = [k for k in cfg.overrides if resolve_key(k) == ("train", "attention")]
+        if asked:
+            raise EyasError(f"--set {asked[-1]}=flex: flex attention trains on CUDA only; use auto, dense or blocks "
+                            f"on the {dev}")
+        train["attention"] = "auto"
     src = dict(data=str(run / "prepared")) if r.run.online else dict(store=str(run / "store"))
     train = build("train", TrainConfig, out=str(run / "train"), target=cfg.target, device=dev,
                   max_len=prepare.max_len, progress=progress, **trust, **src, **train)

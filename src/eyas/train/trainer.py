@@ -80,6 +80,9 @@ class Trainer:
         self.rank, self.world, self.device = self.dist.rank, self.dist.world, self.dist.device
         explicit_vocab = cfg.draft_vocab
         cfg, chosen = cfg.for_device(self.device)  # before the run-dir check: a resume compares resolved values
+        if cfg.attention == "flex" and self.device.type != "cuda":
+            raise EyasError(f"train: --attention flex trains on CUDA only (torch's flex_attention has no backward on "
+                            f"the {self.device.type}); use auto, dense or blocks there")
         if chosen and self.rank == 0:
             print(chosen, file=sys.stderr)
         self.cfg, self.run = cfg, Path(cfg.out)
