@@ -8,6 +8,7 @@ ask `cpu_bf16_fast()` before choosing bf16.
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -32,22 +33,27 @@ def cpu_bf16_fast(cpuinfo: str | None = None) -> bool:
     return any(x in torch.backends.cpu.get_cpu_capability() for x in ("BF16", "AMX"))
 
 
-def free_bytes(device) -> int | None:
-    """Memory a load onto `device` can take: free memory on a CUDA device, MemAvailable of /proc/meminfo for the
-    CPU; None where it cannot be told."""
+def memory(device) -> tuple[int, int] | None:
+    """(bytes free now, bytes in all) of `device`: torch.cuda.mem_get_info on CUDA; MemAvailable and MemTotal of
+    /proc/meminfo for the CPU (physical pages where there is none); None where it cannot be told."""
     import torch
 
     device = torch.device(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             return None
-        return torch.cuda.mem_get_info(device.index if device.index is not None else torch.cuda.current_device())[0]
+        return torch.cuda.mem_get_info(device.index if device.index is not None else torch.cuda.current_device())
     if device.type != "cpu":
         return None
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        return int(info["MemAvailable"].split()[0]) * 1024, int(info["MemTotal"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError, IndexError):
+        pages = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return pages, pages
+
+
+def free_bytes(device) -> int | None:
+    """Memory a load onto `device` can take now (memory()'s first number)."""
+    mem = memory(device)
+    return None if mem is None else mem[0]

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from eyas.target.device import memory
 from eyas.train.config import feature_cache_budget
 from eyas.train.data import Batch, h2d, target_features
 
@@ -32,20 +32,13 @@ HOST_MARGIN = (4e9, 0.25)
 
 def host_room(local_world: int = 1) -> int:
     """Bytes of host memory a rank may take: MemAvailable less HOST_MARGIN, shared by the ranks of this host."""
-    info = {}
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            key, val = line.split(":", 1)
-            info[key] = int(val.split()[0]) * 1024
-        avail, total = info["MemAvailable"], info["MemTotal"]
-    except (OSError, KeyError, ValueError):  # not Linux: physical pages only
-        total = avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    avail, total = memory("cpu")
     return int(avail - max(HOST_MARGIN[0], HOST_MARGIN[1] * total)) // max(1, local_world)
 
 
 def device_room(device: torch.device) -> int:
     """Bytes free on a CUDA device now, less DEVICE_MARGIN."""
-    free, total = torch.cuda.mem_get_info(device)
+    free, total = memory(device)
     return int(free - max(DEVICE_MARGIN[0], DEVICE_MARGIN[1] * total))
 
 
