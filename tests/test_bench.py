@@ -527,3 +527,20 @@ def test_tau_interval_bootstraps_records():
     assert 1.2 < lo < 178 / 60 < hi < 5.0 and hi - lo > 0.5
     assert tau_interval(recs) == [lo, hi]
     assert tau_interval([[5, 2]]) is None and tau_interval([]) is None
+
+
+def test_exact_fp32_restores_every_precision_switch():
+    """Inside: fp32 matmuls without TF32. After: every switch as it was, the newer fp32_precision fields included
+    (inductor's cache keys read them; a changed field made each later compile miss a warm cache)."""
+    from eyas.bench.check import _precision_state, exact_fp32
+
+    def state():
+        return ([v for _, v in _precision_state()], torch.get_float32_matmul_precision(),
+                torch.backends.cudnn.allow_tf32)
+
+    before = state()
+    assert before[0], "this torch has no fp32_precision fields: the test checks nothing new"
+    with exact_fp32():
+        assert torch.get_float32_matmul_precision() == "highest" and not torch.backends.cudnn.allow_tf32
+        assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+    assert state() == before

@@ -109,6 +109,57 @@ def test_a_warm_up_process_leaves_every_graph_the_bench_builds_in_the_caches(tmp
     assert rep["warmup"]["shapes"] == warm["warmup"]["shapes"] and rep["warmup"]["late_shapes"] == 0
 
 
+
+@pytest.mark.slow
+def test_benches_after_a_lossless_rerun_still_hit_the_warm_up_caches(tmp_path):
+    """eyas run's bench stage: several benches in one process, each bf16 bench followed by its fp32 lossless rerun.
+    The rerun's precision switch once left torch's fp32_precision fields changed, which inductor's cache keys read:
+    on the 2026-12-03 gpu preset every bench after the first missed the warm-up's graphs and compiled again
+    (docs/LOG.md). Here the second bench (another chain length and cache size) must hit them too."""
+    from eyas.model.checkpoint import save_drafter
+    from test_bench import byte_tokenizer
+
+    model = make_tiny_llama(hidden=32, heads=2, kv_heads=1, inter=64, vocab=258, seed=31)
+    model.config.eos_token_id = model.generation_config.eos_token_id = 257
+    model.save_pretrained(tmp_path / "target")
+    byte_tokenizer().save_pretrained(tmp_path / "target")
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "hello there"}) + "\n")
+    save_drafter(_drafter(model, 5), tmp_path / "drafter")
+    common = dict(prompts=str(tmp_path / "p.jsonl"), method="chain", max_new_tokens=6, limit=1, baselines=False,
+                  lossless_turns=1, compile=True, device="cpu", dtype="bf16")
+    benches = {"a": BenchConfig(k=1, max_seq=128, **common).to_dict(),
+               "b": BenchConfig(k=2, max_seq=192, **common).to_dict()}
+    spec = {"target": str(tmp_path / "target"), "device": "cpu", "dtype": "bf16", "parent": os.getpid(),
+            "drafter": _drafter(model, 6).config.to_dict(), "benches": benches}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env.update(EYAS_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
+    subprocess.run(prewarm.command(tmp_path / "spec.json", tmp_path / "warm.json"), env=env, check=True, cwd=ROOT,
+                   capture_output=True)
+    warm = json.loads((tmp_path / "warm.json").read_text())["benches"]
+    assert all(w["compile_cache"]["fx_graph_misses"] >= 2 for w in warm.values())
+
+    bench_stage = textwrap.dedent(f"""
+        import json, sys, torch
+        from eyas.bench.bench import BenchConfig, run_bench
+        from eyas.model.checkpoint import open_drafter
+        from eyas.target import load_target
+        spec = json.load(open({str(tmp_path / "spec.json")!r}))
+        target = load_target(spec["target"], device="cpu", dtype=torch.bfloat16)
+        drafter = open_drafter({str(tmp_path / "drafter")!r})[0]
+        out = {{n: run_bench(BenchConfig.from_dict({{**b, "json_out": None}}), target=target, drafter=drafter)
+               for n, b in spec["benches"].items()}}
+        json.dump({{n: [r["compile_cache"], r["lossless"]] for n, r in out.items()}}, open(sys.argv[1], "w"))
+        """)
+    subprocess.run([sys.executable, "-c", bench_stage, str(tmp_path / "bench.json")], env=env, check=True, cwd=ROOT,
+                   capture_output=True)
+    ran = json.loads((tmp_path / "bench.json").read_text())
+    for name, (cache, lossless) in ran.items():
+        assert lossless["eagle-chain"]["rerun"] and lossless["eagle-chain"]["held"], name
+        assert cache["fx_graph_misses"] == 0, (name, cache)
+        assert cache["fx_graph_hits"] == warm[name]["compile_cache"]["fx_graph_misses"], (name, cache)
+
+
 def test_the_gpu_preset_keeps_its_compiled_steps_where_the_bench_compiles():
     """persist_steps is on in every gpu-preset bench on cuda, and dropped with the compile on a CPU rehearsal
     (`--set run.device=cpu`), which it would otherwise refuse."""

@@ -57,11 +57,30 @@ def first_turns(records: list[dict], n: int) -> list[dict]:
     return out
 
 
+_PRECISION_KNOBS = ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn", "mkldnn", "mkldnn.matmul", "mkldnn.conv",
+                    "mkldnn.rnn")
+"""torch.backends paths with an `fp32_precision` (torch >= 2.9), which the older switches below write through."""
+
+
+def _precision_state() -> list[tuple[object, str]]:
+    state = []
+    for path in _PRECISION_KNOBS:
+        obj = torch.backends
+        for part in filter(None, path.split(".")):
+            obj = getattr(obj, part, None)
+        if obj is not None and hasattr(obj, "fp32_precision"):
+            state.append((obj, obj.fp32_precision))
+    return state
+
+
 @contextmanager
 def exact_fp32():
-    """fp32 matmuls without TF32 for the duration (restored after)."""
+    """fp32 matmuls without TF32 for the duration, every switch restored after: `set_float32_matmul_precision`
+    also writes the newer `fp32_precision` fields ('none' becomes 'ieee'), which inductor's FX-graph cache keys
+    read, so leaving them changed would make every later compile in the process miss the caches a warm-up filled."""
     prec = torch.get_float32_matmul_precision()
     cudnn = torch.backends.cudnn.allow_tf32
+    fields = _precision_state()
     torch.set_float32_matmul_precision("highest")
     torch.backends.cudnn.allow_tf32 = False
     try:
@@ -69,6 +88,8 @@ def exact_fp32():
     finally:
         torch.set_float32_matmul_precision(prec)
         torch.backends.cudnn.allow_tf32 = cudnn
+        for obj, value in fields:
+            obj.fp32_precision = value
 
 
 def fp32_runner(runner, model, cache: dict, key):
