@@ -110,12 +110,13 @@ def test_a_warm_up_process_leaves_every_graph_the_bench_builds_in_the_caches(tmp
 
 
 
-@pytest.mark.slow
-def test_benches_after_a_lossless_rerun_still_hit_the_warm_up_caches(tmp_path):
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.slow), pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_benches_after_a_lossless_rerun_still_hit_the_warm_up_caches(tmp_path, device):
     """eyas run's bench stage: several benches in one process, each bf16 bench followed by its fp32 lossless rerun.
-    The rerun's precision switch once left torch's fp32_precision fields changed, which inductor's cache keys read:
-    on the 2026-12-03 gpu preset every bench after the first missed the warm-up's graphs and compiled again
-    (docs/LOG.md). Here the second bench (another chain length and cache size) must hit them too."""
+    The rerun's precision switch must leave every switch inductor's cache keys read as it found it, or each later
+    bench misses the warm-up's graphs and compiles them again (docs/LOG.md, session 22). Here the second bench
+    (another chain length and cache size) must hit them too."""
     from eyas.model.checkpoint import save_drafter
     from test_bench import byte_tokenizer
 
@@ -126,10 +127,10 @@ def test_benches_after_a_lossless_rerun_still_hit_the_warm_up_caches(tmp_path):
     (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "hello there"}) + "\n")
     save_drafter(_drafter(model, 5), tmp_path / "drafter")
     common = dict(prompts=str(tmp_path / "p.jsonl"), method="chain", max_new_tokens=6, limit=1, baselines=False,
-                  lossless_turns=1, compile=True, device="cpu", dtype="bf16")
+                  lossless_turns=1, compile=True, device=device, dtype="bf16")
     benches = {"a": BenchConfig(k=1, max_seq=128, **common).to_dict(),
                "b": BenchConfig(k=2, max_seq=192, **common).to_dict()}
-    spec = {"target": str(tmp_path / "target"), "device": "cpu", "dtype": "bf16", "parent": os.getpid(),
+    spec = {"target": str(tmp_path / "target"), "device": device, "dtype": "bf16", "parent": os.getpid(),
             "drafter": _drafter(model, 6).config.to_dict(), "benches": benches}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
@@ -145,7 +146,7 @@ def test_benches_after_a_lossless_rerun_still_hit_the_warm_up_caches(tmp_path):
         from eyas.model.checkpoint import open_drafter
         from eyas.target import load_target
         spec = json.load(open({str(tmp_path / "spec.json")!r}))
-        target = load_target(spec["target"], device="cpu", dtype=torch.bfloat16)
+        target = load_target(spec["target"], device=spec["device"], dtype=torch.bfloat16)
         drafter = open_drafter({str(tmp_path / "drafter")!r})[0]
         out = {{n: run_bench(BenchConfig.from_dict({{**b, "json_out": None}}), target=target, drafter=drafter)
                for n, b in spec["benches"].items()}}
