@@ -117,16 +117,21 @@ class StoreSource:
         T, h = b.input_ids.shape[1], stored[0][2].shape[-1]
         fp8 = stored[0][3] is not None
         kind = stored[0][2].dtype if fp8 else self.feature_dtype
-        b.aux = torch.zeros(len(idx), T, 3 * h, dtype=kind, pin_memory=pin)       # (B, T, 3h)
-        b.final = torch.zeros(len(idx), T, h, dtype=kind, pin_memory=pin)         # (B, T, h)
+        # empty, then each row's states and a zeroed tail: the features are most of a batch's bytes, and zeroing
+        # them all first would write every byte twice
+        b.aux = torch.empty(len(idx), T, 3 * h, dtype=kind, pin_memory=pin)       # (B, T, 3h)
+        b.final = torch.empty(len(idx), T, h, dtype=kind, pin_memory=pin)         # (B, T, h)
         if fp8:
-            b.scale, b.dtype = torch.zeros(len(idx), T, 4, pin_memory=pin), self.feature_dtype  # (B, T, 4)
+            b.scale, b.dtype = torch.empty(len(idx), T, 4, pin_memory=pin), self.feature_dtype  # (B, T, 4)
         for r, (_, _, hidden, scale) in enumerate(stored):
             n = min(hidden.shape[0], self.max_len)
             b.aux[r, :n] = hidden[:n, :3].reshape(n, 3 * h)                  # (n, 3, h) -> (n, 3h) low|mid|high
             b.final[r, :n] = hidden[:n, 3]
+            b.aux[r, n:] = 0
+            b.final[r, n:] = 0
             if fp8:
                 b.scale[r, :n] = scale[:n]
+                b.scale[r, n:] = 0
         return b
 
 
