@@ -305,6 +305,22 @@ def test_pre_recipe_run_json_is_resumed_or_refused(tmp_path):
     assert state["stages"] == {} and state["identity"] == RunConfig().identity()
 
 
+
+def test_a_field_set_back_to_its_default_is_named_with_the_default(tmp_path):
+    """A recipe's identity leaves out default values; the refusal still shows both sides (2048 != 4096)."""
+    from eyas.train.config import TrainConfig
+
+    run = tmp_path / "r"
+    run.mkdir()
+    cfg = RunConfig(out=str(run), preset="cpu-demo")
+    (run / "run.json").write_text(json.dumps({"identity": cfg.identity(), "stages": {}, "created": "2026-12-03"}))
+    default = TrainConfig.batch_tokens
+    assert cfg.recipe.train["batch_tokens"] != default
+    with pytest.raises(EyasError, match=rf"recipe\.train\.batch_tokens: {cfg.recipe.train['batch_tokens']} != "
+                                        rf"{default}\)") as e:
+        _open_state(RunConfig(out=str(run), preset="cpu-demo", overrides={"train.batch_tokens": default}), run)
+    assert "<missing>" not in str(e.value)
+
 def test_every_table_field_is_typed_and_settable_or_owned():
     """Every stage field is either settable from a recipe (and so checkable by its type) or set by eyas run."""
     from eyas.recipes import OWNED, stage_classes, _type_name, _hints

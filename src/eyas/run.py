@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from eyas.errors import EyasError
 from eyas.knobs import add_flags, from_args
 from eyas.manifest import atomic_write_bytes, diff_dicts
-from eyas.recipes import Recipe, from_legacy_knobs, load_recipe, resolve_key, with_overrides
+from eyas.recipes import Recipe, from_legacy_knobs, load_recipe, resolve_key, shown_identity, with_overrides
 from eyas.recipes import preset as preset_recipe
 from eyas.recipes import resolve_dtype
 
@@ -194,7 +194,8 @@ def _open_state(cfg: RunConfig, run: Path, *, check_only: bool = False) -> dict 
         if not cfg.overwrite:
             hint = (f"--overwrite to redo {', '.join(redo)} and keep {', '.join(kept)}" if kept
                     else "--overwrite to start it again")
-            raise EyasError(f"{run}: holds a run of another configuration ({'; '.join(diffs)}); "
+            shown = diff_dicts(shown_identity(old), shown_identity(new)) or diffs
+            raise EyasError(f"{run}: holds a run of another configuration ({'; '.join(shown)}); "
                             f"use another --out, or {hint}")
         if check_only:
             return None

@@ -151,6 +151,23 @@ class Recipe:
         return json.loads(json.dumps(out))
 
 
+def shown_identity(identity: dict) -> dict:
+    """A run identity with each recipe table's left-out fields written as their defaults: for messages, so a field
+    set back to its default reads `2048 != 4096`, not `2048 != '<missing>'`."""
+    if not isinstance(identity.get("recipe"), dict):
+        return identity
+    classes = stage_classes()
+
+    def fill(name, table):
+        defaults = {k.name: k.default for k in knobs(classes[name]).values() if k.default is not dataclasses.MISSING}
+        return {**json.loads(json.dumps(defaults, default=str)), **table}
+
+    rec = identity["recipe"]
+    shown = {name: fill(name, rec[name]) for name in TABLES if name != "bench" and isinstance(rec.get(name), dict)}
+    if isinstance(rec.get("bench"), list):
+        shown["bench"] = [fill("bench", b) for b in rec["bench"]]
+    return {**identity, "recipe": {**rec, **shown}}
+
 # ---- types ---------------------------------------------------------------------------------------------------
 
 def _type_name(tp) -> str:
