@@ -138,10 +138,8 @@ class Recipe:
 
     def identity(self) -> dict:
         """Every value that differs from its field's default, in JSON types: what a resumed run must match."""
-        classes = stage_classes()
-
         def sparse(name, table):
-            defaults = {k.name: k.default for k in knobs(classes[name]).values()}
+            defaults = table_defaults(name)
             return {k: v for k, v in table.items() if v != defaults.get(k, dataclasses.MISSING)}
 
         t = self.tables()
@@ -156,10 +154,9 @@ def shown_identity(identity: dict) -> dict:
     set back to its default reads `2048 != 4096`, not `2048 != '<missing>'`."""
     if not isinstance(identity.get("recipe"), dict):
         return identity
-    classes = stage_classes()
 
     def fill(name, table):
-        defaults = {k.name: k.default for k in knobs(classes[name]).values() if k.default is not dataclasses.MISSING}
+        defaults = {k: v for k, v in table_defaults(name).items() if v is not dataclasses.MISSING}
         return {**json.loads(json.dumps(defaults, default=str)), **table}
 
     rec = identity["recipe"]
@@ -167,6 +164,12 @@ def shown_identity(identity: dict) -> dict:
     if isinstance(rec.get("bench"), list):
         shown["bench"] = [fill("bench", b) for b in rec["bench"]]
     return {**identity, "recipe": {**rec, **shown}}
+
+
+def table_defaults(name: str) -> dict:
+    """Field -> default of a recipe table (dataclasses.MISSING where the field has none)."""
+    return {k.name: k.default for k in knobs(stage_classes()[name]).values()}
+
 
 # ---- types ---------------------------------------------------------------------------------------------------
 
