@@ -117,6 +117,15 @@ def _delta(base: list[str], mine: list[str]) -> str:
     return " ".join(p for p in pairs(mine) if p not in have)
 
 
+def lever_bench(c, out: Path, *, limit: int, compile: bool, baselines: bool):
+    """The preset's headline bench on the lever's drafter, at `limit` prompts, without the lossless rerun.
+    Persisted steps are compiled steps: kept only when the bench compiles."""
+    bc = c.bench[BENCH]
+    return replace(bc, drafter=str(out / "train"), limit=limit, compile=compile,
+                   persist_steps=compile and bc.persist_steps, baselines=baselines, lossless_turns=0,
+                   json_out=str(out / "bench.json"))
+
+
 def run_one(args) -> int:
     import torch
 
@@ -155,7 +164,7 @@ def run_one(args) -> int:
         row["prepare_s"] = round(time.perf_counter() - t0, 1)
         prepared = pc.out
     budget = dict(data=prepared, out=str(out / "train"), steps=steps, epochs=None, eval_every=steps,
-                  checkpoint_every=0, progress=False)
+                  checkpoint_every=0, progress=False, resume=True)
     # the base at the common budget: a steps lever's flags then show its own --steps
     tc = replace(c.train, **budget)
     base_tc = replace(b.train, **{**budget, "steps": args.steps, "eval_every": args.steps})
@@ -171,16 +180,14 @@ def run_one(args) -> int:
     t0 = time.perf_counter()
     result = run_train(tc, target)
     row["train_s"] = round(time.perf_counter() - t0, 1)
-    ev = result.get("eval") or {}
-    row["eval"] = {k: ev.get(k) for k in ("acc_k", "cond_acc_k", "tau_est", "round_tau_by_chain",
-                                          "round_tau_first_by_chain", "alpha_k", "baseline_acc_0")}
+    # a resumed run that had already reached its steps returns no eval: its metrics.jsonl holds it
+    row["eval"] = _eval_of(result.get("eval") or last_eval(out / "train"))
     row["vocab_coverage"] = result.get("vocab_coverage")
     rates = [json.loads(x).get("tokens_per_s") for x in (out / "train" / "metrics.jsonl").read_text().splitlines()
              if '"split": "train"' in x]
     row["tokens_per_s"] = next((x for x in reversed(rates) if x), None)
 
-    bc = replace(c.bench[BENCH], drafter=str(out / "train"), limit=args.limit, compile=args.bench_compile,
-                 baselines=args.baselines, lossless_turns=0, json_out=str(out / "bench.json"))
+    bc = lever_bench(c, out, limit=args.limit, compile=args.bench_compile, baselines=args.baselines)
     row["bench_command"] = "eyas bench " + " ".join(bench_flags(bc, dname))
     t0 = time.perf_counter()
     drafter, meta = open_drafter(out / "train", target)
@@ -201,11 +208,31 @@ def _f(x, spec=".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+EVAL_KEYS = ("acc_k", "cond_acc_k", "tau_est", "round_tau_by_chain", "round_tau_first_by_chain", "alpha_k",
+             "baseline_acc_0")
+
+
+def _eval_of(ev: dict) -> dict:
+    return {k: ev.get(k) for k in EVAL_KEYS}
+
+
+def last_eval(train_dir: Path) -> dict:
+    """The last held-out eval line of a training run's metrics.jsonl ({} when there is none)."""
+    path = train_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return next((json.loads(x) for x in reversed(lines) if '"split": "eval"' in x), {})
+
+
 def rows_of(root: Path) -> list[dict]:
-    """The finished rows under ROOT, in the order the job ran them (ROOT/order, else by name)."""
+    """The finished rows under ROOT, in the order the job ran them (ROOT/order, else by name). A row without its
+    eval (written by a resumed run) takes it from the lever's metrics.jsonl."""
     order = (root / "order").read_text().split() if (root / "order").exists() else sorted(
         p.parent.name for p in root.glob("*/row.json"))
-    return [json.loads((root / n / "row.json").read_text()) for n in order if (root / n / "row.json").exists()]
+    rows = [json.loads((root / n / "row.json").read_text()) for n in order if (root / n / "row.json").exists()]
+    for r in rows:
+        if not (r.get("eval") or {}).get("acc_k"):
+            r["eval"] = _eval_of(last_eval(root / r["lever"] / "train"))
+    return rows
 
 
 def table(rows: list[dict], *, command: str = "") -> str:

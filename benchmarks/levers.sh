@@ -80,7 +80,7 @@ job)  # the job itself (bg runs it from a copy of the tree, so later calls may r
   export PYTHONPATH=$src:/tmp/site:${PYTHONPATH:-}
   [ -d "$src/eyas" ] || export PYTHONPATH=$src/../src:$PYTHONPATH   # run from the checkout, not a bg copy
   sets=(); for s in $SET; do sets+=(--set "$s"); done
-  echo "$LEVERS $DATA_LEVERS" > "$ROOT/order"
+  mkdir -p "$ROOT" && echo "$LEVERS $DATA_LEVERS" > "$ROOT/order"
   command="LEVERS=\"$LEVERS\" DATA_LEVERS=\"$DATA_LEVERS\" STEPS=$STEPS LIMIT=$LIMIT SET=\"$SET\""
   command="$command bash benchmarks/levers.sh bg"
   first=$(echo $LEVERS $DATA_LEVERS | cut -d' ' -f1)

@@ -69,3 +69,25 @@ def test_table_compares_with_the_base_row_in_run_order(tmp_path):
     assert "| 3.300 (3.10-3.50) |" in body[1] and "`--norm-before-fc`" in body[1]
     assert "| 3.20 |" in body[0]                      # the eval's replayed chain-5 tau, first replies
     assert "tau 2.00; base / lookup 1.500x" in md
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_lever_bench_builds_with_and_without_compile(compile):
+    # the preset persists its compiled steps; a lever benched without compiling must not ask for that
+    _, c = levers.stages("smollm2-135m", {}, Path("/tmp/levers-test"), 49152)
+    bc = levers.lever_bench(c, Path("/tmp/lv/base"), limit=60, compile=compile, baselines=False)
+    assert (bc.compile, bc.persist_steps) == (compile, compile and c.bench[levers.BENCH].persist_steps)
+    assert (bc.limit, bc.lossless_turns, bc.drafter) == (60, 0, "/tmp/lv/base/train")
+
+
+def test_a_row_without_eval_takes_it_from_metrics(tmp_path):
+    # a resumed run at its last step returns no eval; the table reads the last eval line of its metrics.jsonl
+    row = {**_row("base", 3.0), "eval": {k: None for k in levers.EVAL_KEYS}}
+    (tmp_path / "base" / "train").mkdir(parents=True)
+    (tmp_path / "base" / "row.json").write_text(json.dumps(row))
+    lines = [{"step": 150, "split": "eval", "acc_k": [0.1, 0.05]}, {"step": 300, "split": "train", "loss": 1.0},
+             {"step": 300, "split": "eval", "acc_k": [0.4, 0.36]}]
+    (tmp_path / "base" / "train" / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    [got] = levers.rows_of(tmp_path)
+    assert got["eval"]["acc_k"] == [0.4, 0.36]
+    assert "| 0.400 0.360 |" in levers.table([got])
