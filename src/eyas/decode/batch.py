@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from eyas.decode.spec import SpecStats, fit_drafter
+from eyas.decode.common import SpecStats, accept, fit_drafter
 from eyas.errors import EyasError
 from eyas.target.graphs import capture
 
@@ -56,17 +56,6 @@ class BatchSpecConfig:
                             "for batch > 1 (use SpecDecoder, which samples losslessly at batch 1)")
         if self.prefill_chunk < 1:
             raise EyasError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
-
-
-def accept(draft: Tensor, greedy: Tensor) -> tuple[Tensor, Tensor]:
-    """Greedy chain acceptance, per row. draft (B,K) target ids; greedy (B,K+1) the target's argmax after
-    [pending, d_1..d_K]. Returns (accepted (B,) in 0..K, bonus (B,)): the longest prefix with
-    d_j == greedy[:, j-1], and the target's token after it."""
-    K = draft.shape[1]
-    hit = (draft == greedy[:, :K]).long().cumprod(1)  # (B,K) 1 while every draft so far matched
-    acc = hit.sum(1)  # (B,)
-    bonus = greedy.gather(1, acc[:, None])[:, 0]  # (B,)
-    return acc, bonus
 
 
 class BatchChainDrafting:
@@ -291,19 +280,10 @@ class BatchChainDecoder:
             for i in live:
                 b, a = rows[i], acc_l[i]
                 toks = new_l[i][:a + 1]
-                st = stats[b]
-                st.rounds += 1
-                st.target_forwards += 1
-                st.accepted.append(a)
-                for j in range(a):
-                    st.accepted_at[j] += 1
+                stats[b].add_round(a)
                 out[b] += toks
                 n[i] += a + 1
                 if len(out[b]) >= max_new or any(t in eos for t in toks):
                     done[b] = True
                     n[i] = 0  # its dummy rounds now write slots 0..K of its own row
-        for b, o in enumerate(out):
-            cut = next((i + 1 for i, t in enumerate(o) if t in eos), len(o))
-            out[b] = o[:min(cut, max_new)]
-            stats[b].tokens = len(out[b])
-        return out, stats
+        return [st.finish(o, eos, max_new) for o, st in zip(out, stats)], stats

@@ -27,9 +27,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from eyas.decode.batch import accept
+from eyas.decode.common import SpecConfig, SpecStats, accept, fit_drafter, prefill
 from eyas.decode.graphed import GraphedChainDrafting
-from eyas.decode.spec import SpecConfig, SpecStats, fit_drafter, prefill
 from eyas.errors import EyasError
 from eyas.target.graphs import capture
 
@@ -179,15 +178,8 @@ class RoundChainDecoder:
                 self._launch(launched)
                 launched += 1
             a, toks = self._read(stats.rounds)
-            stats.rounds += 1
-            stats.target_forwards += 1
-            stats.accepted.append(a)
-            for j in range(a):
-                stats.accepted_at[j] += 1
+            stats.add_round(a)
             out += toks
             committed += a + 1
             stopped = len(out) >= max_new_tokens or any(t in eos for t in toks)
-        cut = next((i + 1 for i, t in enumerate(out) if t in eos), len(out))
-        out = out[:min(cut, max_new_tokens)]
-        stats.tokens = len(out)
-        return out, stats
+        return stats.finish(out, eos, max_new_tokens), stats

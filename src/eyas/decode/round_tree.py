@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from eyas.decode.round import RoundChainDecoder, RoundDrafting
-from eyas.decode.spec import SpecConfig, fit_drafter
+from eyas.decode.common import SpecConfig, fit_drafter
 from eyas.decode.tree_static import StaticTreeDrafting
 from eyas.errors import EyasError
 
