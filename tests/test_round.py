@@ -170,12 +170,15 @@ def test_drafter_continuing_from_the_wrong_entry_changes_acceptance_only(setup, 
 def test_spec_decoder_graph_round_flag_dispatches_here(setup):
     _, runner, drafter, prompts, ref, eos = setup
     dec = SpecDecoder(runner, drafter, SpecConfig(method="chain", k=3, graph_round=True))
-    assert isinstance(dec._round, RoundChainDecoder)
+    assert isinstance(dec._round, RoundChainDecoder) and dec.mode == "round"
     outs, stats = decode_all(dec, prompts[::4], [eos])
     direct = decode_all(RoundChainDecoder(runner, drafter, chain(3)), prompts[::4], [eos])
     assert outs == ref[::4] == direct[0]
     assert [s.accepted for s in stats] == [s.accepted for s in direct[1]]
     assert SpecDecoder(runner, drafter, chain(3))._round is None  # off by default, on every device
+    assert SpecDecoder(runner, drafter, chain(3), fast=True).mode == "static"
+    assert SpecDecoder(runner, drafter, chain(3), fast=False).mode == "eager"
+    assert SpecDecoder(runner, None, SpecConfig(method="lookup")).mode == "draftless"
 
 
 def test_bad_input_refused(setup):

@@ -13,16 +13,15 @@ import torch
 from torch import Tensor
 
 from eyas.decode.tree import Draft, chain
+from eyas.target.compile import raise_recompile_limit
 from eyas.target.graphs import capture
 
 
 def compiled(fn):
     """torch.compile(fn, fullgraph=True) for a static drafter's body. Every drafter instance compiles the same code
-    object, with guards on its K, class and shapes, so a process with several decoders (a bench: chains of two
-    lengths, the tree, fp32 reruns) needs more than dynamo's default 8 entries; past the limit fullgraph raises."""
-    from torch import _dynamo
-
-    _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, 64)
+    object, with guards on its K, class and shapes: a bench holds several (chains of two lengths, the tree, fp32
+    reruns)."""
+    raise_recompile_limit()
     return torch.compile(fn, fullgraph=True)
 
 

@@ -64,6 +64,17 @@ class SpecDecoder:
         self.verify_capture = own if verify_capture is None else tuple(verify_capture)
         self._verify_fn = runner.step_fn(self.verify_capture)  # compiled when the runner is
 
+    @property
+    def mode(self) -> str:
+        """How this decoder runs: "round" (whole greedy rounds on the device, one CUDA graph each), "static" (a
+        static-cache drafter, one CUDA graph per drafter step), "eager" (the reference drafter) or "draftless"
+        (plain, prompt lookup)."""
+        if self._round is not None:
+            return "round"
+        if self.drafting is None:
+            return "draftless"
+        return "eager" if isinstance(self.drafting, EagleDrafting) else "static"
+
     def _padded(self, S: int) -> int:
         """Rows of the verify forward for a draft of S tokens (root included). Drafter-less decoders (prompt
         lookup, plain) propose 0..K tokens; any non-empty draft is padded to K+1 rows, so they verify at two
