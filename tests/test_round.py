@@ -19,7 +19,8 @@ import torch
 
 from eyas.decode import round as round_mod
 from eyas.decode.batch import accept
-from eyas.decode.round import RoundChainDecoder, RoundDrafting
+from eyas.decode.cache import DraftCache
+from eyas.decode.round import RoundChainDecoder
 from eyas.decode.spec import SpecConfig, SpecDecoder
 from eyas.errors import EyasError
 from eyas.target.runner import Runner
@@ -150,7 +151,7 @@ def test_bonus_from_the_wrong_position_breaks_losslessness(setup, wrong, monkeyp
 
 def last_entry_off_by(shift):
     def commit(self, aux, tokens, acc):
-        out = self._extend_body(aux, tokens[None])  # (1,K+1,h)
+        out = self._write(aux, tokens[None])  # (1,K+1,h)
         self.last.copy_(out.index_select(1, (acc + shift).clamp(0, self.K)))
         self.n.add_(acc[0] + 1)
     return commit
@@ -159,7 +160,7 @@ def last_entry_off_by(shift):
 @pytest.mark.parametrize("shift", [1, -1], ids=["one-entry-too-many", "one-entry-too-few"])
 def test_drafter_continuing_from_the_wrong_entry_changes_acceptance_only(setup, shift, monkeypatch):
     _, runner, drafter, prompts, ref, eos = setup
-    monkeypatch.setattr(RoundDrafting, "commit", last_entry_off_by(shift))
+    monkeypatch.setattr(DraftCache, "commit", last_entry_off_by(shift))
     outs, stats = decode_all(RoundChainDecoder(runner, drafter, chain(3)), prompts, [eos])
     assert outs == ref  # still lossless: the target verifies every draft
     want = batch1_accepted(runner, drafter, prompts, eos, 3)
@@ -253,7 +254,8 @@ def test_compiled_drafter_decodes_like_the_eager_drafter(setup, graph_round):
     dec = SpecDecoder(runner, drafter, cfg, fast=True, compile_drafter=True)
     drafting = dec._round.drafting if graph_round else dec.drafting
     assert hasattr(drafting._chain_fn, "_torchdynamo_orig_callable")  # torch.compile's wrapper
-    assert hasattr(drafting._extend_fn, "_torchdynamo_orig_callable")
+    assert hasattr(drafting._write_fn, "_torchdynamo_orig_callable")
+    torch._dynamo.reset()  # both cases compile the same DraftCache bodies: count this case's compiles
     counters.clear()
     outs, stats = decode_all(dec, prompts[:4], [eos])
     assert counters["stats"]["unique_graphs"] >= 2  # the draft steps and an extend were compiled and ran
@@ -262,9 +264,9 @@ def test_compiled_drafter_decodes_like_the_eager_drafter(setup, graph_round):
 
 
 def test_many_compiled_drafters_in_one_process(setup, monkeypatch):
-    """Every compiled drafter body is one code object with guards on K and the class: ten decoders (host and
-    one-graph rounds, K = 1..5) exceed dynamo's default 8 entries, where fullgraph would raise instead of falling
-    back. `graphed.compiled` leaves room. (dynamo's eager backend here: the guards, not inductor, are the point.)"""
+    """Every compiled drafter body is one code object with guards on K: eighteen decoders (host and one-graph
+    rounds, K = 1..9) give the chain body more than dynamo's default 8 entries, where fullgraph would raise instead
+    of falling back. `cache.compiled` leaves room. (dynamo's eager backend here: the guards, not inductor, are the point.)"""
     from torch._dynamo.utils import counters
 
     real = torch.compile
@@ -272,7 +274,7 @@ def test_many_compiled_drafters_in_one_process(setup, monkeypatch):
     torch._dynamo.reset()
     counters.clear()
     _, runner, drafter, prompts, ref, eos = setup
-    for k in (1, 2, 3, 4, 5):
+    for k in range(1, 10):
         for graph_round in (False, True):
             dec = SpecDecoder(runner, drafter, SpecConfig(method="chain", k=k, graph_round=graph_round), fast=True,
                               compile_drafter=True)

@@ -90,7 +90,7 @@ def test_drafter_continuing_from_the_wrong_entry_changes_acceptance_only(setup, 
     dec = RoundTreeDecoder(runner, drafters["trained"], tree(4, 5, 16))
 
     def commit(self, aux, tokens, acc):
-        out = self._extend_fn(aux, tokens[None])  # (1,P,h)
+        out = self._write_fn(aux, tokens[None])  # (1,P,h)
         self.last.copy_(out.index_select(1, (acc + 1).clamp(max=tokens.numel() - 1)))
         self.n.add_(acc[0] + 1)
     monkeypatch.setattr(type(dec.drafting), "commit", commit)

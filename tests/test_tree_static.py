@@ -22,7 +22,8 @@ from conftest import make_tiny_llama
 from eyas.decode import tree_static as ts
 from eyas.decode.spec import SpecConfig, SpecDecoder
 from eyas.decode.tree import Draft, select_tree
-from eyas.decode.tree_static import StaticTreeDrafting, ancestor_mask, select, stable_topk, tree_plan
+from eyas.decode.cache import DraftCache
+from eyas.decode.tree_static import ancestor_mask, select, stable_topk, tree_plan
 from eyas.target.runner import Runner
 from test_decode import make_drafter, peaky, train_drafter
 
@@ -54,7 +55,7 @@ def setup():
 def static_decoder(runner, drafter, cfg: SpecConfig) -> SpecDecoder:
     """The SpecDecoder's own fast tree path (the default on CUDA), forced on the CPU."""
     dec = SpecDecoder(runner, drafter, cfg, fast=True)
-    assert isinstance(dec.drafting, StaticTreeDrafting)
+    assert isinstance(dec.drafting, DraftCache) and dec.drafting.tree == (cfg.top_k, cfg.depth, cfg.total_tokens)
     return dec
 
 
@@ -251,7 +252,7 @@ def test_a_round_never_reads_the_device(setup, monkeypatch):
     dec = static_decoder(runner, drafters["trained"], cfg)
     dec.generate(prompts[3], 4)  # a committed state after a few rounds
     calls = trap_host_reads(monkeypatch)
-    tree = dec.drafting.propose(prompts[3][-1])
+    tree = dec.drafting.draft_tree(prompts[3][-1])
     assert calls == [], calls
     dec.drafting.propose_tree(prompts[3][-1], cfg.top_k, cfg.depth, cfg.total_tokens)
     assert calls == ["tolist"], calls
@@ -261,7 +262,7 @@ def test_a_round_never_reads_the_device(setup, monkeypatch):
 def test_bad_sizes_refused(setup):
     model, runner, drafters, *_ = setup
     with pytest.raises(ValueError):
-        StaticTreeDrafting(drafters["trained"], runner.embed, 352, top_k=0)
+        DraftCache(drafters["trained"], runner.embed, slots=352, tree=(0, 6, 60))
     dec = static_decoder(runner, drafters["trained"], SpecConfig(method="tree"))
     with pytest.raises(ValueError, match="10/6/60"):
         dec.drafting.propose_tree(5, 4, 6, 60)
@@ -337,7 +338,7 @@ def test_cuda_graphed_static_tree_equals_cpu(setup, setting, compile):
     _, (outs_cpu, acc_cpu, trees_cpu) = runs(setup, setting)
     gpu = Runner.from_hf(model, max_batch=1, max_seq=runner.cfg.max_seq, device="cuda")
     dec = SpecDecoder(gpu, copy.deepcopy(drafters[name]), cfg, compile_drafter=compile)  # fast: the CUDA default
-    assert isinstance(dec.drafting, StaticTreeDrafting)
+    assert isinstance(dec.drafting, DraftCache) and dec.drafting.tree == (cfg.top_k, cfg.depth, cfg.total_tokens)
     outs, acc, trees = decode(dec, prompts, eos)
     assert dec.drafting._tree is not None and dec.drafting.k.is_cuda
     assert outs == ref == outs_cpu

@@ -4,10 +4,10 @@ Batch 1 (cache row 0 of the target runner), the tokens of `SpecDecoder` chains a
 counts (tests/test_round.py). A round's state lives in static device buffers: the committed count `n` (target
 cache slots 0..n-1 = drafter entries 0..n-1, slot = RoPE position), the pending token (emitted, not yet run
 through the target), the drafter's static cache and the output of its last entry. One round:
-- propose: K greedy draft steps of the static-cache drafter (`decode/graphed.py`), draft step j at position n+j-1;
+- propose: K greedy draft steps of the static drafter cache (`decode/cache.py`), draft step j at position n+j-1;
 - verify: ONE target forward of [pending, d_1..d_K] at slots n..n+K, slot n+s attending slots 0..n+s, capturing
   the drafter's aux layers;
-- accept (`batch.accept`): the longest prefix with d_j == target argmax, plus the bonus token from the same logits;
+- accept (`common.accept`): the longest prefix with d_j == target argmax, plus the bonus token from the same logits;
 - commit: the target's k/v of the accepted slots n..n+a are already in place; slots n+a+1..n+K lie past the new
   n, masked, overwritten next round. The drafter writes K+1 entries at slots n..n+K (the verify's aux states paired
   with the accepted tokens and the bonus); the first a+1 count, `last` = entry n+a, and n += a+1.
@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from eyas.decode.cache import DraftCache
 from eyas.decode.common import SpecConfig, SpecStats, accept, fit_drafter, prefill
-from eyas.decode.graphed import GraphedChainDrafting
 from eyas.errors import EyasError
 from eyas.target.graphs import capture
 
@@ -36,26 +36,11 @@ WARMUP = 3
 """Eager calls of the round before it is captured (lazy allocations, cuBLAS handles, compilation; as the runner)."""
 
 
-class RoundDrafting(GraphedChainDrafting):
-    """The static-cache chain drafter (`n`, `last`, k/v of `max_len` slots) with a fixed-shape commit."""
-
-    def propose(self) -> Tensor:
-        """K greedy draft tokens (K,) target ids from entry n-1; draft keys go to slots n..n+K-2."""
-        return self._chain_fn()
-
-    def commit(self, aux: Tensor, tokens: Tensor, acc: Tensor) -> None:
-        """Entries for slots n..n+K: aux (1,K+1,3h_t) the verify's features there, tokens (K+1,) the token after
-        each (the accepted drafts, the bonus at index acc, junk past it), acc (1,). Entries 0..acc count."""
-        out = self._extend_fn(aux, tokens[None])  # (1,K+1,h), keys written at slots n..n+K
-        self.last.copy_(out.index_select(1, acc))  # (1,1,h) output of entry n+acc
-        self.n.add_(acc[0] + 1)
-
-
 class RoundChainDecoder:
     """Greedy EAGLE-3 chains on a target `Runner` (batch 1, cache row 0), each round one CUDA graph on CUDA."""
 
     def __init__(self, runner, drafter, cfg: SpecConfig = SpecConfig(), *, compile_drafter: bool = False):
-        """compile_drafter: torch.compile the drafter's part of the round (graphed.GraphedChainDrafting)."""
+        """compile_drafter: torch.compile the drafter's part of the round (cache.DraftCache's bodies)."""
         if cfg.method != "chain" or cfg.temperature != 0:
             raise EyasError(f"the one-graph round runs greedy chains only (method chain, temperature 0), got "
                             f"method {cfg.method!r}, temperature {cfg.temperature}")
@@ -66,7 +51,7 @@ class RoundChainDecoder:
             raise EyasError(f"a draft of {K} tokens does not fit a target cache of {M} slots")
         drafter = fit_drafter(runner, drafter)
         self._setup(runner, cfg, drafter, K, K + 1)
-        self.drafting = RoundDrafting(drafter, runner.embed, M, K, compile=compile_drafter)
+        self.drafting = DraftCache(drafter, runner.embed, slots=M, k=K, compile=compile_drafter)
         self.pending = torch.zeros(1, dtype=torch.long, device=dev)
         self._ar = torch.arange(K + 1, device=dev)
 
@@ -89,7 +74,7 @@ class RoundChainDecoder:
     def _round(self) -> Tensor:
         """One round on static buffers only: the body of the CUDA graph. Returns `info`."""
         d = self.drafting
-        draft = d.propose()  # (K,)
+        draft = d.draft_chain()[0]  # (K,)
         ids = torch.cat([self.pending, draft])[None]  # (1,K+1)
         slots = (d.n + self._ar)[None]  # (1,K+1) slot = RoPE position
         mask = self._cols[None, None] <= slots[:, :, None]  # (1,K+1,M) the prefix and the chain up to itself

@@ -3,7 +3,7 @@
 Batch 1 (cache row 0), the tokens and per-round accepted counts of `SpecDecoder`'s greedy tree with the static
 proposer (tests/test_round_tree.py). The host loop is `round.RoundChainDecoder`'s: a round is launched before the
 host reads the previous one, whose outcome arrives by an async copy. One round, all on the device:
-- propose: `tree_static.StaticTreeDrafting`'s tree of S nodes (node 0 = the pending token; tokens, parents,
+- propose: `cache.DraftCache`'s tree of S nodes (node 0 = the pending token; tokens, parents,
   depths and the ancestor mask on the device);
 - verify: ONE target forward of the S nodes at slots n..n+S-1, positions n + depth, node i attending the committed
   slots 0..n-1 and its own ancestors (and itself), capturing the drafter's aux layers;
@@ -24,16 +24,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from eyas.decode.round import RoundChainDecoder, RoundDrafting
+from eyas.decode.cache import DraftCache
 from eyas.decode.common import SpecConfig, fit_drafter
-from eyas.decode.tree_static import StaticTreeDrafting
+from eyas.decode.round import RoundChainDecoder
 from eyas.errors import EyasError
-
-
-class RoundTreeDrafting(StaticTreeDrafting):
-    """The static tree proposer with the chain round's fixed-shape commit."""
-
-    commit = RoundDrafting.commit
 
 
 class RoundTreeDecoder(RoundChainDecoder):
@@ -49,8 +43,8 @@ class RoundTreeDecoder(RoundChainDecoder):
             raise EyasError("decode method 'tree' needs a drafter")
         M, dev = runner.cfg.max_seq, runner.device
         drafter = fit_drafter(runner, drafter)
-        d = RoundTreeDrafting(drafter, runner.embed, M, top_k=cfg.top_k, depth=cfg.depth, total=cfg.total_tokens,
-                              compile=compile_drafter)
+        d = DraftCache(drafter, runner.embed, slots=M, tree=(cfg.top_k, cfg.depth, cfg.total_tokens),
+                       compile=compile_drafter)
         S = 1 + min(cfg.total_tokens, d.pool_depths.numel())  # the root and the kept draft nodes
         if S + 1 > M:
             raise EyasError(f"a tree of {S - 1} draft nodes does not fit a target cache of {M} slots")
@@ -64,7 +58,7 @@ class RoundTreeDecoder(RoundChainDecoder):
     def _round(self) -> Tensor:
         """One round on static buffers only: the body of the CUDA graph. Returns `info`."""
         d, S, P = self.drafting, self.S, self.P
-        t = d._tree_fn()  # StaticTree of S nodes
+        t = d.draft_tree()  # StaticTree of S nodes after the pending token
         n = d.n
         rel = self._cols - n  # (M,) each slot relative to the first draft slot
         tree = t.mask.index_select(1, rel.clamp(0, S - 1)) & ((rel >= 0) & (rel < S))  # (S,M) ancestors' slots

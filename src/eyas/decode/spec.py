@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import torch
 
+from eyas.decode.cache import DraftCache
 from eyas.decode.common import METHODS, SpecConfig, SpecStats, fit_drafter, prefill  # noqa: F401 (public names)
 from eyas.decode.eagle import EagleDrafting
-from eyas.decode.graphed import GraphedChainDrafting
 from eyas.decode.lookup import lookup
 from eyas.decode.round import RoundChainDecoder
 from eyas.decode.round_tree import RoundTreeDecoder
 from eyas.decode.tree import Draft, chain, verify
-from eyas.decode.tree_static import StaticTreeDrafting
 from eyas.errors import EyasError
 from eyas.target.sampling import sample
 
@@ -26,12 +25,11 @@ class SpecDecoder:
 
     def __init__(self, runner, drafter=None, cfg: SpecConfig = SpecConfig(), *, fast: bool | None = None,
                  verify_capture: tuple[int, ...] | None = None, compile_drafter: bool = False):
-        """fast: use the static-cache drafters, one CUDA graph per step (default: on CUDA): graphed.py for greedy
-        chains, tree_static.py for trees. verify_capture: the aux ids the verify step returns (default: the
+        """fast: use the static drafter cache (cache.py), one CUDA graph per call (default: on CUDA), for greedy
+        chains and for trees. verify_capture: the aux ids the verify step returns (default: the
         drafter's, none without one); a drafter-less decoder given a drafter's ids shares that decoder's compiled
         verify step (the bench: one compile fewer) and ignores the extra output. compile_drafter: torch.compile the
-        static drafters' proposers and extends (greedy chains: graphed.py, with graph_round the round's; trees:
-        tree_static.py)."""
+        static drafter cache's proposers and extends (with graph_round the round's)."""
         if cfg.method in ("chain", "tree") and drafter is None:
             raise EyasError(f"decode method {cfg.method!r} needs a drafter")
         if cfg.draft_size + 2 > runner.cfg.max_seq:
@@ -51,11 +49,12 @@ class SpecDecoder:
             if fast is None:
                 fast = runner.device.type == "cuda"
             if fast and cfg.method == "chain" and cfg.temperature == 0:
-                self.drafting = GraphedChainDrafting(drafter, runner.embed, runner.cfg.max_seq, cfg.k,
-                                                     compile=compile_drafter)
+                self.drafting = DraftCache(drafter, runner.embed, slots=runner.cfg.max_seq, k=cfg.k, graphs=True,
+                                           compile=compile_drafter)
             elif fast and cfg.method == "tree":  # trees are top-k (deterministic) at every temperature
-                self.drafting = StaticTreeDrafting(drafter, runner.embed, runner.cfg.max_seq, top_k=cfg.top_k,
-                                                   depth=cfg.depth, total=cfg.total_tokens, compile=compile_drafter)
+                self.drafting = DraftCache(drafter, runner.embed, slots=runner.cfg.max_seq,
+                                           tree=(cfg.top_k, cfg.depth, cfg.total_tokens), graphs=True,
+                                           compile=compile_drafter)
             else:
                 self.drafting = EagleDrafting(drafter, runner.embed)
         if verify_capture is not None and self.aux_ids and tuple(verify_capture) != self.aux_ids:

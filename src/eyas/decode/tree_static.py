@@ -44,9 +44,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from eyas.decode.graphed import GraphedChainDrafting, compiled
 from eyas.decode.tree import Draft
-from eyas.target.graphs import capture
 
 
 # ---------------------------------------------------------------------------------------------- pieces
@@ -148,90 +146,3 @@ class TreeDraft(Draft):
 
     def ancestors(self) -> Tensor:
         return self.tree.mask
-
-
-# ---------------------------------------------------------------------------------------------- proposer
-class StaticTreeDrafting(GraphedChainDrafting):
-    """The static-cache drafter (`graphed.GraphedChainDrafting`: reset/extend/rollback) proposing EAGLE-2 trees.
-
-    The cache has `max_len` live slots (entry t at slot t, as for chains) plus a scratch region for the draft
-    keys of levels 2..depth. A drop-in replacement for `EagleDrafting` in `SpecDecoder` tree rounds."""
-
-    def __init__(self, drafter, embed, max_len: int, *, top_k: int = 10, depth: int = 6, total: int = 60,
-                 compile: bool = False):
-        """compile: torch.compile the round's proposer and the graphed extends (as for chains)."""
-        if min(top_k, depth, total) < 1:
-            raise ValueError(f"tree top_k, depth and total must be >= 1, got {top_k}, {depth}, {total}")
-        self.top_k, self.depth, self.total = top_k, depth, total
-        self.kk = min(top_k, drafter.config.draft_vocab_size)
-        self.sizes = tree_plan(top_k, depth, drafter.config.draft_vocab_size)
-        self.live = max_len
-        # extends of up to depth+1 entries (an accepted path + bonus) are graphed, longer ones (prefill) eager
-        super().__init__(drafter, embed, max_len + sum(self.sizes), depth, compile=compile)
-        dev = self.k.device
-        offs = [max_len + sum(self.sizes[:j]) for j in range(len(self.sizes))]
-        self.slots = [torch.arange(o, o + f, device=dev) for o, f in zip(offs, self.sizes)]  # per level
-        scratch = torch.arange(max_len, self.M, device=dev)
-        self.own = [scratch[None] == s[:, None] for s in self.slots]  # (F, scratch): each row's own draft slot
-        depths = [torch.ones(self.kk, dtype=torch.long)] + [torch.full((f * self.kk,), level, dtype=torch.long)
-                                                            for level, f in enumerate(self.sizes, start=2)]
-        self.pool_depths = torch.cat(depths).to(dev)  # (P,)
-        self.root = torch.zeros(1, dtype=torch.long, device=dev)
-        self._tree = None
-        self._tree_fn = compiled(self._tree_body) if compile else self._tree_body
-
-    def _tree_body(self) -> StaticTree:
-        d, M, live, kk = self.d, self.M, self.live, self.kk
-        lp = torch.log_softmax(d.logits(self.last).float()[0, -1], -1)     # (Vd,)
-        score, ids = stable_topk(lp, kk)                                     # (k,) level 1
-        tok = d.draft_to_target(ids)                                         # (k,) target ids
-        toks, scores, parents = [tok], [score], [torch.full_like(ids, -1)]
-        front = torch.arange(kk, device=ids.device)                          # pool indices of the frontier
-        hidden = self.last.expand(1, kk, -1)                                 # (1,F,h) input of each frontier row
-        anc = torch.zeros(kk, M - live, dtype=torch.bool, device=ids.device)  # (F, scratch) ancestors' draft slots
-        committed = (self.cols[:live] < self.n)[None]                        # (1, live)
-        base = kk
-        for level, (F, slots, own) in enumerate(zip(self.sizes, self.slots, self.own), start=2):
-            eye = torch.eye(F, dtype=torch.bool, device=ids.device)
-            mask = torch.cat([committed.expand(F, live), anc, eye], -1)[None]  # (1,F,M+F)
-            pos = (self.n + (level - 2)).view(1, 1).expand(1, F)             # entry n-1 + (level-1)
-            out, (k, v) = d.layer(hidden, self.embed(tok[None]), pos, mask, (self.k, self.v))  # (1,F,h)
-            self.k.index_copy_(2, slots, k[:, :, M:])
-            self.v.index_copy_(2, slots, v[:, :, M:])
-            lp = torch.log_softmax(d.logits(out).float()[0], -1)             # (F,Vd)
-            cs, ci = stable_topk(lp, kk)                                     # (F,kk)
-            cum = cs + score[:, None]                                        # (F,kk)
-            ctok = d.draft_to_target(ci).flatten()                           # (F*kk,)
-            toks.append(ctok)
-            scores.append(cum.flatten())
-            parents.append(front.repeat_interleave(kk))
-            if level < self.depth:
-                best, rows = frontier(cum, self.sizes[level - 1])            # (F',)
-                anc = (anc | own)[rows]                                      # (F', scratch)
-                front, tok, score, hidden = base + best, ctok[best], cum.flatten()[best], out[:, rows]
-            base += F * kk
-        keep, tparents = select(torch.cat(scores), torch.cat(parents), self.total)
-        tparents = torch.cat([torch.full_like(self.root, -1), tparents])    # (S,)
-        return StaticTree(tokens=torch.cat([self.root, torch.cat(toks)[keep]]), parents=tparents,
-                          depths=torch.cat([torch.zeros_like(self.root), self.pool_depths[keep]]),
-                          mask=ancestor_mask(tparents, self.depth))
-
-    @torch.no_grad()
-    def propose(self, root) -> StaticTree:
-        """This round's tree after the pending `root` token (int or (1,)/0-d tensor); no host sync.
-        On CUDA the tensors are the graph's output buffers: the next propose overwrites them."""
-        if isinstance(root, Tensor):
-            self.root.copy_(root.view(1))
-        else:
-            self.root.fill_(int(root))
-        if self._tree is None:
-            self._tree = capture(self._tree_fn, cuda=self.k.device.type == "cuda")
-        return self._tree()
-
-    def propose_tree(self, root: int, top_k: int, depth: int, total: int) -> TreeDraft:
-        """`EagleDrafting.propose_tree`'s signature: the tree as a Draft (one host copy per round)."""
-        if (top_k, depth, total) != (self.top_k, self.depth, self.total):
-            raise ValueError(f"this drafter was built for tree {self.top_k}/{self.depth}/{self.total}, "
-                             f"asked for {top_k}/{depth}/{total}")
-        t = self.propose(root)
-        return StaticTree(t.tokens, t.parents, t.depths, t.mask.clone()).to_draft()
