@@ -1,4 +1,4 @@
-"""The one-graph chain round (decode/round.py) decodes exactly like the host-driven eager chain decoder.
+"""The one-graph chain round (decode/round.py's chain body) decodes exactly like the host-driven eager chain decoder.
 
 fp32 on the CPU, where the same round code runs eagerly, with the tiny peaky target, the briefly trained drafter,
 the prompts (1..240 tokens) and the mid-round eos of test_batch_spec.py. For K = 1, 3, 5:
@@ -20,7 +20,7 @@ import torch
 from eyas.decode import round as round_mod
 from eyas.decode.batch import accept
 from eyas.decode.cache import DraftCache
-from eyas.decode.round import RoundChainDecoder
+from eyas.decode.round import RoundDecoder
 from eyas.decode.spec import SpecConfig, SpecDecoder
 from eyas.errors import EyasError
 from eyas.target.runner import Runner
@@ -42,7 +42,7 @@ def decode_all(dec, prompts, eos, new=NEW):
 def test_round_equals_plain_greedy_and_eager_chain_acceptance(setup, k, monkeypatch):
     """Rounds are launched one ahead of the host's reads: at most one round past the stop is thrown away."""
     _, runner, drafter, prompts, ref, eos = setup
-    dec = RoundChainDecoder(runner, drafter, chain(k))  # one decoder for every prompt: its state is reset
+    dec = RoundDecoder(runner, drafter, chain(k))  # one decoder for every prompt: its state is reset
     launches = []
     launch = dec._launch
     monkeypatch.setattr(dec, "_launch", lambda r: launches.append(r) or launch(r))
@@ -75,7 +75,7 @@ def test_draft_logits_equal_eager_drafter(setup, monkeypatch):
     seen = []
     logits = drafter.logits
     monkeypatch.setattr(drafter, "logits", lambda h: record(seen, logits(h)))
-    dec = RoundChainDecoder(runner, drafter, chain(k))
+    dec = RoundDecoder(runner, drafter, chain(k))
     eager = SpecDecoder(runner, drafter, chain(k), fast=False)
     steps = 0
     for p in prompts:
@@ -109,7 +109,7 @@ def full_runner(model, k):
 def test_cache_filled_to_the_end(full, k, monkeypatch):
     model, drafter, prompts = full
     runner = full_runner(model, k)
-    dec = RoundChainDecoder(runner, drafter, chain(k))
+    dec = RoundDecoder(runner, drafter, chain(k))
     fits = []
     check = dec._fits_another
     monkeypatch.setattr(dec, "_fits_another", lambda c: fits.append(check(c)) or fits[-1])
@@ -124,7 +124,7 @@ def test_cache_filled_to_the_end(full, k, monkeypatch):
 def test_launching_ahead_near_the_end_writes_past_the_cache(full, monkeypatch):
     """Injected: the host launches round r+1 before reading round r even near the end of the cache."""
     model, drafter, prompts = full
-    dec = RoundChainDecoder(full_runner(model, 5), drafter, chain(5))
+    dec = RoundDecoder(full_runner(model, 5), drafter, chain(5))
     monkeypatch.setattr(dec, "_fits_another", lambda c: True)
     with pytest.raises((IndexError, RuntimeError), match="out of (range|bounds)"):
         decode_all(dec, prompts, [])
@@ -145,7 +145,7 @@ def bonus_before(draft, greedy):
 def test_bonus_from_the_wrong_position_breaks_losslessness(setup, wrong, monkeypatch):
     _, runner, drafter, prompts, ref, eos = setup
     monkeypatch.setattr(round_mod, "accept", wrong)
-    outs, _ = decode_all(RoundChainDecoder(runner, drafter, chain(3)), prompts, [eos])
+    outs, _ = decode_all(RoundDecoder(runner, drafter, chain(3)), prompts, [eos])
     assert sum(o != r for o, r in zip(outs, ref)) >= len(prompts) // 2
 
 
@@ -161,7 +161,7 @@ def last_entry_off_by(shift):
 def test_drafter_continuing_from_the_wrong_entry_changes_acceptance_only(setup, shift, monkeypatch):
     _, runner, drafter, prompts, ref, eos = setup
     monkeypatch.setattr(DraftCache, "commit", last_entry_off_by(shift))
-    outs, stats = decode_all(RoundChainDecoder(runner, drafter, chain(3)), prompts, [eos])
+    outs, stats = decode_all(RoundDecoder(runner, drafter, chain(3)), prompts, [eos])
     assert outs == ref  # still lossless: the target verifies every draft
     want = batch1_accepted(runner, drafter, prompts, eos, 3)
     assert [s.accepted for s in stats] != want
@@ -171,9 +171,9 @@ def test_drafter_continuing_from_the_wrong_entry_changes_acceptance_only(setup, 
 def test_spec_decoder_graph_round_flag_dispatches_here(setup):
     _, runner, drafter, prompts, ref, eos = setup
     dec = SpecDecoder(runner, drafter, SpecConfig(method="chain", k=3, graph_round=True))
-    assert isinstance(dec._round, RoundChainDecoder) and dec.mode == "round"
+    assert isinstance(dec._round, RoundDecoder) and dec.mode == "round"
     outs, stats = decode_all(dec, prompts[::4], [eos])
-    direct = decode_all(RoundChainDecoder(runner, drafter, chain(3)), prompts[::4], [eos])
+    direct = decode_all(RoundDecoder(runner, drafter, chain(3)), prompts[::4], [eos])
     assert outs == ref[::4] == direct[0]
     assert [s.accepted for s in stats] == [s.accepted for s in direct[1]]
     assert SpecDecoder(runner, drafter, chain(3))._round is None  # off by default, on every device
@@ -190,13 +190,13 @@ def test_bad_input_refused(setup):
         SpecConfig(method="chain", temperature=0.7, graph_round=True)
     with pytest.raises(EyasError, match="greedy chains and trees only"):
         SpecConfig(method="tree", temperature=0.7, graph_round=True)
-    with pytest.raises(EyasError, match="greedy chains only"):
-        RoundChainDecoder(runner, drafter, SpecConfig(method="lookup"))
+    with pytest.raises(EyasError, match="greedy chains and trees only"):
+        RoundDecoder(runner, drafter, SpecConfig(method="lookup"))
     with pytest.raises(EyasError, match="needs a drafter"):
-        RoundChainDecoder(runner, None, chain(3))
+        RoundDecoder(runner, None, chain(3))
     with pytest.raises(EyasError, match="does not fit"):
-        RoundChainDecoder(runner, drafter, chain(400))
-    dec = RoundChainDecoder(runner, drafter, chain(3))
+        RoundDecoder(runner, drafter, chain(400))
+    dec = RoundDecoder(runner, drafter, chain(3))
     with pytest.raises(EyasError, match="empty prompt"):
         dec.generate([], NEW)
     with pytest.raises(EyasError, match="exceed the target cache"):
@@ -215,8 +215,8 @@ def test_cuda_graph_round_equals_cpu_eager(setup, compile, monkeypatch):
     model, cpu, drafter, prompts, ref, eos = setup
     gpu = Runner.from_hf(model, max_batch=1, max_seq=320, device="cuda", compile=bool(compile))
     for k in (1, 3, 5):
-        want = decode_all(RoundChainDecoder(cpu, drafter, chain(k)), prompts, [eos])
-        dec = RoundChainDecoder(gpu, copy.deepcopy(drafter), chain(k), compile_drafter=compile == "drafter")
+        want = decode_all(RoundDecoder(cpu, drafter, chain(k)), prompts, [eos])
+        dec = RoundDecoder(gpu, copy.deepcopy(drafter), chain(k), compile_drafter=compile == "drafter")
         bodies = []
         body = dec._round
         monkeypatch.setattr(dec, "_round", lambda: bodies.append(1) or body())
@@ -238,7 +238,7 @@ def test_cuda_graph_round_equals_cpu_eager(setup, compile, monkeypatch):
         assert sum(s.rounds for s in got[1]) > 50
     full = Runner.from_hf(model, max_batch=1, max_seq=200 + NEW + 5 + 1, device="cuda", compile=bool(compile))
     long = [p for p in prompts if len(p) == 200]
-    got = decode_all(RoundChainDecoder(full, copy.deepcopy(drafter), chain(5)), long, [])
+    got = decode_all(RoundDecoder(full, copy.deepcopy(drafter), chain(5)), long, [])
     assert got[0] == cpu.generate(long, NEW)
 
 

@@ -33,8 +33,7 @@ class SpecConfig:
     max_ngram: int = 3
     """Prompt lookup: longest suffix n-gram searched."""
     graph_round: bool = False
-    """Greedy chains and trees: run each whole round on the device, one CUDA graph on CUDA (decode/round.py,
-    decode/round_tree.py)."""
+    """Greedy chains and trees: run each whole round on the device, one CUDA graph on CUDA (decode/round.py)."""
 
     def __post_init__(self):
         if self.method not in METHODS:

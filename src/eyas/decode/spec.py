@@ -14,8 +14,7 @@ from eyas.decode.cache import DraftCache
 from eyas.decode.common import METHODS, SpecConfig, SpecStats, fit_drafter, prefill  # noqa: F401 (public names)
 from eyas.decode.eagle import EagleDrafting
 from eyas.decode.lookup import lookup
-from eyas.decode.round import RoundChainDecoder
-from eyas.decode.round_tree import RoundTreeDecoder
+from eyas.decode.round import RoundDecoder
 from eyas.decode.tree import Draft, chain, verify
 from eyas.errors import EyasError
 from eyas.target.sampling import sample
@@ -39,10 +38,8 @@ class SpecDecoder:
         self.aux_ids: tuple[int, ...] = ()
         self.drafting = None
         self._round = None
-        if cfg.graph_round and cfg.method == "tree":
-            self._round = RoundTreeDecoder(runner, drafter, cfg, compile_drafter=compile_drafter)
-        elif cfg.graph_round:
-            self._round = RoundChainDecoder(runner, drafter, cfg, compile_drafter=compile_drafter)
+        if cfg.graph_round:
+            self._round = RoundDecoder(runner, drafter, cfg, compile_drafter=compile_drafter)
         elif drafter is not None and cfg.method in ("chain", "tree"):
             drafter = fit_drafter(runner, drafter)
             self.aux_ids = tuple(drafter.config.aux_layer_ids)
