@@ -1,9 +1,8 @@
-"""A graph-friendly EAGLE-2 dynamic tree proposer (issue 14 item 2): fixed-size device buffers, no host sync.
+"""The pieces of the graph-friendly EAGLE-2 dynamic tree (`cache.DraftCache.draft_tree`): fixed-size device tensors,
+no host sync, exactly the tree of `eagle.EagleDrafting.propose_tree` in the same node order (tests/test_tree_static.py),
+so the verify forward, `tree.verify` and the slot compaction are shared.
 
-It proposes exactly the tree of `eagle.EagleDrafting.propose_tree` (tests/test_tree_static.py), in the same
-node order, so the verify forward, `tree.verify` and the compaction in `spec.py` are reused unchanged.
-
-The eager proposer, per round (k = min(top_k, draft vocab)):
+The tree, per round (k = min(top_k, draft vocab)):
 - level 1: the k best draft tokens after the last committed entry, score = draft log-prob;
 - level l = 2..depth: the frontier (all level-1 nodes, then the top_k best nodes of the previous level by
   cumulative log-prob) runs one drafter step at RoPE position n + l - 2, each frontier node attending the
@@ -11,30 +10,19 @@ The eager proposer, per round (k = min(top_k, draft vocab)):
   score = parent score + child log-prob;
 - the pool is level-major, and within a level (frontier row, child rank): its index i is fixed by the shapes;
 - keep the `total` best pool nodes by (-score, depth, pool index), listed by (depth, pool index).
+Every level has a fixed size (`tree_plan`), so the round is straight-line tensor code: top-k and gathers, draft
+keys in a scratch region of the static cache, each frontier row's ancestors as a bool row over that region, the
+final selection by top-k over the pool, parents re-indexed through a cumsum rank, and the verify mask and
+positions built on the device.
 
-Here every level has a fixed size (frontier sizes depend only on top_k, depth and the draft vocab), so the
-round is straight-line tensor code: top-k and gathers instead of Python lists, draft keys written to a fixed
-scratch region past the live slots of the static drafter cache, each frontier row's ancestors tracked as a
-bool row over that region, the final selection by top-k over the pool, parents re-indexed through a cumsum
-rank, and the verify mask (node i attends the prefix, its ancestors and itself) and positions (prefix +
-depth) built on the device. On CUDA the round is captured as one CUDA graph (`target.graphs.capture`).
-
-Canonical order under ties. `torch.topk` does not define the order of equal values (on the CPU it lists
-ten equal zeros as 8, 9, 4, 7, ...; CUDA differs), so the eager proposer is ill-defined when draft log-probs
-tie, which bf16 logits make common. This proposer breaks every tie by the LOWER index: among children of a
-node, the lower draft-vocab id; in the frontier, the lower (row, rank) position; in the final selection, the
-lower pool index. Because pool indices grow with depth, the last is the eager `select_tree` key (-score,
-depth, index) exactly, and a parent (score >= its child's, lower index) is always kept before its child.
-Implementation (`stable_topk`): a stable descending sort (equal values keep their index order; -0.0 and +0.0
-compare equal), cut to k; over the draft vocabulary, topk for the k-th value t, a second topk over a float
-priority (above t first, then the ties by ascending index) for the k kept, and a stable sort of those k. A first
-version picked the ties with an int64 cumsum over the vocabulary; inductor lowers that to a split scan whose
-Triton codegen fails on CUDA (torch 2.11, an InductorError in `get_block_shape`, on the H200 2026-12-01).
-An earlier version packed value and index into int64 keys for one `topk`; compiled for CUDA, inductor folded
-the index arithmetic into int32 Triton code that cannot hold 2^32 - 1 (a CompilationError on the H200,
-2026-12-01). Without ties both proposers give the same tree; the eager one follows the canonical order when
-`Tensor.topk` is a stable sort (how tests/test_tree_static.py checks ties).
-NaN draft log-probs are not supported.
+Canonical order under ties. `torch.topk` does not define the order of equal values (CPU and CUDA differ), and bf16
+logits make ties common, so this tree breaks every tie by the LOWER index: among children of a node, the lower
+draft-vocab id; in the frontier, the lower (row, rank) position; in the final selection, the lower pool index.
+Pool indices grow with depth, so the last is the eager `select_tree` key (-score, depth, index) exactly, and a
+parent (score >= its child's, lower index) is always kept before its child. `stable_topk` implements it without
+an int64 scan or packed keys, both of which inductor failed to compile for CUDA (docs/LOG.md, "decode/ redesign").
+Without ties both proposers give the same tree; the eager one follows the canonical order when `Tensor.topk` is a
+stable sort (how tests/test_tree_static.py checks ties). NaN draft log-probs are not supported.
 """
 
 from __future__ import annotations
