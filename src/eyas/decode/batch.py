@@ -20,7 +20,7 @@ On CUDA the drafter's propose and extend attend all cache slots, so their shapes
 each runs as one CUDA graph per batch size, as the verify does; the host syncs once per round.
 
 Greedy only: every row's output equals the target's greedy output of that prompt alone, and its per-round
-acceptance counts equal the batch-1 chain decoder's (tests/test_batch_spec.py).
+acceptance counts equal the batch-1 chain decoder's (tests/test_batch_chains.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A greedy round as ONE CUDA graph, for EAGLE-3 chains and EAGLE-2 trees: propose, verify, accept, commit.
 
 Batch 1 (cache row 0 of the target runner); the tokens and per-round accepted counts of `SpecDecoder`'s greedy
-chains and static trees (tests/test_round.py, tests/test_round_tree.py). A round's state lives in static device
+chains and static trees (tests/test_graph_round_chain.py, tests/test_graph_round_tree.py). A round's state lives in static device
 buffers: the committed count `n` (target cache slots 0..n-1 = drafter entries 0..n-1), the pending token (emitted,
 not yet run through the target) and the drafter's static cache (`cache.DraftCache`). The two round bodies:
 - chain: K greedy drafts, draft step j at position n+j-1; ONE target forward of [pending, d_1..d_K] at slots

@@ -1,5 +1,5 @@
 """The pieces of the graph-friendly EAGLE-2 dynamic tree (`cache.DraftCache.draft_tree`): fixed-size device tensors,
-no host sync, exactly the tree of `eagle.EagleDrafting.propose_tree` in the same node order (tests/test_tree_static.py),
+no host sync, exactly the tree of `eagle.EagleDrafting.propose_tree` in the same node order (tests/test_static_tree.py),
 so the verify forward, `tree.verify` and the slot compaction are shared.
 
 The tree, per round (k = min(top_k, draft vocab)):
@@ -22,7 +22,7 @@ Pool indices grow with depth, so the last is the eager `select_tree` key (-score
 parent (score >= its child's, lower index) is always kept before its child. `stable_topk` implements it without
 an int64 scan or packed keys, both of which inductor failed to compile for CUDA (docs/LOG.md, "decode/ redesign").
 Without ties both proposers give the same tree; the eager one follows the canonical order when `Tensor.topk` is a
-stable sort (how tests/test_tree_static.py checks ties). NaN draft log-probs are not supported.
+stable sort (how tests/test_static_tree.py checks ties). NaN draft log-probs are not supported.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The one-graph tree round (decode/round.py's tree body) decodes exactly like `SpecDecoder`'s greedy tree.
 
 fp32 on the CPU, where the same round code runs eagerly, with the tiny peaky target, the trained drafter, the
-prompts (1..240 tokens, some ending at eos mid-round) and the tree settings of test_tree_static.py:
+prompts (1..240 tokens, some ending at eos mid-round) and the tree settings of test_static_tree.py:
 (a) every prompt's tokens == plain greedy decoding of it;
 (b) its per-round accepted counts == the host-driven static tree's (`SpecDecoder(fast=True)`), whose trees
-    test_tree_static.py proves equal to the eager proposer's;
+    test_static_tree.py proves equal to the eager proposer's;
 also with the cache filled to its last checked slot. A round reads nothing back to the host. Injected bugs show
 the properties are checked: without the k/v compaction of an accepted side branch the tokens change (a); a
 drafter continuing from the wrong path entry keeps (a) but changes (b). The gpu test compares the CUDA graph
@@ -20,7 +20,7 @@ from eyas.decode.round import RoundDecoder
 from eyas.decode.spec import SpecConfig, SpecDecoder
 from eyas.errors import EyasError
 from eyas.target.runner import Runner
-from test_tree_static import IDS, NEW, SETTINGS, runs, setup, trap_host_reads  # noqa: F401 (setup: fixture)
+from test_static_tree import IDS, NEW, SETTINGS, runs, setup, trap_host_reads  # noqa: F401 (setup: fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models on one thread
 

@@ -1,7 +1,7 @@
 """The one-graph chain round (decode/round.py's chain body) decodes exactly like the host-driven eager chain decoder.
 
 fp32 on the CPU, where the same round code runs eagerly, with the tiny peaky target, the briefly trained drafter,
-the prompts (1..240 tokens) and the mid-round eos of test_batch_spec.py. For K = 1, 3, 5:
+the prompts (1..240 tokens) and the mid-round eos of test_batch_chains.py. For K = 1, 3, 5:
 (a) every prompt's tokens == plain greedy decoding of it;
 (b) its per-round accepted counts == the eager `SpecDecoder` chain's (both stop at the round holding the eos);
 (c) every draft step's logits == the eager drafter's, to fp32 rounding;
@@ -24,7 +24,7 @@ from eyas.decode.round import RoundDecoder
 from eyas.decode.spec import SpecConfig, SpecDecoder
 from eyas.errors import EyasError
 from eyas.target.runner import Runner
-from test_batch_spec import NEW, batch1_accepted, overshoots, record, setup  # noqa: F401 (setup: fixture)
+from test_batch_chains import NEW, batch1_accepted, overshoots, record, setup  # noqa: F401 (setup: fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models on one thread
 
