@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from eyas.decode.cache import DraftCache
-from eyas.decode.common import SpecStats, accept, fit_drafter
+from eyas.decode.common import SpecStats, accept, fit_drafter, prefill, right_padded
 from eyas.errors import EyasError
 from eyas.target.runner import move_rows
 
@@ -116,29 +116,11 @@ class BatchChainDecoder:
 
     def _prefill(self, prompts: list[list[int]]) -> Tensor:
         """Prefill target and drafter rows 0..B-1 (right-padded); returns the first new token of each row (B,)."""
-        r, c, dev = self.runner, self.cfg, self.runner.device
-        B, T = len(prompts), max(map(len, prompts))
-        lens = torch.tensor([len(p) for p in prompts], device=dev)  # (B,)
-        ids = torch.zeros(B, T, dtype=torch.long, device=dev)
-        for b, p in enumerate(prompts):
-            ids[b, :len(p)] = torch.tensor(p, device=dev)
-        rows = torch.arange(B, device=dev)
-        final = torch.zeros(B, r.cfg.hidden_size, dtype=r.dtype, device=dev)  # final-norm state at slot n_b-1
-        auxs = []
-        for s0 in range(0, T, c.prefill_chunk):
-            s1 = min(T, s0 + c.prefill_chunk)
-            q = torch.arange(s0, s1, device=dev)
-            k = torch.arange(s1, device=dev)
-            # query s sees the row's prompt slots <= s; padding sees the prompt and itself (no empty rows)
-            mask = ((k[None, None] <= q[None, :, None]) & (k[None, None] < lens[:, None, None])) \
-                | (k[None, None] == q[None, :, None])  # (B,S,s1)
-            h, cap = r.forward(ids[:, s0:s1], q[None].expand(B, -1), q[None].expand(B, -1), mask,
-                               capture=self.aux_ids, logits=False)  # (B,S,h)
-            auxs.append(torch.cat([cap[i] for i in self.aux_ids], -1))  # (B,S,3h_t)
-            here = (lens - 1 >= s0) & (lens - 1 < s1)  # (B,) the row's last prompt token is in this chunk
-            final = torch.where(here[:, None], h[rows, (lens - 1 - s0).clamp(0, s1 - s0 - 1)], final)
-        first = r.lm_head(final).argmax(-1)  # (B,)
-        aux = torch.cat(auxs, 1)  # (B,T,3h_t)
+        c, dev = self.cfg, self.runner.device
+        logits, aux = prefill(self.runner, prompts, self.aux_ids, c.prefill_chunk)  # (B,V), (B,T,3h_t)
+        first = logits.argmax(-1)  # (B,)
+        ids, lens = right_padded(prompts, dev)  # (B,T), (B,)
+        T, rows = ids.shape[1], torch.arange(len(prompts), device=dev)
         nxt = torch.cat([ids[:, 1:], ids[:, :1]], 1)  # (B,T) x_{t+1}; padding beyond
         nxt[rows, lens - 1] = first
         self.drafting.n.zero_()

@@ -107,21 +107,39 @@ class SpecStats:
         return out
 
 
-def prefill(runner, prompt: list[int], aux_ids: tuple[int, ...], chunk: int = 512):
-    """Target slots 0..n-1 of cache row 0 from the prompt, in causal chunks -> (last position's logits (V,), the
-    captured aux states (1,n,len(aux_ids)*h) or None without aux ids)."""
-    dev = runner.device
-    ids = torch.tensor([prompt], device=dev)
-    n = len(prompt)
-    auxs, logits = [], None
-    for s0 in range(0, n, chunk):
-        s1 = min(n, s0 + chunk)
+def right_padded(prompts: list[list[int]], device) -> tuple[Tensor, Tensor]:
+    """Prompts as rows (B,T) from slot 0 (slot = RoPE position), zeros after each, and their lengths (B,)."""
+    B, T = len(prompts), max(map(len, prompts))
+    ids = torch.zeros(B, T, dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        ids[b, :len(p)] = torch.tensor(p, device=device)
+    return ids, torch.tensor([len(p) for p in prompts], device=device)
+
+
+def prefill(runner, prompts: list[list[int]], aux_ids: tuple[int, ...], chunk: int = 512):
+    """Target cache rows 0..B-1 from the prompts (right-padded: `right_padded`), in causal chunks -> (each row's
+    logits after its last prompt token (B,V), the captured aux states (B,T,len(aux_ids)*h), or None without aux ids).
+    Every decoder prefills through here; batch 1 is one row."""
+    r, dev = runner, runner.device
+    ids, lens = right_padded(prompts, dev)  # (B,T), (B,)
+    B, T = ids.shape
+    rows = torch.arange(B, device=dev)
+    final = torch.zeros(B, r.cfg.hidden_size, dtype=r.dtype, device=dev)  # final-norm state at slot n_b-1
+    auxs = []
+    for s0 in range(0, T, chunk):
+        s1 = min(T, s0 + chunk)
         q = torch.arange(s0, s1, device=dev)
-        mask = (torch.arange(s1, device=dev)[None] <= q[:, None])[None]  # (1,S,s1)
-        logits, cap = runner.forward(ids[:, s0:s1], q[None], q[None], mask, capture=aux_ids, last_only=True)
+        k = torch.arange(s1, device=dev)
+        # query s sees the row's prompt slots <= s; padding sees the prompt and itself (no empty rows)
+        mask = ((k[None, None] <= q[None, :, None]) & (k[None, None] < lens[:, None, None])) \
+            | (k[None, None] == q[None, :, None])  # (B,S,s1)
+        h, cap = r.forward(ids[:, s0:s1], q[None].expand(B, -1), q[None].expand(B, -1), mask,
+                           capture=aux_ids, logits=False)  # (B,S,h)
         if aux_ids:
-            auxs.append(torch.cat([cap[i] for i in aux_ids], -1))  # (1,S,3h)
-    return logits[0, -1], (torch.cat(auxs, 1) if auxs else None)
+            auxs.append(torch.cat([cap[i] for i in aux_ids], -1))  # (B,S,3h_t)
+        here = (lens - 1 >= s0) & (lens - 1 < s1)  # (B,) the row's last prompt token is in this chunk
+        final = torch.where(here[:, None], h[rows, (lens - 1 - s0).clamp(0, s1 - s0 - 1)], final)
+    return r.lm_head(final), (torch.cat(auxs, 1) if auxs else None)
 
 
 def fit_drafter(runner, drafter):

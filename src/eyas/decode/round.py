@@ -169,8 +169,8 @@ class RoundDecoder:
     # ------------------------------------------------------------------ host loop
     def _prefill(self, prompt: list[int], chunk: int = 512) -> tuple[int, Tensor]:
         """Target slots 0..n-1 of row 0 -> (first new token, aux (1,n,3h_t)); spec.prefill."""
-        last, aux = prefill(self.runner, prompt, self.aux_ids, chunk)
-        return int(last.argmax()), aux
+        last, aux = prefill(self.runner, [prompt], self.aux_ids, chunk)
+        return int(last[0].argmax()), aux
 
     @torch.no_grad()
     def generate(self, prompt: list[int], max_new_tokens: int, *, eos_ids=(), seed: int = 0

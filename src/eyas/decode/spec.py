@@ -90,7 +90,8 @@ class SpecDecoder:
         return self._verify_fn
 
     def _prefill(self, prompt: list[int], chunk: int = 512):
-        return prefill(self.runner, prompt, self.aux_ids, chunk)
+        logits, aux = prefill(self.runner, [prompt], self.aux_ids, chunk)
+        return logits[0], aux
 
     def _propose(self, tokens: list[int], gen) -> Draft:
         c, root = self.cfg, tokens[-1]
