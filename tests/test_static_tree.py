@@ -340,7 +340,7 @@ def test_cuda_graphed_static_tree_equals_cpu(setup, setting, compile):
     dec = SpecDecoder(gpu, copy.deepcopy(drafters[name]), cfg, compile_drafter=compile)  # fast: the CUDA default
     assert isinstance(dec.drafting, DraftCache) and dec.drafting.tree == (cfg.top_k, cfg.depth, cfg.total_tokens)
     outs, acc, trees = decode(dec, prompts, eos)
-    assert dec.drafting._tree is not None and dec.drafting.k.is_cuda
+    assert ("tree",) in dec.drafting.graph_keys and dec.drafting.k.is_cuda
     assert outs == ref == outs_cpu
     assert acc == acc_cpu
     assert_same_trees(trees, trees_cpu)
@@ -364,6 +364,7 @@ def test_compiled_static_tree_equals_eager(setup):
     cfg = SpecConfig(method="tree", top_k=4, depth=5, total_tokens=16)
     dec = SpecDecoder(runner, drafters["trained"], cfg, fast=True, compile_drafter=True)
     assert hasattr(dec.drafting._tree_fn, "_torchdynamo_orig_callable")
+    torch._dynamo.reset()  # every DraftCache compiles the same bodies: count this test's compiles
     counters.clear()
     outs, acc, trees = decode(dec, prompts[:4], eos)
     assert counters["stats"]["unique_graphs"] >= 1
