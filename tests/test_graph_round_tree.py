@@ -3,8 +3,8 @@
 fp32 on the CPU, where the same round code runs eagerly, with the tiny peaky target, the trained drafter, the
 prompts (1..240 tokens, some ending at eos mid-round) and the tree settings of test_static_tree.py:
 (a) every prompt's tokens == plain greedy decoding of it;
-(b) its per-round accepted counts == the host-driven static tree's (`SpecDecoder(fast=True)`), whose trees
-    test_static_tree.py proves equal to the eager proposer's;
+(b) its per-round accepted counts == the eager reference tree's, as the host-driven static tree's are (one test
+    parametrized over both modes; test_static_tree.py proves the static trees equal the eager ones);
 also with the cache filled to its last checked slot. A round reads nothing back to the host. Injected bugs show
 the properties are checked: without the k/v compaction of an accepted side branch the tokens change (a); a
 drafter continuing from the wrong path entry keeps (a) but changes (b). The gpu test compares the CUDA graph
@@ -46,15 +46,19 @@ def round_runs(setup, setting):
     return _rounds[setting]
 
 
-@pytest.mark.parametrize("setting", SETTINGS, ids=IDS)
-def test_round_equals_plain_greedy_and_host_tree_acceptance(setup, setting):
+@pytest.mark.parametrize("setting,mode", [(s, m) for s in SETTINGS for m in ("static", "round")],
+                         ids=[f"{i}-{m}" for i in IDS for m in ("static", "round")])
+def test_tree_modes_equal_plain_greedy_and_eager_acceptance(setup, setting, mode):
+    """The host-driven static tree and the one-graph round: plain greedy's tokens and, round by round, the eager
+    reference tree's accepted counts."""
     ref = setup[4]
-    outs, acc = round_runs(setup, setting)
-    _, (_, acc_host, trees) = runs(setup, setting)
+    (_, acc_eager, _), static = runs(setup, setting)
+    outs, acc = round_runs(setup, setting) if mode == "round" else static[:2]
     assert outs == ref  # (a)
-    assert acc == acc_host  # (b)
-    if setting[0] == "trained" and setting[3] >= 16:  # not vacuous: paths of 2+ drafts, some through side branches
-        assert max(max(a) for a in acc) >= 2, acc
+    assert acc == acc_eager  # (b)
+    if setting[0] == "trained":  # acceptance is non-trivial; the bigger trees accept paths of 2+ drafts
+        assert sum(map(sum, acc)) / sum(map(len, acc)) > 0.3, acc
+        assert setting[3] < 16 or max(max(a) for a in acc) >= 2, acc
 
 
 def side_branch_rounds(setup, setting) -> int:
