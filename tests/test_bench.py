@@ -483,9 +483,9 @@ def test_lookup_shares_the_eagle_verify_step(tiny):
 
 @pytest.mark.parametrize("method", ["chain", "tree"])
 def test_bench_runs_graph_rounds_like_host_rounds(tiny, prompts, method):
-    """graph_round through a whole bench (warm-up, timed decoding, fp32 rerun; the gpu recipe's chains; trees
-    since decode/round_tree.py): the same tokens and counts as host rounds, lossless, and the config records it.
-    The random drafter here accepts little; tests/test_round.py and tests/test_round_tree.py check the rounds'
+    """graph_round through a whole bench (warm-up, timed decoding, fp32 rerun; the gpu recipe's chains, and trees):
+    the same tokens and counts as host rounds, lossless, and the config records it.
+    The random drafter here accepts little; tests/test_graph_round_chain.py and tests/test_graph_round_tree.py check the rounds'
     per-round acceptance with a trained drafter."""
     target, drafter = tiny
     shape = dict(method="tree", top_k=3, depth=3, total_tokens=8) if method == "tree" else dict(k=3)

@@ -2,6 +2,7 @@
 sampled law (which a deliberately broken acceptance rule fails)."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -94,30 +95,58 @@ def test_reference_hits_eos_and_long_prompts(setup):
     assert sum(len(o) == 24 for o in ref) >= 5
 
 
-@pytest.mark.parametrize("cfg", [SpecConfig(method="chain", k=4), SpecConfig(method="chain", k=1),
-                                 SpecConfig(method="tree", top_k=4, depth=5, total_tokens=16),
-                                 SpecConfig(method="lookup", k=4), SpecConfig(method="plain")],
-                         ids=["chain4", "chain1", "tree", "lookup", "plain"])
-def test_greedy_speculative_equals_target_greedy(setup, cfg):
+CONFIGS = {"chain4": SpecConfig(method="chain", k=4), "chain1": SpecConfig(method="chain", k=1),
+           "tree": SpecConfig(method="tree", top_k=4, depth=5, total_tokens=16),
+           "lookup": SpecConfig(method="lookup", k=4), "plain": SpecConfig(method="plain")}
+MODES = [(name, mode) for name in ("chain4", "chain1", "tree") for mode in ("eager", "static", "round")] + \
+    [("lookup", "draftless"), ("plain", "draftless")]
+"""Every greedy way to decode: the eager reference drafter, the static drafter cache (one CUDA graph per call on
+CUDA, run eagerly here) and the one-graph round, for chains and trees; the drafter-free methods."""
+
+
+def mode_decoder(runner, drafter, name: str, mode: str) -> SpecDecoder:
+    cfg = CONFIGS[name]
+    if mode == "round":
+        return SpecDecoder(runner, drafter, replace(cfg, graph_round=True))
+    return SpecDecoder(runner, drafter, cfg, fast=mode == "static")
+
+
+_accepted: dict = {}
+
+
+def eager_accepted(setup, name) -> list[list[int]]:
+    """Per prompt, the eager reference drafter's accepted counts per round."""
+    if name not in _accepted:
+        _, runner, trained, prompts, _, eos = setup
+        dec = mode_decoder(runner, trained, name, "eager")
+        _accepted[name] = [dec.generate(p, 24, eos_ids=[eos])[1].accepted for p in prompts]
+    return _accepted[name]
+
+
+@pytest.mark.parametrize("name,mode", MODES, ids=[f"{n}-{m}" for n, m in MODES])
+def test_greedy_speculative_equals_target_greedy(setup, name, mode):
+    """Lossless in every mode; the static cache and the round also accept, round by round, what the eager reference
+    accepts (they draft the same tokens)."""
     model, runner, trained, prompts, ref, eos = setup
-    outs, stats = run_all(runner, trained, cfg, prompts, eos)
+    cfg = CONFIGS[name]
+    dec = mode_decoder(runner, trained, name, mode)
+    assert dec.mode == mode
+    outs, stats, accepted = [], None, []
+    for p in prompts:
+        o, s = dec.generate(p, 24, eos_ids=[eos])
+        outs.append(o)
+        accepted.append(list(s.accepted))  # before `add` extends the first stats in place
+        stats = s if stats is None else (stats.add(s) or stats)
     assert outs == ref
     assert stats.tokens == sum(map(len, ref))
+    assert stats.target_forwards == len(prompts) + sum(map(len, accepted))
     if cfg.method == "plain":
         assert stats.tau == 1.0
     else:  # acceptance is non-trivial, so the accept/compaction/continuation paths were exercised
         assert stats.tau > 1.1, stats.tau
         assert stats.accepted_at[0] > 0 and (cfg.k == 1 or stats.accepted_at[1] > 0)
-
-
-def test_static_cache_chain_drafter_equals_target_greedy_and_eager_drafter(setup):
-    """The CUDA-graph drafter path (run eagerly on the CPU here) proposes the same chains."""
-    model, runner, trained, prompts, ref, eos = setup
-    cfg = SpecConfig(method="chain", k=4)
-    fast, fs = run_all_dec(SpecDecoder(runner, trained, cfg, fast=True), prompts[::3], eos)
-    slow, ss = run_all_dec(SpecDecoder(runner, trained, cfg, fast=False), prompts[::3], eos)
-    assert fast == ref[::3] and slow == ref[::3]
-    assert fs.accepted_at == ss.accepted_at and fs.target_forwards == ss.target_forwards
+    if mode in ("static", "round"):
+        assert accepted == eager_accepted(setup, name)
 
 
 def run_all_dec(dec, prompts, eos):
@@ -166,6 +195,7 @@ def test_lookup_verifies_at_two_shapes_and_stays_exact(setup, monkeypatch):
     assert {1, 5} <= set(sizes) and set(sizes) - {1, 5}, sorted(set(sizes))  # empty, full and partial drafts ran
     step = runner.step_fn(())
     assert {(b, s, fn) for b, s, fn, _ in graphed.__self__._graphs} == {(1, 1, step), (1, 5, step)}
+    assert graphed.__self__.graph_count == 2
 
 
 def test_lookup_proposals():

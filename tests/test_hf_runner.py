@@ -64,13 +64,13 @@ def test_from_hf_picks_the_generic_runner_for_non_llama_targets_with_a_note(twin
 
 def test_batched_generate_equals_uncached_greedy(twin, monkeypatch):
     """Left-padded rows of unequal lengths, two chunks, rows ending at different eos steps and the compaction of
-    the live rows (which moves cache rows through `runner.layers[i].k_cache`)."""
+    the live rows (`target.runner.move_rows`, which moves cache rows through `runner.layers[i].k_cache`)."""
     model, tok = twin
     prompts = [tok.encode(t) for t in TEXTS]
     eos = (198, 282)  # two of the first chunk's four rows end by step 9, so step 15 compacts the other two
     compacted = []
-    real = generate_mod._compact
-    monkeypatch.setattr(generate_mod, "_compact", lambda r, live, L: compacted.append(live.tolist()) or real(r, live, L))
+    real = generate_mod.move_rows
+    monkeypatch.setattr(generate_mod, "move_rows", lambda r, live, L: compacted.append(live.tolist()) or real(r, live, L))
     r = HFRunner.from_hf(model, max_batch=4, max_seq=64)
     got = r.generate(prompts, 24, eos_ids=eos)
     assert got == [naive_greedy(model, p, 24, eos) for p in prompts]

@@ -29,7 +29,6 @@ import torch
 
 from conftest import make_tiny_llama
 from eyas.decode import eagle as eagle_mod
-from eyas.decode import graphed as graphed_mod
 from eyas.decode.spec import SpecConfig, SpecDecoder
 from eyas.model.drafter import DrafterConfig, Eagle3Drafter
 from eyas.model.vocab import build_draft_vocab

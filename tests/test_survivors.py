@@ -29,7 +29,7 @@ import torch
 
 from conftest import make_tiny_llama
 from eyas.decode.eagle import EagleDrafting
-from eyas.decode.graphed import GraphedChainDrafting
+from eyas.decode.cache import DraftCache
 from eyas.decode.tree import Draft, chain, select_tree, verify
 from eyas.errors import EyasError
 from eyas.manifest import MANIFEST, read_manifest
@@ -308,7 +308,7 @@ def graphed_vs_eager(device, rounds=12, K=4):
     dg = copy.deepcopy(d)
     rec_e, rec_g = LogitsRecorder(d), LogitsRecorder(dg)
     eager = EagleDrafting(d, embed)
-    graphed = GraphedChainDrafting(dg, embed, 128, K)
+    graphed = DraftCache(dg, embed, slots=128, k=K, graphs=True)
     g = torch.Generator().manual_seed(0)
     hs = embed.weight.shape[1]
     aux, toks = torch.randn(1, 12, 3 * hs, generator=g), torch.randint(0, V, (1, 12), generator=g)
@@ -337,7 +337,7 @@ def graphed_vs_eager(device, rounds=12, K=4):
 
 
 def test_graphed_chain_logits_equal_eager_cpu():
-    """graphed.py's static-cache logic without CUDA graphs (on the CPU _capture is a plain call)."""
+    """cache.DraftCache's static-cache logic without CUDA graphs (on the CPU _capture is a plain call)."""
     graphed_vs_eager("cpu")
 
 

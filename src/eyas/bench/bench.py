@@ -22,11 +22,11 @@ import torch
 from eyas.bench.check import DTYPE_NAMES, agreement, exact_fp32, first_turns, fp32_drafter, fp32_runner, lossless_verdict
 from eyas.bench.prompts import prompt_ids, first_messages, load_bench_prompts, prompt_summary, tau_by_kind
 from eyas.bench.startup import compile_cache, saved_steps, tree_nodes, verify_shapes, warm_up
-from eyas.decode.graphed import GraphedChainDrafting
 from eyas.data.longprompts import LONG_TOKENS, is_long_set
 from eyas.decode.spec import SpecConfig, SpecDecoder, SpecStats
 from eyas.errors import EyasError
 from eyas.target.fingerprint import cache_root
+from eyas.target.runner import graph_count
 
 PROMPT_SETS = ("sharegpt-heldout", "humaneval", "long")
 
@@ -278,7 +278,7 @@ def _run(cfg, target, drafter, drafter_meta, records, out, warm_only=False) -> d
     room = prompt_room(cfg)
     methods = _methods(cfg, runner, drafter, eos)
     seconds = {"load": time.perf_counter() - clock}
-    before, saved = len(runner._graphs), saved_steps(runner)
+    before, saved = graph_count(runner), saved_steps(runner)
 
     # Warm-up, not timed: compile and capture every shape of the timed loop, then decode a few rounds of the
     # first prompt per method (paths the shape set does not name, e.g. a drafter's chain graph); a few rounds
@@ -301,7 +301,7 @@ def _run(cfg, target, drafter, drafter_meta, records, out, warm_only=False) -> d
     clock = time.perf_counter()
     truncated = _decode_all(methods, records, tok, room, cfg, runner.device)
     seconds["decode"] = time.perf_counter() - clock
-    late = len(runner._graphs) - shapes  # runner shapes first built inside the timed loop
+    late = graph_count(runner) - shapes  # runner shapes first built inside the timed loop
     if late:
         print(f"warning: {late} runner shape(s) were compiled or captured inside the timed loop; the speeds "
               f"include that time", file=out)
@@ -373,11 +373,11 @@ def _warm_up(cfg, runner, methods, drafter) -> int:
         kind = "lookup" if m.name == "lookup" else c.method
         size = tree_nodes(c.top_k, c.depth, c.total_tokens, drafter.config.draft_vocab_size) if kind == "tree" else 0
         # a one-graph round compiles its verify inside its own capture, in the warm-up decode after this
-        if m.decoder._round is None:
+        if m.decoder.mode != "round":
             steps.append((runner.step_fn(m.decoder.verify_capture), verify_shapes(kind, c.k, size)))
         if kind == "lookup":  # an empty lookup draft (S = 1): the plain decode step on CUDA, the verify step elsewhere
             steps.append((m.decoder.step_for(1), verify_shapes("plain", c.k, 0)))
-        if isinstance(m.decoder.drafting, GraphedChainDrafting):  # static drafters (chains, trees): extends of 1..K+1
+        if m.decoder.mode == "static":  # static drafters (chains, trees): extends of 1..K+1
             depth = c.k if kind == "chain" else c.depth  # a tree accepts up to `depth` drafts + the bonus
             drafters.append((m.decoder.drafting, len(m.decoder.aux_ids) * runner.cfg.hidden_size, depth))
     return warm_up(runner, steps, drafters)

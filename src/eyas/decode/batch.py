@@ -14,13 +14,13 @@ slots 0..n_b-1 hold processed tokens and the row's last emitted token is pending
 A row that finishes (eos or max_new_tokens) rides along with n_b = 0: its dummy rounds write slots 0..K
 of its own row only. Once at most half the rows are live, the live rows move to the front of both caches
 and the batch shrinks to the next power of two (filler rows are finished copies), like
-`Runner.generate`. The caches' rows are moved here, not through the runner (its API is unchanged).
+`Runner.generate` (both move the target's rows with `target.runner.move_rows`).
 
 On CUDA the drafter's propose and extend attend all cache slots, so their shapes depend on the batch only, and
 each runs as one CUDA graph per batch size, as the verify does; the host syncs once per round.
 
 Greedy only: every row's output equals the target's greedy output of that prompt alone, and its per-round
-acceptance counts equal the batch-1 chain decoder's (tests/test_batch_spec.py).
+acceptance counts equal the batch-1 chain decoder's (tests/test_batch_chains.py).
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from eyas.decode.spec import SpecStats, fit_drafter
+from eyas.decode.cache import DraftCache
+from eyas.decode.common import SpecStats, accept, fit_drafter, prefill, right_padded
 from eyas.errors import EyasError
-from eyas.target.graphs import capture
+from eyas.target.runner import move_rows
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,83 +59,6 @@ class BatchSpecConfig:
             raise EyasError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
 
 
-def accept(draft: Tensor, greedy: Tensor) -> tuple[Tensor, Tensor]:
-    """Greedy chain acceptance, per row. draft (B,K) target ids; greedy (B,K+1) the target's argmax after
-    [pending, d_1..d_K]. Returns (accepted (B,) in 0..K, bonus (B,)): the longest prefix with
-    d_j == greedy[:, j-1], and the target's token after it."""
-    K = draft.shape[1]
-    hit = (draft == greedy[:, :K]).long().cumprod(1)  # (B,K) 1 while every draft so far matched
-    acc = hit.sum(1)  # (B,)
-    bonus = greedy.gather(1, acc[:, None])[:, 0]  # (B,)
-    return acc, bonus
-
-
-class BatchChainDrafting:
-    """The drafter's static cache for `rows` rows of `slots` slots; row b holds entries 0..n_b-1.
-
-    Entry t pairs fc(aux_t) with the embedding of x_{t+1}, sits in slot t at RoPE position t and predicts
-    x_{t+2} (EAGLE3.md section 3). Every call passes the first `width` slots as the past plus a mask over
-    them, then writes the new keys at their slots; slots at or past n_b are draft or padding keys, never
-    attended until they are overwritten."""
-
-    def __init__(self, drafter, embed, rows: int, slots: int):
-        self.d, self.embed = drafter, embed  # embed: the frozen target embedding
-        cfg = drafter.config
-        p = next(drafter.parameters())
-        shape = (rows, cfg.num_key_value_heads, slots, cfg.head_dim)
-        self.k = torch.zeros(shape, device=p.device, dtype=p.dtype)
-        self.v = torch.zeros(shape, device=p.device, dtype=p.dtype)
-        self.last = torch.zeros(rows, 1, cfg.hidden_size, device=p.device, dtype=p.dtype)  # output of entry n_b-1
-        self.cols = torch.arange(slots, device=p.device)
-
-    def _layer(self, hidden: Tensor, tokens: Tensor, pos: Tensor, old: Tensor) -> Tensor:
-        """New entries (B,S) at slots = RoPE positions `pos` (B,S); `old` (B,S,W) marks the cached slots
-        0..W-1 each one attends; new entries attend earlier new entries and themselves."""
-        B, S = tokens.shape
-        W = old.shape[-1]
-        tri = torch.ones(S, S, dtype=torch.bool, device=pos.device).tril()[None].expand(B, S, S)  # (B,S,S)
-        mask = torch.cat([old, tri], -1)  # (B,S,W+S)
-        out, (k, v) = self.d.layer(hidden, self.embed(tokens), pos, mask, (self.k[:B, :, :W], self.v[:B, :, :W]))
-        rows = torch.arange(B, device=pos.device)[:, None].expand(B, S)  # (B,S)
-        self.k[rows, :, pos] = k[:, :, W:].transpose(1, 2)  # cache[b, :, pos[b,s]] = k_new[b, :, s]
-        self.v[rows, :, pos] = v[:, :, W:].transpose(1, 2)
-        return out  # (B,S,h)
-
-    @torch.no_grad()
-    def extend(self, aux: Tensor, next_tokens: Tensor, n: Tensor, count: Tensor, W: int) -> None:
-        """Append count_b entries to row b at slots n_b..: aux (B,S,3h_t), next_tokens (B,S); entries
-        s >= count_b are padding. W >= max(n): cached slots passed as the past. The caller advances n."""
-        B, S = next_tokens.shape
-        pos = n[:, None] + torch.arange(S, device=n.device)  # (B,S)
-        old = (self.cols[:W][None, None] < n[:, None, None]).expand(B, S, W)  # (B,S,W) committed slots
-        out = self._layer(self.d.fuse(aux), next_tokens, pos, old)  # (B,S,h)
-        last = out[torch.arange(B, device=n.device), (count - 1).clamp(min=0)][:, None]  # (B,1,h)
-        self.last[:B] = torch.where((count > 0)[:, None, None], last, self.last[:B])
-
-    @torch.no_grad()
-    def propose(self, n: Tensor, K: int, W: int) -> Tensor:
-        """K greedy draft tokens per row (B,K) target ids; step j runs at slot/position n_b + j - 1.
-        W >= max(n) + K - 2: cached slots passed as the past."""
-        B, d = n.shape[0], self.d
-        hidden = self.last[:B]  # (B,1,h)
-        toks = []
-        for step in range(K):
-            toks.append(d.draft_to_target(d.logits(hidden)[:, -1].argmax(-1)))  # (B,)
-            if step + 1 == K:
-                break
-            pos = (n + step)[:, None]  # (B,1) entry n_b-1 + (step+1)
-            old = (self.cols[:W][None] < pos)[:, None]  # (B,1,W) committed + earlier draft entries
-            hidden = self._layer(hidden, toks[-1][:, None], pos, old)
-        return torch.stack(toks, 1)  # (B,K)
-
-    def move_rows(self, keep: Tensor, width: int) -> None:
-        """Rows `keep` (1-D) of slots [:width] become rows 0..len(keep)-1."""
-        m = keep.numel()
-        self.k[:m, :, :width] = self.k[keep, :, :width]
-        self.v[:m, :, :width] = self.v[keep, :, :width]
-        self.last[:m] = self.last[keep]
-
-
 class BatchChainDecoder:
     """Greedy EAGLE-3 chains for a batch of prompts on a target `Runner` (rows 0..max_batch-1)."""
 
@@ -148,37 +72,21 @@ class BatchChainDecoder:
         self.runner, self.cfg = runner, cfg
         drafter = fit_drafter(runner, drafter)
         self.aux_ids = tuple(drafter.config.aux_layer_ids)
-        self.drafting = BatchChainDrafting(drafter, runner.embed, runner.cfg.max_batch, runner.cfg.max_seq)
-        self._verify_fn = runner.step_fn(self.aux_ids)  # compiled when the runner is
         self.graphs = runner.device.type == "cuda" if graphs is None else graphs
-        self._graphs: dict = {}
+        self.drafting = DraftCache(drafter, runner.embed, rows=runner.cfg.max_batch, slots=runner.cfg.max_seq,
+                                   k=cfg.k, graphs=self.graphs)
+        self._verify_fn = runner.step_fn(self.aux_ids)  # compiled when the runner is
 
     def _propose(self, n: Tensor, width: int) -> Tensor:
-        """(B,K) drafts; with graphs, a replay over all slots."""
-        K, M = self.cfg.k, self.runner.cfg.max_seq
-        if not self.graphs:
-            return self.drafting.propose(n, K, width)
-        key = ("propose", n.shape[0])
-        if key not in self._graphs:
-            n_s = n.clone()  # the warm-up calls run for real: they write draft keys past each row's n only
-            self._graphs[key] = (capture(self.drafting.propose, n_s, K, M, cuda=n.is_cuda), n_s)
-        run, n_s = self._graphs[key]
-        n_s.copy_(n)
-        return run()
+        """(B,K) drafts from committed counts n (B,); with graphs, a replay over all slots (the warm-up calls run
+        for real: they write draft keys past each row's n only)."""
+        self.drafting.n[:n.shape[0]] = n
+        return self.drafting.draft_chain(n.shape[0], None if self.graphs else width)
 
-    def _extend(self, aux: Tensor, tokens: Tensor, n: Tensor, count: Tensor, width: int) -> None:
-        """The round's drafter entries; with graphs, a replay over all slots (extend is idempotent for fixed
-        inputs: it reads slots < n and writes slots >= n, so the warm-up calls change nothing)."""
-        if not self.graphs:
-            return self.drafting.extend(aux, tokens, n, count, width)
-        key = ("extend", n.shape[0])
-        if key not in self._graphs:
-            bufs = (aux.clone(), tokens.clone(), n.clone(), count.clone())
-            self._graphs[key] = (capture(self.drafting.extend, *bufs, self.runner.cfg.max_seq, cuda=n.is_cuda), bufs)
-        run, bufs = self._graphs[key]
-        for b, x in zip(bufs, (aux, tokens, n, count)):
-            b.copy_(x)
-        run()
+    def _extend(self, aux: Tensor, tokens: Tensor, count: Tensor, width: int) -> None:
+        """The round's drafter entries, count_b of them in row b from the n `_propose` set; with graphs, a replay
+        over all slots."""
+        self.drafting.extend(aux, tokens, count, None if self.graphs else width)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, *, eos_ids=()
@@ -208,44 +116,23 @@ class BatchChainDecoder:
 
     def _prefill(self, prompts: list[list[int]]) -> Tensor:
         """Prefill target and drafter rows 0..B-1 (right-padded); returns the first new token of each row (B,)."""
-        r, c, dev = self.runner, self.cfg, self.runner.device
-        B, T = len(prompts), max(map(len, prompts))
-        lens = torch.tensor([len(p) for p in prompts], device=dev)  # (B,)
-        ids = torch.zeros(B, T, dtype=torch.long, device=dev)
-        for b, p in enumerate(prompts):
-            ids[b, :len(p)] = torch.tensor(p, device=dev)
-        rows = torch.arange(B, device=dev)
-        final = torch.zeros(B, r.cfg.hidden_size, dtype=r.dtype, device=dev)  # final-norm state at slot n_b-1
-        auxs = []
-        for s0 in range(0, T, c.prefill_chunk):
-            s1 = min(T, s0 + c.prefill_chunk)
-            q = torch.arange(s0, s1, device=dev)
-            k = torch.arange(s1, device=dev)
-            # query s sees the row's prompt slots <= s; padding sees the prompt and itself (no empty rows)
-            mask = ((k[None, None] <= q[None, :, None]) & (k[None, None] < lens[:, None, None])) \
-                | (k[None, None] == q[None, :, None])  # (B,S,s1)
-            h, cap = r.forward(ids[:, s0:s1], q[None].expand(B, -1), q[None].expand(B, -1), mask,
-                               capture=self.aux_ids, logits=False)  # (B,S,h)
-            auxs.append(torch.cat([cap[i] for i in self.aux_ids], -1))  # (B,S,3h_t)
-            here = (lens - 1 >= s0) & (lens - 1 < s1)  # (B,) the row's last prompt token is in this chunk
-            final = torch.where(here[:, None], h[rows, (lens - 1 - s0).clamp(0, s1 - s0 - 1)], final)
-        first = r.lm_head(final).argmax(-1)  # (B,)
-        aux = torch.cat(auxs, 1)  # (B,T,3h_t)
+        c, dev = self.cfg, self.runner.device
+        logits, aux = prefill(self.runner, prompts, self.aux_ids, c.prefill_chunk)  # (B,V), (B,T,3h_t)
+        first = logits.argmax(-1)  # (B,)
+        ids, lens = right_padded(prompts, dev)  # (B,T), (B,)
+        T, rows = ids.shape[1], torch.arange(len(prompts), device=dev)
         nxt = torch.cat([ids[:, 1:], ids[:, :1]], 1)  # (B,T) x_{t+1}; padding beyond
         nxt[rows, lens - 1] = first
+        self.drafting.n.zero_()
         for s0 in range(0, T, c.prefill_chunk):
             s1 = min(T, s0 + c.prefill_chunk)
-            n = lens.clamp(max=s0)  # entries already in row b
             count = (lens.clamp(max=s1) - s0).clamp(min=0)  # (B,) prompt entries of row b in this chunk
-            self.drafting.extend(aux[:, s0:s1], nxt[:, s0:s1], n, count, s0)
+            self.drafting.extend(aux[:, s0:s1], nxt[:, s0:s1], count, width=s0)  # n_b = min(len_b, s0) before
         return first
 
     def _move_rows(self, keep: Tensor, width: int) -> None:
         """Target and drafter cache rows `keep` (slots [:width]) become rows 0..len(keep)-1."""
-        m = keep.numel()
-        for layer in self.runner.layers:
-            layer.k_cache[:m, :, :width] = layer.k_cache[keep, :, :width]
-            layer.v_cache[:m, :, :width] = layer.v_cache[keep, :, :width]
+        move_rows(self.runner, keep, width)
         self.drafting.move_rows(keep, width)
 
     def _generate_chunk(self, prompts, max_new: int, eos: set[int]):
@@ -285,25 +172,16 @@ class BatchChainDecoder:
             is_live = torch.zeros(len(rows), dtype=torch.bool, device=dev)
             is_live[live] = True
             count = torch.where(is_live, acc + 1, 0)  # (B,) entries the drafter gains per row
-            self._extend(vaux, new, n_t, count, max(n))
+            self._extend(vaux, new, count, max(n))
             pending = bonus
             acc_l, new_l = acc.tolist(), new.tolist()  # the round's one host sync
             for i in live:
                 b, a = rows[i], acc_l[i]
                 toks = new_l[i][:a + 1]
-                st = stats[b]
-                st.rounds += 1
-                st.target_forwards += 1
-                st.accepted.append(a)
-                for j in range(a):
-                    st.accepted_at[j] += 1
+                stats[b].add_round(a)
                 out[b] += toks
                 n[i] += a + 1
                 if len(out[b]) >= max_new or any(t in eos for t in toks):
                     done[b] = True
                     n[i] = 0  # its dummy rounds now write slots 0..K of its own row
-        for b, o in enumerate(out):
-            cut = next((i + 1 for i, t in enumerate(o) if t in eos), len(o))
-            out[b] = o[:min(cut, max_new)]
-            stats[b].tokens = len(out[b])
-        return out, stats
+        return [st.finish(o, eos, max_new) for o, st in zip(out, stats)], stats

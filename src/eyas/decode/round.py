@@ -1,25 +1,30 @@
-"""A greedy EAGLE-3 chain round as ONE CUDA graph (issue 14 item 1): propose, verify, accept, commit, extend.
+"""A greedy round as ONE CUDA graph, for EAGLE-3 chains and EAGLE-2 trees: propose, verify, accept, commit.
 
-Batch 1 (cache row 0 of the target runner), the tokens of `SpecDecoder` chains and their per-round accepted
-counts (tests/test_round.py). A round's state lives in static device buffers: the committed count `n` (target
-cache slots 0..n-1 = drafter entries 0..n-1, slot = RoPE position), the pending token (emitted, not yet run
-through the target), the drafter's static cache and the output of its last entry. One round:
-- propose: K greedy draft steps of the static-cache drafter (`decode/graphed.py`), draft step j at position n+j-1;
-- verify: ONE target forward of [pending, d_1..d_K] at slots n..n+K, slot n+s attending slots 0..n+s, capturing
-  the drafter's aux layers;
-- accept (`batch.accept`): the longest prefix with d_j == target argmax, plus the bonus token from the same logits;
-- commit: the target's k/v of the accepted slots n..n+a are already in place; slots n+a+1..n+K lie past the new
-  n, masked, overwritten next round. The drafter writes K+1 entries at slots n..n+K (the verify's aux states paired
-  with the accepted tokens and the bonus); the first a+1 count, `last` = entry n+a, and n += a+1.
+Batch 1 (cache row 0 of the target runner); the tokens and per-round accepted counts of `SpecDecoder`'s greedy
+chains and static trees (tests/test_graph_round_chain.py, tests/test_graph_round_tree.py). A round's state lives in static device
+buffers: the committed count `n` (target cache slots 0..n-1 = drafter entries 0..n-1), the pending token (emitted,
+not yet run through the target) and the drafter's static cache (`cache.DraftCache`). The two round bodies:
+- chain: K greedy drafts, draft step j at position n+j-1; ONE target forward of [pending, d_1..d_K] at slots
+  n..n+K (slot = RoPE position), slot n+s attending slots 0..n+s, capturing the drafter's aux layers; accept
+  (`common.accept`) the longest prefix with d_j == target argmax and the bonus token from the same logits. The
+  accepted slots n..n+a are already in place; the rest lie past the new n, masked, overwritten next round.
+- tree: the cache's tree of S nodes (node 0 = the pending token); ONE target forward of the S nodes at slots
+  n..n+S-1, positions n + depth, node i attending the committed slots and its ancestors (and itself). Node i >= 1
+  matches when its token is the target's argmax at its parent and is accepted when it and every ancestor match;
+  a node's children carry distinct tokens, so the accepted nodes are one path from the root (`tree.verify`'s greedy
+  walk). Its deepest node b, at depth a, gives a drafts and the bonus argmax(b). The path's target k/v move from
+  slots n + path[j] to n + j. Fixed shapes: the path is P = min(depth+1, S) node indices, the ancestors of b in
+  index order (depth order) followed by filler whose writes lie past the new n.
+Both then commit: the drafter writes entries at n.. for the verify's aux states of the path paired with the next
+tokens (accepted drafts, then the bonus); the first a+1 count, and n += a+1.
+
 On CUDA the round is captured once per decoder and replayed; nothing in it waits for the host. The host learns a
 round's accepted count and tokens from an async copy into pinned memory that it reads one round late: round r+1 is
 launched before the host waits for round r, so the device does not idle between rounds. A round launched after
 the stop is thrown away (it only writes past the committed slots). Near the end of the cache the host waits for
 round r before it launches round r+1, so a launched round never writes past the cache. On the CPU the same code
-runs eagerly (no graph, the same late reads).
-
-Stopping: at the round whose tokens contain an eos or reach max_new_tokens, like `SpecDecoder` and
-`decode/batch.py`.
+runs eagerly (no graph, the same late reads). Stopping: at the round whose tokens contain an eos or reach
+max_new_tokens, like `SpecDecoder` and `decode/batch.py`.
 """
 
 from __future__ import annotations
@@ -27,9 +32,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from eyas.decode.batch import accept
-from eyas.decode.graphed import GraphedChainDrafting
-from eyas.decode.spec import SpecConfig, SpecStats, fit_drafter, prefill
+from eyas.decode.cache import DraftCache
+from eyas.decode.common import SpecConfig, SpecStats, accept, fit_drafter, prefill
 from eyas.errors import EyasError
 from eyas.target.graphs import capture
 
@@ -37,60 +41,58 @@ WARMUP = 3
 """Eager calls of the round before it is captured (lazy allocations, cuBLAS handles, compilation; as the runner)."""
 
 
-class RoundDrafting(GraphedChainDrafting):
-    """The static-cache chain drafter (`n`, `last`, k/v of `max_len` slots) with a fixed-shape commit."""
-
-    def propose(self) -> Tensor:
-        """K greedy draft tokens (K,) target ids from entry n-1; draft keys go to slots n..n+K-2."""
-        return self._chain_fn()
-
-    def commit(self, aux: Tensor, tokens: Tensor, acc: Tensor) -> None:
-        """Entries for slots n..n+K: aux (1,K+1,3h_t) the verify's features there, tokens (K+1,) the token after
-        each (the accepted drafts, the bonus at index acc, junk past it), acc (1,). Entries 0..acc count."""
-        out = self._extend_fn(aux, tokens[None])  # (1,K+1,h), keys written at slots n..n+K
-        self.last.copy_(out.index_select(1, acc))  # (1,1,h) output of entry n+acc
-        self.n.add_(acc[0] + 1)
-
-
-class RoundChainDecoder:
-    """Greedy EAGLE-3 chains on a target `Runner` (batch 1, cache row 0), each round one CUDA graph on CUDA."""
+class RoundDecoder:
+    """Greedy EAGLE-3 chains or EAGLE-2 trees on a target `Runner` (batch 1, cache row 0), each round one CUDA graph
+    on CUDA."""
 
     def __init__(self, runner, drafter, cfg: SpecConfig = SpecConfig(), *, compile_drafter: bool = False):
-        """compile_drafter: torch.compile the drafter's part of the round (graphed.GraphedChainDrafting)."""
-        if cfg.method != "chain" or cfg.temperature != 0:
-            raise EyasError(f"the one-graph round runs greedy chains only (method chain, temperature 0), got "
-                            f"method {cfg.method!r}, temperature {cfg.temperature}")
+        """compile_drafter: torch.compile the drafter's part of the round (cache.DraftCache's bodies)."""
+        if cfg.method not in ("chain", "tree") or cfg.temperature != 0:
+            raise EyasError(f"the one-graph round runs greedy chains and trees only (method chain or tree, "
+                            f"temperature 0), got method {cfg.method!r}, temperature {cfg.temperature}")
         if drafter is None:
-            raise EyasError("decode method 'chain' needs a drafter")
-        M, K, dev = runner.cfg.max_seq, cfg.k, runner.device
-        if K + 2 > M:
-            raise EyasError(f"a draft of {K} tokens does not fit a target cache of {M} slots")
+            raise EyasError(f"decode method {cfg.method!r} needs a drafter")
+        M, dev = runner.cfg.max_seq, runner.device
         drafter = fit_drafter(runner, drafter)
-        self._setup(runner, cfg, drafter, K, K + 1)
-        self.drafting = RoundDrafting(drafter, runner.embed, M, K, compile=compile_drafter)
-        self.pending = torch.zeros(1, dtype=torch.long, device=dev)
-        self._ar = torch.arange(K + 1, device=dev)
-
-    def _setup(self, runner, cfg: SpecConfig, drafter, K: int, width: int) -> None:
-        """What the host loop needs: K = most drafts a round accepts, width = target slots a round writes from
-        the committed count (chains K+1, trees their node count)."""
-        dev = runner.device
-        self.runner, self.cfg, self.K, self.width = runner, cfg, K, width
+        if cfg.method == "chain":
+            K = cfg.k
+            if K + 2 > M:
+                raise EyasError(f"a draft of {K} tokens does not fit a target cache of {M} slots")
+            d = DraftCache(drafter, runner.embed, slots=M, k=K, compile=compile_drafter)
+            S = P = K + 1  # verified nodes, longest accepted path (root included)
+            self._body = self._chain_round
+        else:
+            d = DraftCache(drafter, runner.embed, slots=M, tree=(cfg.top_k, cfg.depth, cfg.total_tokens),
+                           compile=compile_drafter)
+            S = 1 + min(cfg.total_tokens, d.pool_depths.numel())  # the root and the kept draft nodes
+            if S + 1 > M:
+                raise EyasError(f"a tree of {S - 1} draft nodes does not fit a target cache of {M} slots")
+            P = min(cfg.depth + 1, S)
+            self._body = self._tree_round
+        # K: most drafts a round accepts; width: target slots a round writes from the committed count
+        self.runner, self.cfg, self.drafting, self.K, self.width, self.S, self.P = runner, cfg, d, P - 1, S, S, P
         self.aux_ids = tuple(drafter.config.aux_layer_ids)
         self._verify = runner.step_fn(self.aux_ids)  # compiled when the runner is
-        self.info = torch.zeros(K + 2, dtype=torch.long, device=dev)  # a round's [accepted, K+1 tokens]
-        self._cols = torch.arange(runner.cfg.max_seq, device=dev)
+        self.pending = d.root  # the pending token; a tree proposer reads it from there
+        self.info = torch.zeros(self.K + 2, dtype=torch.long, device=dev)  # a round's [accepted, K+1 tokens]
+        self._cols = torch.arange(M, device=dev)
+        self._ar = torch.arange(S, device=dev)
+        self._path_slots = torch.arange(P, device=dev)
         cuda = dev.type == "cuda"
         # two pinned slots: round r+1 is launched (and its copy queued) before the host reads round r
-        self._host = [torch.zeros(K + 2, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self._host = [torch.zeros(self.K + 2, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
         self._done = [torch.cuda.Event() for _ in range(2)] if cuda else None
         self._run = None
 
     # ------------------------------------------------------------------ the device round
     def _round(self) -> Tensor:
         """One round on static buffers only: the body of the CUDA graph. Returns `info`."""
+        return self._body()
+
+    def _chain_round(self) -> Tensor:
+        """A chain round (module docstring)."""
         d = self.drafting
-        draft = d.propose()  # (K,)
+        draft = d.draft_chain()[0]  # (K,)
         ids = torch.cat([self.pending, draft])[None]  # (1,K+1)
         slots = (d.n + self._ar)[None]  # (1,K+1) slot = RoPE position
         mask = self._cols[None, None] <= slots[:, :, None]  # (1,K+1,M) the prefix and the chain up to itself
@@ -98,6 +100,31 @@ class RoundChainDecoder:
         acc, bonus = accept(draft[None], logits.argmax(-1))  # (1,), (1,)
         tokens = torch.cat([draft, bonus]).scatter(0, acc, bonus)  # (K+1,) accepted drafts, then the bonus
         d.commit(aux, tokens, acc)
+        self.pending.copy_(bonus)
+        self.info[:1].copy_(acc)
+        self.info[1:].copy_(tokens)
+        return self.info
+
+    def _tree_round(self) -> Tensor:
+        """A tree round (module docstring)."""
+        d, S, P = self.drafting, self.S, self.P
+        t = d.draft_tree()  # StaticTree of S nodes after the pending token
+        n = d.n
+        rel = self._cols - n  # (M,) each slot relative to the first draft slot
+        tree = t.mask.index_select(1, rel.clamp(0, S - 1)) & ((rel >= 0) & (rel < S))  # (S,M) ancestors' slots
+        mask = ((self._cols < n)[None] | tree)[None]  # (1,S,M)
+        logits, aux = self._verify(t.tokens[None], (n + t.depths)[None], (n + self._ar)[None], mask)
+        greedy = logits[0].argmax(-1)  # (S,) target argmax after each node
+        match = (t.tokens == greedy.index_select(0, t.parents.clamp(min=0))) | (self._ar == 0)
+        accepted = ~(t.mask & ~match[None]).any(-1)  # (S,) the node and all its ancestors match
+        best = (accepted * (t.depths + 1)).argmax().view(1)  # (1,) the deepest accepted node (one per depth)
+        acc = t.depths.index_select(0, best)  # (1,) accepted drafts
+        bonus = greedy.index_select(0, best)  # (1,)
+        # the path's node indices in depth order, then filler: (P,)
+        path = t.mask.index_select(0, best)[0].int().sort(descending=True, stable=True).indices[:P]
+        tokens = torch.cat([t.tokens.index_select(0, path[1:]), bonus]).scatter(0, acc, bonus)  # (P,)
+        self.runner.copy_slots(n + path, n + self._path_slots)
+        d.commit(aux.index_select(1, path), tokens, acc)
         self.pending.copy_(bonus)
         self.info[:1].copy_(acc)
         self.info[1:].copy_(tokens)
@@ -142,8 +169,8 @@ class RoundChainDecoder:
     # ------------------------------------------------------------------ host loop
     def _prefill(self, prompt: list[int], chunk: int = 512) -> tuple[int, Tensor]:
         """Target slots 0..n-1 of row 0 -> (first new token, aux (1,n,3h_t)); spec.prefill."""
-        last, aux = prefill(self.runner, prompt, self.aux_ids, chunk)
-        return int(last.argmax()), aux
+        last, aux = prefill(self.runner, [prompt], self.aux_ids, chunk)
+        return int(last[0].argmax()), aux
 
     @torch.no_grad()
     def generate(self, prompt: list[int], max_new_tokens: int, *, eos_ids=(), seed: int = 0
@@ -179,15 +206,8 @@ class RoundChainDecoder:
                 self._launch(launched)
                 launched += 1
             a, toks = self._read(stats.rounds)
-            stats.rounds += 1
-            stats.target_forwards += 1
-            stats.accepted.append(a)
-            for j in range(a):
-                stats.accepted_at[j] += 1
+            stats.add_round(a)
             out += toks
             committed += a + 1
             stopped = len(out) >= max_new_tokens or any(t in eos for t in toks)
-        cut = next((i + 1 for i, t in enumerate(out) if t in eos), len(out))
-        out = out[:min(cut, max_new_tokens)]
-        stats.tokens = len(out)
-        return out, stats
+        return stats.finish(out, eos, max_new_tokens), stats

@@ -1,9 +1,8 @@
-"""A graph-friendly EAGLE-2 dynamic tree proposer (issue 14 item 2): fixed-size device buffers, no host sync.
+"""The pieces of the graph-friendly EAGLE-2 dynamic tree (`cache.DraftCache.draft_tree`): fixed-size device tensors,
+no host sync, exactly the tree of `eagle.EagleDrafting.propose_tree` in the same node order (tests/test_static_tree.py),
+so the verify forward, `tree.verify` and the slot compaction are shared.
 
-It proposes exactly the tree of `eagle.EagleDrafting.propose_tree` (tests/test_tree_static.py), in the same
-node order, so the verify forward, `tree.verify` and the compaction in `spec.py` are reused unchanged.
-
-The eager proposer, per round (k = min(top_k, draft vocab)):
+The tree, per round (k = min(top_k, draft vocab)):
 - level 1: the k best draft tokens after the last committed entry, score = draft log-prob;
 - level l = 2..depth: the frontier (all level-1 nodes, then the top_k best nodes of the previous level by
   cumulative log-prob) runs one drafter step at RoPE position n + l - 2, each frontier node attending the
@@ -11,30 +10,19 @@ The eager proposer, per round (k = min(top_k, draft vocab)):
   score = parent score + child log-prob;
 - the pool is level-major, and within a level (frontier row, child rank): its index i is fixed by the shapes;
 - keep the `total` best pool nodes by (-score, depth, pool index), listed by (depth, pool index).
+Every level has a fixed size (`tree_plan`), so the round is straight-line tensor code: top-k and gathers, draft
+keys in a scratch region of the static cache, each frontier row's ancestors as a bool row over that region, the
+final selection by top-k over the pool, parents re-indexed through a cumsum rank, and the verify mask and
+positions built on the device.
 
-Here every level has a fixed size (frontier sizes depend only on top_k, depth and the draft vocab), so the
-round is straight-line tensor code: top-k and gathers instead of Python lists, draft keys written to a fixed
-scratch region past the live slots of the static drafter cache, each frontier row's ancestors tracked as a
-bool row over that region, the final selection by top-k over the pool, parents re-indexed through a cumsum
-rank, and the verify mask (node i attends the prefix, its ancestors and itself) and positions (prefix +
-depth) built on the device. On CUDA the round is captured as one CUDA graph (`target.graphs.capture`).
-
-Canonical order under ties. `torch.topk` does not define the order of equal values (on the CPU it lists
-ten equal zeros as 8, 9, 4, 7, ...; CUDA differs), so the eager proposer is ill-defined when draft log-probs
-tie, which bf16 logits make common. This proposer breaks every tie by the LOWER index: among children of a
-node, the lower draft-vocab id; in the frontier, the lower (row, rank) position; in the final selection, the
-lower pool index. Because pool indices grow with depth, the last is the eager `select_tree` key (-score,
-depth, index) exactly, and a parent (score >= its child's, lower index) is always kept before its child.
-Implementation (`stable_topk`): a stable descending sort (equal values keep their index order; -0.0 and +0.0
-compare equal), cut to k; over the draft vocabulary, topk for the k-th value t, a second topk over a float
-priority (above t first, then the ties by ascending index) for the k kept, and a stable sort of those k. A first
-version picked the ties with an int64 cumsum over the vocabulary; inductor lowers that to a split scan whose
-Triton codegen fails on CUDA (torch 2.11, an InductorError in `get_block_shape`, on the H200 2026-12-01).
-An earlier version packed value and index into int64 keys for one `topk`; compiled for CUDA, inductor folded
-the index arithmetic into int32 Triton code that cannot hold 2^32 - 1 (a CompilationError on the H200,
-2026-12-01). Without ties both proposers give the same tree; the eager one follows the canonical order when
-`Tensor.topk` is a stable sort (how tests/test_tree_static.py checks ties).
-NaN draft log-probs are not supported.
+Canonical order under ties. `torch.topk` does not define the order of equal values (CPU and CUDA differ), and bf16
+logits make ties common, so this tree breaks every tie by the LOWER index: among children of a node, the lower
+draft-vocab id; in the frontier, the lower (row, rank) position; in the final selection, the lower pool index.
+Pool indices grow with depth, so the last is the eager `select_tree` key (-score, depth, index) exactly, and a
+parent (score >= its child's, lower index) is always kept before its child. `stable_topk` implements it without
+an int64 scan or packed keys, both of which inductor failed to compile for CUDA (docs/LOG.md, "decode/ redesign").
+Without ties both proposers give the same tree; the eager one follows the canonical order when `Tensor.topk` is a
+stable sort (how tests/test_static_tree.py checks ties). NaN draft log-probs are not supported.
 """
 
 from __future__ import annotations
@@ -44,9 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from eyas.decode.graphed import GraphedChainDrafting, compiled
 from eyas.decode.tree import Draft
-from eyas.target.graphs import capture
 
 
 # ---------------------------------------------------------------------------------------------- pieces
@@ -148,90 +134,3 @@ class TreeDraft(Draft):
 
     def ancestors(self) -> Tensor:
         return self.tree.mask
-
-
-# ---------------------------------------------------------------------------------------------- proposer
-class StaticTreeDrafting(GraphedChainDrafting):
-    """The static-cache drafter (`graphed.GraphedChainDrafting`: reset/extend/rollback) proposing EAGLE-2 trees.
-
-    The cache has `max_len` live slots (entry t at slot t, as for chains) plus a scratch region for the draft
-    keys of levels 2..depth. A drop-in replacement for `EagleDrafting` in `SpecDecoder` tree rounds."""
-
-    def __init__(self, drafter, embed, max_len: int, *, top_k: int = 10, depth: int = 6, total: int = 60,
-                 compile: bool = False):
-        """compile: torch.compile the round's proposer and the graphed extends (as for chains)."""
-        if min(top_k, depth, total) < 1:
-            raise ValueError(f"tree top_k, depth and total must be >= 1, got {top_k}, {depth}, {total}")
-        self.top_k, self.depth, self.total = top_k, depth, total
-        self.kk = min(top_k, drafter.config.draft_vocab_size)
-        self.sizes = tree_plan(top_k, depth, drafter.config.draft_vocab_size)
-        self.live = max_len
-        # extends of up to depth+1 entries (an accepted path + bonus) are graphed, longer ones (prefill) eager
-        super().__init__(drafter, embed, max_len + sum(self.sizes), depth, compile=compile)
-        dev = self.k.device
-        offs = [max_len + sum(self.sizes[:j]) for j in range(len(self.sizes))]
-        self.slots = [torch.arange(o, o + f, device=dev) for o, f in zip(offs, self.sizes)]  # per level
-        scratch = torch.arange(max_len, self.M, device=dev)
-        self.own = [scratch[None] == s[:, None] for s in self.slots]  # (F, scratch): each row's own draft slot
-        depths = [torch.ones(self.kk, dtype=torch.long)] + [torch.full((f * self.kk,), level, dtype=torch.long)
-                                                            for level, f in enumerate(self.sizes, start=2)]
-        self.pool_depths = torch.cat(depths).to(dev)  # (P,)
-        self.root = torch.zeros(1, dtype=torch.long, device=dev)
-        self._tree = None
-        self._tree_fn = compiled(self._tree_body) if compile else self._tree_body
-
-    def _tree_body(self) -> StaticTree:
-        d, M, live, kk = self.d, self.M, self.live, self.kk
-        lp = torch.log_softmax(d.logits(self.last).float()[0, -1], -1)     # (Vd,)
-        score, ids = stable_topk(lp, kk)                                     # (k,) level 1
-        tok = d.draft_to_target(ids)                                         # (k,) target ids
-        toks, scores, parents = [tok], [score], [torch.full_like(ids, -1)]
-        front = torch.arange(kk, device=ids.device)                          # pool indices of the frontier
-        hidden = self.last.expand(1, kk, -1)                                 # (1,F,h) input of each frontier row
-        anc = torch.zeros(kk, M - live, dtype=torch.bool, device=ids.device)  # (F, scratch) ancestors' draft slots
-        committed = (self.cols[:live] < self.n)[None]                        # (1, live)
-        base = kk
-        for level, (F, slots, own) in enumerate(zip(self.sizes, self.slots, self.own), start=2):
-            eye = torch.eye(F, dtype=torch.bool, device=ids.device)
-            mask = torch.cat([committed.expand(F, live), anc, eye], -1)[None]  # (1,F,M+F)
-            pos = (self.n + (level - 2)).view(1, 1).expand(1, F)             # entry n-1 + (level-1)
-            out, (k, v) = d.layer(hidden, self.embed(tok[None]), pos, mask, (self.k, self.v))  # (1,F,h)
-            self.k.index_copy_(2, slots, k[:, :, M:])
-            self.v.index_copy_(2, slots, v[:, :, M:])
-            lp = torch.log_softmax(d.logits(out).float()[0], -1)             # (F,Vd)
-            cs, ci = stable_topk(lp, kk)                                     # (F,kk)
-            cum = cs + score[:, None]                                        # (F,kk)
-            ctok = d.draft_to_target(ci).flatten()                           # (F*kk,)
-            toks.append(ctok)
-            scores.append(cum.flatten())
-            parents.append(front.repeat_interleave(kk))
-            if level < self.depth:
-                best, rows = frontier(cum, self.sizes[level - 1])            # (F',)
-                anc = (anc | own)[rows]                                      # (F', scratch)
-                front, tok, score, hidden = base + best, ctok[best], cum.flatten()[best], out[:, rows]
-            base += F * kk
-        keep, tparents = select(torch.cat(scores), torch.cat(parents), self.total)
-        tparents = torch.cat([torch.full_like(self.root, -1), tparents])    # (S,)
-        return StaticTree(tokens=torch.cat([self.root, torch.cat(toks)[keep]]), parents=tparents,
-                          depths=torch.cat([torch.zeros_like(self.root), self.pool_depths[keep]]),
-                          mask=ancestor_mask(tparents, self.depth))
-
-    @torch.no_grad()
-    def propose(self, root) -> StaticTree:
-        """This round's tree after the pending `root` token (int or (1,)/0-d tensor); no host sync.
-        On CUDA the tensors are the graph's output buffers: the next propose overwrites them."""
-        if isinstance(root, Tensor):
-            self.root.copy_(root.view(1))
-        else:
-            self.root.fill_(int(root))
-        if self._tree is None:
-            self._tree = capture(self._tree_fn, cuda=self.k.device.type == "cuda")
-        return self._tree()
-
-    def propose_tree(self, root: int, top_k: int, depth: int, total: int) -> TreeDraft:
-        """`EagleDrafting.propose_tree`'s signature: the tree as a Draft (one host copy per round)."""
-        if (top_k, depth, total) != (self.top_k, self.depth, self.total):
-            raise ValueError(f"this drafter was built for tree {self.top_k}/{self.depth}/{self.total}, "
-                             f"asked for {top_k}/{depth}/{total}")
-        t = self.propose(root)
-        return StaticTree(t.tokens, t.parents, t.depths, t.mask.clone()).to_draft()

@@ -24,13 +24,13 @@ from eyas.sdpa import INFERENCE_SDPA
 
 @functools.cache
 def _compiled_flex():
-    from torch import _dynamo
-
     from torch.nn.attention.flex_attention import flex_attention
+
+    from eyas.target.compile import raise_recompile_limit
 
     # TTT calls it with K key lengths (and eval/train variants): room for every shape, never the eager fallback
     # that materialises the whole score matrix
-    _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, 64)
+    raise_recompile_limit()
     return torch.compile(flex_attention, dynamic=False)
 
 

@@ -24,6 +24,15 @@ def check_attention(attention: str) -> None:
         raise EyasError(f"runner: attention {attention!r}: expected matmul or flex")
 
 
+def raise_recompile_limit(at_least: int = 64) -> None:
+    """Let dynamo keep `at_least` compiled versions of one code object (default 8). Every runner, drafter, batch and
+    shape is a recompile of the same code; past the limit a fullgraph compile raises and others fall back to eager.
+    The one place eyas raises it (runner steps, static drafters, flex attention, training)."""
+    from torch import _dynamo
+
+    _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, at_least)
+
+
 def has_regions() -> bool:
     """Whether this torch has compile regions (torch.compiler.nested_compile_region)."""
     return hasattr(torch.compiler, "nested_compile_region")
@@ -104,10 +113,7 @@ def check_persist(*, compile: bool, dynamic: bool, regions: bool, attention: str
 def compile_step(policy: CompilePolicy, fn, *, dynamic, owner=None, free=None, extra=(), config: str = ""):
     """torch.compile(fn) under `policy`; with persist and `free` (fn as a function of `owner`, then `extra`), a
     PersistentStep that saves it on disk, its files named also by `config` (what else shapes the step's code)."""
-    # every Runner compiles the same code objects (its _decode, its step_fn's step), and each runner, batch and
-    # shape is a recompile of them: dynamo's default limit of 8 stops a process that holds a few runners (a
-    # bench's, the batched decoder's, the tests'), with fullgraph an error; persist's fallbacks compile them too
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    raise_recompile_limit()  # a process holds a few runners (a bench's, the batched decoder's, the tests')
     if policy.persist is not None and free is not None:
         from eyas.target.persist import PersistentStep
 

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from eyas.errors import EyasError
-from eyas.target.runner import Runner
+from eyas.target.runner import Runner, move_rows
 from eyas.target.sampling import sample
 
 
@@ -57,15 +57,6 @@ def _pick(logits: Tensor, temperature: float, top_p: float, gen) -> Tensor:
     """sample(): greedy as max(-1).indices, argmax's first-index rule, which is several times faster than argmax
     over a bf16 vocabulary on the CPU."""
     return logits.max(-1).indices if temperature == 0 else sample(logits, temperature, top_p, gen)
-
-
-def _compact(runner: Runner, live: Tensor, L: int) -> Tensor:
-    """Rows `live` (1-D, ascending) of every layer's cache slots [:L] move to rows 0..len(live)-1."""
-    n = live.numel()
-    for layer in runner.layers:
-        layer.k_cache[:n, :, :L] = layer.k_cache[live, :, :L]
-        layer.v_cache[:n, :, :L] = layer.v_cache[live, :, :L]
-    return live
 
 
 def _generate_chunk(runner: Runner, prompts, max_new, temperature, top_p, eos, gen, prefill_chunk, window, compact):
@@ -133,7 +124,7 @@ def _generate_chunk(runner: Runner, prompts, max_new, temperature, top_p, eos, g
             if compact and k <= n // 2:
                 n, m = 1 << (k - 1).bit_length(), k  # a few graph sizes, not one per count
                 keep = torch.cat([live, live[:1].expand(n - k)])  # filler rows: copies of a live row
-                _compact(runner, keep, W)
+                move_rows(runner, keep, W)
                 nxt, pos, slot, valid, rows = nxt[keep], pos[keep], slot[keep], valid[keep], rows[keep]
                 done = torch.zeros(n, dtype=torch.bool, device=dev)
                 done[k:] = True  # fillers: their tokens are never read and they never hold up the chunk

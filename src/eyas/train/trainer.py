@@ -129,8 +129,8 @@ class Trainer:
             init_head_from_target(drafter, target)
         drafter.to(self.device)
         if cfg.compile:
-            from torch import _dynamo
-            _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, 64)  # K steps x train/eval
+            from eyas.target.compile import raise_recompile_limit
+            raise_recompile_limit()  # K steps x train/eval
             drafter.midlayer.compile(dynamic=False)  # in place: the state-dict keys stay the export keys
         ttt = TTTConfig(num_steps=cfg.ttt_steps, decay=cfg.decay, chunk_size=cfg.chunk_size, attention=cfg.attention,
                         loss=cfg.loss, lk_eta=cfg.lk_eta)

@@ -2,7 +2,7 @@
 measures on the same replies, round for round, while the per-position estimate (chain_acceptance) does not.
 
 fp32 on the CPU with the tiny peaky target, briefly trained drafter, prompts and mid-round eos of
-test_batch_spec.py. The replies are the target's own greedy outputs (what regeneration trains on), so a chain
+test_batch_chains.py. The replies are the target's own greedy outputs (what regeneration trains on), so a chain
 drafted at position t in decoding is exactly TTT's step-0..K-1 predictions at t. Two samples share each packed
 row (segment ids, positions restarting) to cover the packed eval batches too.
 """
@@ -15,7 +15,7 @@ from eyas.target.load import target_from_model
 from eyas.train.data import Batch, target_features
 from eyas.train.metrics import chain_acceptance, round_counts
 from eyas.train.ttt import TTTConfig, ttt_forward
-from test_batch_spec import NEW, setup  # noqa: F401 (setup: fixture)
+from test_batch_chains import NEW, setup  # noqa: F401 (setup: fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models on one thread
 

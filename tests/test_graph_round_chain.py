@@ -1,7 +1,7 @@
-"""The one-graph chain round (decode/round.py) decodes exactly like the host-driven eager chain decoder.
+"""The one-graph chain round (decode/round.py's chain body) decodes exactly like the host-driven eager chain decoder.
 
 fp32 on the CPU, where the same round code runs eagerly, with the tiny peaky target, the briefly trained drafter,
-the prompts (1..240 tokens) and the mid-round eos of test_batch_spec.py. For K = 1, 3, 5:
+the prompts (1..240 tokens) and the mid-round eos of test_batch_chains.py. For K = 1, 3, 5:
 (a) every prompt's tokens == plain greedy decoding of it;
 (b) its per-round accepted counts == the eager `SpecDecoder` chain's (both stop at the round holding the eos);
 (c) every draft step's logits == the eager drafter's, to fp32 rounding;
@@ -19,11 +19,12 @@ import torch
 
 from eyas.decode import round as round_mod
 from eyas.decode.batch import accept
-from eyas.decode.round import RoundChainDecoder, RoundDrafting
+from eyas.decode.cache import DraftCache
+from eyas.decode.round import RoundDecoder
 from eyas.decode.spec import SpecConfig, SpecDecoder
 from eyas.errors import EyasError
 from eyas.target.runner import Runner
-from test_batch_spec import NEW, batch1_accepted, overshoots, record, setup  # noqa: F401 (setup: fixture)
+from test_batch_chains import NEW, batch1_accepted, overshoots, record, setup  # noqa: F401 (setup: fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models on one thread
 
@@ -41,7 +42,7 @@ def decode_all(dec, prompts, eos, new=NEW):
 def test_round_equals_plain_greedy_and_eager_chain_acceptance(setup, k, monkeypatch):
     """Rounds are launched one ahead of the host's reads: at most one round past the stop is thrown away."""
     _, runner, drafter, prompts, ref, eos = setup
-    dec = RoundChainDecoder(runner, drafter, chain(k))  # one decoder for every prompt: its state is reset
+    dec = RoundDecoder(runner, drafter, chain(k))  # one decoder for every prompt: its state is reset
     launches = []
     launch = dec._launch
     monkeypatch.setattr(dec, "_launch", lambda r: launches.append(r) or launch(r))
@@ -74,7 +75,7 @@ def test_draft_logits_equal_eager_drafter(setup, monkeypatch):
     seen = []
     logits = drafter.logits
     monkeypatch.setattr(drafter, "logits", lambda h: record(seen, logits(h)))
-    dec = RoundChainDecoder(runner, drafter, chain(k))
+    dec = RoundDecoder(runner, drafter, chain(k))
     eager = SpecDecoder(runner, drafter, chain(k), fast=False)
     steps = 0
     for p in prompts:
@@ -108,7 +109,7 @@ def full_runner(model, k):
 def test_cache_filled_to_the_end(full, k, monkeypatch):
     model, drafter, prompts = full
     runner = full_runner(model, k)
-    dec = RoundChainDecoder(runner, drafter, chain(k))
+    dec = RoundDecoder(runner, drafter, chain(k))
     fits = []
     check = dec._fits_another
     monkeypatch.setattr(dec, "_fits_another", lambda c: fits.append(check(c)) or fits[-1])
@@ -123,7 +124,7 @@ def test_cache_filled_to_the_end(full, k, monkeypatch):
 def test_launching_ahead_near_the_end_writes_past_the_cache(full, monkeypatch):
     """Injected: the host launches round r+1 before reading round r even near the end of the cache."""
     model, drafter, prompts = full
-    dec = RoundChainDecoder(full_runner(model, 5), drafter, chain(5))
+    dec = RoundDecoder(full_runner(model, 5), drafter, chain(5))
     monkeypatch.setattr(dec, "_fits_another", lambda c: True)
     with pytest.raises((IndexError, RuntimeError), match="out of (range|bounds)"):
         decode_all(dec, prompts, [])
@@ -144,13 +145,13 @@ def bonus_before(draft, greedy):
 def test_bonus_from_the_wrong_position_breaks_losslessness(setup, wrong, monkeypatch):
     _, runner, drafter, prompts, ref, eos = setup
     monkeypatch.setattr(round_mod, "accept", wrong)
-    outs, _ = decode_all(RoundChainDecoder(runner, drafter, chain(3)), prompts, [eos])
+    outs, _ = decode_all(RoundDecoder(runner, drafter, chain(3)), prompts, [eos])
     assert sum(o != r for o, r in zip(outs, ref)) >= len(prompts) // 2
 
 
 def last_entry_off_by(shift):
     def commit(self, aux, tokens, acc):
-        out = self._extend_body(aux, tokens[None])  # (1,K+1,h)
+        out = self._write(aux, tokens[None])  # (1,K+1,h)
         self.last.copy_(out.index_select(1, (acc + shift).clamp(0, self.K)))
         self.n.add_(acc[0] + 1)
     return commit
@@ -159,8 +160,8 @@ def last_entry_off_by(shift):
 @pytest.mark.parametrize("shift", [1, -1], ids=["one-entry-too-many", "one-entry-too-few"])
 def test_drafter_continuing_from_the_wrong_entry_changes_acceptance_only(setup, shift, monkeypatch):
     _, runner, drafter, prompts, ref, eos = setup
-    monkeypatch.setattr(RoundDrafting, "commit", last_entry_off_by(shift))
-    outs, stats = decode_all(RoundChainDecoder(runner, drafter, chain(3)), prompts, [eos])
+    monkeypatch.setattr(DraftCache, "commit", last_entry_off_by(shift))
+    outs, stats = decode_all(RoundDecoder(runner, drafter, chain(3)), prompts, [eos])
     assert outs == ref  # still lossless: the target verifies every draft
     want = batch1_accepted(runner, drafter, prompts, eos, 3)
     assert [s.accepted for s in stats] != want
@@ -170,12 +171,15 @@ def test_drafter_continuing_from_the_wrong_entry_changes_acceptance_only(setup, 
 def test_spec_decoder_graph_round_flag_dispatches_here(setup):
     _, runner, drafter, prompts, ref, eos = setup
     dec = SpecDecoder(runner, drafter, SpecConfig(method="chain", k=3, graph_round=True))
-    assert isinstance(dec._round, RoundChainDecoder)
+    assert isinstance(dec._round, RoundDecoder) and dec.mode == "round"
     outs, stats = decode_all(dec, prompts[::4], [eos])
-    direct = decode_all(RoundChainDecoder(runner, drafter, chain(3)), prompts[::4], [eos])
+    direct = decode_all(RoundDecoder(runner, drafter, chain(3)), prompts[::4], [eos])
     assert outs == ref[::4] == direct[0]
     assert [s.accepted for s in stats] == [s.accepted for s in direct[1]]
     assert SpecDecoder(runner, drafter, chain(3))._round is None  # off by default, on every device
+    assert SpecDecoder(runner, drafter, chain(3), fast=True).mode == "static"
+    assert SpecDecoder(runner, drafter, chain(3), fast=False).mode == "eager"
+    assert SpecDecoder(runner, None, SpecConfig(method="lookup")).mode == "draftless"
 
 
 def test_bad_input_refused(setup):
@@ -186,13 +190,13 @@ def test_bad_input_refused(setup):
         SpecConfig(method="chain", temperature=0.7, graph_round=True)
     with pytest.raises(EyasError, match="greedy chains and trees only"):
         SpecConfig(method="tree", temperature=0.7, graph_round=True)
-    with pytest.raises(EyasError, match="greedy chains only"):
-        RoundChainDecoder(runner, drafter, SpecConfig(method="lookup"))
+    with pytest.raises(EyasError, match="greedy chains and trees only"):
+        RoundDecoder(runner, drafter, SpecConfig(method="lookup"))
     with pytest.raises(EyasError, match="needs a drafter"):
-        RoundChainDecoder(runner, None, chain(3))
+        RoundDecoder(runner, None, chain(3))
     with pytest.raises(EyasError, match="does not fit"):
-        RoundChainDecoder(runner, drafter, chain(400))
-    dec = RoundChainDecoder(runner, drafter, chain(3))
+        RoundDecoder(runner, drafter, chain(400))
+    dec = RoundDecoder(runner, drafter, chain(3))
     with pytest.raises(EyasError, match="empty prompt"):
         dec.generate([], NEW)
     with pytest.raises(EyasError, match="exceed the target cache"):
@@ -211,8 +215,8 @@ def test_cuda_graph_round_equals_cpu_eager(setup, compile, monkeypatch):
     model, cpu, drafter, prompts, ref, eos = setup
     gpu = Runner.from_hf(model, max_batch=1, max_seq=320, device="cuda", compile=bool(compile))
     for k in (1, 3, 5):
-        want = decode_all(RoundChainDecoder(cpu, drafter, chain(k)), prompts, [eos])
-        dec = RoundChainDecoder(gpu, copy.deepcopy(drafter), chain(k), compile_drafter=compile == "drafter")
+        want = decode_all(RoundDecoder(cpu, drafter, chain(k)), prompts, [eos])
+        dec = RoundDecoder(gpu, copy.deepcopy(drafter), chain(k), compile_drafter=compile == "drafter")
         bodies = []
         body = dec._round
         monkeypatch.setattr(dec, "_round", lambda: bodies.append(1) or body())
@@ -234,7 +238,7 @@ def test_cuda_graph_round_equals_cpu_eager(setup, compile, monkeypatch):
         assert sum(s.rounds for s in got[1]) > 50
     full = Runner.from_hf(model, max_batch=1, max_seq=200 + NEW + 5 + 1, device="cuda", compile=bool(compile))
     long = [p for p in prompts if len(p) == 200]
-    got = decode_all(RoundChainDecoder(full, copy.deepcopy(drafter), chain(5)), long, [])
+    got = decode_all(RoundDecoder(full, copy.deepcopy(drafter), chain(5)), long, [])
     assert got[0] == cpu.generate(long, NEW)
 
 
@@ -250,7 +254,8 @@ def test_compiled_drafter_decodes_like_the_eager_drafter(setup, graph_round):
     dec = SpecDecoder(runner, drafter, cfg, fast=True, compile_drafter=True)
     drafting = dec._round.drafting if graph_round else dec.drafting
     assert hasattr(drafting._chain_fn, "_torchdynamo_orig_callable")  # torch.compile's wrapper
-    assert hasattr(drafting._extend_fn, "_torchdynamo_orig_callable")
+    assert hasattr(drafting._write_fn, "_torchdynamo_orig_callable")
+    torch._dynamo.reset()  # both cases compile the same DraftCache bodies: count this case's compiles
     counters.clear()
     outs, stats = decode_all(dec, prompts[:4], [eos])
     assert counters["stats"]["unique_graphs"] >= 2  # the draft steps and an extend were compiled and ran
@@ -259,9 +264,9 @@ def test_compiled_drafter_decodes_like_the_eager_drafter(setup, graph_round):
 
 
 def test_many_compiled_drafters_in_one_process(setup, monkeypatch):
-    """Every compiled drafter body is one code object with guards on K and the class: ten decoders (host and
-    one-graph rounds, K = 1..5) exceed dynamo's default 8 entries, where fullgraph would raise instead of falling
-    back. `graphed.compiled` leaves room. (dynamo's eager backend here: the guards, not inductor, are the point.)"""
+    """Every compiled drafter body is one code object with guards on K: eighteen decoders (host and one-graph
+    rounds, K = 1..9) give the chain body more than dynamo's default 8 entries, where fullgraph would raise instead
+    of falling back. `cache.compiled` leaves room. (dynamo's eager backend here: the guards, not inductor, are the point.)"""
     from torch._dynamo.utils import counters
 
     real = torch.compile
@@ -269,7 +274,7 @@ def test_many_compiled_drafters_in_one_process(setup, monkeypatch):
     torch._dynamo.reset()
     counters.clear()
     _, runner, drafter, prompts, ref, eos = setup
-    for k in (1, 2, 3, 4, 5):
+    for k in range(1, 10):
         for graph_round in (False, True):
             dec = SpecDecoder(runner, drafter, SpecConfig(method="chain", k=k, graph_round=graph_round), fast=True,
                               compile_drafter=True)

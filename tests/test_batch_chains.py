@@ -15,6 +15,7 @@ import torch
 
 from conftest import make_tiny_llama
 from eyas.decode import batch as batch_mod
+from eyas.decode import cache as cache_mod
 from eyas.decode.batch import BatchChainDecoder, BatchSpecConfig, accept
 from eyas.decode.spec import SpecConfig, SpecDecoder
 from eyas.errors import EyasError
@@ -92,7 +93,7 @@ def test_rows_equal_plain_greedy_and_batch1_acceptance(setup, k, max_batch, comp
     prompts, ref = [prompts[i] for i in keep], [ref[i] for i in keep]
     runner = Runner.from_hf(model, max_batch=max_batch, max_seq=max_seq)
     if graphs:  # the CUDA capture's real warm-up calls, then replays (graphs.capture runs neither on the CPU)
-        monkeypatch.setattr(batch_mod, "capture", lambda fn, *a, cuda=None: [fn(*a) for _ in range(2)] and
+        monkeypatch.setattr(cache_mod, "capture", lambda fn, *a, cuda=None: [fn(*a) for _ in range(2)] and
                             (lambda: fn(*a)))
     dec = BatchChainDecoder(runner, drafter, BatchSpecConfig(k=k, compact=compact), graphs=graphs)
     moves = []
@@ -109,8 +110,9 @@ def test_rows_equal_plain_greedy_and_batch1_acceptance(setup, k, max_batch, comp
     assert k in acc and 0 in acc and sum(acc) / len(acc) > 0.3
     assert bool(moves) == compact  # finished rows were (or were not) moved out of the batch
     if graphs:  # one propose and one extend graph per batch size met (chunks and compaction: several), not per round
-        sizes = {b for _, b in dec._graphs}
-        assert {max_batch, *moves} <= sizes and len(dec._graphs) == 2 * len(sizes)
+        keys = dec.drafting.graph_keys
+        sizes = {key[1] for key in keys}
+        assert {max_batch, *moves} <= sizes and len(keys) == 2 * len(sizes)
 
 
 def record(seen: list, lg):
@@ -158,9 +160,9 @@ def test_wrong_rows_bonus_breaks_losslessness(setup, monkeypatch):
 def test_wrong_rows_drafter_features_change_acceptance_only(setup, monkeypatch):
     model, _, drafter, prompts, ref, eos = setup
     runner = Runner.from_hf(model, max_batch=8, max_seq=320)
-    extend = batch_mod.BatchChainDrafting.extend
-    monkeypatch.setattr(batch_mod.BatchChainDrafting, "extend",
-                        lambda self, aux, *a: extend(self, aux.roll(1, 0), *a))  # the previous row's aux states
+    extend = cache_mod.DraftCache.extend
+    monkeypatch.setattr(cache_mod.DraftCache, "extend",
+                        lambda self, aux, *a, **kw: extend(self, aux.roll(1, 0), *a, **kw))  # the previous row's aux
     outs, stats = BatchChainDecoder(runner, drafter, BatchSpecConfig(k=4)).generate(prompts, NEW, eos_ids=[eos])
     assert outs == ref  # still lossless: the target verifies every draft
     want = batch1_accepted(runner, drafter, prompts, eos, 4)
@@ -206,6 +208,6 @@ def test_cuda_batched_chains_equal_cpu(setup, compile):
     gpu = Runner.from_hf(model, max_batch=8, max_seq=320, device="cuda", compile=compile, dynamic=compile)
     dec = BatchChainDecoder(gpu, copy.deepcopy(drafter), BatchSpecConfig(k=4))
     outs, stats = dec.generate(prompts, NEW, eos_ids=[eos])
-    assert dec.graphs and dec._graphs
+    assert dec.graphs and dec.drafting.graph_keys
     assert outs == ref
     assert [s.accepted for s in stats] == batch1_accepted(cpu, drafter, prompts, eos, 4)
