@@ -8,8 +8,8 @@ against batched plain decoding (`Runner.generate`), at each batch size; this run
     PYTHONPATH=src python benchmarks/decode.py --batch 1,4,16,64 --chain 3 [--drafter RUN | --random-drafter]
     PYTHONPATH=src python benchmarks/decode.py --batch 1,4,16 --tiny --dtype fp32 --max-new-tokens 64  # CPU smoke
 
-Greedy chains (and with --tree the default tree) at batch 1 with each round ONE CUDA graph (`eyas.decode.round`,
-`eyas.decode.round_tree`) against host-driven rounds (`SpecDecoder`, graphed drafter and verify) and plain
+Greedy chains (and with --tree the default tree) at batch 1 with each round ONE CUDA graph (`eyas.decode.round`'s
+RoundDecoder) against host-driven rounds (`SpecDecoder`, the static drafter cache and graphed verify) and plain
 decoding, on the same prompts and runner; with --compile both also with the drafter's steps compiled
 (`compile_drafter`):
 

@@ -71,9 +71,8 @@ def main() -> int:
     args = ap.parse_args()
 
     from decode import tiny_target
-    from eyas.decode.round import RoundChainDecoder
-    from eyas.decode.round_tree import RoundTreeDecoder
-    from eyas.decode.spec import SpecConfig
+    from eyas.decode.common import SpecConfig
+    from eyas.decode.round import RoundDecoder
     from eyas.model.drafter import DrafterConfig, Eagle3Drafter
     from eyas.target.runner import Runner
 
@@ -106,10 +105,10 @@ def main() -> int:
     mask = (torch.arange(M, device=dev) <= len(prompt))[None, None]
     results["plain step"] = profile(lambda: step(ids, pos, pos, mask), args.reps, dev)
 
-    rounds = [(f"chain-{args.chain} round", RoundChainDecoder, SpecConfig(method="chain", k=args.chain)),
-              ("tree round (10/6/60)", RoundTreeDecoder, SpecConfig(method="tree"))]
-    for name, cls, cfg in rounds:
-        dec = cls(r, drafter, cfg, compile_drafter=args.compile)
+    rounds = [(f"chain-{args.chain} round", SpecConfig(method="chain", k=args.chain)),
+              ("tree round (10/6/60)", SpecConfig(method="tree"))]
+    for name, cfg in rounds:
+        dec = RoundDecoder(r, drafter, cfg, compile_drafter=args.compile)
         dec.generate(prompt, 8)  # captures the round; leaves a committed state to replay from
         room = (M - len(prompt) - 8 - 2 * dec.width) // (dec.K + 1)
         reps = max(1, min(args.reps, room))
