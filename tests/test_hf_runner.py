@@ -11,7 +11,6 @@ from deepseek_twin import make_twin
 from eyas.decode.spec import SpecConfig, SpecDecoder
 from eyas.errors import EyasError
 from eyas.model.drafter import DrafterConfig, Eagle3Drafter
-from eyas.target import generate as generate_mod
 from eyas.target.hf_runner import HFRunner
 from eyas.target.runner import Runner
 
@@ -64,13 +63,13 @@ def test_from_hf_picks_the_generic_runner_for_non_llama_targets_with_a_note(twin
 
 def test_batched_generate_equals_uncached_greedy(twin, monkeypatch):
     """Left-padded rows of unequal lengths, two chunks, rows ending at different eos steps and the compaction of
-    the live rows (`target.runner.move_rows`, which moves cache rows through `runner.layers[i].k_cache`)."""
+    the live rows (the runner's `move_rows`, which moves the rows of its slot cache)."""
     model, tok = twin
     prompts = [tok.encode(t) for t in TEXTS]
     eos = (198, 282)  # two of the first chunk's four rows end by step 9, so step 15 compacts the other two
     compacted = []
-    real = generate_mod.move_rows
-    monkeypatch.setattr(generate_mod, "move_rows", lambda r, live, L: compacted.append(live.tolist()) or real(r, live, L))
+    real = HFRunner.move_rows
+    monkeypatch.setattr(HFRunner, "move_rows", lambda r, live, L: compacted.append(live.tolist()) or real(r, live, L))
     r = HFRunner.from_hf(model, max_batch=4, max_seq=64)
     got = r.generate(prompts, 24, eos_ids=eos)
     assert got == [naive_greedy(model, p, 24, eos) for p in prompts]

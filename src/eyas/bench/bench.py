@@ -26,7 +26,6 @@ from eyas.data.longprompts import LONG_TOKENS, is_long_set
 from eyas.decode.spec import SpecConfig, SpecDecoder, SpecStats
 from eyas.errors import EyasError
 from eyas.target.fingerprint import cache_root
-from eyas.target.runner import graph_count
 
 PROMPT_SETS = ("sharegpt-heldout", "humaneval", "long")
 
@@ -278,7 +277,7 @@ def _run(cfg, target, drafter, drafter_meta, records, out, warm_only=False) -> d
     room = prompt_room(cfg)
     methods = _methods(cfg, runner, drafter, eos)
     seconds = {"load": time.perf_counter() - clock}
-    before, saved = graph_count(runner), saved_steps(runner)
+    before, saved = runner.graph_count, saved_steps(runner)
 
     # Warm-up, not timed: compile and capture every shape of the timed loop, then decode a few rounds of the
     # first prompt per method (paths the shape set does not name, e.g. a drafter's chain graph); a few rounds
@@ -301,7 +300,7 @@ def _run(cfg, target, drafter, drafter_meta, records, out, warm_only=False) -> d
     clock = time.perf_counter()
     truncated = _decode_all(methods, records, tok, room, cfg, runner.device)
     seconds["decode"] = time.perf_counter() - clock
-    late = graph_count(runner) - shapes  # runner shapes first built inside the timed loop
+    late = runner.graph_count - shapes  # runner shapes first built inside the timed loop
     if late:
         print(f"warning: {late} runner shape(s) were compiled or captured inside the timed loop; the speeds "
               f"include that time", file=out)

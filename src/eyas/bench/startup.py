@@ -92,7 +92,6 @@ def warm_up(runner, step_fns: list[tuple], drafters=()) -> int:
     """Compile and capture every (fn, S) in `step_fns` ((fn, [S...]); fn None = the runner's plain decode
     step) and the drafter cache extends of 1..K+1 entries, on the slot convention of Runner.graphed (only
     slot max_seq-1 is written, never a live one). Returns how many runner shapes exist afterwards."""
-    from eyas.target.runner import graph_count
 
     M, dev = runner.cfg.max_seq, runner.device
     for fn, sizes in step_fns:
@@ -110,4 +109,4 @@ def warm_up(runner, step_fns: list[tuple], drafters=()) -> int:
         drafting.reset()
     if dev.type == "cuda":
         torch.cuda.synchronize()
-    return graph_count(runner)
+    return runner.graph_count

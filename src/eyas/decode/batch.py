@@ -14,7 +14,7 @@ slots 0..n_b-1 hold processed tokens and the row's last emitted token is pending
 A row that finishes (eos or max_new_tokens) rides along with n_b = 0: its dummy rounds write slots 0..K
 of its own row only. Once at most half the rows are live, the live rows move to the front of both caches
 and the batch shrinks to the next power of two (filler rows are finished copies), like
-`Runner.generate` (both move the target's rows with `target.runner.move_rows`).
+`Runner.generate` (both move the target's rows with the runner's `move_rows`).
 
 On CUDA the drafter's propose and extend attend all cache slots, so their shapes depend on the batch only, and
 each runs as one CUDA graph per batch size, as the verify does; the host syncs once per round.
@@ -33,7 +33,6 @@ from torch import Tensor
 from eyas.decode.cache import DraftCache
 from eyas.decode.common import SpecStats, accept, fit_drafter, prefill, right_padded
 from eyas.errors import EyasError
-from eyas.target.runner import move_rows
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,7 +131,7 @@ class BatchChainDecoder:
 
     def _move_rows(self, keep: Tensor, width: int) -> None:
         """Target and drafter cache rows `keep` (slots [:width]) become rows 0..len(keep)-1."""
-        move_rows(self.runner, keep, width)
+        self.runner.move_rows(keep, width)
         self.drafting.move_rows(keep, width)
 
     def _generate_chunk(self, prompts, max_new: int, eos: set[int]):

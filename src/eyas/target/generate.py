@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from eyas.errors import EyasError
-from eyas.target.runner import Runner, move_rows
+from eyas.target.runner import Runner
 from eyas.target.sampling import sample
 
 
@@ -124,7 +124,7 @@ def _generate_chunk(runner: Runner, prompts, max_new, temperature, top_p, eos, g
             if compact and k <= n // 2:
                 n, m = 1 << (k - 1).bit_length(), k  # a few graph sizes, not one per count
                 keep = torch.cat([live, live[:1].expand(n - k)])  # filler rows: copies of a live row
-                move_rows(runner, keep, W)
+                runner.move_rows(keep, W)
                 nxt, pos, slot, valid, rows = nxt[keep], pos[keep], slot[keep], valid[keep], rows[keep]
                 done = torch.zeros(n, dtype=torch.bool, device=dev)
                 done[k:] = True  # fillers: their tokens are never read and they never hold up the chunk

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from eyas.errors import EyasError
 from eyas.target.hooks import LayerInputs, decoder_stack
+from eyas.target.runner import copy_slots, move_rows
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,7 +93,7 @@ class SlotCache:
 
 
 class HFRunner(nn.Module):
-    """Runner interface (forward, step_fn, graphed, copy_slots, generate, embed, lm_head, cfg, layers) on an HF causal
+    """Runner interface (forward, step_fn, graphed, graph_count, copy_slots, move_rows, generate, embed, lm_head, cfg, layers) on an HF causal
     LM. Build with `HFRunner.from_hf(model, max_batch=, max_seq=)`; `Runner.from_hf` picks it for targets
     that are not Llama-family."""
 
@@ -205,10 +206,16 @@ class HFRunner(nn.Module):
 
     def copy_slots(self, src: Tensor, dst: Tensor, row: int = 0) -> None:
         """Move cache entries src[i] -> dst[i] in every layer for one row (tree compaction)."""
-        for layer in self.cache.layers:
-            if layer.k_cache is not None:
-                layer.k_cache[row, :, dst] = layer.k_cache[row, :, src]
-                layer.v_cache[row, :, dst] = layer.v_cache[row, :, src]
+        copy_slots(self.cache.layers, src, dst, row)
+
+    def move_rows(self, keep: Tensor, width: int) -> None:
+        """Cache rows `keep` (1-D long) of slots [:width] become rows 0..len(keep)-1 in every layer."""
+        move_rows(self.cache.layers, keep, width)
+
+    @property
+    def graph_count(self) -> int:
+        """Steps `graphed` has built (plain calls here), as `Runner.graph_count` counts them."""
+        return len(self._graphs)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, **kw) -> list[list[int]]:
         """Plain batched decoding (`eyas.target.generate.generate`)."""
