@@ -10,8 +10,8 @@ chain round (K), a one-graph tree round, each replayed R times back to back afte
 A round replays from the state the warm-up decode left, each replay committing its accepted tokens, so R is kept
 small enough for the cache.
 
-    PYTHONPATH=src python benchmarks/kernels.py --target T --drafter D --compile [--chain 5] [--reps 30]
-    PYTHONPATH=src python benchmarks/kernels.py --tiny --dtype fp32 --reps 3      # CPU smoke (operators, no CUDA)
+    PYTHONPATH=src python benchmarks/round_kernels.py --target T --drafter D --compile [--chain 5] [--reps 30]
+    PYTHONPATH=src python benchmarks/round_kernels.py --tiny --dtype fp32 --reps 3      # CPU smoke (operators, no CUDA)
 """
 
 from __future__ import annotations
