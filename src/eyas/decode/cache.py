@@ -40,7 +40,8 @@ class DraftCache:
                  tree: tuple[int, int, int] | None = None, graphs: bool = False, compile: bool = False):
         """rows x slots live slots; k: the chain length; tree: (top_k, depth, total) for EAGLE-2 trees (adds the
         scratch region). graphs: replay extends of up to k+1 (trees: depth+1) entries, chains and trees as CUDA
-        graphs; longer extends (the prompt) run eagerly. compile: torch.compile the fixed-shape bodies."""
+        graphs; longer extends (the prompt) run eagerly. compile: torch.compile the fixed-shape bodies (not the
+        prompt's extend)."""
         self.d, self.embed, self.K, self.live, self.tree = drafter, embed, k, slots, tree  # embed: the target's
         cfg = drafter.config
         self.sizes: list[int] = []  # a tree's frontier sizes, levels 2..depth
@@ -184,8 +185,8 @@ class DraftCache:
             for b, x in zip(bufs, (aux, tokens, count)):
                 b.copy_(x)
             run()
-        else:
-            self._write_fn(aux, tokens, count, width)
+        else:  # compiled only at a round's fixed sizes: a prompt's length would recompile at decode time
+            (self._write_fn if width is None and S <= self.graph_max else self._write)(aux, tokens, count, width)
         self.n[:tokens.shape[0]] += S if count is None else count
 
     def commit(self, aux: Tensor, tokens: Tensor, acc: Tensor) -> None:
