@@ -9,7 +9,7 @@
 #            bash benchmarks/gpu_preset.sh split                 (the GGUF and wheels -> .stage2/a, .stage2/b)
 #   call 1, carry .stage2/a:             bash benchmarks/gpu_preset.sh stage-a
 #   call 2, carry .stage-dec:            bash benchmarks/dec_ab.sh stage        (.stage2/a + .stage-dec pass 64 MiB)
-#   call 3, carry .stage2/b:             bash benchmarks/gpu_preset.sh stage-b none &&
+#   call 3, carry .stage2/b:             bash benchmarks/gpu_preset.sh stage-b none && AB_AFTER_REV=<HEAD here>
 #                                        bash benchmarks/dec_ab.sh bg > /root/ab-bg.log 2>&1; tail -n 20 /root/ab-bg.log
 #   then (the very next call: the machine goes back 30 s after a call):  OUT=$OUT bash benchmarks/dec_ab.sh poll 540
 # $OUT gets ab.md (the table), gpu.txt (the tests' log), the bench JSONs and job.log.
@@ -45,7 +45,9 @@ bg)
   [ -d $W/before/src ] || { echo "not staged: dec_ab.sh stage first"; exit 3; }
   # the after tree is this call's tree, copied: later calls re-sync the working tree under the job
   rm -rf $W/after && mkdir -p $W/after && cp -r src tests benchmarks pyproject.toml $W/after/
-  git rev-parse HEAD > $W/after.rev.git 2>/dev/null && mv $W/after.rev.git $W/after.rev
+  # the device's copy has no .git: the call names the after commit (else pack time's HEAD stands)
+  if [ -n "${AB_AFTER_REV:-}" ]; then echo "$AB_AFTER_REV" > $W/after.rev
+  else git rev-parse HEAD > $W/after.rev.git 2>/dev/null && mv $W/after.rev.git $W/after.rev; fi
   rm -f $W/job.done
   cp benchmarks/dec_ab.sh $W/dec_ab.sh   # bash reads a script as it runs: the job's copy must not change under it
   (cd $W && setsid nohup bash $W/dec_ab.sh job > $W/job.log 2>&1 < /dev/null &)
