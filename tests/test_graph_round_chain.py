@@ -285,9 +285,9 @@ def test_many_compiled_drafters_in_one_process(setup, monkeypatch):
 @pytest.mark.parametrize("graph_round", [True, False])
 def test_prompt_lengths_compile_nothing(setup, graph_round, monkeypatch):
     """compile_drafter compiles the drafter's fixed-shape bodies only: once a decoder has decoded one prompt, prompts
-    of other lengths compile nothing more. (The prompt's extend compiled for its length recompiled inside the
-    bench's timed loop: 0.41x plain instead of 0.90x on the H200, BENCHMARKS.md.) Every extend length a round can
-    commit (1..K+1) is decoded first, so later rounds bring no new fixed shape either."""
+    of other lengths compile nothing more (a prompt's extend compiled for its length recompiled inside the
+    bench's timed loop: BENCHMARKS.md, decode/ before and after). The first prompt decodes 40 tokens without an eos,
+    so later rounds bring no new fixed shape either."""
     from torch._dynamo.utils import counters
 
     real = torch.compile

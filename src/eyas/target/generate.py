@@ -1,8 +1,8 @@
 """Plain batched decoding on the static-cache runner: prepare's regeneration, the bench's plain baseline.
 
-Prompts run longest first in chunks of the runner's `max_batch` rows, left-padded; a chunk prefills in
-pieces of `prefill_chunk` tokens, then decodes one token per step (a CUDA graph per (rows, window) shape on
-CUDA) until every row has met an eos or the token budget.
+Prompts run longest first in chunks of the runner's `max_batch` rows, each row from slot 0; a chunk prefills
+(`decode.common.prefill`, pieces of `prefill_chunk` tokens), then decodes one token per step (a CUDA graph per
+(rows, window) shape on CUDA) until every row has met an eos or the token budget.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from eyas.decode.common import prefill
 from eyas.errors import EyasError
 from eyas.target.runner import Runner
 from eyas.target.sampling import sample
@@ -62,33 +63,17 @@ def _pick(logits: Tensor, temperature: float, top_p: float, gen) -> Tensor:
 def _generate_chunk(runner: Runner, prompts, max_new, temperature, top_p, eos, gen, prefill_chunk, window, compact):
     dev, M = runner.device, runner.cfg.max_seq
     B = len(prompts)
-    T = max(len(p) for p in prompts)
-    pad = torch.tensor([T - len(p) for p in prompts], device=dev)  # left padding per row
-    ids = torch.zeros(B, T, dtype=torch.long, device=dev)
-    for b, p in enumerate(prompts):
-        ids[b, T - len(p):] = torch.tensor(p, device=dev)
-    cols = torch.arange(T, device=dev)
-    positions = (cols[None] - pad[:, None]).clamp(min=0)  # (B,T)
-    real = cols[None] >= pad[:, None]  # (B,T) slot holds a prompt token
-    # Prefill in chunks of the sequence: query s attends real slots <= s (pads attend themselves).
-    logits = None
-    for s0 in range(0, T, prefill_chunk):
-        s1 = min(T, s0 + prefill_chunk)
-        q = torch.arange(s0, s1, device=dev)
-        k = torch.arange(s1, device=dev)
-        mask = (k[None, None] <= q[None, :, None]) & real[:, None, :s1]  # (B,S,s1)
-        mask |= (k[None, None] == q[None, :, None])
-        slots = q[None].expand(B, -1)
-        logits, _ = runner.forward(ids[:, s0:s1], positions[:, s0:s1], slots, mask, last_only=True)
+    logits, _ = prefill(runner, prompts, (), prefill_chunk)  # (B,V): rows from slot 0, right-padded
+    lens = torch.tensor([len(p) for p in prompts], device=dev)
+    T = int(lens.max())
     steps = min(max_new, M - T)
-    # slots the decode steps can reach: T + steps - 1 (the last token is sampled, never fed)
+    # slots the decode steps can reach: up to T + steps - 1 (the last token is sampled, never fed)
     W = min(M, -(-(T + steps) // window) * window) if window else M
     tokens = torch.zeros(B, max(steps, 1), dtype=torch.long, device=dev)  # by original row
-    nxt = _pick(logits[:, -1], temperature, top_p, gen)  # (B,)
-    valid = torch.zeros(B, W, dtype=torch.bool, device=dev)
-    valid[:, :T] = real
-    pos = positions[:, -1:] + 1  # (B,1)
-    slot = torch.full((B, 1), T, dtype=torch.long, device=dev)
+    nxt = _pick(logits, temperature, top_p, gen)  # (B,)
+    valid = torch.arange(W, device=dev)[None] < lens[:, None]  # (B,W) the row's prompt slots
+    pos = lens[:, None].clone()  # (B,1) slot = RoPE position of the token fed next
+    slot = pos.clone()
     done = torch.zeros(B, dtype=torch.bool, device=dev)
     rows = torch.arange(B, device=dev)  # original row of each cache row
     n = m = B  # cache rows in use; the first m of them are real rows (the rest fill a graph size)
@@ -129,7 +114,7 @@ def _generate_chunk(runner: Runner, prompts, max_new, temperature, top_p, eos, g
                 done = torch.zeros(n, dtype=torch.bool, device=dev)
                 done[k:] = True  # fillers: their tokens are never read and they never hold up the chunk
                 step = runner.graphed(n, 1, slots=W)
-        valid[:, T + t] = True
+        valid.scatter_(1, slot, True)  # each row's fed token (slot lens_b + t)
         # A CUDA graph needs the full static mask; eagerly, attend only over the slots in use.
         L = W if dev.type == "cuda" else T + t + 1
         lg = step(nxt[:, None], pos, slot, valid[:, None, :L])
