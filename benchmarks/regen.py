@@ -43,16 +43,11 @@ from profiling import (activities, by_kernel, copy_bandwidth, device_work, group
                        sync)
 from eyas.target.runner import Layer, Runner  # noqa: E402
 
-MODES = {"full": dict(window=0, compact=False), "window": dict(window=256, compact=False, grow=False),
-         "window+compact": dict(window=256, compact=True, grow=False),
-         "matmul": dict(window=256, compact=True, grow=False),
-         "grow": dict(window=256, compact=True, grow=True), "grow+matmul": dict(window=256, compact=True, grow=True),
-         "compiled": dict(window=256, compact=True, grow=False),
-         "compiled+regions": dict(window=256, compact=True, grow=False)}
-"""window: a chunk's steps attend over its longest prompt + max_new slots, rounded up to 256; grow: over the slots
-filled so far, rounded up to 256 (a new graph as the replies cross each 256). matmul, grow+matmul: those with the
-decode attention forced onto the matmul path (else fused SDPA at batch x kv heads >= Layer.sdpa_rows on CUDA).
-compiled: window+compact on a runner whose decode step is
+MODES = {"full": dict(window=0, compact=False), "window": dict(window=256, compact=False),
+         "window+compact": dict(window=256, compact=True), "matmul": dict(window=256, compact=True),
+         "compiled": dict(window=256, compact=True), "compiled+regions": dict(window=256, compact=True)}
+"""matmul: window+compact with the decode attention forced onto the matmul path (the default takes fused SDPA at
+batch x kv heads >= Layer.sdpa_rows on CUDA). compiled: window+compact on a runner whose decode step is
 torch.compile'd with dynamic shapes (prepare --regen-compile); its compile time is in the warm-up column.
 compiled+regions: the same with the decoder layer compiled once for all layers (Runner.from_hf regions=True)."""
 
@@ -279,7 +274,7 @@ def main(argv=None) -> int:
         """The runner for mode `name` with the decode attention it selects, warmed up (graphs, compilation). The
         modes that share `runner` use the same graph keys, so a change of attention path drops its graphs first
         (else a mode would replay graphs captured on another mode's path)."""
-        Layer.sdpa_rows = 1 << 30 if name.endswith("matmul") else 512
+        Layer.sdpa_rows = 512 if name in ("window+compact", "compiled", "compiled+regions") else 1 << 30
         if name not in runners:
             runners[name] = runner if not name.startswith("compiled") else Runner.from_hf(
                 target.model, max_batch=a.batch, max_seq=a.max_seq, dtype=dtype, compile=True, dynamic=True,

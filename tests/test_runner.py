@@ -321,29 +321,6 @@ def test_cuda_batched_sdpa_decode_equals_eager_cpu(monkeypatch):
     assert gpu.generate(prompts, 40, eos_ids=eos, window=8) == ref
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("sdpa", [False, True])
-def test_cuda_growing_window_generate_equals_eager_cpu(monkeypatch, sdpa):
-    """Graphed decode steps whose window grows with the replies (a new graph each time the filled slots cross a
-    multiple of `window`) decode the same greedy tokens as the CPU and as one fixed window per chunk, on the matmul
-    and the fused-SDPA path; the graphs built show the growth (several windows at one batch size)."""
-    from eyas.target import runner as runner_mod
-
-    model = make_tiny_llama(seed=7)
-    cpu = Runner.from_hf(model, max_batch=12, max_seq=96)
-    prompts, eos = ragged_case(cpu)
-    ref = cpu.generate(prompts, 48, eos_ids=eos, window=8)
-    monkeypatch.setattr(runner_mod.Layer, "sdpa_rows", 1 if sdpa else 1 << 30)
-    gpu = Runner.from_hf(model, max_batch=12, max_seq=96, device="cuda")
-    assert gpu.generate(prompts, 48, eos_ids=eos, window=8) == ref
-    grown = {k[3] for k in gpu._graphs if k[0] == 12}
-    assert len(grown) >= 3, sorted(grown)  # 32..80 slots: the longest prompt (30) + 1, growing by 8
-    gpu._graphs.clear()
-    assert gpu.generate(prompts, 48, eos_ids=eos, window=8, grow=False) == ref
-    assert {k[3] for k in gpu._graphs if k[0] == 12} == {80}  # fixed: 30 + 48 slots rounded up to 8
-
-
 def _invoke_subgraphs(gm) -> tuple[int, int]:
     """(invoke_subgraph calls, distinct subgraphs they call) in a dynamo graph."""
     calls = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]

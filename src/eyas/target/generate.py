@@ -19,13 +19,13 @@ from eyas.target.sampling import sample
 @torch.no_grad()
 def generate(runner: Runner, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
              top_p: float = 1.0, eos_ids=(), seed: int = 0, prefill_chunk: int = 512,
-             progress=None, window: int = 256, compact: bool = True, grow: bool = True) -> list[list[int]]:
+             progress=None, window: int = 256, compact: bool = True) -> list[list[int]]:
     """Plain batched decoding. Returns the new tokens of each prompt (ending at and including
     the first eos, or after max_new_tokens, or when the cache row is full).
 
     Prompts run longest first, `max_batch` rows per chunk. On CUDA each decode step is a CUDA graph that
-    attends over the first L slots only (`window` 0: all max_seq slots): L = the slots filled so far rounded up to
-    `window`, growing as the replies do (`grow`), or else prompt + new tokens rounded up once; every 16 steps, once half the rows have finished, the live rows are moved to the front of the
+    attends over the first L slots only, L = prompt + new tokens rounded up to `window` (0: all max_seq
+    slots); every 16 steps, once half the rows have finished, the live rows are moved to the front of the
     cache and the step continues at the next power-of-two batch (`compact`), so a long tail of a few
     unfinished rows does not keep paying for the whole batch. Rows are independent: neither changes a
     row's tokens under greedy decoding."""
@@ -46,7 +46,7 @@ def generate(runner: Runner, prompts: list[list[int]], max_new_tokens: int, *, t
     for c in range(0, len(order), B):
         idx = order[c:c + B]
         rows = _generate_chunk(runner, [prompts[i] for i in idx], max_new_tokens, temperature, top_p, eos,
-                               gen, prefill_chunk, window, compact, grow)
+                               gen, prefill_chunk, window, compact)
         for i, r in zip(idx, rows):
             out[i] = r
         if progress is not None:
@@ -60,8 +60,7 @@ def _pick(logits: Tensor, temperature: float, top_p: float, gen) -> Tensor:
     return logits.max(-1).indices if temperature == 0 else sample(logits, temperature, top_p, gen)
 
 
-def _generate_chunk(runner: Runner, prompts, max_new, temperature, top_p, eos, gen, prefill_chunk, window, compact,
-                    grow):
+def _generate_chunk(runner: Runner, prompts, max_new, temperature, top_p, eos, gen, prefill_chunk, window, compact):
     dev, M = runner.device, runner.cfg.max_seq
     B = len(prompts)
     logits, _ = prefill(runner, prompts, (), prefill_chunk)  # (B,V): rows from slot 0, right-padded
@@ -70,9 +69,6 @@ def _generate_chunk(runner: Runner, prompts, max_new, temperature, top_p, eos, g
     steps = min(max_new, M - T)
     # slots the decode steps can reach: up to T + steps - 1 (the last token is sampled, never fed)
     W = min(M, -(-(T + steps) // window) * window) if window else M
-
-    def width(t):  # the slots step t attends over: its fed token sits at slot lens_b + t <= T + t
-        return min(W, -(-(T + t + 1) // window) * window) if window and grow else W
     tokens = torch.zeros(B, max(steps, 1), dtype=torch.long, device=dev)  # by original row
     nxt = _pick(logits, temperature, top_p, gen)  # (B,)
     valid = torch.arange(W, device=dev)[None] < lens[:, None]  # (B,W) the row's prompt slots
@@ -81,8 +77,7 @@ def _generate_chunk(runner: Runner, prompts, max_new, temperature, top_p, eos, g
     done = torch.zeros(B, dtype=torch.bool, device=dev)
     rows = torch.arange(B, device=dev)  # original row of each cache row
     n = m = B  # cache rows in use; the first m of them are real rows (the rest fill a graph size)
-    Wt = width(0)
-    step = runner.graphed(n, 1, slots=Wt)
+    step = runner.graphed(n, 1, slots=W)
     cuda = dev.type == "cuda"
     flags = torch.zeros(2, dtype=torch.bool, pin_memory=cuda)  # "every row done", copied to the host each step
     events = [torch.cuda.Event(), torch.cuda.Event()] if cuda else []  # each marks its flag's copy
@@ -114,17 +109,14 @@ def _generate_chunk(runner: Runner, prompts, max_new, temperature, top_p, eos, g
             if compact and k <= n // 2:
                 n, m = 1 << (k - 1).bit_length(), k  # a few graph sizes, not one per count
                 keep = torch.cat([live, live[:1].expand(n - k)])  # filler rows: copies of a live row
-                runner.move_rows(keep, Wt)
+                runner.move_rows(keep, W)
                 nxt, pos, slot, valid, rows = nxt[keep], pos[keep], slot[keep], valid[keep], rows[keep]
                 done = torch.zeros(n, dtype=torch.bool, device=dev)
                 done[k:] = True  # fillers: their tokens are never read and they never hold up the chunk
-                step = runner.graphed(n, 1, slots=Wt)
-        if width(t) > Wt:
-            Wt = width(t)
-            step = runner.graphed(n, 1, slots=Wt)
+                step = runner.graphed(n, 1, slots=W)
         valid.scatter_(1, slot, True)  # each row's fed token (slot lens_b + t)
         # A CUDA graph needs the full static mask; eagerly, attend only over the slots in use.
-        L = Wt if dev.type == "cuda" else T + t + 1
+        L = W if dev.type == "cuda" else T + t + 1
         lg = step(nxt[:, None], pos, slot, valid[:, None, :L])
         nxt = _pick(lg[:, -1], temperature, top_p, gen)
         pos += 1
