@@ -356,7 +356,9 @@ def main() -> int:
     device = torch.device(args.device)
     if world > 1:
         import torch.distributed as dist
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+        from eyas.train.dist import destroy_process_group, init_process_group
+        init_process_group("nccl" if device.type == "cuda" else "gloo")   # not dist's: see there
         rank = dist.get_rank()
         if device.type == "cuda":
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -395,7 +397,7 @@ def main() -> int:
                         print(r, flush=True)
     if world > 1:      # every rank leaves the group before exit (a live gloo group at exit can abort the process)
         dist.barrier()
-        dist.destroy_process_group()
+        destroy_process_group()
     if rank != 0:
         return 0
     if args.json:

@@ -32,14 +32,9 @@ SEED = 16
 
 
 # ------------------------------------------------------------------------------------------ the harness
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Children run on one thread (OpenMP pools do not survive fork); so does the resuming parent, because CPU
-    kernels reduce in a thread-count-dependent order and the comparisons are bitwise."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# Children run on one thread (OpenMP pools do not survive fork); so does the resuming parent, because CPU kernels
+# reduce in a thread-count-dependent order and the comparisons are bitwise.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _install_kill_points(kill_at: int | None, work: list) -> list:

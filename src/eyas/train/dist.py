@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 from dataclasses import dataclass
 
@@ -47,7 +48,7 @@ def setup(device: str, *, deterministic: bool = False) -> Dist:
     want_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     owns = world > 1 and not tdist.is_initialized()
     if owns:
-        tdist.init_process_group(backend="nccl" if want_cuda else "gloo")
+        init_process_group("nccl" if want_cuda else "gloo")
     rank, world = (tdist.get_rank(), tdist.get_world_size()) if tdist.is_initialized() else (0, 1)
     if want_cuda:
         if not torch.cuda.is_available():
@@ -63,10 +64,32 @@ def setup(device: str, *, deterministic: bool = False) -> Dist:
     return Dist(rank=rank, world=world, device=dev, owns_group=owns)
 
 
+def init_process_group(backend: str) -> None:
+    """tdist.init_process_group, after importing the torch modules that bind `group.WORLD` as a default argument.
+
+    torch.distributed.nn.functional (pulled in by torch._dynamo, which the first optimizer's constructor imports)
+    and a few others evaluate `group.WORLD` when imported: imported after the group exists, their defaults hold it
+    for the life of the interpreter, destroy_process_group cannot free it, and gloo's worker and TCP-loop threads
+    live on into interpreter teardown, where they can abort the process ("terminate called without an active
+    exception"). Imported first, the defaults are None."""
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.nn  # noqa: F401
+    tdist.init_process_group(backend=backend)
+
+
+def destroy_process_group() -> None:
+    """Free the wrapped models that still hold the group (FSDP2's modules sit in reference cycles), then destroy it,
+    so that its backend (gloo's threads) goes now rather than during interpreter teardown."""
+    gc.collect()
+    tdist.destroy_process_group()
+    gc.collect()
+
+
 def teardown(d: Dist) -> None:
     """Destroy the process group if setup() created it (after a finished run: every rank is past its last barrier)."""
     if d.owns_group and tdist.is_initialized():
-        tdist.destroy_process_group()
+        destroy_process_group()
 
 
 def _on() -> bool:
