@@ -137,14 +137,17 @@ class Layer(nn.Module):
         elif qg.shape[2] <= 256:
             # Few queries (decode, verify), at any batch: plain matmuls parallelise over the keys; the fused SDPA
             # kernels give each (head, query block) one thread block and crawl through long caches.
+            # The scale goes on the few queries, not the many scores (exact for a power-of-4 head dim); the bias
+            # is added in place; softmax reads the scores in their dtype and computes in fp32 (its accumulate
+            # type), rounding once on output. Fewer passes over the (B,KV,rep*S,L) scores, the same values.
+            qs = qg * D ** -0.5
             if kc.dtype == torch.bfloat16 and x.device.type == "cpu":
                 # CPU bf16 matmul copies a key slice [:L] first (slower than the product over every slot;
                 # docs/LOG.md); score all slots, then keep the first L.
-                att = torch.matmul(qg, kc.transpose(-1, -2))[..., :L]  # (B,KV,rep*S,L)
+                att = torch.matmul(qs, kc.transpose(-1, -2))[..., :L]  # (B,KV,rep*S,L)
             else:
-                att = torch.matmul(qg, kc[:, :, :L].transpose(-1, -2))  # (B,KV,rep*S,L)
-            att = att * D ** -0.5 + bias
-            att = torch.softmax(att.float(), dim=-1).to(qg.dtype)
+                att = torch.matmul(qs, kc[:, :, :L].transpose(-1, -2))  # (B,KV,rep*S,L)
+            att = torch.softmax(att.add_(bias), dim=-1)
             o = torch.matmul(att, vc[:, :, :L])  # (B,KV,rep*S,D)
         else:
             with sdpa_kernel(INFERENCE_SDPA):  # no cuDNN: a new plan per prompt length
