@@ -73,8 +73,10 @@ def _main(args) -> int:
     owns = False
     if world > 1:
         import torch.distributed as dist
+
+        from eyas.train.dist import destroy_process_group, init_process_group
         if not dist.is_initialized():
-            dist.init_process_group("gloo")  # only for barriers; every rank writes its own shards
+            init_process_group("gloo")  # only for barriers; every rank writes its own shards
             owns = True
         if device == "cuda":
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
@@ -84,7 +86,7 @@ def _main(args) -> int:
         raise EyasError(f"capture: {e}") from None
     m = run_capture(cfg)
     if owns:           # every rank is past run_capture's last barrier; a live gloo group at exit can abort the process
-        dist.destroy_process_group()
+        destroy_process_group()
     keys = ("complete", "num_samples", "num_tokens", "num_shards", "bytes", "dtype")
     print(json.dumps({k: m[k] for k in keys}))
     return 0

@@ -80,7 +80,8 @@ def init_process_group(backend: str) -> None:
 
 def destroy_process_group() -> None:
     """Free the wrapped models that still hold the group (FSDP2's modules sit in reference cycles), then destroy it,
-    so that its backend (gloo's threads) goes now rather than during interpreter teardown."""
+    so that its backend (gloo's threads) goes now rather than during interpreter teardown. torch's own caches may
+    still hold it (DTensor's lru_caches keep FSDP2's device mesh, and the mesh the group)."""
     gc.collect()
     tdist.destroy_process_group()
     gc.collect()
