@@ -363,3 +363,25 @@ def test_compile_options_reach_inductor_and_keep_the_tokens(monkeypatch):
     assert comp.generate([prompt], 10)[0] == eager.generate([prompt], 10)[0]
     with pytest.raises(EyasError, match="unknown inductor option.*no_such_knob"):
         Runner.from_hf(model, max_batch=1, max_seq=48, compile=True, compile_options={"no_such_knob": 1})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_matmul_attention_equals_the_naive_formula(dtype, head_dim):
+    """The decode/verify attention (scale on the queries, bias added in place, softmax in the scores' dtype) gives
+    bitwise the values of the plain formula: scores, scale, bias, fp32 softmax, back to the dtype, times v; over the
+    first L of M cache slots, with masked slots and rows of several queries."""
+    from eyas.target.runner import matmul_attention
+
+    g = torch.Generator().manual_seed(head_dim)
+    B, KV, R, M, L = 3, 2, 6, 40, 29
+    q = torch.randn(B, KV, R, head_dim, generator=g).to(dtype)
+    kc = torch.randn(B, KV, M, head_dim, generator=g).to(dtype)
+    vc = torch.randn(B, KV, M, head_dim, generator=g).to(dtype)
+    allowed = torch.rand(B, 1, R, L, generator=g) < 0.7
+    allowed[..., 0] = True  # every query row sees at least one slot
+    bias = torch.zeros(B, 1, R, L, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+    scores = torch.matmul(q, kc[:, :, :L].transpose(-1, -2)) * head_dim ** -0.5 + bias
+    naive = torch.matmul(torch.softmax(scores.float(), dim=-1).to(dtype), vc[:, :, :L])
+    ours = matmul_attention(q, kc, vc, bias.clone())
+    assert ours.dtype == dtype and torch.equal(ours, naive)

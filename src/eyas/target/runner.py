@@ -83,6 +83,23 @@ def rowwise_linear(x: Tensor, weight: Tensor) -> Tensor:
     return (x.float()[..., None, :] * weight.float()).sum(-1).to(x.dtype)
 
 
+def matmul_attention(q: Tensor, kc: Tensor, vc: Tensor, bias: Tensor) -> Tensor:
+    """softmax(q k^T / sqrt(D) + bias) v over cache slots 0..L-1, L = bias.shape[-1]: q (B,KV,R,D), kc/vc
+    (B,KV,M,D) with M >= L, bias (B,1,R,L) additive. The scale goes on the few queries, not the many scores (exact
+    for a power-of-4 head dim), the bias is added in place and softmax reads the scores in their dtype, computing
+    in fp32 (its accumulate type) and rounding once: fewer passes over the scores than scale, add, upcast, softmax,
+    downcast, and the same values up to the softmax kernel's summation order (tests/test_runner.py)."""
+    L, D = bias.shape[-1], q.shape[-1]
+    qs = q * D ** -0.5
+    if kc.dtype == torch.bfloat16 and q.device.type == "cpu":
+        # CPU bf16 matmul copies a key slice [:L] first (slower than the product over every slot; docs/LOG.md):
+        # score all slots, then keep the first L.
+        att = torch.matmul(qs, kc.transpose(-1, -2))[..., :L]  # (B,KV,R,L)
+    else:
+        att = torch.matmul(qs, kc[:, :, :L].transpose(-1, -2))  # (B,KV,R,L)
+    return torch.matmul(torch.softmax(att.add_(bias), dim=-1), vc[:, :, :L])
+
+
 class Layer(nn.Module):
     def __init__(self, cfg: RunnerConfig, dtype, device):
         super().__init__()
@@ -137,18 +154,7 @@ class Layer(nn.Module):
         elif qg.shape[2] <= 256:
             # Few queries (decode, verify), at any batch: plain matmuls parallelise over the keys; the fused SDPA
             # kernels give each (head, query block) one thread block and crawl through long caches.
-            # The scale goes on the few queries, not the many scores (exact for a power-of-4 head dim); the bias
-            # is added in place; softmax reads the scores in their dtype and computes in fp32 (its accumulate
-            # type), rounding once on output. Fewer passes over the (B,KV,rep*S,L) scores, the same values.
-            qs = qg * D ** -0.5
-            if kc.dtype == torch.bfloat16 and x.device.type == "cpu":
-                # CPU bf16 matmul copies a key slice [:L] first (slower than the product over every slot;
-                # docs/LOG.md); score all slots, then keep the first L.
-                att = torch.matmul(qs, kc.transpose(-1, -2))[..., :L]  # (B,KV,rep*S,L)
-            else:
-                att = torch.matmul(qs, kc[:, :, :L].transpose(-1, -2))  # (B,KV,rep*S,L)
-            att = torch.softmax(att.add_(bias), dim=-1)
-            o = torch.matmul(att, vc[:, :, :L])  # (B,KV,rep*S,D)
+            o = matmul_attention(qg, kc, vc, bias)  # (B,KV,rep*S,D)
         else:
             with sdpa_kernel(INFERENCE_SDPA):  # no cuDNN: a new plan per prompt length
                 o = F.scaled_dot_product_attention(qg, kc[:, :, :L], vc[:, :, :L], attn_mask=bias)  # (B,KV,rep*S,D)
