@@ -43,11 +43,14 @@ from profiling import (activities, by_kernel, copy_bandwidth, device_work, group
                        sync)
 from eyas.target.runner import Runner  # noqa: E402
 
-MODES = {"full": dict(window=0, compact=False), "window": dict(window=256, compact=False),
-         "window+compact": dict(window=256, compact=True),
+MODES = {"full": dict(window=0, compact=False, lengths=False), "window": dict(window=256, compact=False, lengths=False),
+         "window+compact": dict(window=256, compact=True, lengths=False),
+         "lengths": dict(window=256, compact=True, lengths=True),
          "compiled": dict(window=256, compact=True), "compiled+regions": dict(window=256, compact=True)}
-"""compiled: window+compact on a runner whose decode step is
-torch.compile'd with dynamic shapes (prepare --regen-compile); its compile time is in the warm-up column.
+"""full / window / window+compact: decode steps over a bool mask of every slot, of the chunk's window, and with
+compaction. lengths: window+compact whose steps pass the rows' prefix lengths instead (flex attention reading only
+each row's own key/value blocks; generate's default on CUDA). compiled: window+compact on a runner whose decode step
+is torch.compile'd with dynamic shapes (prepare --regen-compile); its compile time is in the warm-up column.
 compiled+regions: the same with the decoder layer compiled once for all layers (Runner.from_hf regions=True)."""
 
 
@@ -74,7 +77,7 @@ def step_bytes(runner: Runner, rows: int, slots: int) -> dict[str, int]:
     c, e = runner.cfg, runner.embed.weight.element_size()
     weights = sum(p.numel() * p.element_size() for n, p in runner.named_parameters() if not n.startswith("embed."))
     return {"weights": weights + rows * c.hidden_size * e,
-            "kv": rows * c.num_layers * 2 * c.num_kv_heads * slots * c.head_dim * e,
+            "kv": int(rows * c.num_layers * 2 * c.num_kv_heads * slots * c.head_dim * e),
             "logits": 2 * rows * c.vocab_size * e}
 
 
@@ -83,7 +86,7 @@ class StepProbe:
     times [skip, skip+steps) unprofiled, the forward itself with CUDA events (a plain timer on the CPU), then
     profiles [skip+steps, skip+2*steps); each window's wall time runs from a device sync at its first step to one at
     the step after its last, so it covers the loop's host work between steps too. It records every step's (rows,
-    slots)."""
+    slots): a step by lengths (Runner.forward) reads its rows' mean length, kept on the device until `sizes`."""
 
     def __init__(self, device: torch.device, skip: int, steps: int):
         self.device, self.bounds = device, (skip, skip + steps, skip + 2 * steps)
@@ -96,7 +99,7 @@ class StepProbe:
     def wrap(self, step):
         def run(ids, pos, slots, mask):
             i = len(self.shapes)
-            self.shapes.append((ids.shape[0], mask.shape[-1]))
+            self.shapes.append((ids.shape[0], mask.float().mean() if mask.dtype == torch.long else mask.shape[-1]))
             a, b, c = self.bounds
             if i in self.bounds:
                 sync(self.device)
@@ -124,6 +127,10 @@ class StepProbe:
             self.fwd.append(time.perf_counter() - t)
             return out
         return run
+
+    def sizes(self) -> list[tuple[int, float]]:
+        """(rows, slots) of every step, as numbers."""
+        return [(r, float(s)) for r, s in self.shapes]
 
     def forward_s(self) -> float:
         """Total forward time of the timed steps, in seconds."""
@@ -156,7 +163,8 @@ def profile_mode(runner: Runner, prompts, eos, a, name: str) -> dict:
     if "profiled" not in probe.wall:
         raise SystemExit(f"regen --profile: the run made {len(probe.shapes)} decode steps, the windows need "
                          f"{skip + 2 * n} (--profile-skip {skip} + 2 x --profile-steps {n}); raise --max-new")
-    win = probe.shapes[skip:skip + 2 * n]
+    shapes = probe.sizes()
+    win = shapes[skip:skip + 2 * n]
     rows = sum(r for r, _ in win) / len(win)
     slots = sum(s for _, s in win) / len(win)
     per = [step_bytes(runner, r, s) for r, s in win]
@@ -166,7 +174,7 @@ def profile_mode(runner: Runner, prompts, eos, a, name: str) -> dict:
     groups: dict[str, float] = {}
     for kname, us in work:
         groups[group(kname)] = groups.get(group(kname), 0.0) + us
-    run_bytes = sum(sum(step_bytes(runner, r, s).values()) for r, s in probe.shapes)
+    run_bytes = sum(sum(step_bytes(runner, r, s).values()) for r, s in shapes)
     return {"mode": name, "layers": runner.cfg.num_layers, "skip": skip, "steps": n, "rows": rows, "slots": slots,
             "bw": bw,
             "wall_ms": 1e3 * probe.wall["timed"] / n, "wall_prof_ms": 1e3 * probe.wall["profiled"] / n,
@@ -174,7 +182,7 @@ def profile_mode(runner: Runner, prompts, eos, a, name: str) -> dict:
             "kernels": len(work) / n, "launches": launches / n, "graph_launches": graphs / n,
             "waits": {k: v / n for k, v in waits.items()}, "groups": {k: v / 1e3 / n for k, v in groups.items()},
             "top": [(k, c / n, us / 1e3 / n) for k, c, us in by_kernel(work)[:a.profile_top]],
-            "bytes": moved, "tokens": sum(map(len, out)), "run_s": run_s, "row_steps": sum(r for r, _ in probe.shapes),
+            "bytes": moved, "tokens": sum(map(len, out)), "run_s": run_s, "row_steps": sum(r for r, _ in shapes),
             "decode_steps": len(probe.shapes), "run_bytes": run_bytes}
 
 

@@ -385,3 +385,69 @@ def test_matmul_attention_equals_the_naive_formula(dtype, head_dim):
     naive = torch.matmul(torch.softmax(scores.float(), dim=-1).to(dtype), vc[:, :, :L])
     ours = matmul_attention(q, kc, vc, bias.clone())
     assert ours.dtype == dtype and torch.equal(ours, naive)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lengths_attention_equals_the_matmul_path(dtype):
+    """Attention by prefix lengths (flex over a block mask listing only each row's blocks) gives the matmul path's
+    values under the equivalent mask: lengths inside the first block, on block edges (128, 256) and the whole cache."""
+    from eyas.target.runner import lengths_attention, lengths_block_mask, matmul_attention
+
+    g = torch.Generator().manual_seed(0)
+    B, KV, R, M, D = 6, 2, 3, 300, 16
+    q = torch.randn(B, KV, R, D, generator=g).to(dtype)
+    kc = torch.randn(B, KV, M, D, generator=g).to(dtype)
+    vc = torch.randn(B, KV, M, D, generator=g).to(dtype)
+    lens = torch.tensor([1, 77, 128, 200, 256, 300])
+    bias = torch.zeros(B, 1, R, M, dtype=dtype).masked_fill_(torch.arange(M)[None, None, None] >= lens[:, None, None, None],
+                                                             float("-inf"))
+    mask = lengths_block_mask(lens, R, M)
+    assert mask.kv_num_blocks.flatten().tolist() == [1, 1, 0, 1, 0, 1]  # the cut block (none on an edge)
+    assert mask.full_kv_num_blocks.flatten().tolist() == [0, 0, 1, 1, 2, 2]
+    ours = lengths_attention(q, kc, vc, mask)
+    ref = matmul_attention(q, kc, vc, bias)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours, ref, atol=tol, rtol=tol)
+
+
+def test_generate_by_lengths_equals_the_mask_path():
+    """generate(lengths=True), which each step hands the rows' prefix lengths instead of a mask, decodes the mask
+    path's greedy tokens through compaction and across a key/value block edge (a 120-token prompt in a 160-slot
+    cache); its steps are built by lengths. HFRunner has no such step and says so."""
+    from eyas.target.hf_runner import HFRunner
+
+    model = make_tiny_llama(seed=7)
+    r = Runner.from_hf(model, max_batch=13, max_seq=160)
+    prompts, eos = ragged_case(r)
+    prompts = prompts + [torch.randint(3, 256, (120,), generator=torch.Generator().manual_seed(3)).tolist()]
+    before = set(r._graphs)
+    ours = r.generate(prompts, 36, eos_ids=eos, window=8, lengths=True)
+    built = set(r._graphs) - before
+    assert {k[4] for k in built} == {True} and any(k[0] < 13 for k in built), built
+    assert len(ours[-1]) > 10, "the long prompt must decode past slot 128 for the block edge to be crossed"
+    assert ours == r.generate(prompts, 36, eos_ids=eos, window=8, lengths=False)
+    with pytest.raises(EyasError, match="by lengths"):
+        r.forward(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long),
+                  torch.zeros(1, 2, dtype=torch.long), torch.ones(1, dtype=torch.long))
+    with pytest.raises(EyasError, match="needs the Llama runner"):
+        HFRunner.from_hf(model, max_batch=1, max_seq=32).generate([[5, 6]], 2, lengths=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_generate_by_lengths_equals_eager_cpu():
+    """On CUDA, generation attends by lengths by default (CUDA graphs around compiled flex over a block mask):
+    the CPU's greedy tokens through compaction (a second batch size: flex recompiles shape-generic once) and
+    across a block edge; bf16 runs and ends like fp32 in length."""
+    model = make_tiny_llama(seed=7)
+    cpu = Runner.from_hf(model, max_batch=13, max_seq=160)
+    prompts, eos = ragged_case(cpu)
+    prompts = prompts + [torch.randint(3, 256, (120,), generator=torch.Generator().manual_seed(3)).tolist()]
+    ref = cpu.generate(prompts, 36, eos_ids=eos, window=8, lengths=False)
+    gpu = Runner.from_hf(model, max_batch=13, max_seq=160, device="cuda")
+    assert gpu.generate(prompts, 36, eos_ids=eos, window=8) == ref
+    # the first batch size, then compaction's (on the H200: 13 then 2): flex's second shape is its generic compile
+    assert {k[4] for k in gpu._graphs} == {True} and len({k[0] for k in gpu._graphs}) >= 2, list(gpu._graphs)
+    half = Runner.from_hf(model, max_batch=13, max_seq=160, device="cuda", dtype=torch.bfloat16)
+    out = half.generate(prompts, 36, eos_ids=eos, window=8)
+    assert len(out) == len(ref) and all(1 <= len(o) <= 36 for o in out)

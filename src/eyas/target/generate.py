@@ -2,7 +2,8 @@
 
 Prompts run longest first in chunks of the runner's `max_batch` rows, each row from slot 0; a chunk prefills
 (`decode.common.prefill`, pieces of `prefill_chunk` tokens), then decodes one token per step (a CUDA graph per
-(rows, window) shape on CUDA) until every row has met an eos or the token budget.
+(rows, window) shape on CUDA, or per row count when attending by lengths) until every row has met an eos or the
+token budget.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from eyas.target.sampling import sample
 @torch.no_grad()
 def generate(runner: Runner, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
              top_p: float = 1.0, eos_ids=(), seed: int = 0, prefill_chunk: int = 512,
-             progress=None, window: int = 256, compact: bool = True) -> list[list[int]]:
+             progress=None, window: int = 256, compact: bool = True, lengths: bool | None = None
+             ) -> list[list[int]]:
     """Plain batched decoding. Returns the new tokens of each prompt (ending at and including
     the first eos, or after max_new_tokens, or when the cache row is full).
 
@@ -28,7 +30,11 @@ def generate(runner: Runner, prompts: list[list[int]], max_new_tokens: int, *, t
     slots); every 16 steps, once half the rows have finished, the live rows are moved to the front of the
     cache and the step continues at the next power-of-two batch (`compact`), so a long tail of a few
     unfinished rows does not keep paying for the whole batch. Rows are independent: neither changes a
-    row's tokens under greedy decoding."""
+    row's tokens under greedy decoding.
+
+    lengths: each decode step passes the rows' prefix lengths instead of a mask (`Runner.forward`), so
+    attention reads only each row's own key/value blocks, not the chunk's whole window (`window` then bounds
+    only compaction's copies). None: on CUDA for an eager `Runner` (a compiled one keeps its mask steps)."""
     if temperature < 0:
         raise EyasError(f"temperature must be >= 0, got {temperature}")
     if not prompts:
@@ -38,6 +44,10 @@ def generate(runner: Runner, prompts: list[list[int]], max_new_tokens: int, *, t
             raise EyasError(f"generate: prompt {i} is empty")
         if len(p) >= runner.cfg.max_seq:
             raise EyasError(f"generate: prompt {i} has {len(p)} tokens, the cache holds {runner.cfg.max_seq}")
+    if lengths is None:
+        lengths = isinstance(runner, Runner) and runner.device.type == "cuda" and not runner.compiled
+    elif lengths and not isinstance(runner, Runner):
+        raise EyasError(f"generate: attention by lengths needs the Llama runner, not {type(runner).__name__}")
     gen = torch.Generator(device=runner.device).manual_seed(seed)
     eos = torch.tensor(sorted(set(eos_ids)) or [-1], device=runner.device)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
@@ -46,7 +56,7 @@ def generate(runner: Runner, prompts: list[list[int]], max_new_tokens: int, *, t
     for c in range(0, len(order), B):
         idx = order[c:c + B]
         rows = _generate_chunk(runner, [prompts[i] for i in idx], max_new_tokens, temperature, top_p, eos,
-                               gen, prefill_chunk, window, compact)
+                               gen, prefill_chunk, window, compact, lengths)
         for i, r in zip(idx, rows):
             out[i] = r
         if progress is not None:
@@ -60,7 +70,8 @@ def _pick(logits: Tensor, temperature: float, top_p: float, gen) -> Tensor:
     return logits.max(-1).indices if temperature == 0 else sample(logits, temperature, top_p, gen)
 
 
-def _generate_chunk(runner: Runner, prompts, max_new, temperature, top_p, eos, gen, prefill_chunk, window, compact):
+def _generate_chunk(runner: Runner, prompts, max_new, temperature, top_p, eos, gen, prefill_chunk, window, compact,
+                    lengths):
     dev, M = runner.device, runner.cfg.max_seq
     B = len(prompts)
     logits, _ = prefill(runner, prompts, (), prefill_chunk)  # (B,V): rows from slot 0, right-padded
@@ -77,7 +88,7 @@ def _generate_chunk(runner: Runner, prompts, max_new, temperature, top_p, eos, g
     done = torch.zeros(B, dtype=torch.bool, device=dev)
     rows = torch.arange(B, device=dev)  # original row of each cache row
     n = m = B  # cache rows in use; the first m of them are real rows (the rest fill a graph size)
-    step = runner.graphed(n, 1, slots=W)
+    step = runner.graphed(n, 1, lengths=True) if lengths else runner.graphed(n, 1, slots=W)
     cuda = dev.type == "cuda"
     flags = torch.zeros(2, dtype=torch.bool, pin_memory=cuda)  # "every row done", copied to the host each step
     events = [torch.cuda.Event(), torch.cuda.Event()] if cuda else []  # each marks its flag's copy
@@ -113,11 +124,14 @@ def _generate_chunk(runner: Runner, prompts, max_new, temperature, top_p, eos, g
                 nxt, pos, slot, valid, rows = nxt[keep], pos[keep], slot[keep], valid[keep], rows[keep]
                 done = torch.zeros(n, dtype=torch.bool, device=dev)
                 done[k:] = True  # fillers: their tokens are never read and they never hold up the chunk
-                step = runner.graphed(n, 1, slots=W)
-        valid.scatter_(1, slot, True)  # each row's fed token (slot lens_b + t)
-        # A CUDA graph needs the full static mask; eagerly, attend only over the slots in use.
-        L = W if dev.type == "cuda" else T + t + 1
-        lg = step(nxt[:, None], pos, slot, valid[:, None, :L])
+                step = runner.graphed(n, 1, lengths=True) if lengths else runner.graphed(n, 1, slots=W)
+        if lengths:  # the row's prompt and its fed tokens: slots 0..slot
+            lg = step(nxt[:, None], pos, slot, slot[:, 0] + 1)
+        else:
+            valid.scatter_(1, slot, True)  # each row's fed token (slot lens_b + t)
+            # A CUDA graph needs the full static mask; eagerly, attend only over the slots in use.
+            L = W if dev.type == "cuda" else T + t + 1
+            lg = step(nxt[:, None], pos, slot, valid[:, None, :L])
         nxt = _pick(lg[:, -1], temperature, top_p, gen)
         pos += 1
         slot += 1

@@ -8,7 +8,9 @@ index N = output of the final norm; ../shared/EAGLE3.md section 1).
 Cache layout: per layer k/v of shape [max_batch, kv_heads, max_seq, head_dim]. A forward writes
 the new keys/values at `cache_slots` and each query attends to the first L cache slots where
 `attn_mask[b, s, j]` is True (L = attn_mask.shape[-1] <= max_seq). Positions (RoPE) and slots are
-independent: a tree node sits at position prefix+depth but in slot prefix+index.
+independent: a tree node sits at position prefix+depth but in slot prefix+index. A one-token step whose rows
+each attend a prefix of their cache (plain decoding) can pass the prefix lengths instead of a mask: flex
+attention then reads only the key/value blocks each row's length reaches (`lengths_attention`).
 
 On CUDA the single-token decode step runs as a CUDA graph (optionally of a torch.compile'd
 forward); on the CPU everything runs eagerly.
@@ -16,6 +18,7 @@ forward); on the CPU everything runs eagerly.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -24,11 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import sdpa_kernel
-from torch.nn.attention.flex_attention import flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from eyas.errors import EyasError
 from eyas.sdpa import INFERENCE_SDPA
-from eyas.target.compile import CompilePolicy, check_attention, compile_step, has_regions
+from eyas.target.compile import CompilePolicy, check_attention, compile_step, has_regions, raise_recompile_limit
 from eyas.target.graphs import capture
 
 
@@ -100,6 +103,43 @@ def matmul_attention(q: Tensor, kc: Tensor, vc: Tensor, bias: Tensor) -> Tensor:
     return torch.matmul(torch.softmax(att.add_(bias), dim=-1), vc[:, :, :L])
 
 
+LENGTHS_BLOCK = 128
+"""Cache slots per key/value block of `lengths_block_mask` (flex attention's default sparse block)."""
+
+
+def lengths_block_mask(lengths: Tensor, queries: int, slots: int) -> BlockMask:
+    """The flex BlockMask under which each of `queries` query rows of batch row b sees cache slots [0, lengths[b])
+    of `slots`: the blocks wholly inside the length need no mask, the one it ends in is cut by `kv < length`, the
+    rest are not listed (never read). Built from the lengths alone: no host sync, so it records into a CUDA graph."""
+    B, n = lengths.shape[0], -(-slots // LENGTHS_BLOCK)
+    full = (lengths // LENGTHS_BLOCK).to(torch.int32).view(B, 1, 1)
+    part = (lengths % LENGTHS_BLOCK != 0).to(torch.int32).view(B, 1, 1)
+    order = torch.arange(n, dtype=torch.int32, device=lengths.device).expand(B, 1, 1, n)
+    # the cut block is the one after the full ones; indices past a row's count are never read
+    cut = (order + full[..., None]).clamp_(max=n - 1)
+
+    def inside(b, h, q, kv):
+        return kv < lengths[b]
+
+    return BlockMask.from_kv_blocks(part, cut, full, order.contiguous(), BLOCK_SIZE=LENGTHS_BLOCK, mask_mod=inside,
+                                    seq_lengths=(queries, slots), compute_q_blocks=False)
+
+
+@functools.cache
+def _compiled_flex():
+    # one compile for the first batch size, one shape-generic one after it (compaction halves the batch)
+    raise_recompile_limit()
+    return torch.compile(flex_attention, dynamic=None)
+
+
+def lengths_attention(q: Tensor, kc: Tensor, vc: Tensor, block_mask: BlockMask) -> Tensor:
+    """softmax(q k^T / sqrt(D)) v with q (B,KV,R,D) over the cache kc/vc (B,KV,M,D) under a `lengths_block_mask`:
+    compiled on CUDA (flex's decoding kernel splits each row's blocks across thread blocks and reads nothing past
+    its length), eager elsewhere (it materialises the scores: for tests)."""
+    fn = _compiled_flex() if q.is_cuda else flex_attention
+    return fn(q, kc, vc, block_mask=block_mask)
+
+
 class Layer(nn.Module):
     def __init__(self, cfg: RunnerConfig, dtype, device):
         super().__init__()
@@ -128,11 +168,10 @@ class Layer(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, bias: Tensor) -> Tensor:
         """bias: additive attention mask (B,1,rep*S,L) over cache slots 0..L-1, shared by all layers; with flex
-        attention the bool mask (B,S,L) itself."""
+        attention the bool mask (B,S,L) itself; for a step by lengths, their BlockMask."""
         cfg = self.cfg
         B, S, _ = x.shape
         H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        L = bias.shape[-1]
         qkv = self.proj(self.wqkv, rms_norm(x, self.attn_norm, cfg.rms_norm_eps))
         q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
         q = q.view(B, S, H, D).transpose(1, 2)  # (B,H,S,D)
@@ -145,7 +184,10 @@ class Layer(nn.Module):
         vc[rows, :, slots] = v.transpose(1, 2)
         # GQA without repeating k/v: each kv head answers its `rep` query heads as rep*S queries.
         qg = q.reshape(B, KV, -1, D)  # (B,KV,rep*S,D)
-        if self.flex:  # `bias` is the bool mask (B,S,L) here: a graph input, which compiled flex can read
+        L = None if isinstance(bias, BlockMask) else bias.shape[-1]
+        if L is None:  # a one-token step by lengths (Runner.forward built their mask)
+            o = lengths_attention(qg, kc, vc, bias)  # (B,KV,rep,D)
+        elif self.flex:  # `bias` is the bool mask (B,S,L) here: a graph input, which compiled flex can read
             # The grouped layout, as below: query row r*S+s is position s. (Compiled flex with enable_gqa broke
             # speculative equality, S > 1, with torch 2.11 on CUDA: docs/LOG.md.)
             o = flex_attention(qg, kc[:, :, :L], vc[:, :, :L],
@@ -322,22 +364,29 @@ class Runner(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, cache_slots: Tensor, attn_mask: Tensor, *,
                 capture: tuple[int, ...] = (), logits: bool = True, last_only: bool = False
                 ) -> tuple[Tensor, dict[int, Tensor]]:
-        """input_ids/positions/cache_slots (B,S) long, attn_mask bool (B,S,L) over cache slots 0..L-1.
+        """input_ids/positions/cache_slots (B,S) long, attn_mask bool (B,S,L) over cache slots 0..L-1; or, for a
+        one-token step (S = 1), attn_mask long (B,): row b attends cache slots [0, attn_mask[b]) of all max_seq.
 
         Returns (logits (B,S,V), or the final-norm hidden (B,S,h) with logits=False; with last_only only
         position S-1) and {aux id: hidden (B,S,h)} for each id in `capture` (HF hidden_states indices).
         """
         B, S = input_ids.shape
         cfg = self.cfg
-        if B > cfg.max_batch or attn_mask.shape[-1] > cfg.max_seq:
-            raise EyasError(f"runner: batch {B} x {attn_mask.shape[-1]} slots exceeds the cache "
-                            f"({cfg.max_batch} x {cfg.max_seq})")
+        by_lengths = attn_mask.dtype == torch.long
+        if by_lengths and (S != 1 or attn_mask.shape != (B,)):
+            raise EyasError(f"runner: attention by lengths takes one token per row and (B,) lengths, got "
+                            f"{S} tokens and lengths {tuple(attn_mask.shape)}")
+        L = cfg.max_seq if by_lengths else attn_mask.shape[-1]
+        if B > cfg.max_batch or L > cfg.max_seq:
+            raise EyasError(f"runner: batch {B} x {L} slots exceeds the cache ({cfg.max_batch} x {cfg.max_seq})")
         cos = self.cos[positions][:, None]  # (B,1,S,D)
         sin = self.sin[positions][:, None]  # (B,1,S,D)
         x = self.embed(input_ids)  # (B,S,h)
         # One additive mask for all layers, laid out for the grouped-query trick in Layer.forward.
-        L, rep = attn_mask.shape[-1], cfg.num_heads // cfg.num_kv_heads
-        if self.layers[0].flex:
+        rep = cfg.num_heads // cfg.num_kv_heads
+        if by_lengths:
+            bias = lengths_block_mask(attn_mask, rep, L)
+        elif self.layers[0].flex:
             bias = attn_mask
         else:
             bias = torch.zeros(attn_mask.shape, dtype=x.dtype, device=x.device).masked_fill_(~attn_mask, float("-inf"))
@@ -388,12 +437,15 @@ class Runner(nn.Module):
         return len(self._graphs)
 
     # ------------------------------------------------------------------ graphed step
-    def graphed(self, batch: int, seq: int, fn=None, slots: int | None = None):
+    def graphed(self, batch: int, seq: int, fn=None, slots: int | None = None, lengths: bool = False):
         """A callable with static inputs running `fn` (default: forward logits) for (batch, seq) tokens
-        attending over the first `slots` cache slots (default all max_seq); CUDA graph on CUDA, plain call
-        elsewhere."""
+        attending over the first `slots` cache slots (default all max_seq), or with `lengths` (seq 1) taking
+        (B,) prefix lengths for the mask (Runner.forward); CUDA graph on CUDA, plain call elsewhere."""
+        if lengths and (seq != 1 or slots not in (None, self.cfg.max_seq)):
+            raise EyasError(f"runner: a step by lengths is one token over all cache slots, got {seq} tokens, "
+                            f"{slots} slots")
         L = slots or self.cfg.max_seq
-        key = (batch, seq, fn, L)
+        key = (batch, seq, fn, L, lengths)
         if key in self._graphs:
             return self._graphs[key]
         fn = fn or (self._compiled or self._decode)
@@ -405,8 +457,11 @@ class Runner(nn.Module):
         ids = torch.zeros(batch, seq, dtype=torch.long, device=dev)
         pos = torch.zeros(batch, seq, dtype=torch.long, device=dev)
         slots = torch.full((batch, seq), L - 1, dtype=torch.long, device=dev)
-        mask = torch.zeros(batch, seq, L, dtype=torch.bool, device=dev)
-        mask[..., -1] = True
+        if lengths:
+            mask = torch.full((batch,), L, dtype=torch.long, device=dev)
+        else:
+            mask = torch.zeros(batch, seq, L, dtype=torch.bool, device=dev)
+            mask[..., -1] = True
         replay = capture(fn, ids, pos, slots, mask, warmup=3)
 
         def run(i, p, s, m):
