@@ -166,6 +166,26 @@ def test_cli_graph_round_default_follows_the_device():
         graph(["--temperature", "0.7", "--graph-round"], "cuda")
 
 
+def test_recipe_benches_take_the_cli_graph_round_default():
+    """Every greedy chain and the tree of the gpu preset run one-graph rounds (its tree once ran host rounds at 0.72x
+    plain); a recipe's [[bench]] table without graph_round gets `eyas bench`'s default: on for greedy chains and
+    trees on CUDA, off on the CPU and for sampling."""
+    from pathlib import Path
+
+    from eyas.run import RunConfig, resolve_stages
+
+    def rounds(**over):
+        bench = resolve_stages(RunConfig(preset="gpu", overrides=over), Path("RUN"), vocab_size=49152).bench
+        return {n: b.spec.graph_round for n, b in bench.items()}
+
+    shipped = rounds()
+    assert {"sharegpt-heldout-tree", "sharegpt-heldout-chain5"} <= shipped.keys() and all(shipped.values()), shipped
+    tables = [{"method": "tree"}, {"method": "chain", "k": 3}, {"method": "chain", "k": 4, "temperature": 0.7}]
+    assert rounds(bench=tables) == {"sharegpt-heldout-tree": True, "sharegpt-heldout-chain3": True,
+                                    "sharegpt-heldout-chain4": False}
+    assert not any(rounds(bench=tables, **{"run.device": "cpu"}).values())
+
+
 def test_compiled_runner_compiles_the_drafter(tiny, monkeypatch):
     """A bench on a compiled runner builds its chain and tree decoders with the drafter's steps compiled (one-graph
     rounds: the round's chain function is a dynamo wrapper; host rounds: compile_drafter passed); an eager runner

@@ -27,7 +27,7 @@ from eyas.recipes import preset as preset_recipe
 from eyas.recipes import resolve_dtype
 
 if TYPE_CHECKING:
-    from eyas.bench.bench import BenchConfig
+    from eyas.bench.bench import BenchConfig, graph_round_default
     from eyas.capture.capture import CaptureConfig
     from eyas.data.prepare import PrepareConfig
     from eyas.train.config import TrainConfig
@@ -98,7 +98,7 @@ class Stages:
 
 def resolve_stages(cfg: RunConfig, run: Path, *, vocab_size: int | None, progress: bool = True) -> Stages:
     """Every stage's config from the recipe; what eyas run sets or derives is set here, and only here."""
-    from eyas.bench.bench import BenchConfig
+    from eyas.bench.bench import BenchConfig, graph_round_default
     from eyas.capture.capture import CaptureConfig
     from eyas.data.longprompts import is_long_set
     from eyas.data.prepare import PrepareConfig
@@ -150,6 +150,8 @@ def resolve_stages(cfg: RunConfig, run: Path, *, vocab_size: int | None, progres
             table.setdefault("max_prompt_tokens", max(1, prepare.max_len - prepare.max_new_tokens))
         if dev != "cuda":  # the bench compiles on cuda only, and saved steps are compiled ones (a CPU rehearsal)
             table.pop("persist_steps", None)
+        if "graph_round" not in table and table.get("method", "chain") in ("chain", "tree"):  # as `eyas bench` does
+            table["graph_round"] = graph_round_default(dev, float(table.get("temperature", 0.0)))
         bc = build("bench", BenchConfig, **table, target=cfg.target, device=dev, compile=dev == "cuda",
                    json_out=None, **trust)
         name = f"{label}-{bc.spec.method}" + (f"{bc.spec.k}" if bc.spec.method == "chain" else "")

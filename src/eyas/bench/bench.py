@@ -143,6 +143,13 @@ class BenchConfig:
         return cls(spec=None if spec is None else SpecConfig(**spec), **d)
 
 
+def graph_round_default(device: str, temperature: float) -> bool:
+    """Whether a bench that does not say runs each round as one CUDA graph (spec.graph_round): greedy chains and
+    trees on CUDA, where one-graph rounds beat host rounds at equal tau (BENCHMARKS.md, "one-graph chain rounds",
+    "The bench's tree default on the GPU"). `eyas bench` and recipes' [[bench]] tables both take it."""
+    return device.startswith("cuda") and temperature == 0
+
+
 def _sync(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()

@@ -52,12 +52,12 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 def bench_config(args: argparse.Namespace, device: str):
     """The BenchConfig of parsed `eyas bench` flags on `device` (--chain/--tree and --graph-round resolved)."""
-    from eyas.bench.bench import BenchConfig
+    from eyas.bench.bench import BenchConfig, graph_round_default
 
     shape = {"method": "tree"} if args.tree else {"method": "chain", **({"k": args.chain} if args.chain else {})}
     graph_round = args.one_graph_round
-    if graph_round is None:  # greedy chains and trees on CUDA: one-graph rounds beat host rounds (BENCHMARKS.md)
-        graph_round = device.startswith("cuda") and args.temperature == 0
+    if graph_round is None:
+        graph_round = graph_round_default(device, args.temperature)
     if graph_round:
         shape["graph_round"] = True
     return from_args(BenchConfig, args, **shape, device=device)
