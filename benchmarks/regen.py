@@ -46,12 +46,16 @@ from eyas.target.runner import Runner  # noqa: E402
 MODES = {"full": dict(window=0, compact=False, lengths=False), "window": dict(window=256, compact=False, lengths=False),
          "window+compact": dict(window=256, compact=True, lengths=False),
          "lengths": dict(window=256, compact=True, lengths=True),
-         "compiled": dict(window=256, compact=True), "compiled+regions": dict(window=256, compact=True)}
+         "compiled": dict(window=256, compact=True), "compiled+regions": dict(window=256, compact=True),
+         "compiled+lengths": dict(window=256, compact=True, lengths=True)}
 """full / window / window+compact: decode steps over a bool mask of every slot, of the chunk's window, and with
 compaction. lengths: window+compact whose steps pass the rows' prefix lengths instead (flex attention reading only
 each row's own key/value blocks; generate's default on CUDA). compiled: window+compact on a runner whose decode step
 is torch.compile'd with dynamic shapes (prepare --regen-compile); its compile time is in the warm-up column.
-compiled+regions: the same with the decoder layer compiled once for all layers (Runner.from_hf regions=True)."""
+compiled+regions: the same with the decoder layer compiled once for all layers (Runner.from_hf regions=True).
+compiled+lengths: lengths on a runner whose whole decode step is compiled (flex inside it, the elementwise work fused),
+dynamic=None: one static compile, one batch-generic one after compaction (the slots are always max_seq).
+The table's prefill column is the time inside generate's prefills (device-synced at both ends)."""
 
 
 def tiny_shaped(device: str, dtype: torch.dtype):
@@ -79,6 +83,29 @@ def step_bytes(runner: Runner, rows: int, slots: int) -> dict[str, int]:
     return {"weights": weights + rows * c.hidden_size * e,
             "kv": int(rows * c.num_layers * 2 * c.num_kv_heads * slots * c.head_dim * e),
             "logits": 2 * rows * c.vocab_size * e}
+
+
+class PrefillClock:
+    """Seconds spent in `generate`'s prefills while in the `with` block, synced with the device at both ends."""
+
+    def __enter__(self):
+        import eyas.target.generate as gen
+
+        self.mod, self.orig, self.s = gen, gen.prefill, 0.0
+
+        def timed(runner, *args, **kw):
+            sync(runner.device)
+            t = time.perf_counter()
+            out = self.orig(runner, *args, **kw)
+            sync(runner.device)
+            self.s += time.perf_counter() - t
+            return out
+
+        gen.prefill = timed
+        return self
+
+    def __exit__(self, *exc):
+        self.mod.prefill = self.orig
 
 
 class StepProbe:
@@ -279,8 +306,8 @@ def main(argv=None) -> int:
         """The runner for mode `name`, warmed up (graphs, compilation)."""
         if name not in runners:
             runners[name] = runner if not name.startswith("compiled") else Runner.from_hf(
-                target.model, max_batch=a.batch, max_seq=a.max_seq, dtype=dtype, compile=True, dynamic=True,
-                regions=name == "compiled+regions")
+                target.model, max_batch=a.batch, max_seq=a.max_seq, dtype=dtype, compile=True,
+                dynamic=None if name == "compiled+lengths" else True, regions=name == "compiled+regions")
         r = runners[name]
         if name not in warm:
             t0 = time.perf_counter()
@@ -291,13 +318,14 @@ def main(argv=None) -> int:
 
     for name in [m for m in a.modes.split(",") if m]:
         r = ready(name)
-        t0 = time.perf_counter()
-        out = r.generate(prompts, a.max_new, temperature=1.0, eos_ids=eos, seed=0, **MODES[name])
-        sync(r.device)
-        dt = time.perf_counter() - t0
+        with PrefillClock() as pre:
+            t0 = time.perf_counter()
+            out = r.generate(prompts, a.max_new, temperature=1.0, eos_ids=eos, seed=0, **MODES[name])
+            sync(r.device)
+            dt = time.perf_counter() - t0
         new = sum(map(len, out))
-        rows.append((name, new, dt, new / dt))
-        print(f"{name}: {new} tokens in {dt:.1f} s = {new / dt:,.0f} tok/s", flush=True)
+        rows.append((name, new, dt, new / dt, pre.s))
+        print(f"{name}: {new} tokens in {dt:.1f} s ({pre.s:.1f} s prefill) = {new / dt:,.0f} tok/s", flush=True)
     prof = profile_mode(ready(a.profile_mode), prompts, eos, a, a.profile_mode) if a.profile else None
     dev = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
     cmd = "python benchmarks/regen.py " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -307,10 +335,10 @@ def main(argv=None) -> int:
     body = []
     if rows:
         base = rows[0][3]
-        table = ("| mode | warm-up s | generated tokens | seconds | tok/s | vs " + rows[0][0]
-                 + " |\n|---|---|---|---|---|---|\n"
-                 + "\n".join(f"| {n} | {warm[n]:.1f} | {t:,} | {s:.1f} | {r:,.0f} | {r / base:.2f}x |"
-                             for n, t, s, r in rows))
+        table = ("| mode | warm-up s | generated tokens | seconds | of them prefill | tok/s | vs " + rows[0][0]
+                 + " |\n|---|---|---|---|---|---|---|\n"
+                 + "\n".join(f"| {n} | {warm[n]:.1f} | {t:,} | {s:.1f} | {p:.1f} | {r:,.0f} | {r / base:.2f}x |"
+                             for n, t, s, r, p in rows))
         body += [table, f"{setup} (mean reply {sum(r[1] for r in rows) / len(rows) / a.prompts:.0f} tokens)."]
     if prof is not None:
         body += ["### Decode step profile", profile_markdown(prof, "cuda" if cuda else "cpu")]

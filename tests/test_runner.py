@@ -433,21 +433,39 @@ def test_generate_by_lengths_equals_the_mask_path():
         HFRunner.from_hf(model, max_batch=1, max_seq=32).generate([[5, 6]], 2, lengths=True)
 
 
+def test_compiled_generate_by_lengths_equals_the_mask_path(request):
+    """A compiled runner's decode step by lengths (flex and the block mask inside the compiled step; one static
+    compile, then a batch-generic one after compaction) decodes the eager mask path's greedy tokens. (Dynamo reset
+    first: shapes other tests compiled would make the first compile dynamic, which inductor's CPU flex template
+    fails to build with torch 2.13, a C++ compile error.)"""
+    torch._dynamo.reset()
+    request.addfinalizer(torch._dynamo.reset)
+    model = make_tiny_llama(seed=7)
+    r = Runner.from_hf(model, max_batch=13, max_seq=160)
+    prompts, eos = ragged_case(r)
+    ref = r.generate(prompts, 36, eos_ids=eos, window=8, lengths=False)
+    c = Runner.from_hf(model, max_batch=13, max_seq=160, compile=True, dynamic=None)
+    assert c.generate(prompts, 36, eos_ids=eos, window=8, lengths=True) == ref
+    assert {k[4] for k in c._graphs} == {True} and len({k[0] for k in c._graphs}) >= 2, list(c._graphs)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_generate_by_lengths_equals_eager_cpu():
-    """On CUDA, generation attends by lengths by default (CUDA graphs around compiled flex over a block mask):
-    the CPU's greedy tokens through compaction (a second batch size: flex recompiles shape-generic once) and
-    across a block edge; bf16 runs and ends like fp32 in length."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_cuda_generate_by_lengths_equals_eager_cpu(compiled):
+    """On CUDA, generation attends by lengths (by default for an eager runner: CUDA graphs around compiled flex over
+    a block mask; asked for on a compiled one): the CPU's greedy tokens through compaction (a second batch size:
+    flex recompiles shape-generic once) and across a block edge; bf16 runs and ends like fp32 in length."""
     model = make_tiny_llama(seed=7)
     cpu = Runner.from_hf(model, max_batch=13, max_seq=160)
     prompts, eos = ragged_case(cpu)
     prompts = prompts + [torch.randint(3, 256, (120,), generator=torch.Generator().manual_seed(3)).tolist()]
     ref = cpu.generate(prompts, 36, eos_ids=eos, window=8, lengths=False)
-    gpu = Runner.from_hf(model, max_batch=13, max_seq=160, device="cuda")
-    assert gpu.generate(prompts, 36, eos_ids=eos, window=8) == ref
+    kw = dict(compile=True, dynamic=None) if compiled else {}
+    gpu = Runner.from_hf(model, max_batch=13, max_seq=160, device="cuda", **kw)
+    assert gpu.generate(prompts, 36, eos_ids=eos, window=8, lengths=True if compiled else None) == ref
     # the first batch size, then compaction's (on the H200: 13 then 2): flex's second shape is its generic compile
     assert {k[4] for k in gpu._graphs} == {True} and len({k[0] for k in gpu._graphs}) >= 2, list(gpu._graphs)
-    half = Runner.from_hf(model, max_batch=13, max_seq=160, device="cuda", dtype=torch.bfloat16)
-    out = half.generate(prompts, 36, eos_ids=eos, window=8)
+    half = Runner.from_hf(model, max_batch=13, max_seq=160, device="cuda", dtype=torch.bfloat16, **kw)
+    out = half.generate(prompts, 36, eos_ids=eos, window=8, lengths=True)
     assert len(out) == len(ref) and all(1 <= len(o) <= 36 for o in out)
