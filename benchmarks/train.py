@@ -440,12 +440,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    rc = main()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # Under torchrun, leave without interpreter teardown: after FSDP2, torch's DTensor caches still hold the device
-        # mesh and so the gloo group past destroy_process_group, and its threads can abort a rank during teardown
-        # ("terminate called without an active exception"; docs/LOG.md). Every file is closed by now.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(rc)
-    sys.exit(rc)
+    from eyas.cli import leave
+
+    leave(main())  # under torchrun without interpreter teardown (eyas.cli.leave says why); every file is closed

@@ -4,6 +4,9 @@ refusals (store/target mismatch, empty data, other config on --resume), frequenc
 import json
 import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -242,6 +245,38 @@ def test_ddp_two_ranks_equals_single_process(tmp_path, fsdp):
     assert len(ea["round_tau_by_chain"]) == len(ea["acc_k"]) and all(t >= 1.0 for t in ea["round_tau_by_chain"])
     assert ea["round_tau_by_chain"] == pytest.approx(eb["round_tau_by_chain"], rel=1e-9)
     assert ea["round_tau_first_by_chain"] == pytest.approx(eb["round_tau_first_by_chain"], rel=1e-9)
+
+
+@pytest.mark.slow
+def test_eyas_train_fsdp_under_torchrun_exits_0_with_whole_outputs(tmp_path):
+    """`torchrun --nproc_per_node 2 -m eyas train --fsdp` (gloo on the CPU, online from a prepared directory): both
+    ranks leave by eyas.cli.leave (no interpreter teardown, where FSDP2's cached group could abort a rank) and exit 0,
+    and nothing written is lost to it: the metrics, the TensorBoard events and the final drafter are whole and equal
+    to one process's with 2 micro-batches a step."""
+    from test_faults import _cli_target_and_data
+
+    tdir, prep, _ = _cli_target_and_data(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"), "OMP_NUM_THREADS": "1",
+           "EYAS_CACHE": str(tmp_path / "c")}
+    args = ["-m", "eyas", "train", "--data", str(prep), "--target", str(tdir), "--steps", "4", "--batch-tokens", "64",
+            "--lr", "0.01", "--device", "cpu", "--no-progress"]
+    ranks = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                            *args, "--out", str(tmp_path / "ranks"), "--fsdp"],
+                           capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert ranks.returncode == 0 and "terminate called" not in ranks.stderr, ranks.stderr[-3000:]
+    one = subprocess.run([sys.executable, *args, "--out", str(tmp_path / "one"), "--grad-accum", "2"],
+                         capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert one.returncode == 0, one.stderr[-3000:]
+    a, b = records(tmp_path / "ranks"), records(tmp_path / "one")
+    assert [r["step"] for r in a] == [1, 2, 3, 4] and a[-1]["loss"] < a[0]["loss"]
+    for ra, rb in zip(a, b):
+        assert abs(ra["loss"] - rb["loss"]) < 1e-5 and ra["acc_k"] == rb["acc_k"]
+    assert records(tmp_path / "ranks", "eval")[-1]["step"] == 4
+    assert [f.stat().st_size > 0 for f in (tmp_path / "ranks" / "tb").iterdir()] == [True]
+    sa, sb = drafter_state(tmp_path / "ranks"), drafter_state(tmp_path / "one")
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        torch.testing.assert_close(sa[k], sb[k], rtol=1e-4, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------- bad input

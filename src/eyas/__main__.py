@@ -1,5 +1,3 @@
-import sys
+from eyas.cli import run
 
-from eyas.cli import main
-
-sys.exit(main())
+run()

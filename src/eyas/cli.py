@@ -70,5 +70,22 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def leave(rc: int) -> None:
+    """End the process with exit status rc. Under torchrun (WORLD_SIZE > 1) without interpreter teardown: after
+    FSDP2, torch's DTensor caches still hold the device mesh and so the process group past destroy_process_group,
+    and its gloo threads can abort a rank during teardown ("terminate called without an active exception", exit
+    134 after a finished run; docs/LOG.md). Every file eyas writes is closed before its stage returns."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    sys.exit(rc)
+
+
+def run() -> None:
+    """The process entry of `eyas` and `python -m eyas`: main(), then leave()."""
+    leave(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
