@@ -34,7 +34,8 @@ def generate(runner: Runner, prompts: list[list[int]], max_new_tokens: int, *, t
 
     lengths: each decode step passes the rows' prefix lengths instead of a mask (`Runner.forward`), so
     attention reads only each row's own key/value blocks, not the chunk's whole window (`window` then bounds
-    only compaction's copies). None: on CUDA for an eager `Runner` (a compiled one keeps its mask steps)."""
+    only compaction's copies). None: for batched decoding (max_batch > 1) on CUDA with an eager `Runner`, where it
+    was measured (BENCHMARKS.md); a compiled runner and batch-1 runners keep their mask steps."""
     if temperature < 0:
         raise EyasError(f"temperature must be >= 0, got {temperature}")
     if not prompts:
@@ -45,7 +46,8 @@ def generate(runner: Runner, prompts: list[list[int]], max_new_tokens: int, *, t
         if len(p) >= runner.cfg.max_seq:
             raise EyasError(f"generate: prompt {i} has {len(p)} tokens, the cache holds {runner.cfg.max_seq}")
     if lengths is None:
-        lengths = isinstance(runner, Runner) and runner.device.type == "cuda" and not runner.compiled
+        lengths = (isinstance(runner, Runner) and runner.device.type == "cuda" and not runner.compiled
+                   and runner.cfg.max_batch > 1)
     elif lengths and not isinstance(runner, Runner):
         raise EyasError(f"generate: attention by lengths needs the Llama runner, not {type(runner).__name__}")
     gen = torch.Generator(device=runner.device).manual_seed(seed)
