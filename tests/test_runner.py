@@ -453,9 +453,9 @@ def test_compiled_generate_by_lengths_equals_the_mask_path(request):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_cuda_generate_by_lengths_equals_eager_cpu(compiled):
-    """On CUDA, generation attends by lengths (by default for an eager batched runner: CUDA graphs around compiled flex over
-    a block mask; asked for on a compiled one): the CPU's greedy tokens through compaction (a second batch size:
-    flex recompiles shape-generic once) and across a block edge; bf16 runs and ends like fp32 in length."""
+    """On CUDA, generation attends by lengths (by default for an eager batched runner: CUDA graphs around compiled
+    flex over a block mask; asked for on a compiled one): the CPU's greedy tokens through compaction (a second batch
+    size: flex recompiles shape-generic once) and across a block edge; bf16 runs and ends like fp32 in length."""
     model = make_tiny_llama(seed=7)
     cpu = Runner.from_hf(model, max_batch=13, max_seq=160)
     prompts, eos = ragged_case(cpu)
