@@ -399,8 +399,8 @@ def test_lengths_attention_equals_the_matmul_path(dtype):
     kc = torch.randn(B, KV, M, D, generator=g).to(dtype)
     vc = torch.randn(B, KV, M, D, generator=g).to(dtype)
     lens = torch.tensor([1, 77, 128, 200, 256, 300])
-    bias = torch.zeros(B, 1, R, M, dtype=dtype).masked_fill_(torch.arange(M)[None, None, None] >= lens[:, None, None, None],
-                                                             float("-inf"))
+    outside = torch.arange(M)[None, None, None] >= lens[:, None, None, None]  # (B,1,1,M)
+    bias = torch.zeros(B, 1, R, M, dtype=dtype).masked_fill_(outside, float("-inf"))
     mask = lengths_block_mask(lens, R, M)
     assert mask.kv_num_blocks.flatten().tolist() == [1, 1, 0, 1, 0, 1]  # the cut block (none on an edge)
     assert mask.full_kv_num_blocks.flatten().tolist() == [0, 0, 1, 1, 2, 2]
