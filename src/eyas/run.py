@@ -27,7 +27,7 @@ from eyas.recipes import preset as preset_recipe
 from eyas.recipes import resolve_dtype
 
 if TYPE_CHECKING:
-    from eyas.bench.bench import BenchConfig, graph_round_default
+    from eyas.bench.bench import BenchConfig
     from eyas.capture.capture import CaptureConfig
     from eyas.data.prepare import PrepareConfig
     from eyas.train.config import TrainConfig
