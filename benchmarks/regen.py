@@ -46,15 +46,13 @@ from eyas.target.runner import Runner  # noqa: E402
 MODES = {"full": dict(window=0, compact=False, lengths=False), "window": dict(window=256, compact=False, lengths=False),
          "window+compact": dict(window=256, compact=True, lengths=False),
          "lengths": dict(window=256, compact=True, lengths=True),
-         "compiled": dict(window=256, compact=True), "compiled+regions": dict(window=256, compact=True),
-         "compiled+lengths": dict(window=256, compact=True, lengths=True)}
+         "compiled": dict(window=256, compact=True), "compiled+regions": dict(window=256, compact=True)}
 """full / window / window+compact: decode steps over a bool mask of every slot, of the chunk's window, and with
 compaction. lengths: window+compact whose steps pass the rows' prefix lengths instead (flex attention reading only
 each row's own key/value blocks; generate's default on CUDA). compiled: window+compact on a runner whose decode step
 is torch.compile'd with dynamic shapes (prepare --regen-compile); its compile time is in the warm-up column.
 compiled+regions: the same with the decoder layer compiled once for all layers (Runner.from_hf regions=True).
-compiled+lengths: lengths on a runner whose whole decode step is compiled (flex inside it, the elementwise work fused),
-dynamic=None: one static compile, one batch-generic one after compaction (the slots are always max_seq).
+(A compiled runner refuses steps by lengths: Runner.graphed.)
 The table's prefill column is the time inside generate's prefills (device-synced at both ends)."""
 
 
@@ -307,7 +305,7 @@ def main(argv=None) -> int:
         if name not in runners:
             runners[name] = runner if not name.startswith("compiled") else Runner.from_hf(
                 target.model, max_batch=a.batch, max_seq=a.max_seq, dtype=dtype, compile=True,
-                dynamic=None if name == "compiled+lengths" else True, regions=name == "compiled+regions")
+                dynamic=True, regions=name == "compiled+regions")
         r = runners[name]
         if name not in warm:
             t0 = time.perf_counter()

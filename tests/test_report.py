@@ -74,3 +74,25 @@ def test_the_report_of_a_run_with_every_section_reads_exactly_as_written(tmp_pat
     assert summary == SUMMARY.replace("{RUN}", str(run))
     assert sorted(p.name for p in (run / "plots").iterdir()) == ["acc_k.png", "acceptance.png", "loss.png",
                                                                   "scaling.png"]
+
+
+def test_a_norm_before_fc_export_carries_its_engine_warning_into_the_report_and_summary(tmp_path):
+    """A drafter trained with norm_before_fc, exported for real: report.md's export section and the end-of-run
+    summary repeat the export README's warning (older SGLang drops the norm silently), not only the README."""
+    import torch
+
+    from conftest import make_tiny_llama
+    from eyas.export.export import NORM_BEFORE_FC_NOTE, export_drafter
+    from eyas.model.drafter import DrafterConfig, Eagle3Drafter
+
+    run = tmp_path / "run"
+    state, cfg = full_run(run)
+    model = make_tiny_llama(layers=6, seed=5)
+    torch.manual_seed(0)
+    d = Eagle3Drafter(DrafterConfig.from_target(model.config, draft_vocab_size=model.config.vocab_size,
+                                                aux_layer_ids=(1, 2, 3), norm_before_fc=True))
+    export_drafter(d, run / "export", dtype="fp32")
+    summary = write_report(run, state, cfg)
+    section = (run / "report.md").read_text().split("## Export", 1)[1]
+    assert f"**Warning:** {NORM_BEFORE_FC_NOTE}" in section.split("### SGLang", 1)[0]
+    assert summary.splitlines()[-2] == f"  export warning: {NORM_BEFORE_FC_NOTE}"

@@ -276,7 +276,8 @@ def _export_section(ex: dict) -> list[str]:
     L = ["## Export", "", f"The drafter is at `{ex['path']}` (config.json + model.safetensors).", ""]
     if readme.exists():
         text = readme.read_text()
-        L += [text[text.find("## SGLang"):].replace("## ", "### ")]
+        warning = next((ln for ln in text.splitlines() if ln.startswith("**Warning:**")), None)
+        L += ([warning, ""] if warning else []) + [text[text.find("## SGLang"):].replace("## ", "### ")]
     return L
 
 
@@ -303,5 +304,8 @@ def _summary(run: Path, cfg, c: dict, store: dict | None, ev: dict, bench: dict,
     S += [f"  {line}" for line in (_bench_line(name, r) for name, r in bench.items()) if line is not None]
     if ex:
         S.append(f"  export: {ex['path']}  (serve commands in {run / 'report.md'})")
+        readme = Path(ex["path"]) / "README.md"
+        if readme.exists() and "**Warning:**" in (text := readme.read_text()):
+            S.append("  export warning: " + text.split("**Warning:**", 1)[1].split("\n", 1)[0].strip())
     S.append("=" * 72)
     return "\n".join(S)

@@ -35,7 +35,8 @@ def generate(runner: Runner, prompts: list[list[int]], max_new_tokens: int, *, t
     lengths: each decode step passes the rows' prefix lengths instead of a mask (`Runner.forward`), so
     attention reads only each row's own key/value blocks, not the chunk's whole window (`window` then bounds
     only compaction's copies). None: for batched decoding (max_batch > 1) on CUDA with an eager `Runner`, where it
-    was measured (BENCHMARKS.md); a compiled runner and batch-1 runners keep their mask steps."""
+    was measured (BENCHMARKS.md); batch-1 runners keep their mask steps, and a compiled runner refuses steps by
+    lengths (Runner.graphed says why)."""
     if temperature < 0:
         raise EyasError(f"temperature must be >= 0, got {temperature}")
     if not prompts:

@@ -444,6 +444,9 @@ class Runner(nn.Module):
         if lengths and (seq != 1 or slots not in (None, self.cfg.max_seq)):
             raise EyasError(f"runner: a step by lengths is one token over all cache slots, got {seq} tokens, "
                             f"{slots} slots")
+        if lengths and fn is None and self._compiled is not None:
+            raise EyasError("runner: steps by lengths run eager (CUDA graphs around compiled flex); inside a compiled "
+                            "step they decoded wrong tokens on CUDA: decode a compiled runner with lengths=False")
         L = slots or self.cfg.max_seq
         key = (batch, seq, fn, L, lengths)
         if key in self._graphs:
