@@ -24,7 +24,7 @@ from pathlib import Path
 LEVERS = {
     "base": {},
     "lk_lambda": {"train.loss": "lk_lambda"},      # LK hybrid loss: CE early, acceptance rate once alpha is high
-    "norm": {"train.norm_before_fc": True},         # EAGLE 3.1: one RMSNorm over the concatenated aux features
+    "nonorm": {"train.norm_before_fc": False},      # without EAGLE 3.1's norm before fc (the gpu preset trains it)
     "all": {"train.loss_on": "all"},               # prompt positions train too: more labelled positions per step
     "lk_alpha": {"train.loss": "lk_alpha"},        # pure -log alpha
     "ttt7": {"train.ttt_steps": 7},                # EAGLE-3's K (the preset trains 6)
@@ -105,7 +105,8 @@ def bench_flags(bc, dtype: str) -> list[str]:
 
 
 def _delta(base: list[str], mine: list[str]) -> str:
-    """The flags of `mine` that `base` does not have (as pairs: --flag value)."""
+    """The flags of `mine` that `base` does not have (as pairs: --flag value), then `without --flag` for each flag
+    of `base` that `mine` lacks (a switch the lever turns off)."""
     def pairs(xs):
         out, i = [], 0
         while i < len(xs):
@@ -113,8 +114,9 @@ def _delta(base: list[str], mine: list[str]) -> str:
             out.append(" ".join(xs[i:i + 1 + takes]))
             i += 1 + takes
         return out
-    have = set(pairs(base))
-    return " ".join(p for p in pairs(mine) if p not in have)
+    have, own = pairs(base), pairs(mine)
+    names = {p.split()[0] for p in own}
+    return " ".join([p for p in own if p not in have] + [f"without {p}" for p in have if p.split()[0] not in names])
 
 
 def lever_bench(c, out: Path, *, limit: int, compile: bool, baselines: bool):

@@ -21,7 +21,7 @@
 # ~100 s more on the first bench), ROOT, PREP, TARGET. A lever whose row.json exists is skipped: a second bg call
 # with the same ROOT continues a cut job.
 #
-# Sizing of the default (LEVERS="base lk_lambda norm all lk_alpha", STEPS=300, LIMIT=60), from the gpu preset's
+# Sizing of the default (LEVERS="base lk_lambda nonorm all lk_alpha", STEPS=300, LIMIT=60), from the gpu preset's
 # 5-epoch run in BENCHMARKS.md (2,402 steps, 70.35M tokens, 113.8k tok/s steady, steps 1-10 in 103 s, train 831 s):
 # a step is 29.3k real tokens in 0.26 s, so 300 steps (8.8M tokens, 0.62 of an epoch) train in ~80 s (ttt7 ~90 s).
 # Around that, per lever: Python and the target from the safetensors cache ~20 s; compilation 103 s cold on the first
@@ -40,7 +40,7 @@
 # Rehearsal on the CPU (control flow, table, poll; 40 ShareGPT conversations, 2 steps per lever, 2 prompts; ~10 min on
 # 2 cores; the levers' shared values go in SET):
 #   python -m eyas prepare --target smollm2-135m --out /tmp/lev/prepared --limit 40 --max-turns 1 &&
-#   ROOT=/tmp/lev/root PREP=/tmp/lev/prepared TARGET=smollm2-135m STEPS=2 LIMIT=2 LEVERS="base norm steps2x" \
+#   ROOT=/tmp/lev/root PREP=/tmp/lev/prepared TARGET=smollm2-135m STEPS=2 LIMIT=2 LEVERS="base nonorm steps2x" \
 #   SET="run.device=cpu train.attention=blocks train.compile=false train.batch_tokens=2048 train.draft_vocab=8192 \
 #   train.eval_fraction=0.25 bench.0.max_new_tokens=16" bash benchmarks/levers.sh bg &&
 #   OUT=/tmp/lev/out bash benchmarks/levers.sh poll 900
@@ -54,7 +54,7 @@ PREP=${PREP:-/root/run/prepared}
 TARGET=${TARGET:-/root/stage/smollm2.gguf}
 STAGE=/root/stage
 case $TARGET in $STAGE/*) export EYAS_CACHE=${EYAS_CACHE:-/root/cache} ;; esac   # the device's layout (gpu_preset.sh)
-export LEVERS=${LEVERS:-base lk_lambda norm all lk_alpha} DATA_LEVERS=${DATA_LEVERS:-} STEPS=${STEPS:-300} \
+export LEVERS=${LEVERS:-base lk_lambda nonorm all lk_alpha} DATA_LEVERS=${DATA_LEVERS:-} STEPS=${STEPS:-300} \
   LIMIT=${LIMIT:-60} SET=${SET:-} BENCH_COMPILE=${BENCH_COMPILE:-} ROOT PREP TARGET
 here=$PWD
 

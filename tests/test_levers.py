@@ -24,7 +24,7 @@ def _resolved(overrides: dict) -> TrainConfig:
                    progress=False)
 
 
-@pytest.mark.parametrize("name", ["base", "lk_lambda", "norm", "all", "ttt7", "vocab16k", "init"])
+@pytest.mark.parametrize("name", ["base", "lk_lambda", "nonorm", "all", "ttt7", "vocab16k", "init"])
 def test_train_command_parses_back_to_the_lever_config(name):
     cfg = _resolved({k: v for k, v in levers.LEVERS[name].items() if k != "steps"})
     argv, not_flags = levers.train_flags(cfg)
@@ -42,7 +42,9 @@ def test_train_command_parses_back_to_the_lever_config(name):
 def test_lever_flags_are_the_difference_from_base():
     base = levers.train_flags(_resolved({}))[0]
     assert levers._delta(base, levers.train_flags(_resolved({"train.loss": "lk_lambda"}))[0]) == "--loss lk_lambda"
-    assert levers._delta(base, levers.train_flags(_resolved({"train.norm_before_fc": True}))[0]) == "--norm-before-fc"
+    assert levers._delta(base, levers.train_flags(_resolved({"train.ttt_steps": 7}))[0]) == "--ttt-steps 7"
+    assert levers._delta(base, levers.train_flags(_resolved({"train.norm_before_fc": False}))[0]) == \
+        "without --norm-before-fc"   # the preset trains it: the lever turns it off
     assert levers._delta(base, base) == ""
 
 

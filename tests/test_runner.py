@@ -463,3 +463,27 @@ def test_cuda_generate_by_lengths_equals_eager_cpu():
     half = Runner.from_hf(model, max_batch=13, max_seq=160, device="cuda", dtype=torch.bfloat16)
     out = half.generate(prompts, 36, eos_ids=eos, window=8, lengths=True)
     assert len(out) == len(ref) and all(1 <= len(o) <= 36 for o in out)
+
+
+def test_longest_first_prefill_runs_only_the_rows_a_chunk_reaches():
+    """prefill of prompts longest first (generate's order) runs each chunk on the rows that reach it; the last-token
+    logits equal HF's own forward per prompt, and the aux states over each prompt equal that prompt's batch-1
+    prefill, in chunks of 8 (prompts of 2-30 tokens: batches of 12, 9, 6 and 2 rows). Mutation: running the
+    chunk on the prefix without cutting its lengths, or writing `final` for all rows, fails here."""
+    from eyas.decode.common import prefill
+
+    model = make_tiny_llama(seed=7)
+    r = Runner.from_hf(model, max_batch=12, max_seq=64)
+    g = torch.Generator().manual_seed(1)
+    prompts = sorted((torch.randint(3, 256, (n,), generator=g).tolist()
+                      for n in (5, 17, 9, 30, 2, 11, 23, 8, 14, 3, 19, 6)), key=len, reverse=True)
+    aux_ids = (1, 2)
+    logits, aux = prefill(r, prompts, aux_ids, chunk=8)
+    assert aux.shape[:2] == (12, 30)
+    with torch.no_grad():
+        for b, p in enumerate(prompts):
+            ref = model(torch.tensor([p])).logits[0, -1]
+            torch.testing.assert_close(logits[b], ref, atol=1e-4, rtol=1e-4)
+            one_logits, one_aux = prefill(r, [p], aux_ids, chunk=8)
+            torch.testing.assert_close(aux[b, :len(p)], one_aux[0], atol=1e-5, rtol=1e-5)
+            assert not aux[b, -(-len(p) // 8) * 8:].any()  # chunks the row does not reach: zeros, not run

@@ -213,10 +213,13 @@ def _ddp_worker(rank, world, port, kw):
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    from eyas.cli import leave
+
     try:
         run_train(TrainConfig(**kw), target=tiny_target())
     finally:
         dist.destroy_process_group()
+    leave(0)  # as `eyas train` under torchrun: no interpreter teardown, where FSDP2's kept gloo group can abort
 
 
 @pytest.mark.parametrize("fsdp", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["ddp", "fsdp2"])
