@@ -76,6 +76,7 @@ class Trainer:
         from eyas.model.drafter import Eagle3Drafter
         from eyas.target.device import cpu_bf16_fast
 
+        t0 = time.perf_counter()
         self.dist = dist.setup(cfg.device, deterministic=cfg.deterministic)
         self.rank, self.world, self.device = self.dist.rank, self.dist.world, self.dist.device
         explicit_vocab = cfg.draft_vocab
@@ -183,6 +184,7 @@ class Trainer:
             write_vocab(self.run, self.vocab, vocab_summary)
         dist.barrier()
         self._restore()
+        self.setup_s = time.perf_counter() - t0  # the train summary's start-up, with the first step's seconds
 
     def plan(self, epoch: int) -> list[list[list[int]]]:
         """This rank's steps of `epoch`, each a list of grad_accum micro-batches (sample indices)."""
@@ -422,6 +424,7 @@ class Trainer:
         train_summary: dict = {}
         self.model.train()
         waited = self.data_wait_s
+        t_loop, first_step_s = time.perf_counter(), None
         while self.step < self.total:
             n = self.tokens_of_step(self.epoch, self.pos)
             logged = (self.step + 1) % cfg.log_every == 0 or self.step + 1 == self.total
@@ -432,6 +435,13 @@ class Trainer:
                 self.data_wait_s += pre.wait_s - w0
             summary, lr, gnorm = self.train_step(self.next_batch(), sync=logged, host=host)   # others: no read-back
             step = self.step
+            if first_step_s is None:  # the first step of this process: its compiles and the first features
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                first_step_s = time.perf_counter() - t_loop
+                if self.rank == 0:
+                    print(f"eyas train: set-up {self.setup_s:.1f} s, first step {first_step_s:.1f} s (compiles "
+                          f"included)", file=sys.stderr)
             rate = sink.step(n, summary and {"loss": f"{summary['loss']:.3f}", "acc0": f"{summary['acc_k'][0]:.3f}"})
             if logged:
                 train_summary = summary
@@ -465,7 +475,9 @@ class Trainer:
 
         # --- the final drafter
         m, _ = dist.full_state_dict(self.module, None, cfg.fsdp)
-        result = {"step": self.step, "train": train_summary, "eval": last_eval, "vocab_coverage": self.vocab.coverage}
+        result = {"step": self.step, "train": train_summary, "eval": last_eval, "vocab_coverage": self.vocab.coverage,
+                  "startup": {"setup_s": round(self.setup_s, 3),
+                              "first_step_s": None if first_step_s is None else round(first_step_s, 3)}}
         if self.rank == 0:
             final = Eagle3Drafter(self.dcfg)
             final.load_state_dict({k.removeprefix("drafter."): v for k, v in m.items()})
