@@ -44,7 +44,8 @@ def section(run: Path, command: str) -> str:
                      f"replayed tau by chain {' / '.join(f'{t:.2f}' for t in ev.get('round_tau_by_chain', []))} "
                      f"(first replies {' / '.join(f'{t:.2f}' for t in ev.get('round_tau_first_by_chain', []))}); "
                      f"draft-vocab coverage {tr.get('vocab_coverage')}")
-        if su := tr.get("startup"):
+        manifest = run / "train" / "manifest.json"
+        if manifest.exists() and (su := json.loads(manifest.read_text()).get("startup")):
             lines.append(f"- train start-up: set-up {su.get('setup_s')} s, first step {su.get('first_step_s')} s "
                          f"(its compiles and the first target features)")
         metrics = run / "train" / "metrics.jsonl"

@@ -475,14 +475,14 @@ class Trainer:
 
         # --- the final drafter
         m, _ = dist.full_state_dict(self.module, None, cfg.fsdp)
-        result = {"step": self.step, "train": train_summary, "eval": last_eval, "vocab_coverage": self.vocab.coverage,
-                  "startup": {"setup_s": round(self.setup_s, 3),
-                              "first_step_s": None if first_step_s is None else round(first_step_s, 3)}}
+        result = {"step": self.step, "train": train_summary, "eval": last_eval, "vocab_coverage": self.vocab.coverage}
+        startup = {"setup_s": round(self.setup_s, 3),
+                   "first_step_s": None if first_step_s is None else round(first_step_s, 3)}
         if self.rank == 0:
             final = Eagle3Drafter(self.dcfg)
             final.load_state_dict({k.removeprefix("drafter."): v for k, v in m.items()})
             save_drafter(final, self.run / "drafter", meta={"target": self.target.fingerprint})
-            write_manifest(self.run, {**self._manifest("complete"), "result": result})
+            write_manifest(self.run, {**self._manifest("complete"), "result": result, "startup": startup})
         dist.barrier()
         return result
 
