@@ -48,6 +48,12 @@ def section(run: Path, command: str) -> str:
         if manifest.exists() and (su := json.loads(manifest.read_text()).get("startup")):
             lines.append(f"- train start-up: set-up {su.get('setup_s')} s, first step {su.get('first_step_s')} s "
                          f"(its compiles and the first target features)")
+        if tp := state.get("train_prewarm"):
+            cache = tp.get("compile_cache") or {}
+            lines.append(f"- train warm-up process during prepare: {tp.get('seconds')} s, exit {tp.get('returncode')}, "
+                         f"finished before train: {tp.get('finished_before_train')}, train waited "
+                         f"{tp.get('waited_s')} s; its own first step {(tp.get('startup') or {}).get('first_step_s')} s "
+                         f"(fx graph cache hits {cache.get('fx_graph_hits')} / misses {cache.get('fx_graph_misses')})")
         metrics = run / "train" / "metrics.jsonl"
         if metrics.exists():
             rates = [json.loads(x).get("tokens_per_s") for x in metrics.read_text().splitlines() if '"train"' in x]

@@ -293,10 +293,11 @@ def run_pipeline(cfg: RunConfig) -> dict:
     state = _open_state(cfg, run)
     log = Log(run, cfg.quiet)
     _save_state(run, state)
-    if (old := state.get("prewarm") or {}).get("pid") and "returncode" not in old:  # a killed run's, maybe alive
-        from eyas.bench.prewarm import stop_stale
-        if stop_stale(old["pid"], run.resolve() / "logs"):
-            log(f"prewarm: stopped the warm-up process (pid {old['pid']}) an interrupted run left running")
+    for key, name in (("prewarm", "prewarm"), ("train_prewarm", "train-prewarm")):  # a killed run's, maybe alive
+        if (old := state.get(key) or {}).get("pid") and "returncode" not in old:
+            from eyas.bench.prewarm import stop_stale
+            if stop_stale(old["pid"], run.resolve() / "logs", name):
+                log(f"{name}: stopped the warm-up process (pid {old['pid']}) an interrupted run left running")
     log(f"eyas run: preset {cfg.preset}, target {cfg.target}, data {cfg.data} -> {run}", always=True)
     if cfg.preset == "cpu-demo":
         log("this is a demonstration on the CPU (small data, short training); for a real drafter run "
@@ -308,14 +309,14 @@ def run_pipeline(cfg: RunConfig) -> dict:
             "the 20 minutes the demo was sized for", always=True)
     configs = resolve_stages(cfg, run, vocab_size=target.vocab_size, progress=not cfg.quiet)
     stages = [s for s in STAGES if s != "capture" or configs.capture is not None]
-    started = []  # the bench's warm-up process, once the train stage starts it
+    started = {}  # the warm-up processes ("train": as prepare starts, "bench": as train starts)
     try:
         _run_stages(cfg, configs, run, target, state, log, stages, started)
-        if started and "returncode" not in state["prewarm"]:  # --until stopped before the bench: the caches it
-            from eyas.bench.prewarm import await_before_bench  # fills on disk serve the next invocation's bench
-            state["prewarm"].update(await_before_bench(started[0], log))
+        if "bench" in started and "returncode" not in state["prewarm"]:  # --until stopped before the bench: the
+            from eyas.bench.prewarm import await_before_bench  # caches it fills on disk serve the next invocation's
+            state["prewarm"].update(await_before_bench(started["bench"], log))
     finally:
-        for proc in started:  # interrupted, failed, or done: never leave it running
+        for proc in started.values():  # interrupted, failed, or done: never leave it running
             proc.stop()
     state["wall_seconds_this_invocation"] = round(time.time() - t_start, 1)
     _save_state(run, state)
@@ -329,8 +330,10 @@ def run_pipeline(cfg: RunConfig) -> dict:
     return state
 
 
-def _run_stages(cfg, configs, run, target, state, log, stages, started: list) -> None:
-    """Each stage in order, skipping verified finished ones; a bench warm-up process it starts goes in `started`."""
+def _run_stages(cfg, configs, run, target, state, log, stages, started: dict) -> None:
+    """Each stage in order, skipping verified finished ones; the warm-up processes it starts go in `started`."""
+    if (proc := _start_train_prewarm(cfg, configs, run, target, state, log, stages)) is not None:
+        started["train"] = proc
     for stage in stages:
         if cfg.until is not None and STAGES.index(stage) > STAGES.index(cfg.until):
             break
@@ -343,11 +346,13 @@ def _run_stages(cfg, configs, run, target, state, log, stages, started: list) ->
             except (EyasError, OSError, ValueError, json.JSONDecodeError) as e:
                 log(f"{stage}: its output failed verification on resume ({e}); redoing the stage", always=True)
                 st = {"redo": True}
+        if stage == "train" and "train" in started:
+            _await_train_prewarm(started["train"], state, run, log)
         if stage == "train" and (proc := _start_prewarm(cfg, configs, run, target, state, log)) is not None:
-            started.append(proc)
-        elif stage == "bench" and started:
+            started["bench"] = proc
+        elif stage == "bench" and "bench" in started:
             from eyas.bench.prewarm import await_before_bench
-            state["prewarm"].update(await_before_bench(started[0], log))
+            state["prewarm"].update(await_before_bench(started["bench"], log))
         log(f"{stage}: starting" + (" (resuming)" if (run / _stage_dir(stage)).exists() else ""))
         t0, before = time.time(), st.get("seconds", 0.0) if not st.get("done") else 0.0
         extra = {"prewarm": state.get("prewarm")} if stage == "bench" else {}
@@ -364,6 +369,57 @@ def _run_stages(cfg, configs, run, target, state, log, stages, started: list) ->
                                   "summary": summary}
         _save_state(run, state)
         log(f"{stage}: finished in {time.time() - t0:.0f} s")
+
+
+# ---- training's warm-up during prepare (eyas/train/prewarm.py) -------------------------------------------------
+
+def _start_train_prewarm(cfg, c: Stages, run, target, state, log, stages):
+    """Start training's compile warm-up when [run] prewarm_train (or, unset, a compiled online train stage on CUDA
+    whose target's second copy fits beside prepare, eyas.bench.prewarm.AUTO_SHARE) asks for it and a stage before
+    train is still to run (else there is nothing to overlap it with); None otherwise. Any failure to start is one
+    log line: training then compiles its graphs itself."""
+    from eyas.bench.prewarm import fits_beside_training
+    from eyas.train import prewarm
+
+    r, t = cfg.recipe.run, c.train
+    before = [s for s in stages[:stages.index("train")] if not state["stages"].get(s, {}).get("done")]
+    wanted = (r.prewarm_train if r.prewarm_train is not None
+              else t.compile and r.device == "cuda" and fits_beside_training(target))
+    if not (wanted and t.online and before) or state["stages"].get("train", {}).get("done") or (
+            cfg.until is not None and STAGES.index(cfg.until) < STAGES.index("train")):
+        return None
+    try:
+        proc = prewarm.start(run.resolve() / "logs", t, target_spec=cfg.target, device=r.device,
+                             dtype=resolve_dtype(r.dtype, r.device), trust_remote_code=cfg.trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - a warm-up is an optimisation; the run goes on without it
+        log(f"train-prewarm: not started ({type(e).__name__}: {e}); training compiles its graphs itself", always=True)
+        return None
+    state["train_prewarm"] = {"pid": proc.pid}
+    _save_state(run, state)   # the pid first: a resumed run stops a warm-up that a killed run left
+    log(f"train-prewarm: compiling training's graphs in the background (pid {proc.pid}, logs/train-prewarm.log)")
+    return proc
+
+
+def _await_train_prewarm(proc, state, run, log) -> None:
+    """Before the train stage: wait for training's warm-up (at most its WAIT_S, then stop it) and record how it
+    went in run.json's train_prewarm."""
+    from eyas.train.prewarm import WAIT_S
+
+    before = proc.done()
+    t0 = time.time()
+    ended = before or proc.wait(WAIT_S)
+    rec = {**proc.record(), "finished_before_train": before, "waited_s": round(time.time() - t0, 1)}
+    state["train_prewarm"].update(rec)
+    _save_state(run, state)
+    if not ended:
+        log(f"train-prewarm: not finished after waiting {WAIT_S:.0f} s; stopped it, training compiles what is left",
+            always=True)
+    elif rec["returncode"] != 0 or "startup" not in rec:
+        log(f"train-prewarm: failed (exit status {rec['returncode']}, logs/train-prewarm.log); training compiles "
+            f"its graphs itself", always=True)
+    else:
+        log(f"train-prewarm: finished in {rec['seconds']:.0f} s, "
+            + ("before prepare ended" if before else f"{rec['waited_s']:.0f} s after it"))
 
 
 # ---- the bench's warm-up during training (eyas/bench/prewarm.py) ------------------------------------------------

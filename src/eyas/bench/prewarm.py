@@ -24,8 +24,6 @@ import threading
 import time
 from pathlib import Path
 
-SPEC = "prewarm-spec.json"
-"""The warm-up's input under RUN/logs; its command line names it (stop_stale checks that)."""
 AUTO_SHARE = 0.05
 """Auto mode warms only when the warm-up's own copy of the target's weights takes at most this share of the GPU's
 memory: beside training, a second copy of a large target could push training out of memory."""
@@ -141,16 +139,17 @@ def await_before_bench(proc: "Prewarm", log) -> dict:
 
 
 class Prewarm:
-    """One warm-up process of a run directory: RUN/logs/prewarm-spec.json in, prewarm.json out, prewarm.log."""
+    """One warm-up process of a run directory: RUN/logs/NAME-spec.json in, NAME.json out, NAME.log (NAME "prewarm"
+    for the bench's, "train-prewarm" for training's, eyas/train/prewarm.py)."""
 
-    def __init__(self, logs: Path, spec: dict, cmd=command):
-        self.spec_path, self.result_path = logs / SPEC, logs / "prewarm.json"
-        self.drafter_config = spec["drafter"]
+    def __init__(self, logs: Path, spec: dict, cmd=command, name: str = "prewarm"):
+        self.spec_path, self.result_path = logs / f"{name}-spec.json", logs / f"{name}.json"
+        self.drafter_config = spec.get("drafter")
         self.result_path.unlink(missing_ok=True)
         self.spec_path.write_text(json.dumps({**spec, "parent": os.getpid()}, indent=2) + "\n")
         self.started = time.time()
         self.ended: float | None = None
-        with open(logs / "prewarm.log", "ab") as log:
+        with open(logs / f"{name}.log", "ab") as log:
             self.proc = subprocess.Popen(cmd(self.spec_path, self.result_path), stdin=subprocess.DEVNULL,
                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -190,6 +189,8 @@ class Prewarm:
         rec = {"pid": self.pid, "seconds": round((self.ended or time.time()) - self.started, 1), "returncode": rc}
         if rc == 0 and self.result_path.exists():
             res = json.loads(self.result_path.read_text())
+            if "benches" not in res:  # another warm-up's result (training's): kept whole
+                return {**rec, **res, "seconds": rec["seconds"]}
             rec["benches"] = {n: {"warmup": r["warmup"], "seconds": r["seconds"],
                                   **({"compile_cache": r["compile_cache"]} if "compile_cache" in r else {})}
                               for n, r in res["benches"].items()}
@@ -203,11 +204,11 @@ def _kill_group(pid: int, sig) -> None:
         pass
 
 
-def stop_stale(pid: int, logs: Path) -> bool:
+def stop_stale(pid: int, logs: Path, name: str = "prewarm") -> bool:
     """Stop a warm-up process a killed run left running: only if `pid` still leads its own process group and its
-    command line names this run's LOGS/prewarm-spec.json (so never an unrelated process that reused the pid).
+    command line names this run's LOGS/NAME-spec.json (so never an unrelated process that reused the pid).
     True if one was stopped."""
-    spec_path = logs / SPEC
+    spec_path = logs / f"{name}-spec.json"
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         if os.getpgid(pid) != pid or str(spec_path).encode() not in cmdline:

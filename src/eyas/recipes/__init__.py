@@ -51,6 +51,10 @@ class RunKnobs:
     """Compile the bench's graphs in a background process while the drafter trains (eyas/bench/prewarm.py), so the
     bench finds them in the caches on disk. None: where a bench compiles (cuda) and a second copy of the target fits
     beside training (eyas.bench.prewarm.AUTO_SHARE). Not part of the run's identity."""
+    prewarm_train: bool | None = None
+    """Compile training's graphs in a background process while prepare runs (eyas/train/prewarm.py), so the train
+    stage finds them in the caches on disk. Online training only. None: where training compiles on cuda and a second
+    copy of the target fits beside prepare. Not part of the run's identity."""
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -143,7 +147,8 @@ class Recipe:
             return {k: v for k, v in table.items() if v != defaults.get(k, dataclasses.MISSING)}
 
         t = self.tables()
-        t["run"].pop("prewarm_bench")  # it changes no output: a resumed run may turn it on or off
+        t["run"].pop("prewarm_bench")  # these change no output: a resumed run may turn them on or off
+        t["run"].pop("prewarm_train")
         out = {name: sparse(name, t[name]) for name in TABLES if name != "bench"}
         out["bench"] = [sparse("bench", b) for b in t["bench"]]
         return json.loads(json.dumps(out))

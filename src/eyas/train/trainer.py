@@ -59,9 +59,14 @@ class TTTModule(nn.Module):
 
 
 def run_train(cfg: TrainConfig, target=None) -> dict:
-    """Train a drafter as configured; returns the final metrics (train + last eval)."""
-    trainer = Trainer(cfg, target)
-    result = trainer.train()
+    """Train a drafter as configured; returns the final metrics (train + last eval). A compiled run keeps inductor's
+    caches under $EYAS_CACHE/inductor (eyas.bench.startup.compile_cache), where a later run, or `eyas run`'s
+    warm-up during prepare (train/prewarm.py), finds them."""
+    from eyas.bench.startup import compile_cache
+
+    with compile_cache(cfg.compile):
+        trainer = Trainer(cfg, target)
+        result = trainer.train()
     dist.teardown(trainer.dist)
     return result
 
