@@ -63,7 +63,8 @@ def test_run_warms_training_during_prepare_and_writes_the_same_run(tiny_run_inpu
     tp = warmed["train_prewarm"]
     assert seen == [(tp["pid"], True)] and tp["returncode"] == 0 and not _alive(tp["pid"])
     assert tp["startup"]["first_step_s"] > 0 and "finished_before_train" in tp and tp["samples"] > 0
-    assert (tmp_path / "warm" / "logs" / "train-prewarm" / "train" / "drafter").is_dir()
+    assert (tmp_path / "warm" / "logs" / "train-prewarm.log").exists()
+    assert not (tmp_path / "warm" / "logs" / "train-prewarm").exists()   # its scratch data and drafter: removed
     monkeypatch.setitem(run_mod.STAGE_FUNCS, "prepare", real_prepare)
     plain = run_pipeline(_cfg(tiny_run_inputs, tmp_path / "plain", **{"run.prewarm_bench": False,
                                                                      "run.prewarm_train": False}))

@@ -403,13 +403,14 @@ def _start_train_prewarm(cfg, c: Stages, run, target, state, log, stages):
 def _await_train_prewarm(proc, state, run, log) -> None:
     """Before the train stage: wait for training's warm-up (at most its WAIT_S, then stop it) and record how it
     went in run.json's train_prewarm."""
-    from eyas.train.prewarm import WAIT_S
+    from eyas.train.prewarm import NAME, WAIT_S
 
     before = proc.done()
     t0 = time.time()
     ended = before or proc.wait(WAIT_S)
     rec = {**proc.record(), "finished_before_train": before, "waited_s": round(time.time() - t0, 1)}
     state["train_prewarm"].update(rec)
+    shutil.rmtree(run.resolve() / "logs" / NAME, ignore_errors=True)  # its synthetic data and drafter: scratch
     _save_state(run, state)
     if not ended:
         log(f"train-prewarm: not finished after waiting {WAIT_S:.0f} s; stopped it, training compiles what is left",

@@ -189,8 +189,8 @@ class Prewarm:
         rec = {"pid": self.pid, "seconds": round((self.ended or time.time()) - self.started, 1), "returncode": rc}
         if rc == 0 and self.result_path.exists():
             res = json.loads(self.result_path.read_text())
-            if "benches" not in res:  # another warm-up's result (training's): kept whole
-                return {**rec, **res, "seconds": rec["seconds"]}
+            if "benches" not in res:  # another warm-up's result (training's): kept whole, its own seconds
+                return {**rec, **res}
             rec["benches"] = {n: {"warmup": r["warmup"], "seconds": r["seconds"],
                                   **({"compile_cache": r["compile_cache"]} if "compile_cache" in r else {})}
                               for n, r in res["benches"].items()}
