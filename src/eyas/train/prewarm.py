@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from dataclasses import replace
@@ -63,6 +64,7 @@ def warm(spec: dict) -> dict:
     from eyas.train.trainer import Trainer
 
     root = Path(spec["root"])
+    shutil.rmtree(root, ignore_errors=True)  # an interrupted run's scratch: the Trainer refuses an existing run dir
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[spec["dtype"]]
     target = load_target(spec["target"], device=spec["device"], dtype=dtype,
                          trust_remote_code=spec.get("trust_remote_code", False))
