@@ -403,24 +403,13 @@ def _start_train_prewarm(cfg, c: Stages, run, target, state, log, stages):
 def _await_train_prewarm(proc, state, run, log) -> None:
     """Before the train stage: wait for training's warm-up (at most its WAIT_S, then stop it) and record how it
     went in run.json's train_prewarm."""
+    from eyas.bench.prewarm import await_warmup
     from eyas.train.prewarm import NAME, WAIT_S
 
-    before = proc.done()
-    t0 = time.time()
-    ended = before or proc.wait(WAIT_S)
-    rec = {**proc.record(), "finished_before_train": before, "waited_s": round(time.time() - t0, 1)}
-    state["train_prewarm"].update(rec)
+    state["train_prewarm"].update(await_warmup(proc, log, WAIT_S, stage="train", beside="prepare",
+                                               marker="startup", who="training"))
     shutil.rmtree(run.resolve() / "logs" / NAME, ignore_errors=True)  # its synthetic data and drafter: scratch
     _save_state(run, state)
-    if not ended:
-        log(f"train-prewarm: not finished after waiting {WAIT_S:.0f} s; stopped it, training compiles what is left",
-            always=True)
-    elif rec["returncode"] != 0 or "startup" not in rec:
-        log(f"train-prewarm: failed (exit status {rec['returncode']}, logs/train-prewarm.log); training compiles "
-            f"its graphs itself", always=True)
-    else:
-        log(f"train-prewarm: finished in {rec['seconds']:.0f} s, "
-            + ("before prepare ended" if before else f"{rec['waited_s']:.0f} s after it"))
 
 
 # ---- the bench's warm-up during training (eyas/bench/prewarm.py) ------------------------------------------------

@@ -122,19 +122,26 @@ def start(logs: Path, benches: dict, train, target, *, target_spec: str, dtype: 
 def await_before_bench(proc: "Prewarm", log) -> dict:
     """Before the bench stage: wait for the warm-up (at most WAIT_S, then stop it), say in one log line how it went,
     and return what run.json records: Prewarm.record() plus finished_before_bench and waited_s."""
+    return await_warmup(proc, log, WAIT_S, stage="bench", beside="training", marker="benches", who="the bench")
+
+
+def await_warmup(proc: "Prewarm", log, wait_s: float, *, stage: str, beside: str, marker: str, who: str) -> dict:
+    """Before `stage`: wait for the warm-up `proc` that ran beside `beside` (at most wait_s, then stop it), say in one
+    log line how it went, and return Prewarm.record() plus finished_before_<stage> and waited_s. The warm-up worked
+    when it exited 0 with `marker` in its result; otherwise `who` compiles for itself."""
     before = proc.done()
     t0 = time.time()
-    ended = before or proc.wait(WAIT_S)
-    rec = {**proc.record(), "finished_before_bench": before, "waited_s": round(time.time() - t0, 1)}
+    ended = before or proc.wait(wait_s)
+    rec = {**proc.record(), f"finished_before_{stage}": before, "waited_s": round(time.time() - t0, 1)}
     if not ended:
-        log(f"prewarm: not finished after waiting {WAIT_S:.0f} s; stopped it, the bench compiles what is left",
+        log(f"{proc.name}: not finished after waiting {wait_s:.0f} s; stopped it, {who} compiles what is left",
             always=True)
-    elif rec["returncode"] != 0 or "benches" not in rec:
-        log(f"prewarm: failed (exit status {rec['returncode']}, logs/prewarm.log); the bench compiles its graphs "
+    elif rec["returncode"] != 0 or marker not in rec:
+        log(f"{proc.name}: failed (exit status {rec['returncode']}, logs/{proc.name}.log); {who} compiles its graphs "
             f"itself", always=True)
     else:
-        log(f"prewarm: finished in {rec['seconds']:.0f} s, "
-            + ("before training ended" if before else f"{rec['waited_s']:.0f} s after it"))
+        log(f"{proc.name}: finished in {rec['seconds']:.0f} s, "
+            + (f"before {beside} ended" if before else f"{rec['waited_s']:.0f} s after it"))
     return rec
 
 
@@ -143,6 +150,7 @@ class Prewarm:
     for the bench's, "train-prewarm" for training's, eyas/train/prewarm.py)."""
 
     def __init__(self, logs: Path, spec: dict, cmd=command, name: str = "prewarm"):
+        self.name = name
         self.spec_path, self.result_path = logs / f"{name}-spec.json", logs / f"{name}.json"
         self.drafter_config = spec.get("drafter")
         self.result_path.unlink(missing_ok=True)
