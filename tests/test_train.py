@@ -175,6 +175,23 @@ def test_resume_equals_uninterrupted(tmp_path, monkeypatch):
     assert full["eval"] == resumed["eval"]
 
 
+def test_deterministic_training_leaves_the_process_as_it_was(tmp_path):
+    """A deterministic run turns on torch's deterministic algorithms for itself only: what runs after it in the same
+    process (eyas run's bench; the next test) gets the switches back as they were."""
+    t = tiny_target()
+    store = capture(tmp_path, t, make_samples(20))
+    before = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark
+    try:
+        for state in ((False, True), (True, False)):
+            torch.use_deterministic_algorithms(state[0])
+            torch.backends.cudnn.benchmark = state[1]
+            run_train(cfg(tmp_path, store, f"run-{state[0]}", steps=2), target=t)
+            assert (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark) == state
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        torch.backends.cudnn.benchmark = before[1]
+
+
 def test_loss_on_all_trains_prompt_positions_and_evaluates_on_the_mask(tmp_path):
     t = tiny_target()
     store = capture(tmp_path, t, make_samples())

@@ -32,6 +32,9 @@ class Dist:
     """The device this rank trains on (cuda:LOCAL_RANK under torchrun on GPUs)."""
     owns_group: bool = False
     """setup() created the process group, so teardown() destroys it; a group the caller made stays."""
+    restore: tuple[bool, bool] | None = None
+    """(deterministic algorithms, cudnn.benchmark) as they were before a deterministic setup(); teardown() puts them
+    back, so what runs after training in the same process (eyas run's bench) does not inherit them."""
 
 
 def setup(device: str, *, deterministic: bool = False) -> Dist:
@@ -40,7 +43,9 @@ def setup(device: str, *, deterministic: bool = False) -> Dist:
     `device` is TrainConfig.device: 'auto', 'cpu', 'cuda' or 'cuda:N'. A process group the caller already
     initialised is used as it is. `deterministic` turns on torch's deterministic algorithms (and the cuBLAS
     workspace setting they need) before anything touches the device."""
+    restore = None
     if deterministic:
+        restore = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
@@ -61,7 +66,7 @@ def setup(device: str, *, deterministic: bool = False) -> Dist:
         torch.cuda.set_device(dev)
     else:
         dev = torch.device("cpu")
-    return Dist(rank=rank, world=world, device=dev, owns_group=owns)
+    return Dist(rank=rank, world=world, device=dev, owns_group=owns, restore=restore)
 
 
 def init_process_group(backend: str) -> None:
@@ -88,9 +93,13 @@ def destroy_process_group() -> None:
 
 
 def teardown(d: Dist) -> None:
-    """Destroy the process group if setup() created it (after a finished run: every rank is past its last barrier)."""
+    """Destroy the process group if setup() created it (after a finished run: every rank is past its last barrier),
+    and put back what a deterministic setup() switched."""
     if d.owns_group and tdist.is_initialized():
         destroy_process_group()
+    if d.restore is not None:
+        torch.use_deterministic_algorithms(d.restore[0])
+        torch.backends.cudnn.benchmark = d.restore[1]
 
 
 def _on() -> bool:
