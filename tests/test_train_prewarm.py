@@ -11,6 +11,7 @@ import pytest
 
 from eyas.train import prewarm
 from eyas.train.data import epoch_batches, is_eval
+from test_bench_prewarm import _alive
 from test_run import tiny_run_inputs  # noqa: F401 - the tiny target and chats of test_run's pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,12 +37,6 @@ def _cfg(root, out, **over):
     from test_run import _cfg as run_cfg
 
     return run_cfg(root, out, **{"run.capture": False, "run.online": True, "run.prewarm_train": True, **over})
-
-
-def _alive(pid: int) -> bool:
-    from test_bench_prewarm import _alive as alive
-
-    return alive(pid)
 
 
 def test_run_warms_training_during_prepare_and_writes_the_same_run(tiny_run_inputs, tmp_path, monkeypatch):

@@ -145,12 +145,20 @@ def await_warmup(proc: "Prewarm", log, wait_s: float, *, stage: str, beside: str
     return rec
 
 
+def bench_digest(result: dict) -> dict:
+    """What run.json keeps of the bench warm-up's result: each bench's warm-up report, seconds and compile cache."""
+    return {"benches": {n: {"warmup": r["warmup"], "seconds": r["seconds"],
+                            **({"compile_cache": r["compile_cache"]} if "compile_cache" in r else {})}
+                        for n, r in result["benches"].items()}}
+
+
 class Prewarm:
     """One warm-up process of a run directory: RUN/logs/NAME-spec.json in, NAME.json out, NAME.log (NAME "prewarm"
-    for the bench's, "train-prewarm" for training's, eyas/train/prewarm.py)."""
+    for the bench's, "train-prewarm" for training's, eyas/train/prewarm.py); `digest` picks what run.json keeps of
+    its result (bench_digest unless given)."""
 
-    def __init__(self, logs: Path, spec: dict, cmd=command, name: str = "prewarm"):
-        self.name = name
+    def __init__(self, logs: Path, spec: dict, cmd=command, name: str = "prewarm", digest=None):
+        self.name, self.digest = name, digest or bench_digest
         self.spec_path, self.result_path = logs / f"{name}-spec.json", logs / f"{name}.json"
         self.drafter_config = spec.get("drafter")
         self.result_path.unlink(missing_ok=True)
@@ -192,16 +200,11 @@ class Prewarm:
         self.done()
 
     def record(self) -> dict:
-        """What run.json keeps: pid, seconds, exit status and, when it finished, the warm-up reports' essentials."""
+        """What run.json keeps: pid, seconds, exit status and, when it finished, digest(its result)."""
         rc = self.proc.poll()
         rec = {"pid": self.pid, "seconds": round((self.ended or time.time()) - self.started, 1), "returncode": rc}
         if rc == 0 and self.result_path.exists():
-            res = json.loads(self.result_path.read_text())
-            if "benches" not in res:  # another warm-up's result (training's): kept whole, its own seconds
-                return {**rec, **res}
-            rec["benches"] = {n: {"warmup": r["warmup"], "seconds": r["seconds"],
-                                  **({"compile_cache": r["compile_cache"]} if "compile_cache" in r else {})}
-                              for n, r in res["benches"].items()}
+            rec.update(self.digest(json.loads(self.result_path.read_text())))
         return rec
 
 
