@@ -392,6 +392,36 @@ def test_sampled_replies_are_reproducible_and_differ(tmp_path, tiny):
         assert {is_heldout(split_key(i), 0.3) for i in ids} == {is_heldout(cid, 0.3)}
 
 
+def test_greedy_sample_is_the_greedy_run_and_the_others_are_sampled(tmp_path, tiny):
+    """--greedy-sample: reply set #s1 of every conversation is exactly what a greedy one-sample run writes for it,
+    the other sets are sampled (they differ from it), and the knob is part of the data's identity."""
+    from eyas.data.prepare import PrepareConfig, run_prepare
+    from eyas.data.prepared import PreparedData
+    from eyas.errors import EyasError
+
+    tok, model, target = tiny
+    data = write_jsonl(tmp_path / "d.jsonl", MULTI)
+    base = dict(data=data, regenerate=True, max_len=160, max_new_tokens=8, batch_size=3, gen_batch=4,
+                heldout_fraction=0.0)
+    greedy = run_prepare(PrepareConfig(out=str(tmp_path / "g"), **base), target, progress=False)
+    mixed = run_prepare(PrepareConfig(out=str(tmp_path / "m"), samples_per_prompt=3, regen_temperature=1.0,
+                                      greedy_sample=True, **base), target, progress=False)
+    ref = {s.id: s.input_ids for s in PreparedData(tmp_path / "g")}
+    by_conv: dict = {}
+    for s in PreparedData(tmp_path / "m"):
+        base_id, k = s.id.split("#s")
+        by_conv.setdefault(base_id, {})[int(k)] = s.input_ids
+    assert set(by_conv) == set(ref) and len(ref) >= 5
+    for cid, sets in by_conv.items():
+        assert sets[1] == ref[cid], cid  # the greedy set: token for token the greedy run's
+    sampled = [ids for sets in by_conv.values() for k, ids in sets.items() if k > 1]
+    assert len(sampled) >= len(ref) and sum(ids not in ref.values() for ids in sampled) >= len(sampled) - 1
+    assert mixed["identity"]["config"]["greedy_sample"] is True
+    assert "greedy_sample" not in greedy["identity"]["config"]  # older prepared directories still match
+    with pytest.raises(EyasError, match="--greedy-sample needs --samples-per-prompt >= 2"):
+        PrepareConfig(out=str(tmp_path / "x"), greedy_sample=True, regen_temperature=1.0, **base)
+
+
 def test_self_prompts_make_well_formed_conversations(tmp_path, tiny):
     from eyas.data.chat import user_header
     from eyas.data.prepare import PrepareConfig, run_prepare

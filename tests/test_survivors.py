@@ -265,6 +265,19 @@ def test_eval_split_keeps_sharegpt_parts_together():
         assert len({is_eval(f"{b}_{k}", 0.2) for k in range(12)}) == 1
 
 
+def test_eval_split_scores_each_conversation_by_its_first_reply_set():
+    """Sampled reply sets `<id>#s1..#s3`: a train-side conversation trains on all three, an eval-side one is scored
+    on #s1 alone (the greedy set under --greedy-sample) and its other sets are in neither split."""
+    from eyas.train.data import is_eval, split_indices
+
+    ids = [f"c{n}#s{k}" for n in range(200) for k in (1, 2, 3)] + ["plain-a", "plain-b"]
+    train, ev = split_indices(_Source(ids), 0.3)
+    assert {ids[i] for i in ev} == {i for i in ids if is_eval(i, 0.3) and not i.endswith(("#s2", "#s3"))}
+    assert {ids[i] for i in train} == {i for i in ids if not is_eval(i, 0.3)}
+    assert 30 <= len(ev) <= 90 and all(ids[i].endswith("#s1") or "#" not in ids[i] for i in ev)
+    assert len(train) + 3 * sum(ids[i].endswith("#s1") for i in ev) + sum("#" not in ids[i] for i in ev) == len(ids)
+
+
 # ------------------------------------------------------------------ drafter helpers
 
 V, DV = 256, 100

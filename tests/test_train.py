@@ -187,6 +187,10 @@ def test_deterministic_training_leaves_the_process_as_it_was(tmp_path):
             torch.backends.cudnn.benchmark = state[1]
             run_train(cfg(tmp_path, store, f"run-{state[0]}", steps=2), target=t)
             assert (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark) == state
+            # a run refused after its set-up (the vocabulary check comes after dist.setup) gives them back too
+            with pytest.raises(EyasError, match="larger than the target's vocabulary"):
+                run_train(cfg(tmp_path, store, f"refused-{state[0]}", draft_vocab=10**6), target=t)
+            assert (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark) == state
     finally:
         torch.use_deterministic_algorithms(before[0])
         torch.backends.cudnn.benchmark = before[1]

@@ -60,6 +60,9 @@ class PrepareConfig:
     samples_per_prompt: int = 1
     """With --regenerate: N regenerated reply sets per conversation (ids `<id>#s1..#sN`, sampled at
     regen_temperature > 0); every sample stays on its conversation's side of each split."""
+    greedy_sample: bool = False
+    """With samples_per_prompt > 1: the first reply set (`#s1`) is greedy and the others are sampled, so the data
+    hold the texts a greedy decoder meets beside the sampled variety (the trainer's eval scores `#s1` only)."""
     self_prompts: int = 0
     """Also write N Magpie-style conversations `magpie-<n>`: the user turn sampled by the target from the chat
     template's user header (at self_prompt_temperature), the reply greedy. Local generation only."""
@@ -107,6 +110,9 @@ class PrepareConfig:
         if self.samples_per_prompt > 1 and self.regen_temperature == 0:
             raise EyasError(f"--samples-per-prompt {self.samples_per_prompt} needs --regen-temperature > 0 "
                              "(greedy samples would all be the same)")
+        if self.greedy_sample and self.samples_per_prompt < 2:
+            raise EyasError(f"--greedy-sample needs --samples-per-prompt >= 2 (one greedy reply set and a sampled "
+                            f"one), got {self.samples_per_prompt}")
         if self.self_prompts < 0:
             raise EyasError(f"--self-prompts must be >= 0, got {self.self_prompts}")
         if self.self_prompts and self.server:
@@ -139,6 +145,8 @@ class PrepareConfig:
         d["temperature"] = d.pop("regen_temperature")  # its name in manifests written before the rename
         if self.samples_per_prompt == 1:  # defaults of later knobs: older prepared directories still match
             d.pop("samples_per_prompt")
+        if not self.greedy_sample:
+            d.pop("greedy_sample")
         if not self.self_prompts:
             d.pop("self_prompts")
             d.pop("self_prompt_temperature")
@@ -332,9 +340,9 @@ class _Preparation:
     def process(self, convs: list[Conversation], n_regen: int, n_samples: int,
                 temperature: float | None = None) -> None:
         """(Regenerate,) tokenize and append conversations; the first n_regen go to the target."""
-        todo = [(k, s) for k, c in enumerate(convs[:n_regen]) for s in samples_of(c, n_samples)]
-        results = self.backend.regenerate([s for _, s in todo], temperature=temperature) if todo else []
-        items = list(zip([k for k, _ in todo], results)) + list(enumerate(convs))[n_regen:]
+        todo = [(k, j, s) for k, c in enumerate(convs[:n_regen]) for j, s in enumerate(samples_of(c, n_samples))]
+        results = self.regenerate(todo, temperature) if todo else []
+        items = list(zip([k for k, _, _ in todo], results)) + list(enumerate(convs))[n_regen:]
         if todo:
             self.log_regeneration()
         live = [r.messages for _, r in items if not isinstance(r, Skipped)]
@@ -343,6 +351,19 @@ class _Preparation:
         self.st["conversations"] += len(kept)
         if self.bar is not None:
             self.bar.update(len(kept))
+
+    def regenerate(self, todo: list[tuple[int, int, Conversation]], temperature: float | None) -> list:
+        """The backend's results for (conversation, sample number j, sample) in order; with greedy_sample the first
+        samples (j = 0) go in a greedy call of their own, the others at the run's temperature."""
+        if temperature is not None or not self.cfg.greedy_sample:
+            return self.backend.regenerate([s for _, _, s in todo], temperature=temperature)
+        results: list = [None] * len(todo)
+        for greedy in (True, False):
+            idx = [i for i, (_, j, _) in enumerate(todo) if (j == 0) == greedy]
+            out = self.backend.regenerate([todo[i][2] for i in idx], temperature=0.0 if greedy else None)
+            for i, r in zip(idx, out):
+                results[i] = r
+        return results
 
     def log_regeneration(self) -> None:
         """The backend's notes into skipped.jsonl; its generation rate on the progress bar."""

@@ -29,6 +29,12 @@ def sample_id(conv_id: str, k: int) -> str:
     return f"{conv_id}#s{k}"
 
 
+def sample_number(conv_id: str) -> int | None:
+    """K of a sampled reply set's id `<id>#sK`, None for any other id."""
+    m = _SAMPLE.match(conv_id)
+    return int(conv_id[m.end("base") + 2:]) if m else None
+
+
 def split_key(conv_id: str, *, sharegpt: bool = False) -> str:
     """The key the split hashes: the id without a `#sK` sample suffix and, for ShareGPT, its `_N` part suffix."""
     m = _SAMPLE.match(conv_id)

@@ -273,12 +273,19 @@ def nonfinite_rows(batch: Batch) -> list[str]:
 # ----------------------------------------------------------------------------------------------- planning
 def split_indices(source, fraction: float) -> tuple[list[int], list[int]]:
     """(train, eval) sample indices in sample-id order (so a store and the prepared data it was captured from
-    plan the same batches); samples shorter than 3 tokens (nothing to predict) are dropped."""
+    plan the same batches); samples shorter than 3 tokens (nothing to predict) are dropped. The eval scores each
+    conversation once: of its sampled reply sets `#s1..#sN` only the first (greedy under prepare's greedy_sample, so
+    the eval reads the texts a run with one greedy set reads); the others are in neither split."""
+    from eyas.data.split import sample_number
+
     train, ev = [], []
     for i, sid in enumerate(source.ids):
         if source.lengths[i] < 3:
             continue
-        (ev if is_eval(sid, fraction) else train).append(i)
+        if not is_eval(sid, fraction):
+            train.append(i)
+        elif (sample_number(sid) or 1) == 1:
+            ev.append(i)
     by_id = lambda i: source.ids[i]  # noqa: E731
     return sorted(train, key=by_id), sorted(ev, key=by_id)
 

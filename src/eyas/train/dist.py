@@ -45,7 +45,7 @@ def setup(device: str, *, deterministic: bool = False) -> Dist:
     workspace setting they need) before anything touches the device."""
     restore = None
     if deterministic:
-        restore = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark)
+        restore = switches()
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
@@ -92,14 +92,23 @@ def destroy_process_group() -> None:
     gc.collect()
 
 
+def switches() -> tuple[bool, bool]:
+    """(deterministic algorithms, cudnn.benchmark): the process-wide switches a deterministic setup() turns."""
+    return torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark
+
+
+def set_switches(state: tuple[bool, bool]) -> None:
+    torch.use_deterministic_algorithms(state[0])
+    torch.backends.cudnn.benchmark = state[1]
+
+
 def teardown(d: Dist) -> None:
     """Destroy the process group if setup() created it (after a finished run: every rank is past its last barrier),
     and put back what a deterministic setup() switched."""
     if d.owns_group and tdist.is_initialized():
         destroy_process_group()
     if d.restore is not None:
-        torch.use_deterministic_algorithms(d.restore[0])
-        torch.backends.cudnn.benchmark = d.restore[1]
+        set_switches(d.restore)
 
 
 def _on() -> bool:

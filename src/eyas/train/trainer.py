@@ -64,9 +64,14 @@ def run_train(cfg: TrainConfig, target=None) -> dict:
     warm-up during prepare (train/prewarm.py), finds them."""
     from eyas.bench.startup import compile_cache
 
-    with compile_cache(cfg.compile):
-        trainer = Trainer(cfg, target)
-        result = trainer.train()
+    before = dist.switches()
+    try:
+        with compile_cache(cfg.compile):
+            trainer = Trainer(cfg, target)
+            result = trainer.train()
+    except BaseException:
+        dist.set_switches(before)  # a refused or failed run leaves the process's switches as it found them
+        raise
     dist.teardown(trainer.dist)
     return result
 
