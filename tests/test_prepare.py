@@ -183,8 +183,10 @@ def test_skipped_records_are_one_summary_line_with_details_in_a_log(tmp_path, to
     assert len(log) == 11 and m["files"][SKIPS]["bytes"] == (tmp_path / "p" / SKIPS).stat().st_size
 
 
+@pytest.mark.parametrize("greedy_sample", [False, True])  # all sets sampled / #s1 greedy (a call of its own)
 @pytest.mark.parametrize("crash_at", [2, -1])  # a commit in the dataset pass, the last one (self-prompts)
-def test_crash_then_resume_with_sampled_regeneration_and_self_prompts(tmp_path, tok, monkeypatch, crash_at):
+def test_crash_then_resume_with_sampled_regeneration_and_self_prompts(tmp_path, tok, monkeypatch, crash_at,
+                                                                       greedy_sample):
     from eyas.data.prepared import PreparedWriter
 
     data = write_data(tmp_path / "d.jsonl", 14, bad_every=5)
@@ -193,7 +195,7 @@ def test_crash_then_resume_with_sampled_regeneration_and_self_prompts(tmp_path, 
     def cfg(out):
         return PrepareConfig(data=str(data), out=str(tmp_path / out), regenerate=True, samples_per_prompt=2,
                              regen_temperature=1.0, self_prompts=5, max_turns=2, batch_size=3, gen_batch=4,
-                             max_len=200, max_new_tokens=6, heldout_fraction=0.2)
+                             max_len=200, max_new_tokens=6, heldout_fraction=0.2, greedy_sample=greedy_sample)
 
     real, calls = PreparedWriter.commit, []
 
