@@ -69,8 +69,15 @@ poll)  # wait up to $2 seconds for the background run, then copy what there is
     (cd "$RUN" && tar czf "$OUT/run.tgz" --ignore-failed-read report.md run.json logs bench plots \
        train/metrics.jsonl train/manifest.json export/config.json prepared/manifest.json 2>/dev/null)
     # PACK=prepared / PACK=export: that run subdirectory as xz tar parts of 15 MB (the prepared data carries back into a
-    # later lease for training-only experiments; the export is the drafter)
-    for d in ${PACK:-}; do [ -d "$RUN/$d" ] && tar cf - -C "$RUN" "$d" | xz -T0 -6 | split -b 15000000 - "$OUT/${d//\//_}.tar.xz.part-"; done
+    # later lease for training-only experiments; the export is the drafter). The first poll that finds the trained
+    # drafter (train/drafter, written when training ends; the export comes after the bench) packs it unasked: a
+    # machine lost during the bench (it goes 30 s after a call) still leaves the drafter to bench elsewhere.
+    pack=${PACK:-}
+    if [ -f "$RUN/train/drafter/config.json" ] && [ ! -f /root/drafter.sent ]; then
+      pack="$pack train/drafter"
+      touch /root/drafter.sent
+    fi
+    for d in $pack; do [ -d "$RUN/$d" ] && tar cf - -C "$RUN" "$d" | xz -T0 -6 | split -b 15000000 - "$OUT/${d//\//_}.tar.xz.part-"; done
     [ -f $RUN.done ] && python3 benchmarks/run_report.py "$RUN" --command "eyas run --preset gpu --target $STAGE/smollm2.gguf --out $RUN (one background process)" --md "$OUT/BENCH.md"
   fi
   [ -f $RUN.done ]; exit $? ;;
@@ -82,7 +89,7 @@ esac
 
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 if [ "$until" = bg ]; then  # the whole run in its own session, outliving this call; `poll` collects it
-  rm -f $RUN.done
+  rm -f $RUN.done /root/drafter.sent
   rm -rf /root/src && cp -r src /root/src  # later calls re-sync the tree under the running process
   [ -n "${GPU_TESTS:-}" ] && (cd "$PWD" && setsid nohup env PYTHONPATH=src:tests:/tmp/site python3 -m pytest -m gpu -q \
      -p no:cacheprovider tests > /root/gputests.log 2>&1 < /dev/null &)
