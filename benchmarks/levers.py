@@ -37,7 +37,8 @@ LEVERS = {
 }
 # Data levers: a new prepare each (the preset's prepare plus the lever), then the same training and bench.
 DATA_LEVERS = {
-    "spp2": {"prepare.samples_per_prompt": 2, "prepare.regen_temperature": 0.7},   # two sampled reply sets each
+    # the greedy set as #s1 and one sampled at 0.7: the eval scores #s1, so its acc_k compare with the base's
+    "spp2": {"prepare.samples_per_prompt": 2, "prepare.regen_temperature": 0.7, "prepare.greedy_sample": True},
     "self8k": {"prepare.self_prompts": 8000},                                      # + 8,000 self-written prompts
 }
 BENCH = "sharegpt-heldout-chain5"   # the preset's headline bench
