@@ -46,13 +46,16 @@ from eyas.target.runner import Runner  # noqa: E402
 MODES = {"full": dict(window=0, compact=False, lengths=False), "window": dict(window=256, compact=False, lengths=False),
          "window+compact": dict(window=256, compact=True, lengths=False),
          "lengths": dict(window=256, compact=True, lengths=True),
-         "compiled": dict(window=256, compact=True), "compiled+regions": dict(window=256, compact=True)}
+         "compiled": dict(window=256, compact=True), "compiled+regions": dict(window=256, compact=True),
+         "fused": dict(window=256, compact=True, lengths=True)}
 """full / window / window+compact: decode steps over a bool mask of every slot, of the chunk's window, and with
 compaction. lengths: window+compact whose steps pass the rows' prefix lengths instead (flex attention reading only
 each row's own key/value blocks; generate's default on CUDA). compiled: window+compact on a runner whose decode step
 is torch.compile'd with dynamic shapes (prepare --regen-compile); its compile time is in the warm-up column.
 compiled+regions: the same with the decoder layer compiled once for all layers (Runner.from_hf regions=True).
-(A compiled runner refuses steps by lengths: Runner.graphed.)
+(A compiled runner refuses steps by lengths: Runner.graphed.) fused: lengths on a runner whose layers' norms,
+projections, RoPE and MLP are compiled around the eager attention (Runner.from_hf fuse=True, prepare --regen-fuse);
+its compile time is in the warm-up column.
 The table's prefill column is the time inside generate's prefills (device-synced at both ends)."""
 
 
@@ -303,9 +306,13 @@ def main(argv=None) -> int:
     def ready(name):
         """The runner for mode `name`, warmed up (graphs, compilation)."""
         if name not in runners:
-            runners[name] = runner if not name.startswith("compiled") else Runner.from_hf(
-                target.model, max_batch=a.batch, max_seq=a.max_seq, dtype=dtype, compile=True,
-                dynamic=True, regions=name == "compiled+regions")
+            if name == "fused":
+                runners[name] = Runner.from_hf(target.model, max_batch=a.batch, max_seq=a.max_seq, dtype=dtype,
+                                               fuse=True)
+            else:
+                runners[name] = runner if not name.startswith("compiled") else Runner.from_hf(
+                    target.model, max_batch=a.batch, max_seq=a.max_seq, dtype=dtype, compile=True,
+                    dynamic=True, regions=name == "compiled+regions")
         r = runners[name]
         if name not in warm:
             t0 = time.perf_counter()

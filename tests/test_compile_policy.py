@@ -24,6 +24,7 @@ def test_gemv_default_is_one_only_for_a_static_whole_model_matmul_compile_on_cud
     ({"attention": "sdpa"}, "attention 'sdpa'"),
     ({"gemv": -1}, "gemv -1"),
     ({"gemv": 1}, "gemv needs compile"),
+    ({"fuse": True, "compile": True}, "fuse compiles the layers' pieces of an eager step"),
     ({"compile": True, "regions": True, "attention": "flex"}, "flex attention inside compile regions"),
     ({"compile_options": {"no_such_knob": 1}}, "unknown inductor option.*no_such_knob"),
     ({"persist": "x"}, "persist needs compile"),
@@ -47,5 +48,7 @@ def test_the_runner_carries_its_policy_and_its_layers_follow_it():
     model = make_tiny_llama(layers=2, seed=0)
     r = Runner.from_hf(model, max_batch=1, max_seq=8, attention="flex")
     assert r.policy == CompilePolicy(attention="flex") and not r.compiled
-    assert all(layer.flex and layer.gemv == 0 for layer in r.layers)
+    assert all(layer.flex and layer.gemv == 0 and not layer.fused for layer in r.layers)
+    fused = Runner.from_hf(model, max_batch=1, max_seq=8, fuse=True)
+    assert fused.policy == CompilePolicy(fuse=True) and not fused.compiled and all(la.fused for la in fused.layers)
     assert Runner.from_hf(model, max_batch=1, max_seq=8).policy == CompilePolicy()

@@ -422,6 +422,28 @@ def test_greedy_sample_is_the_greedy_run_and_the_others_are_sampled(tmp_path, ti
         PrepareConfig(out=str(tmp_path / "x"), greedy_sample=True, regen_temperature=1.0, **base)
 
 
+def test_regen_fuse_writes_the_same_data_through_fused_layers(tmp_path, tiny):
+    """--regen-fuse: regeneration decodes through the runner's compiled layer pieces (Runner.from_hf fuse=True) and
+    writes the samples the eager runner writes; with --regen-compile it is refused in one line."""
+    from eyas.data.prepare import PrepareConfig, run_prepare
+    from eyas.data.prepared import SAMPLES
+    from eyas.data.regenerate import make_backend
+    from eyas.errors import EyasError
+
+    tok, model, target = tiny
+    data = write_jsonl(tmp_path / "d.jsonl", MULTI)
+    base = dict(data=data, regenerate=True, max_len=160, max_new_tokens=8, batch_size=3, gen_batch=4,
+                heldout_fraction=0.0)
+    run_prepare(PrepareConfig(out=str(tmp_path / "e"), **base), target, progress=False)
+    m = run_prepare(PrepareConfig(out=str(tmp_path / "f"), regen_fuse=True, **base), target, progress=False)
+    assert (tmp_path / "f" / SAMPLES).read_bytes() == (tmp_path / "e" / SAMPLES).read_bytes()
+    assert m["counts"]["regenerated_turns"] > 5 and "regen_fuse" not in m["identity"]["config"]
+    backend = make_backend(PrepareConfig(out=str(tmp_path / "x"), regen_fuse=True, **base), target)
+    assert all(layer.fused for layer in backend.runner.layers)
+    with pytest.raises(EyasError, match="--regen-fuse compiles the layers' pieces"):
+        PrepareConfig(out=str(tmp_path / "y"), regen_fuse=True, regen_compile=True, **base)
+
+
 def test_self_prompts_make_well_formed_conversations(tmp_path, tiny):
     from eyas.data.chat import user_header
     from eyas.data.prepare import PrepareConfig, run_prepare

@@ -465,6 +465,44 @@ def test_cuda_generate_by_lengths_equals_eager_cpu():
     assert len(out) == len(ref) and all(1 <= len(o) <= 36 for o in out)
 
 
+def test_fused_layers_decode_the_eager_runner_tokens_on_the_cpu():
+    """fuse=True: each layer's norms, projections, RoPE and MLP run as two compiled functions shared by all layers,
+    around the eager attention. Prefill logits match the eager runner's, and greedy generation by lengths (the
+    attention fused steps are for) gives its tokens through compaction (several batch sizes: the pieces go
+    shape-generic) and prefill chunks of several lengths."""
+    model = make_tiny_llama(seed=7)
+    eager = Runner.from_hf(model, max_batch=12, max_seq=96)
+    fused = Runner.from_hf(model, max_batch=12, max_seq=96, fuse=True)
+    prompts, eos = ragged_case(eager)
+    ids = torch.tensor([prompts[3]])  # 30 tokens in one masked forward
+    pos = torch.arange(30)[None]
+    mask = torch.ones(1, 30, 30, dtype=torch.bool).tril()
+    a, _ = eager(ids, pos, pos, mask)
+    b, _ = fused(ids, pos, pos, mask)
+    torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    ref = eager.generate(prompts, 48, eos_ids=eos, window=8, lengths=False)
+    assert fused.generate(prompts, 48, eos_ids=eos, window=8, lengths=True, prefill_chunk=8) == ref
+    assert len({k[0] for k in fused._graphs}) >= 2, list(fused._graphs)  # compaction ran other batch sizes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fused_layers_generate_equals_eager_cpu():
+    """The fused runner on CUDA (CUDA graphs around the compiled pieces and compiled flex by lengths, generate's
+    default there): the CPU's greedy tokens in fp32 through compaction; bf16 runs and ends like fp32 in length."""
+    model = make_tiny_llama(seed=7)
+    cpu = Runner.from_hf(model, max_batch=13, max_seq=160)
+    prompts, eos = ragged_case(cpu)
+    prompts = prompts + [torch.randint(3, 256, (120,), generator=torch.Generator().manual_seed(3)).tolist()]
+    ref = cpu.generate(prompts, 36, eos_ids=eos, window=8, lengths=False)
+    gpu = Runner.from_hf(model, max_batch=13, max_seq=160, device="cuda", fuse=True)
+    assert gpu.generate(prompts, 36, eos_ids=eos, window=8) == ref
+    assert {k[4] for k in gpu._graphs} == {True} and len({k[0] for k in gpu._graphs}) >= 2, list(gpu._graphs)
+    half = Runner.from_hf(model, max_batch=13, max_seq=160, device="cuda", dtype=torch.bfloat16, fuse=True)
+    out = half.generate(prompts, 36, eos_ids=eos, window=8)
+    assert len(out) == len(ref) and all(1 <= len(o) <= 36 for o in out)
+
+
 def test_longest_first_prefill_runs_only_the_rows_a_chunk_reaches():
     """prefill of prompts longest first (generate's order) runs each chunk on the rows that reach it; the last-token
     logits equal HF's own forward per prompt, and the aux states over each prompt equal that prompt's batch-1

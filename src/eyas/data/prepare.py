@@ -80,6 +80,11 @@ class PrepareConfig:
     """Local regeneration: torch.compile the decode step once for every batch and slot count (dynamic shapes),
     so each CUDA-graphed step replays fused kernels instead of ~35 small ones per layer. Costs one compile up
     front; like gen_batch it changes speed, not the data (up to bf16 rounding)."""
+    regen_fuse: bool = False
+    """Local regeneration: compile each decoder layer's norms, projections, RoPE and MLP (two functions shared by all
+    layers) around its eager attention, inside the same CUDA-graphed steps by lengths; one compile up front. Changes
+    speed, not the data (up to bf16 rounding). Off until measured against the eager steps (benchmarks/regen.py
+    --modes lengths,fused)."""
     regen_dtype: str | None = None
     """Weights dtype of local regeneration: fp32, bf16 or fp16 (None: the target's). bf16 is faster on
     CPUs with AVX512-BF16/AMX; the replies are then the bf16 target's, which is still the target's style."""
@@ -123,6 +128,9 @@ class PrepareConfig:
             raise EyasError("--max-new-tokens, --batch-size and --concurrency must be >= 1, --retries >= 0")
         if self.gen_batch is not None and self.gen_batch < 1:
             raise EyasError(f"--gen-batch must be >= 1, got {self.gen_batch}")
+        if self.regen_fuse and self.regen_compile:
+            raise EyasError("--regen-fuse compiles the layers' pieces of eager steps, --regen-compile the whole step: "
+                            "use one or the other")
         if self.regen_dtype not in (None, "fp32", "bf16", "fp16"):
             raise EyasError(f"--regen-dtype {self.regen_dtype!r}: expected fp32, bf16 or fp16")
         if self.device.split(":")[0] not in ("cpu", "cuda"):
@@ -139,7 +147,7 @@ class PrepareConfig:
     def identity(self) -> dict:
         """The options that change the written data (a resume must match them)."""
         d = asdict(self)
-        for k in ("out", "overwrite", "concurrency", "timeout", "retries", "batch_size", "gen_batch", "regen_compile",
+        for k in ("out", "overwrite", "concurrency", "timeout", "retries", "batch_size", "gen_batch", "regen_compile", "regen_fuse",
                   "device", "trust_remote_code"):
             d.pop(k)
         d["temperature"] = d.pop("regen_temperature")  # its name in manifests written before the rename

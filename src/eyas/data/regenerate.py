@@ -125,7 +125,7 @@ class LocalBackend:
 
     def __init__(self, target, *, max_len: int, max_new_tokens: int, temperature: float, seed: int,
                  batch_size: int = 16, use_runner: bool = True, dtype: str | None = None,
-                 gen_batch: int | None = None, compile: bool = False):
+                 gen_batch: int | None = None, compile: bool = False, fuse: bool = False):
         self.tok, self.model = target.tokenizer, target.model
         self.eos = list(target.eos_token_ids) if hasattr(target, "eos_token_ids") else [self.tok.eos_token_id]
         self.max_len, self.max_new, self.temperature, self.seed = max_len, max_new_tokens, temperature, seed
@@ -134,15 +134,15 @@ class LocalBackend:
         import torch
 
         self.dtype = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-        self._generate = self._pick(gen_batch or batch_size, use_runner, compile)
+        self._generate = self._pick(gen_batch or batch_size, use_runner, compile, fuse)
 
-    def _pick(self, batch_size: int, use_runner: bool, compile: bool = False):
+    def _pick(self, batch_size: int, use_runner: bool, compile: bool = False, fuse: bool = False):
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else (self.eos[0] if self.eos else 0)
         if use_runner:
             try:
                 from eyas.target.runner import Runner
                 runner = Runner.from_hf(self.model, max_batch=batch_size, max_seq=self.max_len + self.max_new,
-                                        dtype=self.dtype, compile=compile, dynamic=True)
+                                        dtype=self.dtype, compile=compile, dynamic=True, fuse=fuse)
                 self.runner = runner
                 return lambda prompts, seed, temperature: runner.generate(
                     prompts, self.max_new, temperature=temperature, eos_ids=self.eos, seed=seed)
@@ -372,4 +372,5 @@ def make_backend(cfg, target):
                              specials=special_strings(target.tokenizer) if target is not None else ())
     return LocalBackend(target, max_len=cfg.max_len, max_new_tokens=cfg.max_new_tokens,
                         temperature=cfg.regen_temperature, seed=cfg.seed, batch_size=cfg.batch_size,
-                        dtype=cfg.regen_dtype, gen_batch=cfg.gen_batch, compile=cfg.regen_compile)
+                        dtype=cfg.regen_dtype, gen_batch=cfg.gen_batch, compile=cfg.regen_compile,
+                        fuse=cfg.regen_fuse)

@@ -57,11 +57,16 @@ class CompilePolicy:
     """With compile: projections of steps of at most this many rows as inductor reductions, not GEMMs (0: off)."""
     persist: Path | None = None
     """With a static whole-model compile: where compiled steps are saved and loaded (`eyas.target.persist`)."""
+    fuse: bool = False
+    """Without compile: each decoder layer's norms, projections, RoPE and MLP as two compiled functions shared by all
+    layers, around an eager attention and cache write; the step stays eager (a CUDA graph on CUDA), so it also takes
+    steps by lengths, which a compiled step refuses."""
 
     @classmethod
     def resolve(cls, *, compile: bool = False, dynamic: bool = False, regions: bool = False,
                 compile_options: dict | None = None, attention: str = "matmul", gemv: int | None = None,
-                persist: str | os.PathLike | None = None, device: torch.device) -> "CompilePolicy":
+                persist: str | os.PathLike | None = None, fuse: bool = False,
+                device: torch.device) -> "CompilePolicy":
         """The policy for from_hf's keywords on `device`, or an EyasError naming the setting that cannot work.
 
         gemv None is the default: 1 for a static-shape whole-model compile with matmul attention on CUDA, where it
@@ -76,6 +81,9 @@ class CompilePolicy:
         if persist is not None:
             check_persist(compile=compile, dynamic=dynamic, regions=regions, attention=attention,
                           compile_options=compile_options)
+        if fuse and compile:
+            raise EyasError("runner: fuse compiles the layers' pieces of an eager step; with compile=True the whole "
+                            "step is compiled already: use one or the other")
         if gemv and not compile:
             raise EyasError("runner: gemv needs compile=True (its reductions replace GEMMs in compiled steps only)")
         if attention == "flex" and regions and compile:  # torch 2.13: an internal functionalization assert
@@ -92,7 +100,7 @@ class CompilePolicy:
             raise EyasError(f"runner: compile regions need torch.compiler.nested_compile_region, which torch "
                             f"{torch.__version__} lacks")
         return cls(compile=compile, dynamic=dynamic, regions=regions, options=options, attention=attention,
-                   gemv=int(gemv), persist=None if persist is None else Path(persist))
+                   gemv=int(gemv), persist=None if persist is None else Path(persist), fuse=fuse)
 
 
 def check_persist(*, compile: bool, dynamic: bool, regions: bool, attention: str, compile_options: dict | None) -> None:

@@ -157,14 +157,15 @@ class Layer(nn.Module):
         self.cfg = cfg
         self.flex = False  # from_hf(attention="flex"): attend with flex_attention (one fused kernel when compiled)
         self.gemv = 0  # from_hf(gemv=R): projections of steps of <= R rows as multiply + sum (inductor reductions)
+        self.fused = False  # from_hf(fuse=True): the pieces around attention compiled (_fused_pieces)
 
-    def proj(self, lin: nn.Linear, x: Tensor) -> Tensor:
-        """lin(x); inside a compiled step of at most `gemv` rows (batch x tokens: 1 for a batch-1 decode step, K+1
-        for a chain verify), `rowwise_linear` instead. Eager calls (prefill chunks run eagerly) keep nn.Linear: there
-        the product would be materialised, rows x out x in in fp32."""
+    def linear(self, x: Tensor, weight: Tensor) -> Tensor:
+        """x @ weight.T; inside a compiled step of at most `gemv` rows (batch x tokens: 1 for a batch-1 decode step,
+        K+1 for a chain verify), `rowwise_linear` instead. Eager calls (prefill chunks run eagerly) keep F.linear:
+        there the product would be materialised, rows x out x in in fp32."""
         if x.shape[:-1].numel() > self.gemv or not torch.compiler.is_compiling():
-            return lin(x)
-        return rowwise_linear(x, lin.weight)
+            return F.linear(x, weight)
+        return rowwise_linear(x, weight)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, bias: Tensor) -> Tensor:
         """bias: additive attention mask (B,1,rep*S,L) over cache slots 0..L-1, shared by all layers; with flex
@@ -172,12 +173,13 @@ class Layer(nn.Module):
         cfg = self.cfg
         B, S, _ = x.shape
         H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = self.proj(self.wqkv, rms_norm(x, self.attn_norm, cfg.rms_norm_eps))
-        q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
-        q = q.view(B, S, H, D).transpose(1, 2)  # (B,H,S,D)
-        k = k.view(B, S, KV, D).transpose(1, 2)  # (B,KV,S,D)
-        v = v.view(B, S, KV, D).transpose(1, 2)  # (B,KV,S,D)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        # the layer's pieces around its attention: compiled once for all layers with `fused`, else plain functions
+        # (traced into the step when the whole step is compiled)
+        if self.fused:
+            (attn_in, attn_out), kw = _fused_pieces(), {}
+        else:
+            attn_in, attn_out, kw = _attn_in, _attn_out, {"linear": self.linear}
+        q, k, v = attn_in(x, self.attn_norm, self.wqkv.weight, cos, sin, cfg.rms_norm_eps, H, KV, **kw)
         rows = torch.arange(B, device=x.device)[:, None].expand(B, S)  # (B,S)
         kc, vc = self.k_cache[:B], self.v_cache[:B]
         kc[rows, :, slots] = k.transpose(1, 2)  # cache[b, :, slot[b,s]] = k[b, :, s]
@@ -201,9 +203,39 @@ class Layer(nn.Module):
             with sdpa_kernel(INFERENCE_SDPA):  # no cuDNN: a new plan per prompt length
                 o = F.scaled_dot_product_attention(qg, kc[:, :, :L], vc[:, :, :L], attn_mask=bias)  # (B,KV,rep*S,D)
         o = o.reshape(B, H, S, D).transpose(1, 2).reshape(B, S, H * D)  # (B,S,H*D)
-        x = x + self.proj(self.wo, o)
-        gate, up = self.proj(self.w13, rms_norm(x, self.mlp_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
-        return x + self.proj(self.w2, F.silu(gate) * up)
+        return attn_out(x, o, self.wo.weight, self.mlp_norm, self.w13.weight, self.w2.weight, cfg.rms_norm_eps, **kw)
+
+
+def _attn_in(x: Tensor, norm: Tensor, wqkv: Tensor, cos: Tensor, sin: Tensor, eps: float, heads: int, kv_heads: int,
+             linear=F.linear) -> tuple[Tensor, Tensor, Tensor]:
+    """A layer's input norm, its fused q/k/v projection and RoPE: q (B,H,S,D), k and v (B,KV,S,D)."""
+    B, S, _ = x.shape
+    D = cos.shape[-1]
+    q, k, v = linear(rms_norm(x, norm, eps), wqkv).split([heads * D, kv_heads * D, kv_heads * D], dim=-1)
+    q = q.view(B, S, heads, D).transpose(1, 2)  # (B,H,S,D)
+    k = k.view(B, S, kv_heads, D).transpose(1, 2)  # (B,KV,S,D)
+    v = v.view(B, S, kv_heads, D).transpose(1, 2)  # (B,KV,S,D)
+    return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+
+def _attn_out(x: Tensor, o: Tensor, wo: Tensor, norm: Tensor, w13: Tensor, w2: Tensor, eps: float,
+              linear=F.linear) -> Tensor:
+    """The attention output's projection and residual, then the MLP block: the layer's output (B,S,h)."""
+    x = x + linear(o, wo)
+    gate, up = linear(rms_norm(x, norm, eps), w13).chunk(2, dim=-1)
+    return x + linear(F.silu(gate) * up, w2)
+
+
+@functools.cache
+def _fused_pieces():
+    """_attn_in and _attn_out compiled (from_hf(fuse=True)): their weights are inputs, so one compile serves every
+    layer of every runner; shapes go dynamic at the second batch or token count (compaction, prefill chunks). The
+    attention and the cache writes between them stay outside (a step with flex inside its compiled graph decoded
+    wrong tokens: Runner.graphed)."""
+    raise_recompile_limit()
+    # eps as a constant (dynamic shapes would make it a symbolic float input)
+    pin = torch._dynamo.config.patch(specialize_float=True)
+    return pin(torch.compile(_attn_in, dynamic=None)), pin(torch.compile(_attn_out, dynamic=None))
 
 
 def runner_config(hf, max_batch: int, max_seq: int) -> RunnerConfig:
@@ -280,14 +312,15 @@ class Runner(nn.Module):
     def from_hf(cls, model, *, max_batch: int = 1, max_seq: int = 2048, dtype=None, device=None,
                 compile: bool = False, dynamic: bool = False, regions: bool = False,
                 compile_options: dict | None = None, attention: str = "matmul", gemv: int | None = None,
-                persist: str | os.PathLike | None = None) -> "Runner":
+                persist: str | os.PathLike | None = None, fuse: bool = False) -> "Runner":
         """Copy the weights of an HF LlamaForCausalLM into a Runner with a static KV cache of max_batch rows of
         max_seq slots. A target that is not Llama-family (`llama_family`) gets the generic `HFRunner` instead (its
         own HF forward, eager; the compile options do not apply), with a note on stderr.
 
         compile, dynamic, regions, compile_options (inductor `options`), attention ("matmul" or "flex"), gemv (None:
-        the default for the device) and persist (a directory of saved compiled steps) are the fields of
-        `CompilePolicy` (target/compile.py), which documents and checks them."""
+        the default for the device), persist (a directory of saved compiled steps) and fuse (each layer's pieces
+        around its attention compiled, the step eager) are the fields of `CompilePolicy` (target/compile.py), which
+        documents and checks them."""
         check_attention(attention)
         if not llama_family(model.config):
             from eyas.target.hf_runner import HFRunner
@@ -299,7 +332,7 @@ class Runner(nn.Module):
         device = torch.device(device) if device is not None else next(model.parameters()).device
         policy = CompilePolicy.resolve(compile=compile, dynamic=dynamic, regions=regions,
                                        compile_options=compile_options, attention=attention, gemv=gemv,
-                                       persist=persist, device=device)
+                                       persist=persist, fuse=fuse, device=device)
         r = cls(runner_config(model.config, max_batch, max_seq), dtype=dtype or next(model.parameters()).dtype,
                 device=device)
         r.copy_hf_weights(model)
@@ -308,6 +341,7 @@ class Runner(nn.Module):
         for layer in r.layers:
             layer.flex = policy.attention == "flex"
             layer.gemv = policy.gemv
+            layer.fused = policy.fuse
         if policy.compile:
             if policy.regions:
                 r._call_layer = _layer_region
