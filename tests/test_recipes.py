@@ -81,7 +81,10 @@ def old_stage_configs(name: str, *, vocab: int, data: str = "sharegpt", target: 
                             max_new_tokens=k["max_new_tokens"], batch_size=k["regen_batch"], max_turns=k["max_turns"],
                             regen_dtype=k["regen_dtype"], gen_batch=k["gen_batch"],
                             samples_per_prompt=k["samples_per_prompt"], regen_temperature=k["regen_temperature"],
-                            self_prompts=k["self_prompts"], overwrite=False)
+                            self_prompts=k["self_prompts"], overwrite=False,
+                            # not a pre-recipe knob: since issue 33 the gpu recipe regenerates through fused layers
+                            # (1.17x the regeneration call on one H200, BENCHMARKS.md 2026-12-04 15:08 UTC)
+                            regen_fuse=name == "gpu")
     capture = CaptureConfig(out=str(RUN / "store"), target=target, data=str(RUN / "prepared"),
                             dtype=k["capture_dtype"], device=k["device"], overwrite=False,
                             progress=True) if k["capture"] else None
