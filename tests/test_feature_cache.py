@@ -200,8 +200,10 @@ def check_assembly(t, cache, sub_tokens, device="cpu"):
         return _pad([samples[i][0] for i in idx], [toks[i] for i in idx], 64).to(device)
 
     a_idx, b_idx = [0, 1, 2, 3, 4], [7, 3, 0, 9, 5]
+    parts = getattr(cache, "parts", [cache])
+    held = lambda: {i for p in parts for i in p.at}                                         # noqa: E731
     a = fc.online_features(cache, t, batch(a_idx), a_idx, [lengths[i] for i in a_idx], sub_tokens)
-    assert set(cache.at) == set(a_idx) and cache.buf.dtype == a.aux.dtype == t.dtype     # never a lossier dtype
+    assert held() == set(a_idx) and parts[0].buf.dtype == a.aux.dtype == t.dtype        # never a lossier dtype
     b = fc.online_features(cache, t, batch(b_idx), b_idx, [lengths[i] for i in b_idx], sub_tokens)
     online = target_features(t, batch(b_idx), sub_tokens=sub_tokens)
     assert b.aux.shape == online.aux.shape and b.final.shape == online.final.shape
@@ -218,7 +220,7 @@ def check_assembly(t, cache, sub_tokens, device="cpu"):
             assert torch.equal(b.aux[r, :n], a.aux[ra, :n]) and torch.equal(b.final[r, :n], a.final[ra, :n])
         else:                                           # new: the target's states (to rounding: other shapes)
             torch.testing.assert_close(b.aux[r, :n], online.aux[r, :n], **tol)
-    assert set(cache.at) == set(a_idx) | set(b_idx) and cache.top == sum(lengths[i] for i in cache.at)
+    assert held() == set(a_idx) | set(b_idx) and sum(p.top for p in parts) == sum(lengths[i] for i in held())
     c = fc.online_features(cache, t, batch(b_idx), b_idx, [lengths[i] for i in b_idx], sub_tokens)
     assert torch.equal(c.aux, b.aux) and torch.equal(c.final, b.final)   # all held now: gathered whole
 
@@ -229,6 +231,17 @@ def test_assembled_batch_is_the_online_layout_with_the_first_computed_states(sub
     t = tiny_target()
     t.model.to(dtype)
     check_assembly(t, fc.FeatureCache(1 << 20, torch.device("cpu")), sub_tokens)
+
+
+def test_assembled_batch_from_two_parts_is_the_one_buffer_batch():
+    """A cache in two parts (room for about two samples in the first): the later samples go to the second part,
+    and a micro-batch gathered from both is the online layout with the first-computed states, as from one buffer."""
+    t = tiny_target()
+    first = 2 * 24 * 4 * t.hidden_size * 4                       # two samples of 24 tokens of fp32 states
+    cache = fc.Tiers([fc.FeatureCache(first, torch.device("cpu")), fc.FeatureCache(1 << 20, torch.device("cpu"))])
+    check_assembly(t, cache, None)
+    assert cache.parts[0].at and cache.parts[1].at and cache.parts[0].full
+    assert not set(cache.parts[0].at) & set(cache.parts[1].at)
 
 
 @pytest.mark.gpu
@@ -249,6 +262,21 @@ def test_gpu_assembled_batch_from_the_device_or_pinned_host(where):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_assembled_batch_from_the_device_and_pinned_host_parts():
+    """The split plan() makes when neither room holds all: the first samples on the device, the rest in pinned host
+    memory, one micro-batch gathered from both."""
+    t = tiny_target()
+    t.model.to("cuda", torch.bfloat16)
+    first = 2 * 24 * 4 * t.hidden_size * 2                       # two samples of 24 tokens of bf16 states
+    cache, where = fc.plan("auto", first + (1 << 20), torch.device("cuda"), rooms=(first, 1 << 30))
+    assert "pinned host memory" in where and [p.device.type for p in cache.parts] == ["cuda", "cpu"]
+    check_assembly(t, cache, None, "cuda")
+    assert cache.parts[0].buf.is_cuda and cache.parts[1].buf.is_pinned() and cache.parts[1].at
+
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_training_runs_the_target_in_the_first_epoch_only(tmp_path, monkeypatch, capsys):
     """On CUDA (packed rows, bf16 autocast, the 'auto' budget): the cache lives on the device, the target runs in
     the first epoch only, and the run trains as the uncached one does (to the rounding of other batch shapes)."""
@@ -265,24 +293,25 @@ def test_gpu_training_runs_the_target_in_the_first_epoch_only(tmp_path, monkeypa
     assert r_on["eval"]["loss"] == pytest.approx(r_off["eval"]["loss"], rel=5e-2)
 
 
-def test_placement_device_then_pinned_host_then_the_larger_room():
+def test_placement_device_first_then_pinned_host_for_the_rest():
     cuda, cpu, G = torch.device("cuda"), torch.device("cpu"), 10**9
-    where = lambda s, need, rooms, dev=cuda: fc.plan(s, need, dev, rooms=rooms)[0]   # noqa: E731
-    c = where("auto", 10 * G, (100 * G, 200 * G))
-    assert (c.device, c.pinned, c.capacity_bytes) == (cuda, False, 10 * G)
-    c = where("auto", 10 * G, (5 * G, 200 * G))
-    assert (c.device, c.pinned, c.capacity_bytes) == (cpu, True, 10 * G)
-    c = where("auto", 10 * G, (5 * G, 12 * G))             # fits nowhere: a part, in the larger room (pinned:
-    assert (c.device, c.pinned, c.capacity_bytes) == (cpu, True, 1 << 33)   # a power of two, the allocator's rounding)
-    c = where("auto", 10 * G, (6 * G, 6 * G))
-    assert (c.device, c.pinned, c.capacity_bytes) == (cuda, False, 6 * G)
-    c = where("2", 10 * G, (5 * G, 8 * G))                 # a budget: that much, where it fits
-    assert (c.device, c.pinned, c.capacity_bytes) == (cuda, False, 2 * G)
-    c = where("auto", 10 * G, (5 * G, 8 * G), cpu)         # CPU training: the host is the device, unpinned
-    assert (c.device, c.pinned, c.capacity_bytes) == (cpu, False, 5 * G)
-    assert where("off", 10 * G, (100 * G, 100 * G)) is None
-    assert where("auto", 10 * G, (-1 * G, -2 * G)) is None
-    assert "pinned host memory" in fc.plan("auto", 10 * G, cuda, rooms=(5 * G, 200 * G))[1]
+    parts = lambda s, need, rooms, dev=cuda: [(p.device, p.pinned, p.capacity_bytes) for p in   # noqa: E731
+                                              getattr(fc.plan(s, need, dev, rooms=rooms)[0], "parts", None)
+                                              or [fc.plan(s, need, dev, rooms=rooms)[0]]]
+    assert parts("auto", 10 * G, (100 * G, 200 * G)) == [(cuda, False, 10 * G)]
+    assert parts("auto", 10 * G, (0, 200 * G)) == [(cpu, True, 10 * G)]           # no room on the card: all pinned
+    assert parts("auto", 10 * G, (5 * G, 200 * G)) == [(cuda, False, 5 * G), (cpu, True, 5 * G)]
+    # the host's room as the allocator sees it: 6 GB of room take a pinned request of at most 2^32 bytes
+    assert parts("auto", 10 * G, (5 * G, 6 * G)) == [(cuda, False, 5 * G), (cpu, True, 1 << 32)]
+    assert parts("2", 10 * G, (5 * G, 8 * G)) == [(cuda, False, 2 * G)]              # a budget: that much
+    assert parts("7", 10 * G, (5 * G, 8 * G)) == [(cuda, False, 5 * G), (cpu, True, 2 * G)]
+    assert parts("auto", 10 * G, (5 * G, 8 * G), cpu) == [(cpu, False, 5 * G)]      # CPU: the host is the device
+    assert fc.plan("off", 10 * G, cuda, rooms=(100 * G, 100 * G))[0] is None
+    assert fc.plan("auto", 10 * G, cuda, rooms=(-1 * G, -2 * G))[0] is None
+    line = fc.plan("auto", 10 * G, cuda, rooms=(0, 200 * G))[1]
+    assert line == "10.0 GB in pinned host memory (all 10.0 GB of states)"
+    assert fc.plan("auto", 10 * G, cuda, rooms=(5 * G, 6 * G))[1] == (
+        "5.0 GB in cuda + 4.3 GB in pinned host memory (93% of 10.0 GB of states)")
 
 
 def test_feature_cache_setting_is_checked_and_a_flag(tmp_path):

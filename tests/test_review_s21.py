@@ -46,16 +46,18 @@ def test_an_fp8_batch_crosses_to_the_device_once():
 
 def test_a_pinned_feature_cache_fits_the_host_room_after_the_allocators_rounding():
     """torch's pinned allocator rounds each request up to a power of two, so a pinned cache of 70 GB holds 137 GB
-    of page-locked host memory: the plan keeps a pinned buffer's rounded size within the host room (the old plan
-    pinned 70 GB against a 100 GB room, and 8 GB against an 8 GB one)."""
+    of page-locked host memory: the plan keeps a pinned part's rounded size within the host room (the old plan
+    pinned 70 GB against a 100 GB room, and 8 GB against an 8 GB one) and the device's part within its room."""
     cuda = torch.device("cuda", 0)
     for need, rooms in [(70 * G, (10 * G, 100 * G)), (10 * G, (5 * G, 8 * G)), (10 * G, (1 * G, 8 * G)),
-                        (3 * G, (1 * G, 100 * G))]:
+                        (3 * G, (0, 100 * G)), (200 * G, (0, 100 * G))]:
         cache, line = fc.plan("auto", need, cuda, rooms=rooms)
-        held = pow2_ceil(cache.capacity_bytes) if cache.pinned else cache.capacity_bytes
-        assert held <= (rooms[1] if cache.pinned else rooms[0]), (need, rooms, line)
-    cache, _ = fc.plan("auto", 3 * G, cuda, rooms=(1 * G, 100 * G))     # fits once rounded: all of it, pinned
+        for part in getattr(cache, "parts", [cache]):
+            held = pow2_ceil(part.capacity_bytes) if part.pinned else part.capacity_bytes
+            assert held <= (rooms[1] if part.pinned else rooms[0]), (need, rooms, line)
+    cache, _ = fc.plan("auto", 3 * G, cuda, rooms=(0, 100 * G))         # fits once rounded: all of it, pinned
     assert cache.pinned and cache.capacity_bytes == 3 * G
-    cache, _ = fc.plan("auto", 70 * G, cuda, rooms=(10 * G, 100 * G))   # a part: the largest power of two
+    cache, _ = fc.plan("auto", 70 * G, cuda, rooms=(10 * G, 100 * G))   # the device's room, then a pinned part:
+    assert [p.capacity_bytes for p in cache.parts] == [10 * G, 60 * G]   # 60 GB take 2^36 bytes of the 100 GB
+    cache, _ = fc.plan("auto", 200 * G, cuda, rooms=(0, 100 * G))       # a part: the largest power of two
     assert cache.pinned and cache.capacity_bytes == 1 << 36
-    assert fc.pinned_bytes(3 * G) == pow2_ceil(3 * G) == 1 << 32 and fc.pinned_bytes(1 << 32) == 1 << 32

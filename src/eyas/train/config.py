@@ -133,8 +133,8 @@ class TrainConfig:
     """Write train metrics every N optimizer steps."""
     feature_cache: str = "auto"
     """Online: keep each sample's target states from its first forward for later epochs and evals (train/
-    feature_cache.py): 'auto' (on the device when all fit the room left after a margin, else pinned host memory, else
-    as many as fit), a budget in GB (10^9 bytes), or 'off' (the target runs every step)."""
+    feature_cache.py): 'auto' (on the device up to the room left after a margin, the rest in pinned host memory up
+    to the host's room), a budget in GB (10^9 bytes), or 'off' (the target runs every step)."""
     fsdp: bool = False
     """Shard the drafter with FSDP2 (torch.distributed.fsdp.fully_shard) instead of DDP."""
     progress: bool = True

@@ -4,8 +4,8 @@ epochs and evals gather them instead of running the target again (`--feature-cac
 One flat buffer of (capacity, 4h) rows, each a token's concat(aux (3h), final (h)) in the features' own dtype (what
 target_features returns, never a lossier one); a sample's valid tokens take consecutive rows from the offset given at
 its first put. First come, first kept: once a sample does not fit, the cache is full and the rest stay online.
-Where: on the training device when all the samples fit the room left after a margin, else (CUDA) in pinned host
-memory, copied to the device per micro-batch, else in the larger of the two rooms, partly.
+Where: on the training device up to the room left there after a margin; on CUDA, what does not fit goes on in
+pinned host memory (a second buffer, copied to the device per micro-batch), up to the host's room.
 A batch assembled from the cache is the online path's: the states the target gave on valid positions, zeros on
 padding (target_features zeroes its padding too). Each DDP rank keeps the samples of its own micro-batches; a
 resumed run starts empty and refills online.
@@ -43,8 +43,10 @@ def device_room(device: torch.device) -> int:
 
 
 def plan(setting: str, needed: int, device: torch.device, rooms: tuple[int, int] | None = None
-         ) -> tuple["FeatureCache | None", str]:
+         ) -> tuple["FeatureCache | Tiers | None", str]:
     """(the cache for `needed` bytes of states under `setting`, or None; a line saying where and how much).
+    The device takes what fits its room; on CUDA the rest goes to pinned host memory, so a cache too big for
+    either room alone is held whole by both (a `Tiers`: the device's part filled first).
     rooms: (device room, host room) in bytes, measured now when not given; on the CPU the device is the host."""
     budget = feature_cache_budget(setting)
     if budget is None:
@@ -54,27 +56,19 @@ def plan(setting: str, needed: int, device: torch.device, rooms: tuple[int, int]
         rooms = (device_room(device) if device.type == "cuda" else host, host)
     dev, host = rooms
     cap = needed if budget == "auto" else min(needed, int(budget))
-    cuda = device.type == "cuda"
-    if cuda:  # pinned: torch's host allocator takes a request rounded up to a power of two, so that is the room
-        host = 1 << (int(host).bit_length() - 1) if host > 0 else host
-    if cap <= dev:
-        where, pinned = device, False
-    elif cuda and pinned_bytes(cap) <= host:
-        where, pinned = torch.device("cpu"), True
-    else:  # a part: the larger room (the device on a tie)
-        where, pinned = (device, False) if dev >= host or not cuda else (torch.device("cpu"), True)
-        cap = max(0, min(cap, dev if where == device else host))
-    if cap <= 0:
+    on_dev = max(0, min(cap, dev))
+    parts = [FeatureCache(on_dev, device)] if on_dev > 0 else []
+    if device.type == "cuda" and cap > on_dev and host > 0:
+        # pinned: torch's host allocator takes a request rounded up to a power of two, so that is the room
+        on_host = min(cap - on_dev, 1 << (int(host).bit_length() - 1))
+        parts.append(FeatureCache(on_host, torch.device("cpu"), pinned=True))
+    if not parts:
         return None, f"off (no room: {_size(dev)} on {device}, {_size(host)} on the host)"
-    share = f"all {_size(needed)}" if cap >= needed else f"{cap / needed:.0%} of {_size(needed)}"
-    place = "pinned host memory" if pinned else str(where)
-    return FeatureCache(cap, where, pinned=pinned), f"{_size(cap)} in {place} ({share} of states)"
-
-
-def pinned_bytes(n: int) -> int:
-    """Host bytes a pinned tensor of n bytes holds: torch's CachingHostAllocator rounds each request up to a power
-    of two (its default; PYTORCH_CUDA_ALLOC_CONF can raise the threshold, which this ignores)."""
-    return 1 << (int(n) - 1).bit_length() if n > 1 else int(n)
+    held = sum(p.capacity_bytes for p in parts)
+    share = f"all {_size(needed)}" if held >= needed else f"{held / needed:.0%} of {_size(needed)}"
+    places = " + ".join(f"{_size(p.capacity_bytes)} in {'pinned host memory' if p.pinned else p.device}"
+                        for p in parts)
+    return (parts[0] if len(parts) == 1 else Tiers(parts)), f"{places} ({share} of states)"
 
 
 def _size(n: float) -> str:
@@ -123,9 +117,9 @@ class FeatureCache:
                   f"runs every step", file=sys.stderr)
             self.buf, self.full = None, True
 
-    def put(self, idx: list[int], batch: Batch, lengths: list[int]) -> None:
+    def put(self, idx: list[int], batch: Batch, lengths: list[int], rows: list[int] | None = None) -> None:
         """Keep the states of batch rows whose sample (idx[r], lengths[r] valid tokens) is new, in row order, while
-        they fit."""
+        they fit; rows: only those rows (all when None)."""
         if self.full:
             return
         if self.buf is None:
@@ -133,7 +127,8 @@ class FeatureCache:
             if self.buf is None:
                 return
         new, offsets = [], []
-        for r, i in enumerate(idx):
+        for r in range(len(idx)) if rows is None else rows:
+            i = idx[r]
             if i in self.at:
                 continue
             if self.top + lengths[r] > self.buf.shape[0]:
@@ -159,12 +154,18 @@ class FeatureCache:
     def gather(self, idx: list[int], lengths: list[int], shape: tuple[int, int], device: torch.device
                ) -> tuple[Tensor, Tensor]:
         """(aux (B, T, 3h), final (B, T, h)) on `device`: zeros, with the rows of the samples held filled in."""
-        hits = [r for r, i in enumerate(idx) if i in self.at]
         B, T = shape
         aux = torch.zeros(B, T, self.aux_width, dtype=self.buf.dtype, device=device)                # (B, T, 3h)
         final = torch.zeros(B, T, self.buf.shape[1] - self.aux_width, dtype=self.buf.dtype, device=device)  # (B, T, h)
+        self.fill(aux, final, idx)
+        return aux, final
+
+    def fill(self, aux: Tensor, final: Tensor, idx: list[int]) -> None:
+        """Write the held samples' states into rows of aux (B, T, 3h) and final (B, T, h); the rest untouched."""
+        hits = [r for r, i in enumerate(idx) if i in self.at]
         if not hits:
-            return aux, final
+            return
+        device = aux.device
         row, pos, src = _rows_of([self.at[idx[r]][1] for r in hits], hits, [self.at[idx[r]][0] for r in hits])
         if self.buf.device == device:
             states = self.buf[h2d(src, device)]                                     # (N, 4h)
@@ -179,7 +180,6 @@ class FeatureCache:
         row, pos = h2d(row, device), h2d(pos, device)
         aux[row, pos] = states[:, :self.aux_width]
         final[row, pos] = states[:, self.aux_width:]
-        return aux, final
 
     def release(self) -> None:
         """Drop the buffer (the run is over); a CUDA one goes back to the device."""
@@ -189,7 +189,39 @@ class FeatureCache:
             torch.cuda.empty_cache()
 
 
-def online_features(cache: FeatureCache | None, target, batch: Batch, idx: list[int], lengths: list[int],
+class Tiers:
+    """A cache in parts (the device's, then pinned host memory's) with FeatureCache's interface: a new sample goes to
+    the first part that is not full, and a part once full stays so (first come, first kept, across the parts)."""
+
+    def __init__(self, parts: list[FeatureCache]):
+        self.parts = parts
+        self.device = parts[0].device
+
+    def __contains__(self, i: int) -> bool:
+        return any(i in p for p in self.parts)
+
+    def put(self, idx: list[int], batch: Batch, lengths: list[int]) -> None:
+        rows = [r for r, i in enumerate(idx) if i not in self]
+        for p in self.parts:
+            if not rows:
+                return
+            p.put(idx, batch, lengths, rows)
+            rows = [r for r in rows if idx[r] not in p]
+
+    def gather(self, idx: list[int], lengths: list[int], shape: tuple[int, int], device: torch.device
+               ) -> tuple[Tensor, Tensor]:
+        held = [p for p in self.parts if p.buf is not None]
+        aux, final = held[0].gather(idx, lengths, shape, device)
+        for p in held[1:]:
+            p.fill(aux, final, idx)
+        return aux, final
+
+    def release(self) -> None:
+        for p in self.parts:
+            p.release()
+
+
+def online_features(cache: "FeatureCache | Tiers | None", target, batch: Batch, idx: list[int], lengths: list[int],
                     sub_tokens: int | None) -> Batch:
     """`batch` (samples idx, on the device) with aux and final filled: gathered where the cache holds the sample,
     from target_features (sub_tokens, lengths: its arguments) for the others, which the cache then keeps."""
