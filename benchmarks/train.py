@@ -2,7 +2,7 @@
 
     PYTHONPATH=src python benchmarks/train.py --batch-tokens 32768 --online     # GPU: SmolLM2 + 8B shapes
     PYTHONPATH=src python benchmarks/train.py --shapes smollm2 --seqs 2048 --batch-tokens 32768 --attention flex \
-        --compile 1 --online --feature-cache off,device,host --trainer 10      # the target's share; cached epochs
+        --compile 1 --online --feature-cache off,device,host,split --trainer 10  # the target's share; cached epochs
     PYTHONPATH=src python benchmarks/train.py --device cpu --shapes tiny --seqs 128 --steps 2   # smoke test
     PYTHONPATH=src python benchmarks/train.py --shapes kimi --seqs 2048,8192 --attention flex --compile 1
     torchrun --nproc_per_node 2 benchmarks/train.py --shapes llama8b --seqs 2048 # DDP scaling (NCCL)
@@ -12,9 +12,9 @@
 Each row times full optimizer steps of the trainer's own pieces (TTTModule = drafter + TTT loss, bf16 autocast,
 AdamW, grad clip): per rank and step, batch_tokens // seq packed rows of `seq` tokens holding random samples of
 128..seq tokens, all trainable; random features, or (--online) a target's forward on the samples (SmolLM2-shaped,
-or for the tiny shape a 4-layer tiny Llama), or (--feature-cache device|host) the states of that forward gathered
-from eyas.train.feature_cache as training's epochs after the first do (held on the device, or in pinned host
-memory). An online row also times the feature step alone (`feat ms`: the target's forward, or the gather), so its
+or for the tiny shape a 4-layer tiny Llama), or (--feature-cache device|host|split) the states of that forward
+gathered from eyas.train.feature_cache as training's epochs after the first do (held on the device, in pinned host
+memory, or the first half of the samples on the device and the rest pinned). An online row also times the feature step alone (`feat ms`: the target's forward, or the gather), so its
 share of the step is measured, not estimated; the cached rows' rate is the steady rate of epochs 2 and later.
 MFU counts useful FLOPs only: 3x the forward matmuls of the trained parts (fc once per token; per TTT step the
 q/k/v/o, MLP and lm_head matmuls plus causal attention over t/2 + k keys) and 1x the frozen target logits
@@ -129,7 +129,7 @@ def bench(shape: str, T: int, K: int, steps: int, chunk: int | None, device: tor
           rows: int = 1, attention: str = "auto", compile_layer: bool = False, online: bool = False,
           profile: bool = False, fsdp: bool = False, feature_cache: str = "off") -> dict:
     from eyas.train.data import Batch, pack
-    from eyas.train.feature_cache import FeatureCache, online_features
+    from eyas.train.feature_cache import FeatureCache, Tiers, online_features
 
     h, nh, nkv, hd, inter, V, Vd = SHAPES[shape]
     cfg = DrafterConfig(hidden_size=h, target_hidden_size=h, intermediate_size=inter, num_attention_heads=nh,
@@ -174,9 +174,11 @@ def bench(shape: str, T: int, K: int, steps: int, chunk: int | None, device: tor
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     cache, idx = None, list(range(B))
     if online and feature_cache != "off":   # filled by one forward, as the first epoch fills it
-        cache = FeatureCache(sum(lengths) * 4 * h * torch.empty((), dtype=target.dtype).element_size(),
-                             device if feature_cache == "device" else torch.device("cpu"),
-                             pinned=feature_cache == "host" and device.type == "cuda")
+        need = sum(lengths) * 4 * h * torch.empty((), dtype=target.dtype).element_size()
+        host = FeatureCache(need, torch.device("cpu"), pinned=device.type == "cuda")
+        # split: the first half of the samples on the device, the rest in pinned host memory (the two-part plan)
+        cache = (FeatureCache(need, device) if feature_cache == "device" else host if feature_cache == "host" else
+                 Tiers([FeatureCache(need // 2, device), host]))
         online_features(cache, target, Batch(padded.ids, padded.input_ids, padded.loss_mask, padded.valid), idx,
                         lengths, sub_tokens=rows * T)
         assert all(i in cache for i in idx)
@@ -294,7 +296,8 @@ def features_of(r: dict) -> str:
     if not r.get("online"):
         return "random"
     fc = r.get("feature_cache", "off")
-    return "target" if fc == "off" else f"cache ({fc})" if fc in ("device", "host") else f"target, cache {fc} (epoch 2)"
+    return ("target" if fc == "off" else f"cache ({fc})" if fc in ("device", "host", "split")
+            else f"target, cache {fc} (epoch 2)")
 
 
 def shares(rows: list[dict], world: int) -> list[str]:
@@ -337,9 +340,10 @@ def main() -> int:
     ap.add_argument("--online", action="store_true", help="include a target forward (random weights; the smollm2 "
                                                                "and tiny shapes)")
     ap.add_argument("--feature-cache", default="off",
-                    help="comma list of off/device/host: online rows take the states from the target's forward (off) "
-                         "or from the feature cache on the device or in pinned host memory; the Trainer rows run "
-                         "with the cache off and, for device/host, 'auto' (a first epoch fills it, the second is "
+                    help="comma list of off/device/host/split: online rows take the states from the target's "
+                         "forward (off) or from the feature cache on the device, in pinned host memory, or half in "
+                         "each (split: the two-part cache of a run whose states overflow the card); the Trainer rows "
+                         "run with the cache off and, for the others, 'auto' (a first epoch fills it, the second is "
                          "timed)")
     ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one more step per row")
     ap.add_argument("--trainer", type=int, default=0, metavar="LOG_EVERY",
@@ -369,8 +373,8 @@ def main() -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
     peak = matmul_rate(device, 8192 if device.type == "cuda" else 1024, 20 if device.type == "cuda" else 3)
     caches = args.feature_cache.split(",")
-    if not set(caches) <= {"off", "device", "host"}:
-        ap.error(f"--feature-cache: a comma list of off, device, host; got {args.feature_cache!r}")
+    if not set(caches) <= {"off", "device", "host", "split"}:
+        ap.error(f"--feature-cache: a comma list of off, device, host, split; got {args.feature_cache!r}")
     rows = []
     for shape in args.shapes.split(","):
         for T in (int(s) for s in args.seqs.split(",")):

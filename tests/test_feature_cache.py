@@ -371,3 +371,25 @@ def test_ddp_ranks_each_keep_the_samples_of_their_own_micro_batches(tmp_path):
         assert len([i for *_, ids in off["calls"] for i in ids]) > len(done)
     first = [{i for e, training, ids in seen["ddp-on"]["calls"] if e == 0 and training for i in ids} for seen in ranks]
     assert first[0] and first[1] and not first[0] & first[1]    # epoch 1: each rank its own half, once
+
+
+@pytest.mark.slow
+def test_throughput_benchmark_times_the_two_part_cache(tmp_path):
+    """benchmarks/train.py --feature-cache split (the next lease's measure of the device + pinned host plan) runs a
+    row whose states come from a two-part cache, beside the online row it is compared with."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "rows.json"
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "train.py"), "--device", "cpu", "--shapes", "tiny",
+                        "--seqs", "128", "--steps", "1", "--attention", "dense", "--online", "--feature-cache",
+                        "off,split", "--no-record", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [x["feature_cache"] for x in rows] == ["off", "split"]
+    assert all(x["tok_s"] > 0 and x["feat_ms"] > 0 for x in rows)
+    assert "cache (split)" in r.stdout
