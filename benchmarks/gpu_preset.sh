@@ -77,7 +77,13 @@ poll)  # wait up to $2 seconds for the background run, then copy what there is
       pack="$pack train/drafter"
       touch /root/drafter.sent
     fi
-    for d in $pack; do [ -d "$RUN/$d" ] && tar cf - -C "$RUN" "$d" | xz -T0 -6 | split -b 15000000 - "$OUT/${d//\//_}.tar.xz.part-"; done
+    # The parts wait in /root/outbox and each poll moves PARTS_PER_POLL (3) of them to $OUT: a call brings back at
+    # most 8 files and 64 MiB (the trained drafter alone was 6 parts, 2 of which a single poll left out).
+    mkdir -p /root/outbox
+    for d in $pack; do [ -d "$RUN/$d" ] && tar cf - -C "$RUN" "$d" | xz -T0 -6 | split -b 15000000 - "/root/outbox/${d//\//_}.tar.xz.part-"; done
+    for f in $(ls /root/outbox | sort | head -n ${PARTS_PER_POLL:-3}); do mv "/root/outbox/$f" "$OUT/"; done
+    left=$(ls /root/outbox | wc -l)
+    [ "$left" -gt 0 ] && echo "$left packed part(s) still in /root/outbox: poll again to bring them back"
     [ -f $RUN.done ] && python3 benchmarks/run_report.py "$RUN" --command "eyas run --preset gpu --target $STAGE/smollm2.gguf --out $RUN (one background process)" --md "$OUT/BENCH.md"
   fi
   [ -f $RUN.done ]; exit $? ;;
@@ -89,7 +95,7 @@ esac
 
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 if [ "$until" = bg ]; then  # the whole run in its own session, outliving this call; `poll` collects it
-  rm -f $RUN.done /root/drafter.sent
+  rm -rf $RUN.done /root/drafter.sent /root/outbox
   rm -rf /root/src && cp -r src /root/src  # later calls re-sync the tree under the running process
   [ -n "${GPU_TESTS:-}" ] && (cd "$PWD" && setsid nohup env PYTHONPATH=src:tests:/tmp/site python3 -m pytest -m gpu -q \
      -p no:cacheprovider tests > /root/gputests.log 2>&1 < /dev/null &)
