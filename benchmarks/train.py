@@ -235,7 +235,9 @@ def bench(shape: str, T: int, K: int, steps: int, chunk: int | None, device: tor
     return {"shape": shape, "seq": T, "rows": rows, "tokens": tokens, "attention": attention, "compile": compile_layer,
             "online": online, "feature_cache": feature_cache if online else "off", "chunk": chunk,
             "ms_step": dt * 1e3, "tok_s": tokens / dt, "feat_ms": feat * 1e3, "flops_step": flops,
-            "peak_gib": peak, "param_mib_rank": param_mib, "wrap": ("fsdp2" if fsdp else "ddp") if ddp else "none"}
+            "peak_gib": peak, "param_mib_rank": param_mib, "wrap": ("fsdp2" if fsdp else "ddp") if ddp else "none",
+            # samples held per part of the cache (device first), so a row says where its states were gathered from
+            "cache_samples": [len(p.at) for p in getattr(cache, "parts", [cache])] if cache is not None else []}
 
 
 def trainer_bench(T: int, K: int, steps: int, device: torch.device, *, rows: int, log_every: int,
