@@ -385,8 +385,8 @@ def test_throughput_benchmark_times_the_two_part_cache(tmp_path):
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "rows.json"
     r = subprocess.run([sys.executable, str(root / "benchmarks" / "train.py"), "--device", "cpu", "--shapes", "tiny",
-                        "--seqs", "128", "--steps", "1", "--attention", "dense", "--online", "--feature-cache",
-                        "off,split", "--no-record", "--json", str(out)],
+                        "--seqs", "128", "--batch-tokens", "1024", "--steps", "1", "--attention", "dense", "--online",
+                        "--feature-cache", "off,split", "--no-record", "--json", str(out)],
                        capture_output=True, text=True, timeout=300, cwd=tmp_path,
                        env={**os.environ, "PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
