@@ -274,7 +274,6 @@ def test_gpu_assembled_batch_from_the_device_and_pinned_host_parts():
     assert cache.parts[0].buf.is_cuda and cache.parts[1].buf.is_pinned() and cache.parts[1].at
 
 
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_training_runs_the_target_in_the_first_epoch_only(tmp_path, monkeypatch, capsys):
@@ -295,9 +294,11 @@ def test_gpu_training_runs_the_target_in_the_first_epoch_only(tmp_path, monkeypa
 
 def test_placement_device_first_then_pinned_host_for_the_rest():
     cuda, cpu, G = torch.device("cuda"), torch.device("cpu"), 10**9
-    parts = lambda s, need, rooms, dev=cuda: [(p.device, p.pinned, p.capacity_bytes) for p in   # noqa: E731
-                                              getattr(fc.plan(s, need, dev, rooms=rooms)[0], "parts", None)
-                                              or [fc.plan(s, need, dev, rooms=rooms)[0]]]
+
+    def parts(setting, need, rooms, dev=cuda):
+        cache = fc.plan(setting, need, dev, rooms=rooms)[0]
+        return [(p.device, p.pinned, p.capacity_bytes) for p in getattr(cache, "parts", [cache])]
+
     assert parts("auto", 10 * G, (100 * G, 200 * G)) == [(cuda, False, 10 * G)]
     assert parts("auto", 10 * G, (0, 200 * G)) == [(cpu, True, 10 * G)]           # no room on the card: all pinned
     assert parts("auto", 10 * G, (5 * G, 200 * G)) == [(cuda, False, 5 * G), (cpu, True, 5 * G)]
