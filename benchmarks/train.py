@@ -22,7 +22,8 @@ q/k/v/o, MLP and lm_head matmuls plus causal attention over t/2 + k keys) and 1x
 Under torchrun every rank trains its own copy of the rows (DDP, or FSDP2 with --fsdp, wrapped by eyas.train.dist
 as `eyas train` wraps it); tokens/s counts all ranks, and peak memory and the parameter bytes a rank holds (FSDP2:
 its shards) are the largest over the ranks.
-Prints a table and appends a dated section to BENCHMARKS.md (repo root); --json writes the rows too.
+Prints a table and appends a dated section to BENCHMARKS.md (repo root; --md: another file); --json writes the rows
+too.
 """
 
 from __future__ import annotations
@@ -353,6 +354,7 @@ def main() -> int:
                          "prepared random samples), reading "
                          "metrics back every LOG_EVERY steps (0: skip; 1: every step, as before issue 12's change)")
     ap.add_argument("--no-record", action="store_true", help="do not append to BENCHMARKS.md")
+    ap.add_argument("--md", help="append the section to this file instead of BENCHMARKS.md")
     ap.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 (fully_shard) instead of DDP")
     ap.add_argument("--json", default="", help="also write the rows, ranks and matmul rate to this JSON file")
     args = ap.parse_args()
@@ -428,7 +430,8 @@ def main() -> int:
     note = (f"Measured {what} matmul rate: {peak / 1e12:.1f} TFLOP/s per device; MFU = useful "
             f"FLOPs / time / that rate. K = {args.ttt_steps} TTT steps; per rank and step, packed rows of random "
             f"samples of 128..row-len tokens, all trainable; features: random, the target's forward on the samples, "
-            f"or its states gathered from the feature cache (device / pinned host); feat ms: that feature step "
+            f"or its states gathered from the feature cache (device / pinned host / split: half in each); feat ms: "
+            f"that feature step "
             f"alone. "
             f"'(Trainer)' rows time the real training loop (eyas.train.trainer.Trainer) on such samples"
             + (f", reading metrics back every {args.trainer} steps." if args.trainer else "."))
@@ -437,8 +440,8 @@ def main() -> int:
     if not args.no_record:
         now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         cmd = " ".join(["python"] + sys.argv) if world == 1 else f"torchrun --nproc_per_node {world} " + " ".join(sys.argv)
-        with open(ROOT / "BENCHMARKS.md", "a") as f:
-            if f.tell() == 0:
+        with open(args.md or ROOT / "BENCHMARKS.md", "a") as f:
+            if f.tell() == 0 and not args.md:
                 f.write("# Benchmarks\n\nAppend-only; each section says when, where and how it was measured.\n")
             f.write(f"\n## Drafter training throughput — {now}\n\nMachine: {dev} x{world}, torch {torch.__version__}. "
                     f"Command: `{cmd}`\n\n{table}\n\n{note}\n")
