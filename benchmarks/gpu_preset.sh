@@ -78,7 +78,7 @@ poll)  # wait up to $2 seconds for the background run, then copy what there is
       touch /root/drafter.sent
     fi
     # The parts wait in /root/outbox and each poll moves PARTS_PER_POLL (3) of them to $OUT: a call brings back at
-    # most 8 files and 64 MiB (the trained drafter alone was 6 parts, 2 of which a single poll left out).
+    # most 8 files and 64 MiB, less than a trained drafter's parts.
     mkdir -p /root/outbox
     for d in $pack; do [ -d "$RUN/$d" ] && tar cf - -C "$RUN" "$d" | xz -T0 -6 | split -b 15000000 - "/root/outbox/${d//\//_}.tar.xz.part-"; done
     for f in $(ls /root/outbox | sort | head -n ${PARTS_PER_POLL:-3}); do mv "/root/outbox/$f" "$OUT/"; done

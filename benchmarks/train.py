@@ -14,8 +14,9 @@ AdamW, grad clip): per rank and step, batch_tokens // seq packed rows of `seq` t
 128..seq tokens, all trainable; random features, or (--online) a target's forward on the samples (SmolLM2-shaped,
 or for the tiny shape a 4-layer tiny Llama), or (--feature-cache device|host|split) the states of that forward
 gathered from eyas.train.feature_cache as training's epochs after the first do (held on the device, in pinned host
-memory, or the first half of the samples on the device and the rest pinned). An online row also times the feature step alone (`feat ms`: the target's forward, or the gather), so its
-share of the step is measured, not estimated; the cached rows' rate is the steady rate of epochs 2 and later.
+memory, or the first half of the samples on the device and the rest pinned). An online row also times the feature
+step alone (`feat ms`: the target's forward, or the gather), so its share of the step is measured, not estimated;
+the cached rows' rate is the steady rate of epochs 2 and later.
 MFU counts useful FLOPs only: 3x the forward matmuls of the trained parts (fc once per token; per TTT step the
 q/k/v/o, MLP and lm_head matmuls plus causal attention over t/2 + k keys) and 1x the frozen target logits
 (full vocab once per token for the argmax, draft vocab once per step for the soft targets).
@@ -176,10 +177,13 @@ def bench(shape: str, T: int, K: int, steps: int, chunk: int | None, device: tor
     cache, idx = None, list(range(B))
     if online and feature_cache != "off":   # filled by one forward, as the first epoch fills it
         need = sum(lengths) * 4 * h * torch.empty((), dtype=target.dtype).element_size()
-        host = FeatureCache(need, torch.device("cpu"), pinned=device.type == "cuda")
-        # split: the first half of the samples on the device, the rest in pinned host memory (the two-part plan)
-        cache = (FeatureCache(need, device) if feature_cache == "device" else host if feature_cache == "host" else
-                 Tiers([FeatureCache(need // 2, device), host]))
+        pinned = FeatureCache(need, torch.device("cpu"), pinned=device.type == "cuda")   # allocated at its first put
+        if feature_cache == "device":
+            cache = FeatureCache(need, device)
+        elif feature_cache == "host":
+            cache = pinned
+        else:  # split: the first half of the samples on the device, the rest pinned (the two-part plan)
+            cache = Tiers([FeatureCache(need // 2, device), pinned])
         online_features(cache, target, Batch(padded.ids, padded.input_ids, padded.loss_mask, padded.valid), idx,
                         lengths, sub_tokens=rows * T)
         assert all(i in cache for i in idx)
