@@ -77,11 +77,13 @@ poll)  # wait up to $2 seconds for the background run, then copy what there is
       pack="$pack train/drafter"
       touch /root/drafter.sent
     fi
-    # The parts wait in /root/outbox and each poll moves PARTS_PER_POLL (3) of them to $OUT: a call brings back at
-    # most 8 files and 64 MiB, less than a trained drafter's parts.
+    # The parts wait in /root/outbox and each poll moves up to PARTS_PER_POLL (3) of them to $OUT, fewer where the
+    # other files leave less room: a call brings back at most 8 files and 64 MiB, less than a trained drafter's parts.
     mkdir -p /root/outbox
     for d in $pack; do [ -d "$RUN/$d" ] && tar cf - -C "$RUN" "$d" | xz -T0 -6 | split -b 15000000 - "/root/outbox/${d//\//_}.tar.xz.part-"; done
-    for f in $(ls /root/outbox | sort | head -n ${PARTS_PER_POLL:-3}); do mv "/root/outbox/$f" "$OUT/"; done
+    room=$(( 8 - $(ls "$OUT" | wc -l) - 1 ))  # the 1: BENCH.md, written below
+    n=${PARTS_PER_POLL:-3}; [ "$room" -lt "$n" ] && n=$room
+    [ "$n" -gt 0 ] && for f in $(ls /root/outbox | sort | head -n $n); do mv "/root/outbox/$f" "$OUT/"; done
     left=$(ls /root/outbox | wc -l)
     [ "$left" -gt 0 ] && echo "$left packed part(s) still in /root/outbox: poll again to bring them back"
     [ -f $RUN.done ] && python3 benchmarks/run_report.py "$RUN" --command "eyas run --preset gpu --target $STAGE/smollm2.gguf --out $RUN (one background process)" --md "$OUT/BENCH.md"
