@@ -435,9 +435,8 @@ def main() -> int:
             f"FLOPs / time / that rate. K = {args.ttt_steps} TTT steps; per rank and step, packed rows of random "
             f"samples of 128..row-len tokens, all trainable; features: random, the target's forward on the samples, "
             f"or its states gathered from the feature cache (device / pinned host / split: half in each); feat ms: "
-            f"that feature step "
-            f"alone. "
-            f"'(Trainer)' rows time the real training loop (eyas.train.trainer.Trainer) on such samples"
+            f"that feature step alone. '(Trainer)' rows time the real training loop (eyas.train.trainer.Trainer) on "
+            f"such samples"
             + (f", reading metrics back every {args.trainer} steps." if args.trainer else "."))
     print(table)
     print(note)
