@@ -2,7 +2,8 @@
 
 `pip download --no-deps` the pinned wheels (eyas.export.engine_pins.ENGINE_VERSIONS) into a cache
 ($EYAS_ENGINE_CACHE or ~/.cache/eyas/engine-wheels), extract only the .py files listed in FILES,
-and delete the wheel (vLLM's is ~340 MB); later runs use the extracted files and need no network.
+and the wheel's METADATA (its requirements), and delete the wheel (vLLM's is ~340 MB); later runs use the extracted
+files and need no network.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+from packaging.requirements import Requirement
 
 from eyas.export.engine_pins import ENGINE_VERSIONS
 
@@ -47,7 +50,7 @@ def engine_source(engine: str) -> Path:
     """Directory holding the FILES of the pinned `engine` wheel (download + extract on first use)."""
     version = ENGINE_VERSIONS[engine]
     root = cache_dir() / f"{engine}-{version}"
-    if all((root / f).exists() for f in FILES[engine]):
+    if all((root / f).exists() for f in FILES[engine]) and (root / "METADATA").exists():
         return root
     wheels = cache_dir() / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
@@ -69,8 +72,20 @@ def engine_source(engine: str) -> Path:
         for f in FILES[engine]:
             (tmp / f).parent.mkdir(parents=True, exist_ok=True)
             (tmp / f).write_bytes(z.read(f))
+        (tmp / "METADATA").write_bytes(z.read(f"{engine}-{version}.dist-info/METADATA"))
     shutil.rmtree(root, ignore_errors=True)
     tmp.rename(root)
     for w in found:
         w.unlink()
     return root
+
+
+def engine_requirements(engine: str) -> list[str]:
+    """The pinned `engine` wheel's Requires-Dist lines that apply to this platform without an extra."""
+    reqs = []
+    for line in (engine_source(engine) / "METADATA").read_text().splitlines():
+        if line.startswith("Requires-Dist:"):
+            r = Requirement(line.split(":", 1)[1].strip())
+            if r.marker is None or r.marker.evaluate({"extra": ""}):
+                reqs.append(r)
+    return reqs
