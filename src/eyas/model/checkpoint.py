@@ -4,7 +4,10 @@
     RUN/                 an `eyas run` dir             -> RUN/train/drafter
     TRAIN/               an `eyas train` run dir       -> TRAIN/drafter
     DIR/                 an eyas drafter dir           (config.json + model.safetensors, save_drafter)
-    EXPORT/ or HEAD/     an `eyas export` dir or a published EAGLE-3 head (eyas.model.importer)
+    EXPORT/ or HEAD/     an `eyas export` dir or a published EAGLE-3 head (eyas.model.importer), or the same
+                         of a DFlash drafter (eyas.model.dflash_import: architectures ["DFlashDraftModel"])
+An eyas drafter dir holds either kind: config.json's "kind" is "dflash" for a DFlash drafter (model/dflash.py) and
+absent for EAGLE-3.
 With a target, the drafter's recorded target fingerprint is checked here, once.
 """
 
@@ -18,12 +21,13 @@ from typing import Any
 
 from eyas.errors import EyasError
 from eyas.manifest import check_target
+from eyas.model.dflash import DFlashConfig, DFlashDrafter
 from eyas.model.drafter import DrafterConfig, Eagle3Drafter
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
 
-def save_drafter(drafter: Eagle3Drafter, path: str | os.PathLike, meta: dict[str, Any] | None = None) -> None:
+def save_drafter(drafter: Eagle3Drafter | DFlashDrafter, path: str | os.PathLike, meta: dict[str, Any] | None = None) -> None:
     """Write DIR/config.json (config + meta, e.g. {"target": fingerprint}) and DIR/model.safetensors (fp32)."""
     from safetensors.torch import save
 
@@ -41,7 +45,7 @@ def save_drafter(drafter: Eagle3Drafter, path: str | os.PathLike, meta: dict[str
     atomic_write_bytes(path / CONFIG_FILE, (json.dumps({**cfg, **(meta or {})}, indent=2) + "\n").encode())
 
 
-def load_drafter(path: str | os.PathLike, *, device="cpu") -> tuple[Eagle3Drafter, dict]:
+def load_drafter(path: str | os.PathLike, *, device="cpu") -> tuple[Eagle3Drafter | DFlashDrafter, dict]:
     """Read a directory written by save_drafter -> (drafter in fp32, meta: the non-config keys of config.json)."""
     from safetensors.torch import load_file
 
@@ -54,13 +58,15 @@ def load_drafter(path: str | os.PathLike, *, device="cpu") -> tuple[Eagle3Drafte
         raw = json.loads(cfg_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise EyasError(f"{cfg_path}: not valid JSON ({e})") from e
-    known = {f.name for f in fields(DrafterConfig)}
+    config_cls, model_cls = (DFlashConfig, DFlashDrafter) if raw.get("kind") == "dflash" else (DrafterConfig,
+                                                                                              Eagle3Drafter)
+    known = {f.name for f in fields(config_cls)}
     try:
-        cfg = DrafterConfig.from_dict({k: v for k, v in raw.items() if k in known})
+        cfg = config_cls.from_dict({k: v for k, v in raw.items() if k in known})
     except (TypeError, ValueError) as e:
         raise EyasError(f"{cfg_path}: bad drafter config ({e})") from e
-    meta = {k: v for k, v in raw.items() if k not in known}
-    drafter = Eagle3Drafter(cfg)
+    meta = {k: v for k, v in raw.items() if k not in known and k != "kind"}
+    drafter = model_cls(cfg)
     try:
         state = load_file(str(w_path))
     except Exception as e:  # noqa: BLE001 - safetensors raises SafetensorError, OSError, ... on a damaged file

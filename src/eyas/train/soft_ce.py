@@ -42,6 +42,18 @@ def _chunk(z: Tensor, zt: Tensor, wr: Tensor | None = None) -> tuple[Tensor, Ten
     return ce.sum(), pred, dz
 
 
+def _hard_chunk(z: Tensor, labels: Tensor, wr: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """_chunk with one-hot labels (c,) token ids: (loss sum, argmax, softmax(z) - onehot)."""
+    z = z.float()                                                                # (c, Vd)
+    lse = torch.logsumexp(z, dim=-1)                                             # (c,)
+    ce, pred = lse - z.gather(1, labels[:, None])[:, 0], z.max(-1).indices       # (c,), (c,)
+    dz = z.sub_(lse[:, None]).exp_()                                             # (c, Vd) softmax(z)
+    dz[torch.arange(len(labels), device=z.device), labels] -= 1.0
+    if wr is not None:
+        ce, dz = ce * wr, dz.mul_(wr[:, None])
+    return ce.sum(), pred, dz
+
+
 @functools.cache
 def _compiled_chunk():
     # dynamic=None: the last chunk's row count changes every step (the counted positions vary); after the first
@@ -59,7 +71,9 @@ class _FusedSoftCE(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         pred = torch.empty(N, dtype=torch.long, device=x.device)                 # (N,)
         gx = torch.empty(x.shape, dtype=dtype, device=x.device) if need_grad else None  # (N, h)
-        gw = torch.zeros(w.shape, dtype=torch.float32, device=x.device) if need_grad else None  # (Vd, h)
+        # a frozen head (DFlash reads the target's) gets no (V, h) gradient buffer
+        gw = (torch.zeros(w.shape, dtype=torch.float32, device=x.device) if ctx.needs_input_grad[1] else None)
+        hard = f.dtype == torch.long                                             # f (N,) token ids: hard labels
         with torch.autocast(x.device.type, enabled=False):
             wc, wtc = w.to(dtype), None if wt is None else wt.to(dtype)
             # on CUDA the elementwise/reduction part is one compiled kernel set (a few passes over (c, Vd))
@@ -67,16 +81,20 @@ class _FusedSoftCE(torch.autograd.Function):
             for i in range(0, N, chunk):
                 xc = x[i:i + chunk].to(dtype)                                    # (c, h)
                 wr = None if weight is None else weight[i:i + chunk].float()     # (c,)
-                fc = f[i:i + chunk]                                              # (c, h_t) or (c, Vd)
-                zt = fc if wtc is None else fc.to(dtype) @ wtc.T                 # (c, Vd) target logits
-                ls, pr, dz = part(xc @ wc.T, zt, wr)                             # dz (c, Vd) softmax(z) - p
+                fc = f[i:i + chunk]                                              # (c, h_t), (c, Vd) or (c,)
+                if hard:
+                    ls, pr, dz = _hard_chunk(xc @ wc.T, fc, wr)                  # dz (c, Vd) softmax(z) - onehot
+                else:
+                    zt = fc if wtc is None else fc.to(dtype) @ wtc.T             # (c, Vd) target logits
+                    ls, pr, dz = part(xc @ wc.T, zt, wr)                         # dz (c, Vd) softmax(z) - p
                 loss += ls
                 pred[i:i + chunk] = pr
                 if need_grad:
                     dz = dz.to(dtype)                                            # (c, Vd)
                     gx[i:i + chunk] = dz @ wc                                    # (c, h)
-                    gw += (dz.T @ xc).float()                                    # (Vd, h)
-        ctx.save_for_backward(gx, gw)
+                    if gw is not None:
+                        gw += (dz.T @ xc).float()                                # (Vd, h)
+        ctx.save_for_backward(gx, gw if gw is not None else torch.zeros(0, device=x.device))
         ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
         ctx.mark_non_differentiable(pred)
         return loss, pred
@@ -95,6 +113,8 @@ def fused_soft_ce(x: Tensor, w: Tensor, f: Tensor, wt: Tensor | None, *, chunk: 
     lm_head weight, f (N, h_t) the target's final states, wt (Vd, h_t) the target's lm_head rows of the draft vocab;
     or wt None and f (N, Vd) the target's draft-vocab logits themselves (f @ wt^T, computed by the caller).
     weight (N,) of 0/1, optional: rows weighted 0 add nothing to the loss or the gradients (fixed-size row sets).
+    f (N,) int64 instead: hard labels (token ids; the plain cross-entropy). A w that needs no gradient (a frozen head)
+    gets none computed.
 
     Matmuls run in the autocast dtype when autocast is on (else x's dtype); logsumexp/softmax in fp32."""
     if x.shape[0] != f.shape[0]:
@@ -103,7 +123,10 @@ def fused_soft_ce(x: Tensor, w: Tensor, f: Tensor, wt: Tensor | None, *, chunk: 
         return (x.sum() + w.sum()) * 0.0, torch.empty(0, dtype=torch.long, device=x.device)
     if weight is not None and weight.shape != x.shape[:1]:
         raise ValueError(f"fused_soft_ce: weight {tuple(weight.shape)} for {x.shape[0]} rows")
-    if wt is None and f.shape[1] != w.shape[0]:
+    if f.dtype == torch.long:  # hard labels
+        if f.shape != x.shape[:1] or wt is not None:
+            raise ValueError(f"fused_soft_ce: hard labels {tuple(f.shape)} for {x.shape[0]} rows (and no wt)")
+    elif wt is None and f.shape[1] != w.shape[0]:
         raise ValueError(f"fused_soft_ce: target logits have {f.shape[1]} columns for a {w.shape[0]}-token head")
     return _FusedSoftCE.apply(x, w, f.detach(), None if wt is None else wt.detach(), int(chunk), _compute_dtype(x),
                               None if weight is None else weight.detach())
