@@ -17,6 +17,10 @@ concatenated aux features before fc; written only for a drafter trained with it 
 Full draft vocabulary (draft_vocab_size == vocab_size): d2t/t2d are identities and are NOT
 written, because vLLM 0.33 has no `draft_id_to_target_id` parameter then and refuses the key
 (checked by tests/test_engine_contract.py). SGLang is fine either way.
+
+A DFlash drafter (kind "dflash", model/dflash.py) is written as `DFlashDraftModel` (dflash_export_config; docs/export.md):
+its state dict already carries the engines' weight names, the mask slots use the target's own embedding row (so no
+mask_embedding.pt, which SGLang 0.5.14 could not read), and causality is stated in every key an engine reads.
 """
 
 from __future__ import annotations
@@ -104,6 +108,101 @@ def export_state(drafter, *, dtype: torch.dtype = torch.bfloat16) -> dict[str, t
     return out
 
 
+DFLASH_ARCHITECTURE = "DFlashDraftModel"
+
+
+def check_dflash_servable(cfg, where: str) -> None:
+    """Refuse a DFlash drafter the engines would serve wrongly without a word: a context layer SGLang never captures
+    (the last, N-1: its capture loop stops before it), ids out of ascending order (both engines concatenate the
+    captured layers in layer order, so fc's column blocks would be swapped) or repeated (captured once: K shrinks),
+    and context features narrower than the drafter (SGLang sizes fc from hidden_size alone)."""
+    ids, n = cfg.target_layer_ids, cfg.num_target_layers
+    if n - 1 in ids:
+        raise EyasError(f"{where}: target_layer_ids {ids} include {n - 1}, the target's last layer (of {n}), which "
+                        f"SGLang cannot capture; train with context layers <= {n - 2} (HF aux ids <= {n - 1})")
+    if ids != sorted(set(ids)):
+        raise EyasError(f"{where}: target_layer_ids {ids} are not strictly ascending; the engines concatenate the "
+                        f"captured layers in ascending order, so this drafter's fc would read them swapped")
+    if cfg.target_hidden_size != cfg.hidden_size:
+        raise EyasError(f"{where}: context width {cfg.target_hidden_size} != drafter width {cfg.hidden_size}; "
+                        f"SGLang sizes DFlash's fc as K * hidden_size")
+
+
+def dflash_export_config(cfg, *, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+    """The config.json dict for a DFlashConfig: Qwen3 dims (both engines load it with HF AutoConfig, whose Qwen3
+    defaults would fill any dim left out), the target's vocab and RoPE, and the DFlash keys each engine reads."""
+    layer_types = ["full_attention"] * cfg.num_hidden_layers
+    return {
+        "architectures": [DFLASH_ARCHITECTURE],
+        "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "attention_bias": False,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": dict(cfg.rope_scaling) if cfg.rope_scaling else None,
+        "max_position_embeddings": cfg.max_position_embeddings,   # SGLang refuses one below the target's context
+        "vocab_size": cfg.vocab_size,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "layer_types": layer_types,          # all full attention: bidirectional inside the block in every engine
+        "is_causal": False,                  # SGLang 0.5.23 and vLLM 0.33 read this one ...
+        "block_size": cfg.block_size,        # SGLang's default B (top level: what 0.5.14-era heads carry)
+        "num_target_layers": cfg.num_target_layers,   # SGLang 0.5.14 checks the ids against it (else its own depth)
+        "torch_dtype": DTYPE_NAMES[dtype],
+        "dflash_config": {
+            "target_layer_ids": cfg.target_layer_ids,   # "after layer k" = HF hidden_states index - 1
+            "mask_token_id": cfg.mask_token_id,
+            "causal": False,                 # ... and vLLM 0.25 only this one
+            "block_size": cfg.block_size,
+        },
+    }
+
+
+def dflash_readme_text(cfg, *, target: str, out_dir: str, engines: dict[str, str], note: str | None = None) -> str:
+    b = cfg.block_size
+    vllm_spec = json.dumps({"method": "dflash", "model": out_dir, "num_speculative_tokens": b - 1,
+                            "attention_backend": "FLASH_ATTN"})
+    pins = ", ".join(f"{k} {v}" for k, v in engines.items())
+    warning = f"\n**Warning:** {note}\n" if note else ""
+    return f"""# DFlash drafter for `{target}`
+
+Exported by eyas. {cfg.num_hidden_layers} Qwen3-style layers, hidden {cfg.hidden_size}, block {b} (one forward
+proposes {b - 1} tokens), context after target layers {cfg.target_layer_ids} of {cfg.num_target_layers} (HF
+hidden_states indices {list(cfg.aux_layer_ids)}), bidirectional inside the block. Mask token {cfg.mask_token_id}: its
+embedding is the target's own row (no mask_embedding.pt), so every engine version serves it the same way.
+No embed_tokens or lm_head: both engines use the target's.
+Checked against the DFlash loaders of {pins} (eyas tests/test_dflash_contract.py).
+Paths below are absolute, resolved when eyas exported this directory; a hub id stays as it is.
+{warning}
+## SGLang
+
+The block size is `--speculative-num-draft-tokens` (= `--speculative-dflash-block-size`); SGLang forces one step
+and top-k 1 for DFlash.
+
+```
+python -m sglang.launch_server --model-path {target} \\
+    --speculative-algorithm DFLASH --speculative-draft-model-path {out_dir} \\
+    --speculative-num-draft-tokens {b}
+```
+
+## vLLM
+
+`num_speculative_tokens` is B - 1 (vLLM does not read block_size). The drafter attends bidirectionally inside the
+block, which needs an attention backend with non-causal support (FLASH_ATTN; TRITON_ATTN, FLEX_ATTENTION and
+FLASHINFER also work); `attention_backend` pins it for the draft only.
+
+```
+vllm serve {target} --speculative-config '{vllm_spec}'
+```
+"""
+
+
 def readme_text(cfg, *, target: str, out_dir: str, engines: dict[str, str], sglang_ids: list[int],
                 num_speculative_tokens: int = 3, note: str | None = None) -> str:
     hf_ids = list(cfg.aux_layer_ids)
@@ -164,6 +263,9 @@ def export_drafter(drafter, out_dir: str | os.PathLike, *, meta: dict | None = N
 
     if dtype not in DTYPES:
         raise EyasError(f"export dtype {dtype!r}: expected one of {sorted(DTYPES)}")
+    if getattr(drafter, "kind", None) == "dflash":
+        return export_dflash(drafter, out_dir, meta=meta, dtype=DTYPES[dtype], target=target, target_ref=target_ref,
+                             allow_target_mismatch=allow_target_mismatch)
     tdtype = DTYPES[dtype]
     cfg = drafter.config
     trained_on = (meta or {}).get("target")
@@ -198,6 +300,48 @@ def export_drafter(drafter, out_dir: str | os.PathLike, *, meta: dict | None = N
                                                       engines=ENGINE_VERSIONS,
                                                       num_speculative_tokens=num_speculative_tokens,
                                                       note=_notes(mismatch, cfg)).encode())
+    return out
+
+
+def export_dflash(drafter, out_dir: str | os.PathLike, *, meta: dict | None, dtype: torch.dtype, target=None,
+                  target_ref: str | None = None, allow_target_mismatch: bool = False) -> Path:
+    """export_drafter for a DFlash drafter: config.json (dflash_export_config), model.safetensors (the state dict as
+    it is, in `dtype`), README.md. Everything is checked before the first file is written."""
+    from safetensors.torch import save
+
+    cfg = drafter.config
+    check_dflash_servable(cfg, str(out_dir))
+    if drafter.mask_embedding is not None:
+        raise EyasError(f"{out_dir}: this DFlash drafter has its own mask embedding (a published head's "
+                        f"mask_embedding.pt); eyas exports serve the target's row in every engine and do not write one")
+    trained_on = (meta or {}).get("target")
+    mismatch = None
+    if target is not None:
+        if trained_on:
+            mismatch = check_target(trained_on, target.fingerprint, what="target (drafter was trained on another)",
+                                    where=str(out_dir), allow_mismatch=allow_target_mismatch)
+            trained_on = target.fingerprint if mismatch else trained_on
+        if (target.vocab_size, target.hidden_size, target.num_layers) != (cfg.vocab_size, cfg.target_hidden_size,
+                                                                          cfg.num_target_layers):
+            raise EyasError(f"{out_dir}: target vocab/hidden/layers {target.vocab_size}/{target.hidden_size}/"
+                            f"{target.num_layers} != drafter's {cfg.vocab_size}/{cfg.target_hidden_size}/"
+                            f"{cfg.num_target_layers}")
+        target_ref = target_ref or target.name
+    target_ref = target_ref or (trained_on or {}).get("identity") or "TARGET"
+    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
+    config = dflash_export_config(cfg, dtype=dtype)
+    if trained_on:
+        config["eyas_target"] = trained_on   # informational; neither engine reads it
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    from eyas.export.engine_pins import ENGINE_VERSIONS
+
+    atomic_write_bytes(out / "model.safetensors", save(state, metadata={"format": "pt"}))
+    atomic_write_bytes(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
+    engine_target = engine_model_path(target_ref, resolve_embedded=target is not None)
+    atomic_write_bytes(out / "README.md", dflash_readme_text(cfg, target=engine_target, out_dir=str(out.resolve()),
+                                                             engines=ENGINE_VERSIONS, note=mismatch).encode())
     return out
 
 

@@ -22,7 +22,9 @@ from typing import Any
 from eyas.errors import EyasError
 from eyas.manifest import check_target
 from eyas.model.dflash import DFlashConfig, DFlashDrafter
+from eyas.model.dflash_import import is_dflash_dir, load_dflash_checkpoint
 from eyas.model.drafter import DrafterConfig, Eagle3Drafter
+from eyas.model.importer import accept_mismatch, load_eagle3_checkpoint
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
@@ -98,22 +100,42 @@ def drafter_dir(path: str | os.PathLike) -> Path:
         if (d / CONFIG_FILE).is_file():
             return d
     raise EyasError(f"{p}: not a drafter: expected an eyas run dir (train/drafter/), a train run dir (drafter/), "
-                    f"a drafter dir or an exported/published EAGLE-3 dir (config.json + weights)")
+                    f"a drafter dir or an exported/published EAGLE-3 or DFlash dir (config.json + weights)")
 
 
-def open_drafter(path: str | os.PathLike, target=None, *,
-                 allow_target_mismatch: bool = False) -> tuple[Eagle3Drafter, dict]:
+KINDS = ("eagle3", "dflash")
+
+
+def drafter_kind(p: Path) -> str:
+    """"dflash" or "eagle3" for a directory drafter_dir found, from its config.json alone (no weights read)."""
+    if is_eyas_drafter_dir(p):
+        return "dflash" if json.loads((p / CONFIG_FILE).read_text()).get("kind") == "dflash" else "eagle3"
+    return "dflash" if is_dflash_dir(p) else "eagle3"
+
+
+def check_kind(found: str, expected: str | None, where: Path) -> None:
+    """Refuse a drafter of another kind than the caller can use, naming both."""
+    if expected is not None and found != expected:
+        names = {"eagle3": "an EAGLE-3 drafter", "dflash": "a DFlash drafter"}
+        raise EyasError(f"{where}: {names[found]} where {names[expected]} was expected")
+
+
+def open_drafter(path: str | os.PathLike, target=None, *, allow_target_mismatch: bool = False,
+                 kind: str | None = None) -> tuple[Eagle3Drafter | DFlashDrafter, dict]:
     """Any accepted layout -> (drafter in fp32 on the CPU, meta).
 
-    meta: {"format": "eyas" | "eagle3", "source", "aux_layer_ids", "warnings", "target" (the recorded fingerprint)}.
-    With `target`, a drafter whose recorded fingerprint differs is refused, naming each field; with
+    meta: {"format": "eyas" | "eagle3" | "dflash", "source", "aux_layer_ids", "warnings", "target" (the recorded
+    fingerprint)}. With `target`, a drafter whose recorded fingerprint differs is refused, naming each field; with
     `allow_target_mismatch` it is loaded and meta["target_mismatch"] holds the warning (the fingerprint moves to
-    meta["trained_target"]).
+    meta["trained_target"]). `kind` ("eagle3" | "dflash"): refuse a drafter of the other kind before reading weights.
     """
-    from eyas.model.importer import accept_mismatch, load_eagle3_checkpoint
-
+    if kind not in (None, *KINDS):
+        raise ValueError(f"open_drafter: kind {kind!r}, expected one of {KINDS} or None")
     p = drafter_dir(path)
+    check_kind(drafter_kind(p), kind, p)
     if not is_eyas_drafter_dir(p):
+        if is_dflash_dir(p):
+            return load_dflash_checkpoint(p, target=target, allow_target_mismatch=allow_target_mismatch)
         return load_eagle3_checkpoint(p, target=target, allow_target_mismatch=allow_target_mismatch)
     drafter, meta = load_drafter(p)
     meta = {"format": "eyas", "source": str(p), "aux_layer_ids": list(drafter.config.aux_layer_ids),
