@@ -41,6 +41,17 @@ def default_block(hf_config) -> int:
     return 8 if mla_or_moe(text_config(hf_config)) else 16
 
 
+def default_mask_token(tokenizer, vocab_size: int) -> int:
+    """The mask slots' token: the tokenizer's mask token, else `<|MASK|>` (the engines' lookup), else the vocabulary's
+    last id. Any id inside the vocabulary serves: its embedding is the target's own row, frozen, in training and in
+    every engine (docs/dflash.md, "The mask token")."""
+    for tok in (getattr(tokenizer, "mask_token_id", None),
+                (getattr(tokenizer, "get_vocab", None) or dict)().get("<|MASK|>")):
+        if isinstance(tok, int) and 0 <= tok < vocab_size:
+            return tok
+    return vocab_size - 1
+
+
 @dataclass(frozen=True, kw_only=True)
 class DFlashConfig:
     hidden_size: int

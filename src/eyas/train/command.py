@@ -11,10 +11,13 @@ from eyas.knobs import add_flags, from_args
 def register(subparsers) -> None:
     from eyas.train.config import CHOICES, TrainConfig
 
-    p = subparsers.add_parser("train", help="train an EAGLE-3 drafter (offline from a store, or online)",
-                              description="Train an EAGLE-3 drafter. Offline: --store STORE. Online: --target T "
-                                          "--data PREPARED (the target runs inside each step). Under torchrun "
-                                          "every rank trains on its own shard (DDP, or FSDP2 with --fsdp).")
+    p = subparsers.add_parser("train", help="train an EAGLE-3 or DFlash drafter (offline from a store, or online)",
+                              description="Train an EAGLE-3 drafter, or a DFlash block drafter with --method dflash. "
+                                          "Offline: --store STORE. Online: --target T --data PREPARED (the target "
+                                          "runs inside each step). Under torchrun every rank trains on its own shard "
+                                          "(DDP, or FSDP2 with --fsdp).")
+    choices = {n: {"choices": list(c)} for n, c in CHOICES.items()}
+    add_flags(p, TrainConfig, ["method"], **choices)
     src = p.add_mutually_exclusive_group(required=True)
     add_flags(src, TrainConfig, ["store", "data"])
     add_flags(p, TrainConfig, ["target", "out"])
@@ -26,7 +29,10 @@ def register(subparsers) -> None:
                                "loss_on", "warmup_ratio", "trust_remote_code", "eval_every", "checkpoint_every", "device",
                                "seed", "deterministic", "eval_fraction", "fsdp", "progress", "feature_cache",
                                "prefetch"],
-              progress={"help": "no progress bar"}, **{n: {"choices": list(c)} for n, c in CHOICES.items()})
+              progress={"help": "no progress bar"}, **choices)
+    block = p.add_argument_group("DFlash (--method dflash)")
+    add_flags(block, TrainConfig, ["block_size", "dflash_layers", "mask_token_id", "anchors", "block_gamma", "labels"],
+              **choices)
     p.set_defaults(func=main)
 
 

@@ -12,7 +12,11 @@ DEVICE_DEFAULTS = {"cuda": {"ttt_steps": 7, "draft_vocab": 32000}, "cpu": {"ttt_
 CUDA: EAGLE-3's K and vocabulary. CPU: K=3 and an 8k vocabulary, an order of magnitude faster to train on a few cores
 than K=7 with 32k."""
 
-CHOICES = {"loss_on": ("assistant", "all"), "attention": ("auto", "dense", "flex", "blocks"),
+METHODS = ("eagle3", "dflash")
+"""The drafter families `eyas train --method` trains: EAGLE-3 (model/drafter.py) and DFlash blocks (model/dflash.py)."""
+
+CHOICES = {"method": METHODS, "labels": ("soft", "hard"), "loss_on": ("assistant", "all"),
+           "attention": ("auto", "dense", "flex", "blocks"),
            "pack": ("auto", "on", "off"), "autocast": ("auto", "bf16", "off"),
            "loss": ("ce", "lk_alpha", "lk_lambda")}   # loss: train.ttt.LOSSES
 """The fields that take one of a few names, and those names (checked here; the choices of `eyas train`'s flags)."""
@@ -23,7 +27,14 @@ RESUME_FREE = ("resume", "progress", "checkpoint_every", "keep_checkpoints", "ta
                "prefetch")
 
 # Fields added after runs were written, with their defaults: identity() omits them at the default.
-ADDED_LATER = {"norm_before_fc": False, "loss": "ce", "lk_eta": 3.0}
+ADDED_LATER = {"norm_before_fc": False, "loss": "ce", "lk_eta": 3.0, "method": "eagle3", "block_size": None,
+               "dflash_layers": None, "mask_token_id": None, "anchors": 512, "block_gamma": None, "labels": "soft"}
+
+EAGLE_ONLY = {"ttt_steps": None, "draft_vocab": None, "decay": 0.8, "norm_before_fc": False, "loss": "ce",
+              "init_from_target": False}
+"""EAGLE-3 fields a DFlash run refuses when set (DFlash drafts the target's whole vocabulary with its own head)."""
+DFLASH_ONLY = {"block_size": None, "dflash_layers": None, "mask_token_id": None, "block_gamma": None, "labels": "soft"}
+"""DFlash fields an EAGLE-3 run refuses when set."""
 
 
 def feature_cache_budget(setting: str) -> float | str | None:
@@ -41,6 +52,9 @@ def feature_cache_budget(setting: str) -> float | str | None:
 class TrainConfig:
     out: str
     """Run directory RUN (manifest.json, drafter/, vocab, checkpoints/, metrics.jsonl, tb/)."""
+    method: str = "eagle3"
+    """Drafter family: 'eagle3' (one layer, TTT chains) or 'dflash' (a block drafter: one forward proposes
+    block_size - 1 tokens; docs/dflash.md)."""
     store: str | None = None
     """Offline mode: the hidden-state store to train from."""
     data: str | None = None
@@ -115,6 +129,20 @@ class TrainConfig:
     """Drafter MLP width (default: the target's)."""
     norm_before_fc: bool = False
     """EAGLE 3.1: one RMSNorm over the concatenated aux features before fc (exported as the engines read it)."""
+    block_size: int | None = None
+    """DFlash: tokens per block, the last committed token and block_size - 1 mask slots (None: 16, 8 for
+    DeepSeek-V3 / Kimi-class targets; model/dflash.py default_block)."""
+    dflash_layers: int | None = None
+    """DFlash: decoder layers (None: the target's layers / 8, 1 to 5; model/dflash.py default_layers)."""
+    mask_token_id: int | None = None
+    """DFlash: the mask slots' token id, inside the target's vocabulary; its embedding is the target's own row
+    (None: the tokenizer's mask token, else <|MASK|>, else the vocabulary's last id)."""
+    anchors: int = 512
+    """DFlash: blocks per row in a training step, anchored at random positions of the replies."""
+    block_gamma: float | None = None
+    """DFlash: slot k's loss weight is exp(-(k-1)/block_gamma) (None: 7 for blocks of 16 and up, 4 below)."""
+    labels: str = "soft"
+    """DFlash: 'soft' (the target's distribution from its final state) or 'hard' (the data's tokens)."""
     device: str = "auto"
     """'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:N'. Under torchrun: cuda:LOCAL_RANK."""
     seed: int = 0
@@ -188,11 +216,28 @@ class TrainConfig:
                             f"{self.feature_cache!r}") from None
         if not self.lk_eta >= 0.0:
             raise EyasError(f"train: lk_eta must be >= 0, got {self.lk_eta}")
+        other = EAGLE_ONLY if self.method == "dflash" else DFLASH_ONLY
+        wrong = [k for k, v in other.items() if getattr(self, k) != v]
+        if wrong:
+            raise EyasError(f"train: {', '.join(wrong)} {'do' if len(wrong) > 1 else 'does'} not apply to --method "
+                            f"{self.method}")
+        if self.block_size is not None and not 2 <= self.block_size <= 32:
+            raise EyasError(f"train: block_size must be 2 to 32, got {self.block_size}")
+        if self.dflash_layers is not None and self.dflash_layers < 1:
+            raise EyasError(f"train: dflash_layers must be >= 1, got {self.dflash_layers}")
+        if self.mask_token_id is not None and self.mask_token_id < 0:
+            raise EyasError(f"train: mask_token_id must be >= 0, got {self.mask_token_id}")
+        if self.anchors < 1:
+            raise EyasError(f"train: anchors must be >= 1, got {self.anchors}")
+        if self.block_gamma is not None and not self.block_gamma > 0:
+            raise EyasError(f"train: block_gamma must be > 0, got {self.block_gamma}")
 
     def for_device(self, device) -> tuple["TrainConfig", str | None]:
         """This config with the fields left None that have per-device defaults filled in, and a line saying what was
         chosen (None when nothing was left open)."""
         kind = "cuda" if getattr(device, "type", str(device)).startswith("cuda") else "cpu"
+        if self.method == "dflash":  # no TTT steps, the whole vocabulary: the device defaults are EAGLE-3's
+            return self, None
         chosen = {k: v for k, v in DEVICE_DEFAULTS[kind].items() if getattr(self, k) is None}
         if not chosen:
             return self, None

@@ -17,6 +17,8 @@ import torch
 
 from eyas.errors import EyasError
 from eyas.manifest import MANIFEST, atomic_write_bytes, check_same, check_target, read_manifest
+from eyas.model.dflash import DFlashConfig, DFlashDrafter, default_mask_token
+from eyas.model.drafter import DrafterConfig
 from eyas.train import checkpoint as ckpt
 from eyas.train.config import TrainConfig
 from eyas.train.data import PreparedSource, StoreSource
@@ -140,7 +142,8 @@ def build_vocab(cfg: TrainConfig, source, train_idx, V: int, init_vocab, *, anno
         tok = torch.arange(d2t.numel()) + d2t
         vocab = DraftVocab(token_ids=tok, d2t=d2t, t2d=t2d, coverage=float(counts[tok].sum()) / int(counts.sum()))
     else:
-        vocab = build_draft_vocab(counts, min(cfg.draft_vocab, V))  # for_device filled a None
+        # for_device filled a None; DFlash drafts the whole vocabulary through the target's head
+        vocab = build_draft_vocab(counts, V if cfg.method == "dflash" else min(cfg.draft_vocab, V))
     top_draft = int(vocab.token_ids[counts[vocab.token_ids].argmax()])
     summary = {"size": vocab.size, "vocab_size": V, "coverage": vocab.coverage, "most_common_id": top_draft,
                "trainable_tokens": int(counts.sum()), "split": "train"}
@@ -159,9 +162,19 @@ def write_vocab(run: Path, vocab, summary: dict) -> None:
 def run_drafter_config(cfg: TrainConfig, target, init_config=None):
     """The DrafterConfig a run of `cfg` (resolved for its device: TrainConfig.for_device) trains on `target`: sizes
     from the target, a draft vocabulary of min(draft_vocab, V) ids (build_vocab's), or --init's (`init_config`).
+    With --method dflash the DFlashConfig: depth, block and mask token as set or derived (model/dflash.py), the
+    context from the target's aux layers, or --init's config.
     The Trainer builds its drafter from it; `eyas run` warms the bench's compiled graphs for it while training runs."""
-    from eyas.model.drafter import DrafterConfig
-
+    if cfg.method == "dflash":
+        if init_config is not None:
+            return init_config
+        mask = (cfg.mask_token_id if cfg.mask_token_id is not None
+                else default_mask_token(getattr(target, "tokenizer", None), target.vocab_size))
+        if mask >= target.vocab_size:
+            raise EyasError(f"--mask-token-id {mask} is outside the target's vocabulary (0..{target.vocab_size - 1})")
+        return DFlashConfig.from_target(target.config, aux_layer_ids=target.aux_layer_ids, mask_token_id=mask,
+                                        num_layers=cfg.dflash_layers, block_size=cfg.block_size,
+                                        intermediate_size=cfg.intermediate_size)
     size = init_config.draft_vocab_size if init_config is not None else min(cfg.draft_vocab, target.vocab_size)
     return DrafterConfig.from_target(target.config, draft_vocab_size=size, aux_layer_ids=target.aux_layer_ids,
                                      intermediate_size=cfg.intermediate_size, norm_before_fc=cfg.norm_before_fc)
@@ -183,6 +196,14 @@ def check_init_config(init, run, where: str) -> str | None:
     moved = [f"{k} {a[k]} -> {b[k]}" for k in POSITION_BOUND if a[k] != b[k]]
     return (f"eyas train: --init {where}: {', '.join(moved)}, the run's (it only bounds positions; the drafter's "
             f"plain RoPE does not read it)") if moved else None
+
+
+def check_init_kind(drafter, cfg: TrainConfig) -> None:
+    """Refuse an --init drafter of the other family (an EAGLE-3 head for a DFlash run, or the reverse)."""
+    kind = "dflash" if isinstance(drafter, DFlashDrafter) else "eagle3"
+    if kind != cfg.method:
+        raise EyasError(f"--init {cfg.init}: a {'DFlash' if kind == 'dflash' else 'EAGLE-3'} drafter, but this run "
+                        f"trains --method {cfg.method}")
 
 
 @torch.no_grad()

@@ -28,16 +28,19 @@ from torch import nn
 
 from eyas.errors import EyasError
 from eyas.manifest import check_same, write_manifest
+from eyas.model.dflash import DFlashDrafter
+from eyas.model.drafter import Eagle3Drafter
 from eyas.train import checkpoint as ckpt
 from eyas.train import dist
 from eyas.train.config import TrainConfig
+from eyas.train.dflash import BlockLossConfig, DFlashModule
 from eyas.train.data import epoch_batches, group, group_packed, nonfinite_flags, pack, rank_batches, split_indices
 from eyas.train.feature_cache import online_features
 from eyas.train.feature_cache import plan as plan_feature_cache
 from eyas.train.metrics import MetricsSink, Sums, frequency_baseline, round_counts, truncate_metrics
 from eyas.train.prefetch import Prefetcher
-from eyas.train.setup import (KIND, build_vocab, check_init_config, check_run_dir, init_head_from_target,
-                              refuse_run_dir, run_drafter_config, schedule, write_vocab)
+from eyas.train.setup import (KIND, build_vocab, check_init_config, check_init_kind, check_run_dir,
+                              init_head_from_target, refuse_run_dir, run_drafter_config, schedule, write_vocab)
 from eyas.train.setup import open_source as _open_source  # a module global: tests hand it a target object
 from eyas.train.ttt import TTTConfig, TTTOutput, ttt_forward
 
@@ -83,7 +86,6 @@ class Trainer:
     loop: steps, metrics, evals and checkpoints until the last step, then the final drafter."""
 
     def __init__(self, cfg: TrainConfig, target=None):
-        from eyas.model.drafter import Eagle3Drafter
         from eyas.target.device import cpu_bf16_fast
 
         t0 = time.perf_counter()
@@ -119,21 +121,27 @@ class Trainer:
 
             # checks the drafter's recorded target (each differing field named), or warns with --allow-target-mismatch
             init_drafter, _ = open_drafter(cfg.init, target, allow_target_mismatch=cfg.allow_target_mismatch)
-            init_vocab = (init_drafter.d2t.clone(), init_drafter.t2d.clone())
+            check_init_kind(init_drafter, cfg)
+            if cfg.method == "eagle3":
+                init_vocab = (init_drafter.d2t.clone(), init_drafter.t2d.clone())
+        # DFlash drafts from the target's whole vocabulary: its "draft vocabulary" is the identity
         self.vocab, self.top_id, vocab_summary = build_vocab(cfg, self.source, self.train_idx, target.vocab_size,
                                                              init_vocab, announce=self.rank == 0)
 
         # --- the drafter, its loss module and the optimizer
         torch.manual_seed(cfg.seed)
         self.dcfg = run_drafter_config(cfg, target, init_drafter.config if init_drafter is not None else None)
-        assert self.dcfg.draft_vocab_size == self.vocab.size, (self.dcfg.draft_vocab_size, self.vocab.size)
+        dflash = cfg.method == "dflash"
+        self.K = self.dcfg.block_size - 1 if dflash else cfg.ttt_steps  # steps of the metrics: TTT steps or slots
+        assert dflash or self.dcfg.draft_vocab_size == self.vocab.size, (self.dcfg.draft_vocab_size, self.vocab.size)
         note = check_init_config(init_drafter.config, self.dcfg, cfg.init) if init_drafter is not None else None
-        drafter = Eagle3Drafter(self.dcfg)
+        drafter = (DFlashDrafter if dflash else Eagle3Drafter)(self.dcfg)
         if self.rank == 0:  # the derived shape (docs/training.md, "The drafter's shape")
             print(f"eyas train: drafter: {self.dcfg.summary()}", file=sys.stderr)
             if note:
                 print(note, file=sys.stderr)
-        drafter.set_vocab(self.vocab.d2t, self.vocab.t2d)
+        if not dflash:
+            drafter.set_vocab(self.vocab.d2t, self.vocab.t2d)
         if init_drafter is not None:
             drafter.load_state_dict(init_drafter.state_dict())
         elif cfg.init_from_target:
@@ -142,13 +150,21 @@ class Trainer:
         if cfg.compile:
             from eyas.target.compile import raise_recompile_limit
             raise_recompile_limit()  # K steps x train/eval
-            drafter.midlayer.compile(dynamic=False)  # in place: the state-dict keys stay the export keys
-        ttt = TTTConfig(num_steps=cfg.ttt_steps, decay=cfg.decay, chunk_size=cfg.chunk_size, attention=cfg.attention,
-                        loss=cfg.loss, lk_eta=cfg.lk_eta)
+            for layer in drafter.layers if dflash else (drafter.midlayer,):
+                layer.compile(dynamic=False)  # in place: the state-dict keys stay the export keys
         # packed rows: (rows, row_len) of every micro-batch, a fixed shape
         self.packed = (max(1, cfg.batch_tokens // cfg.max_len), cfg.max_len) if cfg.packs(self.device) else None
-        self.module = TTTModule(drafter, ttt)
-        self.model = dist.parallelize(self.module, self.dist, fsdp=cfg.fsdp, shard_first=(drafter.midlayer,))
+        if dflash:
+            attention = "dense" if cfg.attention == "blocks" else cfg.attention
+            self.module = DFlashModule(drafter, BlockLossConfig(anchors=cfg.anchors, gamma=cfg.block_gamma,
+                                                                labels=cfg.labels, chunk_size=cfg.chunk_size,
+                                                                attention=attention))
+        else:
+            self.module = TTTModule(drafter, TTTConfig(num_steps=cfg.ttt_steps, decay=cfg.decay,
+                                                       chunk_size=cfg.chunk_size, attention=cfg.attention,
+                                                       loss=cfg.loss, lk_eta=cfg.lk_eta))
+        self.model = dist.parallelize(self.module, self.dist, fsdp=cfg.fsdp,
+                                      shard_first=tuple(drafter.layers) if dflash else (drafter.midlayer,))
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optim = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
                                        foreach=self.device.type == "cuda")
@@ -179,8 +195,8 @@ class Trainer:
         # Offline, unpacked: each training sample's full-vocab target argmax, kept from its first pass, so later
         # epochs multiply only the draft vocabulary's rows of the target's head (the store's states never change).
         # Not with an LK loss: its alpha needs the target's full-vocab normaliser, so every pass multiplies it all.
-        self.target_ids: dict[int, torch.Tensor] | None = ({} if not (cfg.online or self.packed) and cfg.loss == "ce"
-                                                           else None)
+        self.target_ids: dict[int, torch.Tensor] | None = ({} if not (cfg.online or self.packed or dflash)
+                                                           and cfg.loss == "ce" else None)
         # Online: the target's states of each sample from its first pass, for the later ones (train/feature_cache.py)
         self.fcache = None
         if cfg.online:
@@ -195,6 +211,11 @@ class Trainer:
         dist.barrier()
         self._restore()
         self.setup_s = time.perf_counter() - t0  # the train summary's start-up, with the first step's seconds
+
+    @property
+    def chain_name(self) -> str:
+        """What the replayed tau decodes: "chain-K" (EAGLE-3) or "block-B" (DFlash, B-1 drafts a round)."""
+        return f"block-{self.K + 1}" if self.cfg.method == "dflash" else f"chain-{self.K}"
 
     def plan(self, epoch: int) -> list[list[list[int]]]:
         """This rank's steps of `epoch`, each a list of grad_accum micro-batches (sample indices)."""
@@ -290,7 +311,7 @@ class Trainer:
         the next step while this one runs; the NaN/Inf checks of such steps are read at the next check_finite()
         (every synced step, eval, checkpoint and the end), before anything is evaluated or saved."""
         cfg, model = self.cfg, self.model
-        sums = Sums(cfg.ttt_steps, self.device)
+        sums = Sums(self.K, self.device)
         step = self.step + 1
         for a, idx in enumerate(batch):
             if host is None:
@@ -365,7 +386,7 @@ class Trainer:
             return {}
         cfg, rank, world, packed = self.cfg, self.rank, self.world, self.packed
         self.model.eval()
-        sums = Sums(cfg.ttt_steps, self.device)
+        sums = Sums(self.K, self.device)
         by_len = sorted(self.eval_idx, key=lambda i: self.source.lengths[i])
         batches = (group_packed(by_len, self.source.lengths, *packed) if packed
                    else group(by_len, self.source.lengths, cfg.batch_tokens))
@@ -383,10 +404,10 @@ class Trainer:
                     o = TTTOutput(*self.module(b.input_ids, b.loss_mask, b.valid, b.aux, b.final, self.embed_w,
                                                self.lm_w, b.segment_ids, b.position_ids, n_loss, None, True))
                     base = frequency_baseline(b.input_ids, b.loss_mask, b.valid, b.final, self.lm_w,
-                                              self.module.drafter.t2d, self.top_id)
+                                              self.vocab.t2d.to(self.device), self.top_id)
                 if k < len(batches):
                     sums.add(o, sum(self.source.lengths[i] for i in batches[k]), base,
-                             rounds=round_counts(o.accept_len, b.loss_mask, b.valid, b.segment_ids, cfg.ttt_steps))
+                             rounds=round_counts(o.accept_len, b.loss_mask, b.valid, b.segment_ids, self.K))
         self.model.train()
         return sums.all_reduce().summary(token_weighted=True)
 
@@ -425,7 +446,6 @@ class Trainer:
     def _train(self, pre: Prefetcher | None) -> dict:
         """train()'s loop; `pre` hands it each step's host batches, else they are made in the step."""
         from eyas.model.checkpoint import save_drafter
-        from eyas.model.drafter import Eagle3Drafter
 
         cfg = self.cfg
         sink = MetricsSink(self.run, enabled=self.rank == 0, total_steps=self.total, start_step=self.step,
@@ -470,10 +490,10 @@ class Trainer:
                               **last_eval})
                     sink.note(f"eval @ step {step}: acc_0 {last_eval['acc_k'][0]:.3f} (frequency baseline "
                               f"{last_eval.get('baseline_acc_0', float('nan')):.3f}), tau_est "
-                              f"{last_eval['tau_est']:.2f}, replayed chain-{cfg.ttt_steps} tau "
+                              f"{last_eval['tau_est']:.2f}, replayed {self.chain_name} tau "
                               f"{last_eval.get('round_tau_by_chain', [float('nan')])[-1]:.2f} (first replies "
-                              f"{last_eval.get('round_tau_first_by_chain', [float('nan')])[-1]:.2f}), alpha_0 "
-                              f"{last_eval.get('alpha_k', [float('nan')])[0]:.3f}")
+                              f"{last_eval.get('round_tau_first_by_chain', [float('nan')])[-1]:.2f})"
+                              + (f", alpha_0 {last_eval['alpha_k'][0]:.3f}" if "alpha_k" in last_eval else ""))
             if end_of_epoch:
                 self.epoch, self.pos = self.epoch + 1, 0
             if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == self.total:
@@ -489,7 +509,7 @@ class Trainer:
         startup = {"setup_s": round(self.setup_s, 3),
                    "first_step_s": None if first_step_s is None else round(first_step_s, 3)}
         if self.rank == 0:
-            final = Eagle3Drafter(self.dcfg)
+            final = (DFlashDrafter if cfg.method == "dflash" else Eagle3Drafter)(self.dcfg)
             final.load_state_dict({k.removeprefix("drafter."): v for k, v in m.items()})
             save_drafter(final, self.run / "drafter", meta={"target": self.target.fingerprint})
             write_manifest(self.run, {**self._manifest("complete"), "result": result, "startup": startup})
