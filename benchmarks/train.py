@@ -8,6 +8,8 @@
     torchrun --nproc_per_node 2 benchmarks/train.py --shapes llama8b --seqs 2048 # DDP scaling (NCCL)
     torchrun --nproc_per_node 2 benchmarks/train.py --shapes kimi --seqs 2048,8192 --fsdp --json r.json  # FSDP2
     torchrun --nproc_per_node 2 benchmarks/train.py --device cpu --shapes tiny --seqs 128 --steps 1 --fsdp  # gloo
+    PYTHONPATH=src python benchmarks/train.py --method dflash --block 8,16 --shapes kimi --seqs 4096 --attention flex \
+        --compile 1                                                     # the Kimi-shaped DFlash drafter (5 layers)
 
 Each row times full optimizer steps of the trainer's own pieces (TTTModule = drafter + TTT loss, bf16 autocast,
 AdamW, grad clip): per rank and step, batch_tokens // seq packed rows of `seq` tokens holding random samples of
@@ -20,6 +22,11 @@ the cached rows' rate is the steady rate of epochs 2 and later.
 MFU counts useful FLOPs only: 3x the forward matmuls of the trained parts (fc once per token; per TTT step the
 q/k/v/o, MLP and lm_head matmuls plus causal attention over t/2 + k keys) and 1x the frozen target logits
 (full vocab once per token for the argmax, draft vocab once per step for the soft targets).
+--method dflash times the DFlash drafter (DFlashModule = drafter + block loss; --dflash-layers deep, --block tokens a
+block, --anchors blocks per row) on the same rows; its useful FLOPs: 3x fc and every layer's context k/v (T tokens)
+and block q/k/v/o + MLP + attention over the anchor's prefix and its block (anchors x block queries), 2x the head's
+product on the B-1 drafted slots (its weight is the target's, frozen: no weight gradient), 1x the target's logits
+on those slots (the soft labels).
 Under torchrun every rank trains its own copy of the rows (DDP, or FSDP2 with --fsdp, wrapped by eyas.train.dist
 as `eyas train` wraps it); tokens/s counts all ranks, and peak memory and the parameter bytes a rank holds (FSDP2:
 its shards) are the largest over the ranks.
@@ -43,7 +50,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from eyas.model.dflash import DFlashConfig, DFlashDrafter  # noqa: E402
 from eyas.model.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
+from eyas.train.dflash import BlockLossConfig, DFlashModule  # noqa: E402
 from eyas.train.trainer import TTTModule  # noqa: E402
 from eyas.train.ttt import TTTConfig  # noqa: E402
 
@@ -83,6 +92,17 @@ def useful_flops(c: DrafterConfig, T: int, K: int) -> float:
     trained = 2 * 3 * ht * h * T + sum(per_step * T + 2 * 2 * nh * hd * (T * (T + 1) / 2 + k * T) for k in range(K))
     frozen = 2 * ht * c.vocab_size * T + K * 2 * ht * c.draft_vocab_size * T
     return 3 * trained + frozen
+
+
+def dflash_flops(c: DFlashConfig, T: int, anchors: int) -> float:
+    """Useful FLOPs of one DFlash step over a sample of T tokens with `anchors` blocks (the module docstring)."""
+    h, nh, nkv, hd, B = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.block_size
+    Q, L = anchors * B, c.num_hidden_layers
+    ctx = 2 * len(c.aux_layer_ids) * c.target_hidden_size * h * T + L * 2 * h * 2 * nkv * hd * T
+    block = L * (2 * (h * (nh + 2 * nkv) * hd + nh * hd * h + 3 * h * c.intermediate_size) * Q
+                 + 2 * 2 * nh * hd * Q * (T / 2 + B))
+    head = 2 * h * c.vocab_size * anchors * (B - 1)
+    return 3 * (ctx + block) + 2 * head + head
 
 
 # shape -> the online target's (layers, intermediate): a Llama of the drafter's width and vocabulary
@@ -129,7 +149,8 @@ def local_param_bytes(module: torch.nn.Module) -> int:
 
 def bench(shape: str, T: int, K: int, steps: int, chunk: int | None, device: torch.device, ddp: bool, *,
           rows: int = 1, attention: str = "auto", compile_layer: bool = False, online: bool = False,
-          profile: bool = False, fsdp: bool = False, feature_cache: str = "off") -> dict:
+          profile: bool = False, fsdp: bool = False, feature_cache: str = "off", method: str = "eagle3",
+          block: int = 16, layers: int = 5, anchors: int = 512) -> dict:
     from eyas.train.data import Batch, pack
     from eyas.train.feature_cache import FeatureCache, Tiers, online_features
 
@@ -138,20 +159,30 @@ def bench(shape: str, T: int, K: int, steps: int, chunk: int | None, device: tor
                         num_key_value_heads=nkv, head_dim=hd, rms_norm_eps=1e-5, rope_theta=500000.0,
                         max_position_embeddings=max(T, 8192), vocab_size=V, draft_vocab_size=Vd,
                         aux_layer_ids=(2, 16, 29))
+    if method == "dflash":
+        cfg = DFlashConfig(hidden_size=h, target_hidden_size=h, intermediate_size=inter, num_hidden_layers=layers,
+                           num_attention_heads=nh, num_key_value_heads=nkv, head_dim=hd, rms_norm_eps=1e-5,
+                           rope_theta=500000.0, max_position_embeddings=max(T, 8192), vocab_size=V,
+                           aux_layer_ids=(2, 16, 29), num_target_layers=61, block_size=block, mask_token_id=V - 1)
     torch.manual_seed(0)
-    drafter = Eagle3Drafter(cfg).to(device)
+    drafter = (DFlashDrafter if method == "dflash" else Eagle3Drafter)(cfg).to(device)
+    layer_list = tuple(drafter.layers) if method == "dflash" else (drafter.midlayer,)
     if compile_layer:
         from torch import _dynamo
         _dynamo.config.recompile_limit = max(_dynamo.config.recompile_limit, 64)
-        drafter.midlayer.compile(dynamic=False)
-    module = TTTModule(drafter, TTTConfig(num_steps=K, chunk_size=chunk, attention=attention))
+        for layer in layer_list:
+            layer.compile(dynamic=False)
+    module = (DFlashModule(drafter, BlockLossConfig(anchors=anchors, chunk_size=chunk,
+                                                    attention="dense" if attention == "dense" else "flex"))
+              if method == "dflash" else TTTModule(drafter, TTTConfig(num_steps=K, chunk_size=chunk,
+                                                                       attention=attention)))
     model = module
     if ddp:
         import torch.distributed as tdist
 
         from eyas.train.dist import Dist, parallelize
         model = parallelize(module, Dist(rank=tdist.get_rank(), world=tdist.get_world_size(), device=device),
-                            fsdp=fsdp, shard_first=(drafter.midlayer,))
+                            fsdp=fsdp, shard_first=layer_list)
     fdt = torch.bfloat16 if device.type == "cuda" else torch.float32
     target = smollm2_target(device, shape) if online else None
     embed = (torch.randn(V, h, device=device) * 0.02).to(fdt)
@@ -236,8 +267,11 @@ def bench(shape: str, T: int, K: int, steps: int, chunk: int | None, device: tor
     peak = float("nan") if device.type != "cuda" else max_over_ranks(peak)
     param_mib = max_over_ranks(local_param_bytes(module) / 2**20)
     target_params = sum(p.numel() for p in target.model.parameters()) if online and cache is None else 0
-    flops = sum(useful_flops(cfg, n, K) for n in lengths) + 2 * target_params * tokens
-    return {"shape": shape, "seq": T, "rows": rows, "tokens": tokens, "attention": attention, "compile": compile_layer,
+    if method == "dflash":  # anchors are spread over a row's samples in proportion to their length
+        flops = sum(dflash_flops(cfg, n, min(anchors, T) * n / (rows * T)) for n in lengths)
+    else:
+        flops = sum(useful_flops(cfg, n, K) for n in lengths) + 2 * target_params * tokens
+    return {"shape": shape, "seq": T, "method": method if method == "eagle3" else f"dflash-{layers}L-b{block}", "rows": rows, "tokens": tokens, "attention": attention, "compile": compile_layer,
             "online": online, "feature_cache": feature_cache if online else "off", "chunk": chunk,
             "ms_step": dt * 1e3, "tok_s": tokens / dt, "feat_ms": feat * 1e3, "flops_step": flops,
             "peak_gib": peak, "param_mib_rank": param_mib, "wrap": ("fsdp2" if fsdp else "ddp") if ddp else "none",
@@ -338,6 +372,10 @@ def main() -> int:
     ap.add_argument("--shapes", default="smollm2,llama8b", help=f"comma list of {sorted(SHAPES)}")
     ap.add_argument("--seqs", default="2048,8192")
     ap.add_argument("--ttt-steps", type=int, default=7)
+    ap.add_argument("--method", default="eagle3", choices=["eagle3", "dflash"])
+    ap.add_argument("--block", default="16", help="DFlash: comma list of block sizes")
+    ap.add_argument("--dflash-layers", type=int, default=5, help="DFlash: decoder layers")
+    ap.add_argument("--anchors", type=int, default=512, help="DFlash: blocks per packed row")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per row (after 2 warm-up steps)")
     ap.add_argument("--chunk-size", type=int, default=0, help="rows per fused LM-head/loss chunk (0: default)")
     ap.add_argument("--batch-tokens", type=int, default=0, help="tokens per step: batch_tokens // seq packed rows "
@@ -389,10 +427,12 @@ def main() -> int:
             for attention in args.attention.split(","):
                 for comp in (c == "1" for c in args.compile.split(",")):
                     online = args.online and shape in TARGETS
-                    for fcache in (caches if online else ["off"]):
+                    for fcache, block in ((c, int(b)) for c in (caches if online else ["off"])
+                                          for b in (args.block.split(",") if args.method == "dflash" else ["0"])):
                         r = bench(shape, T, args.ttt_steps, args.steps, args.chunk_size or None, device, world > 1,
                                   rows=max(1, args.batch_tokens // T), attention=attention, compile_layer=comp,
-                                  online=online, profile=args.profile, fsdp=args.fsdp, feature_cache=fcache)
+                                  online=online, profile=args.profile, fsdp=args.fsdp, feature_cache=fcache,
+                                  method=args.method, block=block, layers=args.dflash_layers, anchors=args.anchors)
                         rows.append(r)
                         if rank == 0:
                             print(r, flush=True)
@@ -426,13 +466,17 @@ def main() -> int:
             lines.append(f"| {r['shape']} | {r['seq']} x {r['rows']} | | {ranks} | | | | {r['error']} | | | | | | |")
             continue
         mfu = r["flops_step"] / (r["ms_step"] / 1e3) / peak
-        lines.append(f"| {r['shape']} | {r['seq']} x {r['rows']} | {r['tokens']} | {ranks} | {r['attention']} | "
+        name = r["shape"] if r.get("method", "eagle3") == "eagle3" else f"{r['shape']} {r['method']}"
+        lines.append(f"| {name} | {r['seq']} x {r['rows']} | {r['tokens']} | {ranks} | {r['attention']} | "
                      f"{'yes' if r['compile'] else 'no'} | {features_of(r)} | {r['ms_step']:.1f} | "
                      f"{r.get('feat_ms', float('nan')):.1f} | {r['tok_s'] * world:,.0f} | {r['flops_step'] / 1e12:.2f} "
                      f"| {mfu:.1%} | {r['peak_gib']:.1f} | {r.get('param_mib_rank', float('nan')):,.1f} |")
     table = "\n".join(lines) + "".join(f"\n{x}" if i else f"\n\n{x}" for i, x in enumerate(shares(rows, world)))
     note = (f"Measured {what} matmul rate: {peak / 1e12:.1f} TFLOP/s per device; MFU = useful "
-            f"FLOPs / time / that rate. K = {args.ttt_steps} TTT steps; per rank and step, packed rows of random "
+            f"FLOPs / time / that rate. "
+            + (f"DFlash: {args.dflash_layers} layers, {args.anchors} blocks per row (dflashN L-bB: N layers, block B); "
+               if args.method == "dflash" else f"K = {args.ttt_steps} TTT steps; ")
+            + f"per rank and step, packed rows of random "
             f"samples of 128..row-len tokens, all trainable; features: random, the target's forward on the samples, "
             f"or its states gathered from the feature cache (device / pinned host / split: half in each); feat ms: "
             f"that feature step alone. '(Trainer)' rows time the real training loop (eyas.train.trainer.Trainer) on "

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from conftest import make_tiny_llama
 from eyas.errors import EyasError
+from eyas.target import target_from_model
 from eyas.model.dflash import DFlashConfig, DFlashDrafter, default_mask_token
 from eyas.train.config import TrainConfig
 from eyas.train.dflash import BlockLossConfig, DFlashModule, candidates, dflash_forward, sample_anchors
@@ -315,3 +316,45 @@ def test_refusals_write_nothing(tmp_path):
         run_train(TrainConfig(out=str(tmp_path / "y"), store=store, steps=1, batch_tokens=96, ttt_steps=2,
                               init=str(tmp_path / "df"), progress=False), target=t)
     assert not os.path.exists(tmp_path / "x") and not os.path.exists(tmp_path / "y")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_gpu_flex_block_mask_equals_the_dense_mask(packed):
+    """On CUDA the loss runs through a flex BlockMask: the same losses, counts and gradients as the dense mask."""
+    torch.manual_seed(0)
+    cfg = DFlashConfig(hidden_size=64, target_hidden_size=H, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                       rope_theta=10000.0, max_position_embeddings=256, vocab_size=V, aux_layer_ids=(1, 2, 3),
+                       num_target_layers=4, block_size=8, mask_token_id=V - 1)
+    d = DFlashDrafter(cfg).cuda()
+    d.init_weights(0.3)
+    b = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in batch(T=96, packed=packed).items()}
+    b["embed"] = torch.randn(V, 64, device="cuda")
+    seg = b["segment_ids"] if packed else b["valid"].long()
+    anchors, real = sample_anchors(candidates(b["loss_mask"] & b["valid"], torch.where(b["valid"], seg, 0)), 24)
+    outs = []
+    for attention in ("dense", "flex"):
+        d.zero_grad()
+        o = dflash_forward(d, cfg=BlockLossConfig(attention=attention), anchors=anchors, real=real, **b)
+        o.loss.backward()
+        outs.append((o, d.fc.weight.grad.clone()))
+    (a, ga), (f, gf) = outs
+    assert a.count_k.tolist() == f.count_k.tolist()
+    torch.testing.assert_close(f.loss_k, a.loss_k, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gf, ga, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_compiled_packed_flex_training_runs_and_learns(tmp_path):
+    """`eyas train --method dflash` on CUDA as the gpu recipe runs it: packed rows, flex, compiled layers, bf16."""
+    t = target_from_model(make_tiny_llama(layers=4, hidden=32, heads=2, kv_heads=1, vocab=V, inter=64))  # head_dim
+    # 16: flex's CUDA kernels need >= 16
+    samples = [(f"r{i}", [3 + i % 4] * 48, [0] * 8 + [1] * 40) for i in range(64)]
+    store = capture(tmp_path, t, samples)
+    r = run_train(dcfg(tmp_path, store, steps=40, lr=3e-3, batch_tokens=256, max_len=128, pack="on",
+                       attention="flex", compile=True, deterministic=False, device="cuda", eval_fraction=0.2),
+                  target=t)
+    assert r["eval"]["round_tau_by_chain"][-1] > 2.0

@@ -170,8 +170,9 @@ def dflash_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, 
         w = m.float()
         x = hidden[:, :, s].reshape(R * N, -1)                                     # (R*N, h)
         prev = _at(final, (lab[..., s] - 1).clamp(max=T - 1)).reshape(R * N, h_t)  # (R*N, h_t) final_{a+s-1}
-        with torch.no_grad():
-            tgt = first_argmax(F.linear(prev.to(lm_head_weight.dtype), lm_head_weight))  # (R*N,) target argmax
+        with torch.no_grad():  # the target's argmax, in row chunks: (R*N, V) logits never exist at once
+            tgt = torch.cat([first_argmax(F.linear(prev[i:i + chunk].to(lm_head_weight.dtype), lm_head_weight))
+                             for i in range(0, prev.shape[0], chunk)])               # (R*N,)
         if cfg.labels == "soft":
             ls, pred = fused_soft_ce(x, lm_head_weight, prev, lm_head_weight, chunk=chunk, weight=w)
         else:
