@@ -32,7 +32,18 @@ class _Stop(Exception):
 
 
 class _Return(Exception):
-    pass
+    """A `return` inside interpreted code, carrying its value."""
+
+    def __init__(self, value=None):
+        super().__init__()
+        self.value = value
+
+
+@dataclass
+class LeafType:
+    """A weight-holding module class the interpreter does not parse (RMSNorm from a layers file), used as a value:
+    `norm_cls = RMSNorm; norm_cls(h)` builds the same Leaf as `RMSNorm(h)`."""
+    kind: str
 
 
 class NS:
@@ -89,8 +100,8 @@ class Module:
 
     def _scan(self, node):
         if isinstance(node, ast.ImportFrom) and node.module:
-            for a in node.names:
-                self.imports[a.asname or a.name] = (node.module, a.name)
+            for a in node.names:   # `from .qwen2 import X`: module ".qwen2", resolved against this file's package
+                self.imports[a.asname or a.name] = ("." * node.level + node.module, a.name)
         elif isinstance(node, ast.If):   # `if TYPE_CHECKING: ... else: Alias = Real` -> the runtime branch
             for n in (node.orelse if "TYPE_CHECKING" in ast.unparse(node.test) else node.body + node.orelse):
                 self._scan(n)
@@ -120,29 +131,48 @@ class Interpreter:
     # --- execution ---------------------------------------------------------------------------------
     def construct(self, mod: Module, cls: ast.ClassDef, args, kwargs, obj: Obj | None = None) -> Obj:
         obj = obj or Obj(cls.name)
+        for n in cls.body:   # class attributes (`decoder_layer_cls = X`, `supports_quantization = False`); a subclass's win
+            if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name):
+                obj.attrs.setdefault(n.targets[0].id, self.eval(n.value, mod, {}, cls))
         init = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
         if init is None:
             return obj
-        env = {"self": obj}
-        params = [a.arg for a in init.args.posonlyargs + init.args.args][1:]
-        defaults = init.args.defaults
+        self.call_function(mod, init, args, kwargs, cls, obj)
+        return obj
+
+    def call_function(self, mod: Module, fn: ast.FunctionDef, args, kwargs, cls, self_obj=None):
+        """Run fn's body with its parameters bound; its return value (None without a `return`)."""
+        env = {"self": self_obj} if self_obj is not None else {}
+        params = [a.arg for a in fn.args.posonlyargs + fn.args.args][1 if self_obj is not None else 0:]
+        defaults = fn.args.defaults
         for name, d in zip(params[len(params) - len(defaults):], defaults):
             env[name] = self.eval(d, mod, {}, cls)
-        for a, d in zip(init.args.kwonlyargs, init.args.kw_defaults):
+        for a, d in zip(fn.args.kwonlyargs, fn.args.kw_defaults):
             env[a.arg] = self.eval(d, mod, {}, cls) if d is not None else UNKNOWN
         for name, v in zip(params, args):
             env[name] = v
         env.update({k: v for k, v in kwargs.items() if k in env or k in params})
         try:
-            self.run(init.body, mod, env, cls)
-        except _Return:
-            pass
-        return obj
+            self.run(fn.body, mod, env, cls)
+        except _Return as r:
+            return r.value
+        return None
+
+    def find_method(self, mod: Module, cls: ast.ClassDef, name: str):
+        """(module, FunctionDef) of method `name` on cls or its first parsed base that has it, else None."""
+        fn = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+        if fn is not None:
+            return mod, fn
+        for b in cls.bases:
+            base = self.resolve_class(mod, ast.unparse(b), exclude=cls)
+            if base is not None and (found := self.find_method(base[0], base[1], name)) is not None:
+                return found
+        return None
 
     def run(self, stmts, mod, env, cls):
         for s in stmts:
             if isinstance(s, ast.Return):
-                raise _Return
+                raise _Return(self.eval(s.value, mod, env, cls) if s.value is not None else None)
             if isinstance(s, ast.Expr) and isinstance(s.value, ast.Call) and ast.unparse(s.value.func) == "super().__init__":
                 base = self.resolve_class(mod, ast.unparse(cls.bases[0]), exclude=cls) if cls.bases else None
                 if base is not None:
@@ -200,6 +230,8 @@ class Interpreter:
             if e.id in ("None", "True", "False"):
                 return {"None": None, "True": True, "False": False}[e.id]
             found = self.resolve_class(mod, e.id)
+            if found is None and mod.aliases.get(e.id, e.id) in LEAF_SIGNATURES:
+                return LeafType(mod.aliases.get(e.id, e.id))
             return found if found is not None else UNKNOWN
         if isinstance(e, ast.NamedExpr):
             v = ev(e.value)
@@ -307,11 +339,21 @@ class Interpreter:
             shape = tuple(ev(a) for a in e.args)
             dtype = next((ast.unparse(k.value) for k in e.keywords if k.arg == "dtype"), "default")
             return (shape, dtype)
-        args = [ev(a) for a in e.args]
-        kwargs = {k.arg: ev(k.value) for k in e.keywords if k.arg}
+        # an argument that cannot be evaluated (a field HF would derive, e.g. rope_parameters) is passed as UNKNOWN
+        # rather than losing the whole call: a shape that depends on it still shows as UNKNOWN
+        args = [self.eval(a, mod, env, cls) for a in e.args]
+        kwargs = {k.arg: self.eval(k.value, mod, env, cls) for k in e.keywords if k.arg}
         if short in LEAF_SIGNATURES:
             return Leaf(short, args, kwargs)
-        target = ev(e.func) if isinstance(e.func, ast.Name) else None
+        if isinstance(e.func, ast.Attribute) and ast.unparse(e.func.value) == "self" and isinstance(env.get("self"), Obj) \
+                and e.func.attr not in env["self"].attrs and (m := self.find_method(mod, cls, e.func.attr)):
+            return self.call_function(m[0], m[1], args, kwargs, cls, env["self"])   # self._build_x(...)
+        if isinstance(e.func, ast.Name) and e.func.id not in env and (fn := next(
+                (n for n in mod.tree.body if isinstance(n, ast.FunctionDef) and n.name == e.func.id), None)):
+            return self.call_function(mod, fn, args, kwargs, cls)                     # a module-level helper
+        target = ev(e.func) if isinstance(e.func, (ast.Name, ast.Attribute)) else None
+        if isinstance(target, LeafType):
+            return Leaf(target.kind, args, kwargs)
         if isinstance(target, tuple) and len(target) == 2 and isinstance(target[1], ast.ClassDef):
             return self.construct(target[0], target[1], args, kwargs)
         return UNKNOWN

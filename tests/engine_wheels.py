@@ -23,10 +23,14 @@ from eyas.export.engine_pins import ENGINE_VERSIONS
 FILES = {
     "sglang": ["sglang/srt/models/llama_eagle3.py", "sglang/srt/models/llama.py",
                "sglang/srt/model_executor/model_runner_components/spec_aux_hidden_state.py",
-               "sglang/srt/models/deepseek_v2.py", "sglang/srt/speculative/eagle_worker_v2.py"],
+               "sglang/srt/models/deepseek_v2.py", "sglang/srt/speculative/eagle_worker_v2.py",
+               # DFlash: the draft model and the config parser its __init__ calls (tests/test_dflash_contract.py)
+               "sglang/srt/models/dflash.py", "sglang/srt/speculative/dflash_utils.py"],
     "vllm": ["vllm/model_executor/models/llama_eagle3.py", "vllm/model_executor/models/llama.py",
              "vllm/model_executor/models/utils.py", "vllm/model_executor/models/registry.py",
-             "vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py"],
+             "vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py",
+             # DFlash: the draft model and the MLP it imports from qwen2 (tests/test_dflash_contract.py)
+             "vllm/model_executor/models/qwen3_dflash.py", "vllm/model_executor/models/qwen2.py"],
 }
 
 
