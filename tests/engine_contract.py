@@ -131,7 +131,8 @@ class Interpreter:
     # --- execution ---------------------------------------------------------------------------------
     def construct(self, mod: Module, cls: ast.ClassDef, args, kwargs, obj: Obj | None = None) -> Obj:
         obj = obj or Obj(cls.name)
-        for n in cls.body:   # class attributes (`decoder_layer_cls = X`, `supports_quantization = False`); a subclass's win
+        # class attributes (`decoder_layer_cls = X`, `supports_quantization = False`); a subclass's are set first and win
+        for n in cls.body:
             if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name):
                 obj.attrs.setdefault(n.targets[0].id, self.eval(n.value, mod, {}, cls))
         init = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)

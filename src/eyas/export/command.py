@@ -16,7 +16,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("export", help="write a drafter in the layout SGLang and vLLM serve")
-    p.add_argument("--drafter", required=True, help="eyas run dir, train run dir, drafter dir, or exported/published EAGLE-3 dir")
+    p.add_argument("--drafter", required=True, help="eyas run dir, train run dir, drafter dir, or exported/published EAGLE-3 or DFlash dir")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="weight dtype (default bf16)")
     p.add_argument("--allow-target-mismatch", action="store_true",

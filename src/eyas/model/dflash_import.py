@@ -56,6 +56,8 @@ NEUTRAL_KEYS: dict[str, tuple] = {
     "selector_top_k": (None, 0),
     "projector_type": (None,),                  # SGLang 0.5.23: the Domino projector
     "layer_ids": "any",                         # vLLM 0.33: ids taken as is; checked against target_layer_ids below
+    # read by SGLang only with projector_type "domino", which is refused above
+    "shift_label": "any", "pure_draft_prefix_len": "any", "gru_hidden_dim": "any", "emb_dim": "any",
 }
 # Top-level keys with the value at which the math is eyas's (absent counts as that value).
 TOP_NEUTRAL = {"is_causal": (False, None), "attention_bias": (False, None), "use_gemma_norm": (False, None),
