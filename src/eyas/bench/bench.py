@@ -2,7 +2,7 @@
 
 For each prompt (multi-turn records are answered turn by turn with each method's own previous
 answers as context, like MT-bench) it decodes with: plain fast decoding (no drafter), prompt
-lookup, and the EAGLE-3 drafter (chain or tree). tokens/s are measured in this run on the same
+lookup, and the drafter: EAGLE-3 (chain or tree) or DFlash (one block of B-1 drafts per round). tokens/s are measured in this run on the same
 runner, so the speedup is against eyas's fastest plain decoder. At temperature 0 the speculative
 outputs must equal the plain greedy outputs (the lossless check).
 """
@@ -23,6 +23,7 @@ from eyas.bench.check import DTYPE_NAMES, agreement, exact_fp32, first_turns, fp
 from eyas.bench.prompts import prompt_ids, first_messages, load_bench_prompts, prompt_summary, tau_by_kind
 from eyas.bench.startup import compile_cache, saved_steps, tree_nodes, verify_shapes, warm_up
 from eyas.data.longprompts import LONG_TOKENS, is_long_set
+from eyas.decode.dflash import block_drafts, check_spec, is_dflash
 from eyas.decode.spec import SpecConfig, SpecDecoder, SpecStats
 from eyas.errors import EyasError
 from eyas.target.fingerprint import cache_root
@@ -43,12 +44,13 @@ class BenchConfig:
     """Target spec (embedded name, HF dir, GGUF)."""
     drafter: str | None = None
     """Drafter: eyas run dir (RUN/, e.g. runs/cpu-demo), train run dir, drafter dir, or exported/published EAGLE-3
-    dir (None: baselines only)."""
+    or DFlash dir (None: baselines only)."""
     prompts: str = "sharegpt-heldout"
     """sharegpt-heldout | humaneval | long (held-out chats kept whole, 2k-6k tokens) | a .jsonl with `prompt` or
     `turns` (and optionally `context`)."""
     spec: SpecConfig = SpecConfig()
-    """The drafter's decoding: method chain | tree, its shape and sampling; prompt lookup takes k and max_ngram."""
+    """The drafter's decoding: method chain | tree, its shape and sampling; prompt lookup takes k and max_ngram. A
+    DFlash drafter runs chains of k = B-1 drafts unless k is given (at most B-1), without graph_round."""
     max_new_tokens: int = 128
     """New tokens per turn."""
     limit: int | None = 20
@@ -94,6 +96,9 @@ class BenchConfig:
         for f in own:
             object.__setattr__(self, f.name, kw.get(f.name, f.default))
         object.__setattr__(self, "spec", replace(spec or SpecConfig(), **flat))
+        # whether k was chosen (flat, or a spec whose k is not the default), not a field: a DFlash drafter's default
+        # chain is its whole block (`for_drafter`)
+        object.__setattr__(self, "_k_given", "k" in flat or (spec is not None and spec.k != SpecConfig.k))
         if is_long_set(self.prompts):  # the set's own length range, unless given
             lo, hi = LONG_TOKENS
             object.__setattr__(self, "min_prompt_tokens", lo if self.min_prompt_tokens is None else self.min_prompt_tokens)
@@ -150,6 +155,30 @@ def graph_round_default(device: str, temperature: float) -> bool:
     return device.startswith("cuda") and temperature == 0
 
 
+def for_drafter(cfg: BenchConfig, drafter, out) -> BenchConfig:
+    """The config `drafter` runs: unchanged for EAGLE-3; for DFlash, k = B-1 unless given (a given k > B-1 and
+    trees are refused), and graph_round off (its CUDA default is for EAGLE-3 rounds; a DFlash block already replays as
+    one graph), with a note when it was on."""
+    if drafter is None or not is_dflash(drafter):
+        return cfg
+    k = cfg.spec.k if cfg._k_given else block_drafts(drafter)
+    if cfg.spec.graph_round:
+        print("note: graph_round runs EAGLE-3 rounds; the DFlash drafter's block forward is one CUDA graph per round "
+              "instead", file=out)
+    resolved = replace(cfg, k=k, graph_round=False)
+    check_spec(resolved.spec, drafter)
+    return resolved
+
+
+def method_label(spec: SpecConfig, drafter) -> str:
+    """What the drafter's method row means, e.g. "dflash block 16 (15 drafts)", "eagle-3 chain of 5 drafts"."""
+    if is_dflash(drafter):
+        return f"dflash block {drafter.config.block_size} ({spec.k} drafts)"
+    if spec.method == "tree":
+        return f"eagle-3 tree (top-k {spec.top_k}, depth {spec.depth}, {spec.total_tokens} nodes)"
+    return f"eagle-3 chain of {spec.k} drafts"
+
+
 def _sync(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -158,14 +187,14 @@ def _sync(device):
 class Method:
     """One decoding method over all conversations: outputs, stats and wall time."""
 
-    def __init__(self, name, decode, decoder=None):
-        self.name, self.decode, self.decoder = name, decode, decoder
+    def __init__(self, name, decode, decoder=None, label=None):
+        self.name, self.decode, self.decoder, self.label = name, decode, decoder, label or name
         self.stats, self.seconds, self.outputs = SpecStats(), 0.0, []
         self.per_record: list[list[int]] = []   # [tokens, target forwards] of each record (all its turns)
 
     def report(self) -> dict:
         s = self.stats
-        return {"tokens": s.tokens, "seconds": round(self.seconds, 4),
+        return {"label": self.label, "tokens": s.tokens, "seconds": round(self.seconds, 4),
                 "tokens_per_s": round(s.tokens / self.seconds, 2) if self.seconds else None,
                 "tau": round(s.tau, 4), "tau_ci95": tau_interval(self.per_record), "per_record": self.per_record,
                 "target_forwards": s.target_forwards, "rounds": s.rounds,
@@ -265,6 +294,7 @@ def _run(cfg, target, drafter, drafter_meta, records, out, warm_only=False) -> d
         if tuple(drafter.config.aux_layer_ids) != tuple(target.aux_layer_ids) and meta.get("target") is None:
             print(f"note: drafter aux layers {list(drafter.config.aux_layer_ids)} differ from the target default "
                   f"{list(target.aux_layer_ids)}; using the drafter's", file=out)
+        cfg = for_drafter(cfg, drafter, out)
     skipped = {"too_long": 0, "too_short": 0}
     if records is None:
         records, _ = load_bench_prompts(cfg, tok, skipped)
@@ -314,6 +344,8 @@ def _run(cfg, target, drafter, drafter_meta, records, out, warm_only=False) -> d
     if truncated:
         print(f"warning: {truncated} prompt(s) longer than {room} tokens were left-truncated", file=out)
     report = {"config": cfg.to_dict(), "target": target.fingerprint, "drafter": meta.get("source"),
+              "drafter_kind": None if drafter is None else getattr(drafter, "kind", "eagle3"),
+              **({"block_size": drafter.config.block_size} if is_dflash(drafter) else {}),
               "device": str(runner.device), "dtype": DTYPE_NAMES.get(runner.dtype, str(runner.dtype)),
               "records": len(records), "turns": sum(len(r["turns"]) for r in records),
               "truncated": truncated, "skipped_long_prompts": skipped["too_long"],
@@ -364,8 +396,9 @@ def _methods(cfg, runner, drafter, eos, *, baselines=None) -> list[Method]:
     if drafter is not None:
         # A compiled runner compiles the drafter's steps too: with an eager drafter the rounds are slower (BENCHMARKS.md).
         dec = SpecDecoder(runner, drafter, cfg.spec, compile_drafter=runner.compiled)
-        methods.append(Method(f"eagle-{cfg.spec.method}",
-                               lambda p, seed, n=cfg.max_new_tokens: dec.generate(p, n, eos_ids=eos, seed=seed), dec))
+        methods.append(Method("dflash" if is_dflash(drafter) else f"eagle-{cfg.spec.method}",
+                              lambda p, seed, n=cfg.max_new_tokens: dec.generate(p, n, eos_ids=eos, seed=seed), dec,
+                              method_label(cfg.spec, drafter)))
     return methods
 
 
@@ -383,7 +416,7 @@ def _warm_up(cfg, runner, methods, drafter) -> int:
             steps.append((runner.step_fn(m.decoder.verify_capture), verify_shapes(kind, c.k, size)))
         if kind == "lookup":  # an empty lookup draft (S = 1): the plain decode step on CUDA, the verify step elsewhere
             steps.append((m.decoder.step_for(1), verify_shapes("plain", c.k, 0)))
-        if m.decoder.mode == "static":  # static drafters (chains, trees): extends of 1..K+1
+        if m.decoder.mode == "static":  # static drafters (chains, DFlash blocks, trees): extends of 1..K+1
             depth = c.k if kind == "chain" else c.depth  # a tree accepts up to `depth` drafts + the bonus
             drafters.append((m.decoder.drafting, len(m.decoder.aux_ids) * runner.cfg.hidden_size, depth))
     return warm_up(runner, steps, drafters)
@@ -452,6 +485,8 @@ def format_table(report: dict) -> str:
         acc = " ".join(f"{a:.2f}" for a in m["acceptance_by_position"][:8])
         rows.append(f"{name:<14}{m['tokens']:>8}{m['tokens_per_s'] or 0:>10.1f}{m.get('speedup', 1.0):>9.2f}"
                     f"{m['tau']:>7.2f}  {acc}")
+    if "dflash" in report["methods"]:
+        rows.append(f"dflash: {report['methods']['dflash']['label']}; acceptance by position is by block slot")
     for name, ll in report.get("lossless", {}).items():
         what = f"fp32 rerun of {ll['turns']} turns" if ll.get("rerun") else f"{ll.get('dtype', 'bench')}, all {ll['turns']} turns"
         rows.append(f"{name} lossless ({what}): {'yes' if ll['held'] else 'NO'}"
@@ -491,10 +526,10 @@ def plot_acceptance(report: dict, path: Path) -> str:
     for name, m in report["methods"].items():
         acc = m["acceptance_by_position"]
         if acc:
-            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{name} (tau {m['tau']:.2f})")
+            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{m.get('label', name)} (tau {m['tau']:.2f})")
     longest = max((len(m["acceptance_by_position"]) for m in report["methods"].values()), default=0)
     ax.set_xticks(range(1, longest + 1))
-    ax.set_xlabel("draft position")
+    ax.set_xlabel("draft position (DFlash: block slot)" if "dflash" in report["methods"] else "draft position")
     ax.set_ylabel("fraction of rounds accepted")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)

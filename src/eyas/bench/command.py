@@ -8,8 +8,8 @@ from eyas.knobs import add_flags, from_args
 
 
 # Flags that are not a BenchConfig field: --chain K | --tree set method and k together, --graph-round resolves
-# its default (on for greedy chains and trees on CUDA) into spec.graph_round; the mismatch override is
-# handled here, where the drafter is opened.
+# its default (on for greedy chains and trees on CUDA; the bench turns it off for a DFlash drafter) into
+# spec.graph_round; the mismatch override is handled here, where the drafter is opened.
 NOT_FIELDS = ("chain", "tree", "one_graph_round", "allow_target_mismatch")
 
 
@@ -20,7 +20,8 @@ def register(subparsers) -> argparse.ArgumentParser:
                               description="Speculative decoding benchmark with plain and prompt-lookup baselines.")
     add_flags(p, BenchConfig, ["target", "drafter", "prompts"])
     shape = p.add_mutually_exclusive_group()
-    shape.add_argument("--chain", type=int, metavar="K", help="chain of K draft tokens (default 5)")
+    shape.add_argument("--chain", type=int, metavar="K",
+                       help="chain of K draft tokens (default 5; a DFlash drafter of block B: B-1, at most B-1)")
     shape.add_argument("--tree", action="store_true", help="EAGLE-2 dynamic tree")
     p.add_argument("--graph-round", action=argparse.BooleanOptionalAction, default=None,
                    dest="one_graph_round",

@@ -49,13 +49,16 @@ def warm(spec: dict, out=None) -> dict:
     import torch
 
     from eyas.bench.bench import BenchConfig, run_bench
+    from eyas.model.dflash import DFlashConfig, DFlashDrafter
     from eyas.model.drafter import DrafterConfig, Eagle3Drafter
     from eyas.target import load_target
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[spec["dtype"]]
     target = load_target(spec["target"], device=spec["device"], dtype=dtype,
                          trust_remote_code=spec.get("trust_remote_code", False))
-    drafter = Eagle3Drafter(DrafterConfig.from_dict(spec["drafter"])).to(target.device)  # fp32, as open_drafter's
+    dc = spec["drafter"]  # the drafter config training writes, either kind
+    drafter = (DFlashDrafter(DFlashConfig.from_dict(dc)) if dc.get("kind") == "dflash"
+               else Eagle3Drafter(DrafterConfig.from_dict(dc))).to(target.device)  # fp32, as open_drafter's
     reports = {}
     for name, d in spec["benches"].items():
         cfg = BenchConfig.from_dict({**d, "json_out": None})

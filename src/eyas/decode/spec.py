@@ -12,6 +12,7 @@ import torch
 
 from eyas.decode.cache import DraftCache
 from eyas.decode.common import METHODS, SpecConfig, SpecStats, fit_drafter, prefill  # noqa: F401 (public names)
+from eyas.decode.dflash import DFlashDrafting, check_spec, is_dflash
 from eyas.decode.eagle import EagleDrafting
 from eyas.decode.lookup import lookup
 from eyas.decode.round import RoundDecoder
@@ -20,7 +21,7 @@ from eyas.errors import EyasError
 from eyas.target.sampling import sample
 
 class SpecDecoder:
-    """Speculative decoding with a target `Runner` and an optional EAGLE-3 drafter (batch 1, cache row 0)."""
+    """Speculative decoding with a target `Runner` and an optional EAGLE-3 or DFlash drafter (batch 1, cache row 0)."""
 
     def __init__(self, runner, drafter=None, cfg: SpecConfig = SpecConfig(), *, fast: bool | None = None,
                  verify_capture: tuple[int, ...] | None = None, compile_drafter: bool = False):
@@ -28,9 +29,13 @@ class SpecDecoder:
         chains and for trees. verify_capture: the aux ids the verify step returns (default: the
         drafter's, none without one); a drafter-less decoder given a drafter's ids shares that decoder's compiled
         verify step (the bench: one compile fewer) and ignores the extra output. compile_drafter: torch.compile the
-        static drafter cache's proposers and extends (with graph_round the round's)."""
+        static drafter cache's proposers and extends (with graph_round the round's). A DFlash drafter (model/dflash.py)
+        drafts chains of k <= B-1 tokens from one block forward (dflash.py), graphed when `fast`; it refuses trees
+        and graph_round."""
         if cfg.method in ("chain", "tree") and drafter is None:
             raise EyasError(f"decode method {cfg.method!r} needs a drafter")
+        if drafter is not None and cfg.method in ("chain", "tree") and is_dflash(drafter):
+            check_spec(cfg, drafter)
         if cfg.draft_size + 2 > runner.cfg.max_seq:
             raise EyasError(f"a draft of {cfg.draft_size} tokens does not fit a target cache of "
                             f"{runner.cfg.max_seq} slots")
@@ -45,7 +50,10 @@ class SpecDecoder:
             self.aux_ids = tuple(drafter.config.aux_layer_ids)
             if fast is None:
                 fast = runner.device.type == "cuda"
-            if fast and cfg.method == "chain" and cfg.temperature == 0:
+            if is_dflash(drafter):  # greedy and sampled chains alike: one block forward per round
+                self.drafting = DFlashDrafting(drafter, runner.embed, runner.lm_head, slots=runner.cfg.max_seq,
+                                               graphs=fast)
+            elif fast and cfg.method == "chain" and cfg.temperature == 0:
                 self.drafting = DraftCache(drafter, runner.embed, slots=runner.cfg.max_seq, k=cfg.k, graphs=True,
                                            compile=compile_drafter)
             elif fast and cfg.method == "tree":  # trees are top-k (deterministic) at every temperature
@@ -69,6 +77,8 @@ class SpecDecoder:
             return "round"
         if self.drafting is None:
             return "draftless"
+        if isinstance(self.drafting, DFlashDrafting):
+            return "static" if self.drafting.graphs else "eager"
         return "eager" if isinstance(self.drafting, EagleDrafting) else "static"
 
     def _padded(self, S: int) -> int:

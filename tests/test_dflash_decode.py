@@ -1,0 +1,206 @@
+"""DFlash block drafting at decode time: lossless against plain greedy, the static context cache against a
+from-scratch recompute, the sampled law against the target's, and the refusals."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from conftest import make_tiny_llama
+from eyas.decode import tree as tree_mod
+from eyas.decode.dflash import DFlashDrafting
+from eyas.decode.spec import SpecConfig, SpecDecoder
+from eyas.errors import EyasError
+from eyas.model.dflash import DFlashConfig, DFlashDrafter
+from eyas.target.runner import Runner
+from test_decode import chi2, chi2_critical, exact_laws, peaky
+
+AUX = (1, 2, 3)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models on one thread
+
+
+def make_dflash(model, *, block=6, seed=0, std=0.02, mask_token_id=None):
+    """A random DFlash drafter for `model`; a larger std makes its attention sharp, so positions matter."""
+    torch.manual_seed(seed)
+    V = model.config.vocab_size
+    cfg = DFlashConfig.from_target(model.config, aux_layer_ids=AUX, mask_token_id=V - 1 if mask_token_id is None
+                                   else mask_token_id, num_layers=2, block_size=block)
+    d = DFlashDrafter(cfg)
+    d.init_weights(std)
+    return d.eval()
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = peaky(make_tiny_llama(seed=11), 4.0, 0.3)
+    runner = Runner.from_hf(model, max_batch=1, max_seq=160)
+    g = torch.Generator().manual_seed(1)
+    lengths = [1, 2, 3, 7, 15, 30, 64]
+    prompts = [torch.randint(3, 255, (n,), generator=g).tolist() for n in lengths]
+    ref = runner.generate(prompts, 24)
+    return model, runner, prompts, ref
+
+
+def decode_all(dec, prompts, n=24):
+    outs, stats = [], []
+    for p in prompts:
+        o, s = dec.generate(p, n)
+        outs.append(o)
+        stats.append(s)
+    return outs, stats
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["eager", "static"])
+@pytest.mark.parametrize("block,k", [(4, 3), (8, 7), (8, 2)])
+def test_greedy_dflash_equals_plain_greedy(setup, block, k, fast):
+    """Lossless at every block size and chain length, with the sliced (eager) and the masked fixed-shape (the CUDA
+    graph's) block forward; rounds propose k drafts and accept at most k."""
+    model, runner, prompts, ref = setup
+    dec = SpecDecoder(runner, make_dflash(model, block=block, seed=block + k), SpecConfig(method="chain", k=k),
+                      fast=fast)
+    assert isinstance(dec.drafting, DFlashDrafting) and dec.mode == ("static" if fast else "eager")
+    outs, stats = decode_all(dec, prompts)
+    assert outs == ref
+    for s, o, p in zip(stats, outs, prompts):
+        assert s.target_forwards == 1 + s.rounds and s.tokens == len(o)
+        assert max(s.accepted, default=0) <= k and len(s.accepted_at) == k
+
+
+def naive_block(model, drafter, runner, seq: list[int], root: int) -> torch.Tensor:
+    """The block logits (B-1,V) from scratch: the HF target's aux states of every committed token seq (positions
+    0..n-1) as the context, [root, MASK..] at n..n+B-1, mask None, the target's head."""
+    n, cfg = len(seq), drafter.config
+    with torch.no_grad():
+        hs = model(torch.tensor([seq]), output_hidden_states=True).hidden_states
+        aux = torch.cat([hs[a] for a in AUX], -1)  # (1,n,3h)
+        ctx = drafter.context_kv(aux, torch.arange(n)[None])
+        ids = torch.tensor([[root] + [cfg.mask_token_id] * (cfg.block_size - 1)])
+        h = drafter(drafter.embed_block(ids, runner.embed.weight), torch.arange(n, n + cfg.block_size)[None], ctx)
+        return runner.lm_head(h[0, 1:]).float()
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["eager", "static"])
+def test_static_context_cache_equals_recompute_from_scratch(setup, fast):
+    """Every round's block, from the appended context cache, equals a recompute over all committed tokens' aux
+    states from the HF model: the context holds positions 0..n-1, the root is token n, nothing else is cached.
+    The drafts handed on are then replaced by the target's own continuation with one wrong token at slot j (j
+    cycling 0..k), so rounds accept every count 0..k and append 1..k+1 entries."""
+    model, runner, prompts, ref = setup
+    drafter = make_dflash(model, block=6, seed=4, std=0.3)
+    dec = SpecDecoder(runner, drafter, SpecConfig(method="chain", k=5), fast=fast)
+    dr = dec.drafting
+    block = dr.block
+    checked, accepted = [], []
+    for p, r in zip(prompts[1:], ref[1:]):
+        full = p + r + [0] * 8
+
+        def checking(root, full=full):
+            logits, greedy = block(root)
+            n = dr.count
+            assert root == full[n]  # the pending token sits right after the n context entries
+            want = naive_block(model, drafter, runner, full[:n], root)
+            torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
+            assert torch.equal(greedy, want.argmax(-1))
+            oracle = torch.tensor(full[n + 1:n + 6])  # (B-1,) the target's greedy drafts
+            j = len(checked) % 6
+            if j < 5:
+                oracle[j] = (oracle[j] + 1) % 256  # first wrong draft at slot j: j accepted
+            checked.append(n)
+            return logits, oracle
+        dr.block = checking
+        out, s = dec.generate(p, 24)
+        assert out == r
+        accepted += s.accepted
+    assert len(checked) > 20 and len(set(checked)) > 20
+    assert set(accepted) == set(range(6))  # every accept count, up to the whole block, was followed by a check
+
+
+def test_sampled_proposals_are_drawn_from_each_slot_law(setup):
+    """At temperature > 0 each draft is drawn from its own slot's q_k (the target head over that slot, tempered and
+    top-p filtered), and the Draft carries exactly those q's for the rejection rule."""
+    model, runner, prompts, _ = setup
+    drafter = make_dflash(model, block=5, seed=2, std=0.3)
+    dr = DFlashDrafting(drafter.float(), runner.embed, runner.lm_head, slots=runner.cfg.max_seq)
+    with torch.no_grad():
+        hs = model(torch.tensor([prompts[3]]), output_hidden_states=True).hidden_states
+    dr.extend(torch.cat([hs[a] for a in AUX], -1))
+    logits, _ = dr.block(7)
+    want = tree_mod.probs(logits[:4], 0.8, 0.9)  # (4,V)
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.zeros(4, want.shape[1])
+    for _ in range(400):
+        d = dr.propose_chain(7, 4, 0.8, 0.9, gen, want.shape[1])
+        assert d.tokens[0] == 7 and len(d) == 5
+        for j, q in enumerate(d.q[1:]):
+            torch.testing.assert_close(q, want[j])
+            assert want[j, d.tokens[j + 1]] > 0
+            counts[j, d.tokens[j + 1]] += 1
+    for j in range(4):  # each slot's empirical law is its own q_j (the slots differ from each other)
+        stat, df = chi2(counts[j], want[j], 400)
+        assert stat < chi2_critical(max(df, 1)), (j, stat, df)
+
+
+# ---------------------------------------------------------------- the sampled law through SpecDecoder
+
+@pytest.fixture(scope="module")
+def small():
+    V = 12
+    model = peaky(make_tiny_llama(layers=4, hidden=32, heads=2, kv_heads=1, vocab=V, inter=64, seed=21), 8.0)
+    runner = Runner.from_hf(model, max_batch=1, max_seq=32)
+    drafter = make_dflash(model, block=4, seed=5, std=0.5, mask_token_id=0)  # confident, its law unlike the target's
+    prompt = [3, 7, 1]
+    grid = torch.cartesian_prod(torch.arange(V), torch.arange(V))  # (V*V, 2): (x1, x2)
+    seqs = torch.cat([torch.tensor(prompt).expand(V * V, -1), grid], 1)
+    return model, runner, drafter, prompt, seqs, V
+
+
+def sampled_stat(small, cfg, n=600):
+    model, runner, drafter, prompt, seqs, V = small
+    law2, law3 = exact_laws(model, prompt, seqs, V, cfg.temperature, cfg.top_p)
+    dec = SpecDecoder(runner, drafter, cfg)
+    assert isinstance(dec.drafting, DFlashDrafting)
+    c2, c3 = torch.zeros(V), torch.zeros(V)
+    accepted = 0
+    for seed in range(n):
+        out, s = dec.generate(prompt, 3, seed=seed)
+        c2[out[1]] += 1
+        c3[out[2]] += 1
+        accepted += sum(s.accepted)
+    assert accepted > n // 10  # drafts are accepted often enough that the rejection rule is exercised
+    (s2, d2), (s3, d3) = chi2(c2, law2, n), chi2(c3, law3, n)
+    return s2 / chi2_critical(d2), s3 / chi2_critical(d3)
+
+
+SAMPLED = [SpecConfig(method="chain", k=3, temperature=1.0), SpecConfig(method="chain", k=2, temperature=0.7, top_p=0.8)]
+
+
+@pytest.mark.parametrize("cfg", SAMPLED, ids=["block", "block-top-p"])
+def test_sampled_dflash_law_matches_target(small, cfg):
+    r2, r3 = sampled_stat(small, cfg)
+    assert r2 < 1 and r3 < 1, (r2, r3)
+
+
+def test_broken_acceptance_rule_fails_the_dflash_law_test(small, monkeypatch):
+    monkeypatch.setattr(tree_mod, "accept_sampled", lambda p, q, t, g: (True, p))
+    r2, r3 = sampled_stat(small, SAMPLED[0])
+    assert max(r2, r3) > 1, (r2, r3)
+
+
+# ---------------------------------------------------------------- refusals
+
+def test_dflash_refuses_trees_graph_rounds_and_chains_longer_than_the_block(setup):
+    model, runner, prompts, ref = setup
+    d = make_dflash(model, block=6)
+    with pytest.raises(EyasError, match="not a tree"):
+        SpecDecoder(runner, d, SpecConfig(method="tree"))
+    with pytest.raises(EyasError, match="graph_round"):
+        SpecDecoder(runner, d, SpecConfig(method="chain", k=5, graph_round=True))
+    with pytest.raises(EyasError, match="B-1 = 5"):
+        SpecDecoder(runner, d, SpecConfig(method="chain", k=6))
+    dec = SpecDecoder(runner, d, SpecConfig(method="chain", k=5))  # k = B-1 is the longest accepted
+    assert dec.generate(prompts[2], 24)[0] == ref[2]
+    with pytest.raises(EyasError, match="target hidden size"):  # fit_drafter's shape check applies to DFlash too
+        SpecDecoder(runner, make_dflash(make_tiny_llama(hidden=32, heads=2, kv_heads=1)), SpecConfig(k=2))
+    lookup = SpecDecoder(runner, d, replace(SpecConfig(method="lookup", k=8)))  # drafter-free methods ignore it
+    assert lookup.generate(prompts[2], 24)[0] == ref[2]
