@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import eyas.target.device as device
 from conftest import make_tiny_llama
 from deepseek_twin import save_twin, twin_tokenizer, weightless_copy
 from eyas.bench.engine import open_tokenizer
@@ -170,8 +171,6 @@ def test_a_head_shard_replaced_with_its_size_and_mtime_kept_changes_the_weights_
 def test_a_device_map_load_is_not_refused_against_one_devices_free_memory(tmp_path, monkeypatch):
     """With a device_map the weights spread over several devices: the check of one device's free memory does not
     apply. Without one it refuses before reading a weight."""
-    import eyas.target.device as device
-
     model = make_tiny_llama()
     model.save_pretrained(tmp_path / "t")
     monkeypatch.setattr(device, "free_bytes", lambda dev: 1024)            # 1 KB free on every device
