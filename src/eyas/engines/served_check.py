@@ -83,14 +83,16 @@ def find_forward_batch(args, kwargs):
 
 class ProbeSwitch:
     """Forward pre-hook + hook on the inner model that owns `layers_to_capture` (installed by the aux enable
-    or probe switch hook at its first call: hook_manager registers forward hooks only)."""
+    or probe switch hook at its first call: hook_manager registers forward hooks only). The hook that puts the
+    server's list back runs even when the forward raises (always_call: torch's try/finally around the forward);
+    where torch skips it (a compiled forward, an exception that is not an Exception) the next pre-hook does it."""
 
     def __init__(self, module):
         self.saved = None
         self.layer0_ok = any(c.__name__ in LAYER0_MODULES for c in type(module).__mro__)
 
     def pre(self, module, args, kwargs):
-        self.post(module, args, None)                     # a forward that raised left the switch on
+        self.post(module, args, None)                     # a forward whose restore torch skipped left it on
         _ACTIVE.clear()
         fb = find_forward_batch(args, kwargs)
         rids = list(getattr(fb, "rids", None) or [])
@@ -123,7 +125,7 @@ def install_probe_switch(module) -> ProbeSwitch | None:
         return None                                       # not a torch module (no SGLang model is one)
     sw = ProbeSwitch(module)
     module.register_forward_pre_hook(sw.pre, with_kwargs=True)
-    module.register_forward_hook(sw.post)
+    module.register_forward_hook(sw.post, always_call=True)     # restore after a forward that raised too
     return sw
 
 

@@ -189,13 +189,20 @@ def _bytes_sha256(path: Path, start: int = 0, end: int | None = None) -> str:
     return h.hexdigest()
 
 
-def file_sha256(path: str | os.PathLike) -> str:
-    """sha256 of a file's bytes, cached under $EYAS_CACHE/hashes by its path, size, mtime and inode: a file is
-    hashed once per machine while it stays as it is (a rewrite or replacement changes the key)."""
-    path = Path(path).resolve()
+def _file_key(path: Path) -> dict:
+    """The cache key of a file's hashes: its path, size, mtime, inode and device. A file replaced by another of the
+    same size with its mtime kept (`rsync -t`, `cp -p` to a temporary name and a rename) has another inode, so it is
+    hashed again; both caches below use this one key."""
     st = path.stat()
-    key = {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino,
-           "device": st.st_dev}
+    return {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino,
+            "device": st.st_dev}
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a file's bytes, cached under $EYAS_CACHE/hashes by its path, size, mtime and inode (_file_key): a
+    file is hashed once per machine while it stays as it is (a rewrite or replacement changes the key)."""
+    path = Path(path).resolve()
+    key = _file_key(path)
     entry = cache_root() / "hashes" / f"{hashlib.sha256(str(path).encode()).hexdigest()[:32]}.json"
     return _cached_sha256(entry, key, lambda: _bytes_sha256(path))
 
@@ -203,8 +210,7 @@ def file_sha256(path: str | os.PathLike) -> str:
 def range_sha256(path: str | os.PathLike, start: int, end: int) -> str:
     """sha256 of bytes [start, end) of a file, read in blocks (never whole in memory); cached like file_sha256."""
     path = Path(path).resolve()
-    st = path.stat()
-    key = {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "range": [start, end]}
+    key = {**_file_key(path), "range": [start, end]}
     entry = cache_root() / "hashes" / f"{_sha256_json([str(path), start, end])[:32]}.json"
     return _cached_sha256(entry, key, lambda: _bytes_sha256(path, start, end))
 

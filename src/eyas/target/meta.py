@@ -117,15 +117,20 @@ def weights_bytes(d: Path, dtype: torch.dtype) -> int | None:
     return size
 
 
-def find_name(wm: dict[str, str], kind: str) -> str | None:
+def find_name(wm: dict[str, str], kind: str, where: Path | str = "the weight map") -> str | None:
     """The weight-map name of a head tensor: a known name, else the one name ending in `.<known name>` outside
-    the decoder layers (MTP layers and vision towers have their own norms and heads)."""
+    the decoder layers (MTP layers and vision towers have their own norms and heads); None when there is none.
+    Several such names are refused (`where` names the file in the error): which one is the language model's cannot
+    be told from the names, and taking none would read a missing LM head as a tied one."""
     for name in NAMES[kind]:
         if name in wm:
             return name
     hits = sorted({k for k in wm for n in NAMES[kind] if k.endswith("." + n)
                    and ".layers." not in k and not k.startswith(("vision", "mm_projector", "multi_modal"))})
-    return hits[0] if len(hits) == 1 else None
+    if len(hits) > 1:
+        raise EyasError(f"{where}: {len(hits)} tensors could be the {kind} ({', '.join(hits)}); eyas finds the "
+                        f"embedding, final norm and LM head by name and cannot tell which is the language model's")
+    return hits[0] if hits else None
 
 
 def needs_remote_code(d: Path, raw: dict, *, engine: bool = False) -> list[str]:
@@ -278,7 +283,7 @@ def _heads(d: Path, wm: dict[str, str], wm_file: Path, raw: dict, tied: bool, ch
     """kind -> _locate's dict for the head tensors a stage may read; quantized ones among `check` refused."""
     out, headers = {}, {}
     for kind in ("embed", "norm") if tied else ("embed", "norm", "lm_head"):
-        name = find_name(wm, kind)
+        name = find_name(wm, kind, wm_file)
         if name is None:
             for n in NAMES[kind]:   # e.g. lm_head.qweight without lm_head.weight
                 if any(k.startswith(n.rsplit(".", 1)[0] + ".") for k in wm):
@@ -315,7 +320,7 @@ def open_heads(d: Path, raw: dict | None = None, *, check: tuple[str, ...] = ())
     wm, wm_file = found
     tied = getattr(config, "tie_word_embeddings", None)
     if tied is None or isinstance(config, JsonConfig) and "tie_word_embeddings" not in config.__dict__:
-        tied = find_name(wm, "lm_head") is None   # the raw JSON does not say: a missing head is a tied one
+        tied = find_name(wm, "lm_head", wm_file) is None   # the raw JSON does not say: a missing head is tied
     return config, _heads(d, wm, wm_file, raw, bool(tied), tuple(check)), bool(tied)
 
 
@@ -326,11 +331,16 @@ def head_weights(d: Path) -> dict | None:
     if found is None:
         return None
     wm, wm_file = found
-    names = [n for kind in NAMES if (n := find_name(wm, kind)) is not None]
-    if find_name(wm, "embed") is None or find_name(wm, "norm") is None:
+    names = {}
+    for kind in NAMES:
+        try:
+            names[kind] = find_name(wm, kind)
+        except EyasError:       # several candidates: the identity goes without that tensor (the weight map holds it)
+            names[kind] = None
+    if names["embed"] is None or names["norm"] is None:
         return None
     headers: dict = {}
-    return head_identity(wm, {n: _locate(d, wm, wm_file, n, headers) for n in names})
+    return head_identity(wm, {n: _locate(d, wm, wm_file, n, headers) for n in names.values() if n is not None})
 
 
 def local_dir(spec: str) -> tuple[Path, str]:
