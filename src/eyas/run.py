@@ -102,7 +102,7 @@ def resolve_stages(cfg: RunConfig, run: Path, *, vocab_size: int | None, progres
     from eyas.capture.capture import CaptureConfig
     from eyas.data.longprompts import is_long_set
     from eyas.data.prepare import PrepareConfig
-    from eyas.train.config import TrainConfig
+    from eyas.train.config import EAGLE_ONLY, TrainConfig
 
     r = cfg.recipe
     dev = r.run.device
@@ -120,6 +120,12 @@ def resolve_stages(cfg: RunConfig, run: Path, *, vocab_size: int | None, progres
     capture = build("capture", CaptureConfig, out=str(run / "store"), target=cfg.target, data=str(run / "prepared"),
                     device=dev, progress=progress, **trust, **r.capture) if r.run.capture else None
     train = dict(r.train)
+    given = [resolve_key(k) for k in cfg.overrides]
+    dflash = train.get("method") == "dflash"
+    if dflash:  # a preset's EAGLE-3 knobs do not apply to a block drafter (a --set one is refused by TrainConfig)
+        for k in EAGLE_ONLY:
+            if ("train", k) not in given:
+                train.pop(k, None)
     if train.get("draft_vocab") is not None and vocab_size is not None:
         # a recipe's value is capped at the target's vocabulary (a preset serves every target); a --set one is refused
         asked = [k for k in cfg.overrides if resolve_key(k) == ("train", "draft_vocab")]
@@ -137,7 +143,9 @@ def resolve_stages(cfg: RunConfig, run: Path, *, vocab_size: int | None, progres
     train = build("train", TrainConfig, out=str(run / "train"), target=cfg.target, device=dev,
                   max_len=prepare.max_len, progress=progress, **trust, **src, **train)
     bench = {}
-    for b in r.bench:
+    for i, b in enumerate(r.bench):
+        if dflash and b.get("method", "chain") == "tree":  # a block drafter drafts no trees
+            continue
         # "heldout" = the held-out split of the run's own data, which prepare never wrote
         prompts = b.get("prompts", "sharegpt-heldout")
         if prompts == "heldout":
@@ -145,6 +153,10 @@ def resolve_stages(cfg: RunConfig, run: Path, *, vocab_size: int | None, progres
         label = "sharegpt-heldout" if prompts == "sharegpt-heldout" else (
             "heldout" if prompts.startswith("heldout:") else "long" if is_long_set(prompts) else Path(prompts).stem)
         table = {**b, "prompts": prompts}
+        if dflash and table.get("method", "chain") == "chain":  # the whole block a round (k = B-1) unless --set;
+            if ("bench", i, "k") not in given:                 # its block forward is one CUDA graph, no graph_round
+                table.pop("k", None)
+            table["graph_round"] = False
         if not is_long_set(prompts):  # unless the table sets it: prompts that leave room for a reply inside the
             # training budget (RoPE positions seen); the long set keeps its own range (BenchConfig)
             table.setdefault("max_prompt_tokens", max(1, prepare.max_len - prepare.max_new_tokens))
@@ -154,7 +166,12 @@ def resolve_stages(cfg: RunConfig, run: Path, *, vocab_size: int | None, progres
             table["graph_round"] = graph_round_default(dev, float(table.get("temperature", 0.0)))
         bc = build("bench", BenchConfig, **table, target=cfg.target, device=dev, compile=dev == "cuda",
                    json_out=None, **trust)
-        name = f"{label}-{bc.spec.method}" + (f"{bc.spec.k}" if bc.spec.method == "chain" else "")
+        if dflash and bc.spec.method == "chain":
+            name = f"{label}-dflash" + (f"{bc.spec.k}" if "k" in table else "")
+        else:
+            name = f"{label}-{bc.spec.method}" + (f"{bc.spec.k}" if bc.spec.method == "chain" else "")
+        if name in bench and dflash and name.endswith("-dflash"):  # chains that differed in k: one block bench
+            continue
         if name in bench:
             raise EyasError(f"recipe {r.name}: two [[bench]] tables write bench/{name}.json")
         bench[name] = replace(bc, json_out=str(run / "bench" / f"{name}.json"))
