@@ -204,3 +204,21 @@ def test_dflash_refuses_trees_graph_rounds_and_chains_longer_than_the_block(setu
         SpecDecoder(runner, make_dflash(make_tiny_llama(hidden=32, heads=2, kv_heads=1)), SpecConfig(k=2))
     lookup = SpecDecoder(runner, d, replace(SpecConfig(method="lookup", k=8)))  # drafter-free methods ignore it
     assert lookup.generate(prompts[2], 24)[0] == ref[2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("block", [4, 16])
+def test_cuda_graphed_dflash_equals_plain_greedy_and_the_cpu(setup, block):
+    """On CUDA the block forward and the extends replay as CUDA graphs: in fp32 the tokens equal plain greedy's and
+    the accepted counts equal the CPU eager decoder's, round by round."""
+    model, cpu, prompts, ref = setup
+    gpu = Runner.from_hf(model, max_batch=1, max_seq=160, device="cuda")
+    drafter = make_dflash(model, block=block, seed=block, std=0.3)
+    k = block - 1
+    want = decode_all(SpecDecoder(cpu, drafter, SpecConfig(method="chain", k=k), fast=False), prompts)
+    dec = SpecDecoder(gpu, drafter, SpecConfig(method="chain", k=k))
+    assert dec.mode == "static"
+    outs, stats = decode_all(dec, prompts)
+    assert outs == ref == want[0]
+    assert [s.accepted for s in stats] == [s.accepted for s in want[1]]
