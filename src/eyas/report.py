@@ -73,7 +73,7 @@ def _scaling_plot(plt, path: Path, evals: list[dict], bench: dict) -> str:
     tx = ax.twinx()
     tx.plot(x, [m["tau_est"] for m in evals], "k--", label="tau_est (training eval)")
     for name, r in bench.items():
-        eagle = next((v for m, v in r.get("methods", {}).items() if m.startswith("eagle")), None)
+        eagle = next((v for m, v in r.get("methods", {}).items() if is_drafter(m)), None)
         if eagle and eagle.get("tau"):
             tx.plot([x[-1]], [eagle["tau"]], "*", ms=10, label=f"bench tau: {name}")
     tx.set_ylabel("tau")
@@ -86,6 +86,11 @@ def _scaling_plot(plt, path: Path, evals: list[dict], bench: dict) -> str:
 
 def _fmt(x, nd=3):
     return "-" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
+
+
+def is_drafter(method: str) -> bool:
+    """A bench method row that a drafter ran ("eagle-chain", "eagle-tree", "dflash"), not a baseline."""
+    return method.startswith("eagle") or method == "dflash"
 
 
 def _prompts_note(r: dict, eagle: dict) -> str:
@@ -284,7 +289,7 @@ def _export_section(ex: dict) -> list[str]:
 def _bench_line(name: str, r: dict) -> str | None:
     """The summary's line for one bench: the EAGLE method's tau against prompt lookup, speedup and checks."""
     by = r["methods"]
-    eagle = next((m for m in by if m.startswith("eagle")), None)
+    eagle = next((m for m in by if is_drafter(m)), None)
     if not eagle:
         return None
     ag = (r.get("agreement") or {}).get(eagle)
