@@ -299,3 +299,26 @@ def test_remote_code_needs_the_flag_in_every_stage(dirs, pipeline, tmp_path, cap
     assert main(commands["prepare"] + ["--trust-remote-code", "--max-len", "64"]) == 0
     assert main(commands["export"] + ["--trust-remote-code"]) == 0
     assert asked == [True, True]
+
+
+def test_weightless_dir_through_dflash_train_and_export(dirs, pipeline, monkeypatch):
+    """The DeepSeek-V3 twin's weightless directory trains a DFlash drafter from the same store and exports it, with
+    no model built: the block size is the MoE default (8), the context layers are the store's aux ids minus one,
+    and the export's config is what both engines read."""
+    root = pipeline
+    full, wl = dirs
+    no_model_built(monkeypatch)
+    assert main(["train", "--method", "dflash", "--store", str(root / "store"), "--target", str(wl), "--out",
+                 str(root / "dflash"), "--steps", "2", "--batch-tokens", "128", "--max-len", "64", "--anchors", "16",
+                 "--eval-fraction", "0.2", "--no-progress", "--device", "cpu"]) == 0
+    assert main(["export", "--drafter", str(root / "dflash"), "--target", str(wl), "--out",
+                 str(root / "dflash-export")]) == 0
+    aux = json.loads((root / "dflash" / "manifest.json").read_text())["source"]["aux_layer_ids"]
+    conf = json.loads((root / "dflash-export" / "config.json").read_text())
+    assert conf["architectures"] == ["DFlashDraftModel"] and conf["block_size"] == 8
+    assert conf["dflash_config"]["target_layer_ids"] == [a - 1 for a in aux]
+    assert conf["dflash_config"]["causal"] is False and conf["is_causal"] is False
+    assert diffs(conf["eyas_target"], json.loads((root / "store" / "manifest.json").read_text())["target"]) == []
+    tensors = load_file(str(root / "dflash-export" / "model.safetensors"))
+    assert tensors["fc.weight"].shape == (conf["hidden_size"], 3 * conf["hidden_size"])
+    assert not any("embed" in k or "lm_head" in k for k in tensors)
