@@ -30,3 +30,14 @@ def test_a_set_eagle_knob_is_refused_and_a_set_bench_k_kept(tmp_path):
     st = resolve_stages(RunConfig(preset="cpu-demo", overrides={"train.method": "dflash", "bench.0.k": 7}),
                         tmp_path, vocab_size=49152)
     assert any(n.endswith("-dflash7") and b.spec.k == 7 for n, b in st.bench.items())
+
+
+def test_gpu_dflash_recipe_shares_the_gpu_presets_data(tmp_path):
+    """The gpu-dflash preset prepares exactly as the gpu preset (a run can reuse that run's prepared data) and
+    trains a DFlash drafter benched with whole blocks on the same prompt sets."""
+    gpu = resolve_stages(RunConfig(preset="gpu"), tmp_path / "a", vocab_size=49152)
+    dfl = resolve_stages(RunConfig(preset="gpu-dflash"), tmp_path / "a", vocab_size=49152)
+    assert dfl.prepare == gpu.prepare
+    assert dfl.train.method == "dflash" and dfl.train.pack == "on" and dfl.train.attention == "flex"
+    assert sorted(dfl.bench) == ["humaneval-dflash", "long-dflash", "sharegpt-heldout-dflash"]
+    assert all(b.spec.method == "chain" and not b.spec.graph_round for b in dfl.bench.values())

@@ -127,7 +127,7 @@ def write(tmp_path, text, name="r.toml"):
 # ---- the presets are the recipe files, with the pre-recipe values ----------------------------------------------
 
 def test_shipped_recipes_are_the_presets():
-    assert preset_names() == ["cpu-demo", "gpu"]
+    assert preset_names() == ["cpu-demo", "gpu", "gpu-dflash"]
     for name in preset_names():  # the top-level recipes/ files are the packaged ones
         assert (ROOT / "recipes" / f"{name}.toml").read_text() == (ROOT / "src/eyas/recipes" / f"{name}.toml").read_text()
     pyproject = (ROOT / "pyproject.toml").read_text()
