@@ -282,7 +282,7 @@ def test_identity_ignores_defaults_and_names_differences():
     assert ident["preset"] == "cpu-demo" and set(ident["recipe"]) == {"run", "prepare", "capture", "train", "bench"}
     # a value set to its field's default is the same run as one left out
     assert RunConfig(overrides={"train.chunk_size": None, "prepare.seed": 0}).identity() == ident
-    for name in preset_names():  # a pre-recipe run.json's flat knobs describe the same recipe
+    for name in PRESETS_NOW:  # a pre-recipe run.json's flat knobs describe the same recipe (presets of that time)
         assert from_legacy_knobs(name, PRESETS_NOW[name]).identity() == preset(name).identity()
     with pytest.raises(EyasError, match="older eyas"):
         from_legacy_knobs("cpu-demo", {k: v for k, v in PRESETS_NOW["cpu-demo"].items() if k != "pack"})
