@@ -227,11 +227,13 @@ class DFlashModule(nn.Module):
             anchors, real = sample_anchors(cand, self.loss.anchors)
             o = dflash_forward(self.drafter, anchors=anchors, real=real, **kw)
         else:  # every candidate, `anchors` at a time per row (a host sync: evaluation only)
-            n_max = max(1, int(cand.sum(1).max()))
+            n_max, n = max(1, int(cand.sum(1).max())), min(self.loss.anchors, cand.shape[1])
             order = torch.sort((~cand).to(torch.uint8), dim=1, stable=True).indices  # (R, T) candidates first
+            order = torch.cat([order, order.new_zeros(order.shape[0], n)], dim=1)   # (R, T+n) padding: position 0
             outs = []
-            for i in range(0, n_max, self.loss.anchors):
-                anchors = order[:, i:i + self.loss.anchors]                        # (R, n)
-                outs.append(dflash_forward(self.drafter, anchors=anchors, real=cand.gather(1, anchors), **kw))
+            for i in range(0, n_max, n):  # always n anchors: one shape for the compiled layers
+                anchors = order[:, i:i + n]                                         # (R, n)
+                real = cand.gather(1, anchors) & (torch.arange(i, i + n, device=cand.device) < cand.shape[1])
+                outs.append(dflash_forward(self.drafter, anchors=anchors, real=real, **kw))
             o = merge(outs)
         return (o.loss, o.loss_k, o.count_k, o.correct_k, o.cond_count_k, o.cond_correct_k, o.accept_len, None)
