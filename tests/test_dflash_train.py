@@ -358,3 +358,23 @@ def test_gpu_compiled_packed_flex_training_runs_and_learns(tmp_path):
                        attention="flex", compile=True, deterministic=False, device="cuda", eval_fraction=0.2),
                   target=t)
     assert r["eval"]["round_tau_by_chain"][-1] > 2.0
+
+
+@pytest.mark.parametrize("fsdp", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["ddp", "fsdp2"])
+def test_train_dflash_on_two_ranks(tmp_path, fsdp):
+    """2 gloo ranks (DDP, or FSDP2 sharding the layers) train and evaluate a DFlash drafter: the held-out counts,
+    summed over the ranks, equal one process's (evaluation anchors every position, so nothing random is left)."""
+    import torch.multiprocessing as mp
+
+    from test_train import _ddp_worker, _free_port
+
+    t = tiny_target()
+    store = capture(tmp_path, t, make_samples(40))
+    single = dcfg(tmp_path, store, "single", steps=3, grad_accum=2, deterministic=False)
+    run_train(single, target=t)
+    kw = {**single.to_dict(), "out": str(tmp_path / "ranks"), "grad_accum": 1, "fsdp": fsdp}
+    mp.spawn(_ddp_worker, args=(2, _free_port(), kw), nprocs=2, join=True)
+    a, b = records(tmp_path / "single", "eval")[-1], records(tmp_path / "ranks", "eval")[-1]
+    assert a["positions_k"] == b["positions_k"] and len(b["round_tau_by_chain"]) == 3
+    conf = json.loads((tmp_path / "ranks" / "drafter" / "config.json").read_text())
+    assert conf["kind"] == "dflash"

@@ -151,6 +151,16 @@ class DFlashConfig:
         return from_known(cls, {k: v for k, v in d.items() if k != "kind"}, "dflash config")
 
 
+@dataclass
+class Context:
+    """The context vectors (B, T, h) and their RoPE (cos, sin (B, T, hd)): each layer makes its keys and values from
+    them inside its own forward (training, where FSDP2 gathers a layer's weights only for that forward)."""
+
+    c: Tensor
+    cos: Tensor
+    sin: Tensor
+
+
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x (B, n, S, hd) rotated at cos/sin (B, S, hd) (HF's rotate_half convention, the engines' neox style)."""
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
@@ -204,7 +214,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, ctx: tuple[Tensor, Tensor], mask) -> Tensor:
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, ctx: tuple[Tensor, Tensor] | Context, mask) -> Tensor:
+        if isinstance(ctx, Context):
+            ctx = self.self_attn.kv(ctx.c, ctx.cos, ctx.sin)                        # (B, nkv, T, hd) each
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -256,18 +268,24 @@ class DFlashDrafter(nn.Module):
         """(B, T, K*h_t) concatenated target features -> the context vectors (B, T, h)."""
         return self.hidden_norm(self.fc(aux.to(self.fc.weight.dtype)))
 
+    def context_input(self, aux: Tensor, positions: Tensor) -> Context:
+        """The context of features aux (B, T, K*h_t) at positions (B, T), for the layers to make keys and values of."""
+        c = self.context(aux)                                                        # (B, T, h)
+        return Context(c, *self.rope(positions, c.dtype))
+
     def context_kv(self, aux: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
         """Every layer's context keys and values (B, nkv, T, hd) for features aux (B, T, K*h_t) at positions (B, T).
         They depend on the features alone, not on other layers: a decoder appends them once per committed token."""
-        c = self.context(aux)                                                        # (B, T, h)
-        cos, sin = self.rope(positions, c.dtype)
-        return [layer.self_attn.kv(c, cos, sin) for layer in self.layers]
+        ctx = self.context_input(aux, positions)
+        return [layer.self_attn.kv(ctx.c, ctx.cos, ctx.sin) for layer in self.layers]
 
-    def forward(self, block_embeds: Tensor, positions: Tensor, ctx: list[tuple[Tensor, Tensor]], mask=None) -> Tensor:
-        """block_embeds (B, S, h) the target's embeddings of the block tokens at positions (B, S); ctx from
-        context_kv; mask as Attention.forward's. -> the normed hidden states (B, S, h), for the target's LM head."""
+    def forward(self, block_embeds: Tensor, positions: Tensor, ctx: list[tuple[Tensor, Tensor]] | Context,
+                mask=None) -> Tensor:
+        """block_embeds (B, S, h) the target's embeddings of the block tokens at positions (B, S); ctx: every layer's
+        (k, v) from context_kv, or a Context from context_input; mask as Attention.forward's. -> the normed hidden
+        states (B, S, h), for the target's LM head."""
         h = block_embeds.to(self.fc.weight.dtype)
         cos, sin = self.rope(positions, h.dtype)
-        for layer, kv in zip(self.layers, ctx):
+        for layer, kv in zip(self.layers, ctx if isinstance(ctx, list) else [ctx] * len(self.layers)):
             h = layer(h, cos, sin, kv, mask)
         return self.norm(h)

@@ -155,7 +155,7 @@ def dflash_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, 
         block_pos = (positions.gather(1, anchors)[..., None] + k).reshape(R, N * B)  # (R, N*B)
         mask = (block_mask_flex if use_flex else block_mask_dense)(anchors, seg, B)
 
-    ctx = drafter.context_kv(aux, positions)                                       # L x (R, nkv, T, hd)
+    ctx = drafter.context_input(aux, positions)                                    # each layer makes its k, v
     hidden = drafter(drafter.embed_block(ids.reshape(R, N * B), embed), block_pos, ctx, mask)  # (R, N*B, h)
     hidden = hidden.view(R, N, B, -1)
 
