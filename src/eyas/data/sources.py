@@ -1,4 +1,5 @@
-"""Conversation and prompt sources: ShareGPT JSON, OpenAI-style JSONL, prompt files, HumanEval.
+"""Conversation and prompt sources: ShareGPT JSON, OpenAI-style JSONL, Parquet, `datasets.save_to_disk`
+directories (eyas.data.formats), prompt files, HumanEval.
 
 Every source yields records in file order. A record is either a `Conversation` (validated,
 roles normalised to system/user/assistant) or a `Skipped` (why, and which file/record), so
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from eyas.data.formats import check_dataset, check_parquet, iter_dataset, iter_parquet
 from eyas.data.split import is_heldout, split_key
 from eyas.errors import EyasError
 
@@ -88,17 +90,52 @@ def package_file(package: str, rel: str) -> Path:
     return path
 
 
+DATA_FORMATS = ("'sharegpt', a ShareGPT .json array, a .jsonl of {\"messages\": [...]} lines, a .parquet file "
+                "or a directory written by datasets.save_to_disk")
+
+
+def data_format(path: Path) -> str:
+    """The format of a path `resolve_data` accepted: "json", "jsonl", "parquet" or "dataset" (a directory)."""
+    return "dataset" if path.is_dir() else path.suffix[1:]
+
+
+def _check_json_head(path: Path) -> None:
+    """Refuse a .json / .jsonl file whose first bytes show another format, before a stage writes anything."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError as e:
+        raise EyasError(f"{path}: cannot read ({e.strerror})") from e
+    if head.startswith(b"PAR1"):
+        raise EyasError(f"{path}: a Parquet file named {path.suffix}; rename it to .parquet")
+    text = head.removeprefix(b"\xef\xbb\xbf").lstrip(b" \t\r\n")   # a BOM'd line 1 is skipped later, like any bad line
+    start = text[:40].decode("utf-8", errors="replace").split("\n")[0]
+    if path.suffix == ".json" and not text.startswith(b"["):
+        hint = " (JSON lines? name the file .jsonl)" if text.startswith(b"{") else ""
+        raise EyasError(f"{path}: expected a JSON array of conversations, found {start!r}{hint}")
+    if path.suffix == ".jsonl" and text and not text.startswith(b"{"):
+        hint = " (a JSON array? name the file .json)" if text.startswith(b"[") else ""
+        raise EyasError(f"{path}: expected JSON lines, one {{\"messages\": [...]}} object per line, found "
+                        f"{start!r}{hint}")
+
+
 def resolve_data(spec: str) -> Path:
-    """`sharegpt` or a path to a .json / .jsonl file."""
+    """The path of a conversation source (see DATA_FORMATS), checked as far as can be without reading its records:
+    the format, the optional package it needs and a table's columns."""
     if spec == "sharegpt":
         return package_file(*SHAREGPT_FILE)
     path = Path(spec)
     if not path.exists():
-        raise EyasError(f"{spec}: no such file (expected 'sharegpt', a ShareGPT .json or a .jsonl file)")
-    if not path.is_file():
-        raise EyasError(f"{spec}: not a file")
-    if path.suffix not in (".json", ".jsonl"):
-        raise EyasError(f"{spec}: unknown data format {path.suffix!r} (expected .json or .jsonl)")
+        raise EyasError(f"{spec}: no such file or directory (expected {DATA_FORMATS})")
+    if path.is_dir():
+        check_dataset(path)
+    elif path.suffix == ".parquet":
+        check_parquet(path)
+    elif path.suffix in (".json", ".jsonl"):
+        _check_json_head(path)
+    else:
+        kind = f"format {path.suffix!r}" if path.suffix else "format (no file extension)"
+        raise EyasError(f"{spec}: unknown data {kind}; expected {DATA_FORMATS}")
     return path
 
 
@@ -259,7 +296,12 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, object] | Skipped]:
 def iter_records(spec: str) -> Iterator[Conversation | Skipped]:
     """All records of a conversation source, in file order."""
     path = resolve_data(spec)
-    if path.suffix == ".jsonl":
+    fmt = data_format(path)
+    if fmt in ("parquet", "dataset"):   # rows are JSONL records: `messages` or `conversations`, optional `id`
+        rows = iter_parquet(path) if fmt == "parquet" else iter_dataset(path, say=lambda s: print(s, file=sys.stderr))
+        for where, row in rows:
+            yield to_conversation(row, where, default_sharegpt=False)
+    elif fmt == "jsonl":
         for item in iter_jsonl(path):
             yield item if isinstance(item, Skipped) else to_conversation(item[1], f"{path} line {item[0]}",
                                                                          default_sharegpt=False)
@@ -349,7 +391,7 @@ def load_prompts(name_or_path: str, *, heldout_fraction: float = 0.05, limit: in
     HumanEval prompts; `long` (`long:DATA`): the held-out chats kept whole (context + last user turn) and long
     single user turns, at least 2,048 bytes of text (eyas.data.longprompts; bench keeps 2k-6k tokens; the whole
     source is read, then ordered); a .jsonl path: lines with `prompt` or `turns` (or `messages`), optionally
-    `context`; a .json path: ShareGPT user turns.
+    `context`; a .json, .parquet or datasets.save_to_disk path: the user turns of its conversations.
     """
     if skips is None:  # our own log: one summary line at the end instead of a line per record
         own = SkipLog()
@@ -402,16 +444,18 @@ def load_prompts(name_or_path: str, *, heldout_fraction: float = 0.05, limit: in
         return kept
     path = Path(name_or_path)
     if not path.exists():
-        raise EyasError(f"{name_or_path}: no such file (expected 'sharegpt-heldout', 'humaneval', 'long' or a "
-                        f".jsonl/.json file)")
-    if path.suffix == ".json":
+        raise EyasError(f"{name_or_path}: no such file (expected 'sharegpt-heldout', 'humaneval', 'long', a "
+                        f".jsonl of prompts, or conversations: a .json, a .parquet or a datasets.save_to_disk "
+                        f"directory)")
+    if path.suffix in (".json", ".parquet") or path.is_dir():
         for c in iter_conversations(name_or_path, skips):
             add({"id": c.id, "turns": [m["content"] for m in c.messages if m["role"] == "user"]})
             if full():
                 break
         return kept
     if path.suffix != ".jsonl":
-        raise EyasError(f"{name_or_path}: unknown prompt format {path.suffix!r} (expected .jsonl or .json)")
+        raise EyasError(f"{name_or_path}: unknown prompt format {path.suffix!r} (expected .jsonl, .json, .parquet "
+                        f"or a datasets.save_to_disk directory)")
     for item in iter_jsonl(path):
         if isinstance(item, Skipped):
             skips.add(item)
