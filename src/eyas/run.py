@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from eyas.data.sources import resolve_data
 from eyas.errors import EyasError
 from eyas.knobs import add_flags, from_args
 from eyas.manifest import atomic_write_bytes, diff_dicts
@@ -305,6 +306,7 @@ def run_pipeline(cfg: RunConfig) -> dict:
     # The run directory is refused, then the target opened, before anything is written: a run that cannot start
     # leaves no directory behind.
     _open_state(cfg, run, check_only=True)
+    resolve_data(cfg.data)  # a source in no accepted format, or a table without conversations: refused here
     dtype = resolve_dtype(r.dtype, r.device)
     target = load_target(cfg.target, device=r.device, dtype=_dtype(dtype), trust_remote_code=cfg.trust_remote_code)
     state = _open_state(cfg, run)
