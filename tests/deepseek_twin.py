@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import torch
+from eyas.target.slim import slim_copy
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -106,16 +107,10 @@ def save_twin(out, *, live: bool = False, seed: int = 0, layers: int = 7, dtype=
 
 
 def weightless_copy(full, out) -> Path:
-    """A copy of a sharded target directory holding only config, tokenizer, index and the shard(s) with
-    HEAD_TENSORS: what every stage except the target's forward needs."""
-    full, out = Path(full), Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    index = json.loads((full / "model.safetensors.index.json").read_text())
-    keep = {index["weight_map"][k] for k in HEAD_TENSORS if k in index["weight_map"]}
-    for p in full.iterdir():
-        if p.is_file() and (not p.name.endswith(".safetensors") or p.name in keep):
-            shutil.copy2(p, out / p.name)
-    return out
+    """`eyas target slim`'s copy of a sharded target directory: config, tokenizer, index and the shard(s) with
+    HEAD_TENSORS, what every stage except the target's forward needs."""
+    slim_copy(full, out)
+    return Path(out)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ STAGE_MODULES = [
     ("bench", "eyas.bench.command"),
     ("export", "eyas.export.command"),
     ("engine", "eyas.engines.command"),
+    ("target", "eyas.target.command"),
     ("run", "eyas.run"),
 ]
 
@@ -30,7 +31,9 @@ def _not_implemented(name: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="eyas", description="Train EAGLE-3 speculative-decoding drafters.")
+    parser = argparse.ArgumentParser(
+        prog="eyas", description="Train speculative-decoding drafters (EAGLE-3, DFlash) for a target model: prepare "
+                                 "-> capture -> train -> bench -> export, or all of them in one resumable `eyas run`.")
     # dest is not "version": a subcommand may have its own --version (engine launch-args: the engine's), and
     # argparse copies sub-namespace values over same-named top-level ones.
     parser.add_argument("--version", dest="show_version", action="store_true", help="print the version and exit")
