@@ -534,7 +534,10 @@ def plot_acceptance(report: dict, path: Path) -> str:
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend()
-    ax.set_title("acceptance by draft position")
+    speeds = ", ".join(f"{m.get('label', n)} {m['speedup']:.2f}x" for n, m in report["methods"].items()
+                       if n != "plain" and m.get("speedup"))  # the prompt set (the file's name) and the speedups
+    ax.set_title(f"{path.stem}: acceptance by draft position" + (f"\nspeed against plain: {speeds}" if speeds else ""),
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -116,10 +116,27 @@ def start(logs: Path, benches: dict, train, target, *, target_spec: str, dtype: 
           trust_remote_code: bool = False) -> "Prewarm":
     """Start warming `benches` ({name: BenchConfig}) for the drafter `train` will write, in the background."""
     dcfg = planned_drafter_config(train, target)
-    spec = {"target": target_spec, "device": next(iter(benches.values())).device, "dtype": dtype,
+    spec = {"target": anchored(target_spec), "device": next(iter(benches.values())).device, "dtype": dtype,
             "trust_remote_code": trust_remote_code, "drafter": json.loads(json.dumps(dcfg.to_dict())),
-            "benches": {n: b.to_dict() for n, b in benches.items()}}
+            "benches": {n: {**(d := b.to_dict()), **{k: anchored(d[k]) for k in ("target", "drafter", "prompts")}}
+                        for n, b in benches.items()}}
     return Prewarm(logs, spec, cmd=command)  # looked up at call time: tests swap in a process made to fail
+
+
+def anchored(spec: str | None) -> str | None:
+    """A target, drafter or prompt spec whose relative path (also after `heldout:` or `long:`) exists here, made
+    absolute: the warm-up runs in the run directory (Prewarm), where that path would name nothing. A name that is
+    no path here (an embedded target, a prompt set, a hub id) stays as it is."""
+    from eyas.bench.bench import PROMPT_SETS
+    from eyas.target.load import EMBEDDED
+
+    if not spec:
+        return spec
+    prefix, path = spec.split(":", 1) if spec.startswith(("heldout:", "long:")) else ("", spec)
+    p = Path(path).expanduser()
+    if path in EMBEDDED or path in PROMPT_SETS or path == "sharegpt" or p.is_absolute() or not p.exists():
+        return spec
+    return (prefix + ":" if prefix else "") + str(p.resolve())
 
 
 def await_before_bench(proc: "Prewarm", log) -> dict:
@@ -161,6 +178,9 @@ class Prewarm:
     its result (bench_digest unless given)."""
 
     def __init__(self, logs: Path, spec: dict, cmd=command, name: str = "prewarm", digest=None):
+        from eyas.target.fingerprint import cache_root
+
+        logs = Path(logs).resolve()  # the process runs in the run directory (below): its arguments are absolute
         self.name, self.digest = name, digest or bench_digest
         self.spec_path, self.result_path = logs / f"{name}-spec.json", logs / f"{name}.json"
         self.drafter_config = spec.get("drafter")
@@ -168,9 +188,15 @@ class Prewarm:
         self.spec_path.write_text(json.dumps({**spec, "parent": os.getpid()}, indent=2) + "\n")
         self.started = time.time()
         self.ended: float | None = None
+        # cwd: the run directory, which outlives the process. Inherited, the cwd of `eyas run` may be deleted while
+        # the run goes on (a working tree laid anew), and a Python started in a deleted directory cannot import
+        # torch ("Intel oneMKL FATAL ERROR: Cannot load libtorch_cpu.so"); so the spec's paths are absolute
+        # (anchored) and so is the compile cache both processes share.
+        env = {**os.environ, "EYAS_CACHE": str(cache_root().resolve())}
         with open(logs / f"{name}.log", "ab") as log:
             self.proc = subprocess.Popen(cmd(self.spec_path, self.result_path), stdin=subprocess.DEVNULL,
-                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                         cwd=logs.parent, env=env)
 
     @property
     def pid(self) -> int:

@@ -101,10 +101,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def start(logs: Path, train, *, target_spec: str, device: str, dtype: str, trust_remote_code: bool = False):
     """Start the warm-up of `train` (the run's TrainConfig) in the background; returns its Prewarm."""
-    from eyas.bench.prewarm import Prewarm
+    from eyas.bench.prewarm import Prewarm, anchored
 
-    spec = {"target": target_spec, "device": device, "dtype": dtype, "trust_remote_code": trust_remote_code,
-            "train": train.to_dict(), "root": str(logs / NAME)}
+    # the warm-up runs in the run directory (Prewarm): the paths it reads are made absolute here
+    t = train.to_dict()
+    spec = {"target": anchored(target_spec), "device": device, "dtype": dtype, "trust_remote_code": trust_remote_code,
+            "train": {**t, "target": anchored(t["target"]), "init": anchored(t["init"])}, "root": str(logs / NAME)}
     return Prewarm(logs, spec, cmd=command, name=NAME, digest=dict)  # the whole result, its own seconds included
 
 
