@@ -213,6 +213,7 @@ def test_empty_server_replies_are_counted_reported_and_never_trained(target_dir,
     std = capsys.readouterr()
     assert "empty 4" in std.out
     assert [x for x in std.err.splitlines() if x.startswith("eyas prepare:")] == [
+        f"eyas prepare: target {target_dir / 'target'} (source: --target)",
         f"eyas prepare: dropped 3 samples (empty regenerated reply 3); 4 regenerated replies were empty (not "
         f"trained on: each conversation is cut before its empty reply); details in {out / SKIPS}"]
     counts = json.loads((out / "manifest.json").read_text())["counts"]

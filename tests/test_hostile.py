@@ -23,6 +23,7 @@ from conftest import make_tiny_llama
 from eyas.cli import main
 from eyas.errors import EyasError
 from test_bench import byte_tokenizer
+from test_stage_start import TARGET_LINE
 
 H = 8
 
@@ -259,7 +260,7 @@ def two_layer_config(p):
 def target_more_layers(root):
     t = tiny_target_dir(root)
     edit_json(t / "config.json", lambda c: c.update(num_hidden_layers=6))
-    return bench(root, "--target", str(t), "--prompts", str(prompts_file(root, b"")))
+    return bench(root, "--target", str(t), "--prompts", str(prompts_file(root)))
 
 
 BENCH_CASES = {
@@ -476,8 +477,9 @@ XFAIL: dict[str, str] = {}
 
 
 def is_diagnostic(line: str) -> bool:
-    """Per-record skip notices name the record and why; they are not the error line."""
-    return line.startswith("eyas: skipped ")
+    """Per-record skip notices name the record and why, and the stage's first line names its target; they are not the
+    error line."""
+    return line.startswith("eyas: skipped ") or bool(TARGET_LINE.fullmatch(line))
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=XFAIL[n], strict=True))

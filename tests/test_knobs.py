@@ -114,10 +114,13 @@ COMMANDS = {
     "run": (RunConfig, {}),
 }
 # Flags whose default is not the field's, and why.
-OTHER_DEFAULTS = {("bench", "device"): "None: cuda when available", ("run", "preset"): "None: gpu when CUDA is there",
+OTHER_DEFAULTS = {**{(c, "device"): "auto: cuda when available, resolved by the command"
+                     for c in ("prepare", "capture", "bench")},
+                  ("bench", "target"): "None: the drafter's recorded target, resolved by the command",
+                  ("run", "preset"): "None: gpu when CUDA is there",
                   ("run", "out"): "None: runs/<name>", ("run", "overrides"): "a list of --set pairs"}
 # Commands without a config dataclass: their flags are the library function's arguments, declared by hand.
-HAND_DECLARED = ("store", "export", "engine")
+HAND_DECLARED = ("store", "export", "engine", "target")
 
 
 def subparsers(p):
@@ -148,19 +151,23 @@ def test_command_defaults_build_the_default_configs():
     p = build_parser()
     assert from_args(TrainConfig, p.parse_args(["train", "--store", "S", "--out", "R"])) == TrainConfig(
         store="S", out="R")
-    assert from_args(PrepareConfig, p.parse_args(["prepare", "--out", "P"])) == PrepareConfig(out="P")
-    assert from_args(CaptureConfig, p.parse_args(["capture", "--data", "D", "--out", "S"])) == CaptureConfig(
-        data="D", out="S")
-    assert from_args(BenchConfig, p.parse_args(["bench"]), device="cpu") == BenchConfig()
+    # the device (auto) and bench's target (the drafter's) are resolved by the commands, which pass them in
+    assert from_args(PrepareConfig, p.parse_args(["prepare", "--out", "P"]), device="cpu") == PrepareConfig(out="P")
+    assert from_args(CaptureConfig, p.parse_args(["capture", "--data", "D", "--out", "S"]),
+                     device="cpu") == CaptureConfig(data="D", out="S")
+    bench = dict(device="cpu", target="smollm2-135m")
+    assert from_args(BenchConfig, p.parse_args(["bench"]), **bench) == BenchConfig()
     a = p.parse_args(["bench", "--chain", "3", "--no-baselines", "--json", "r.json", "--top-p", "0.5"])
-    assert from_args(BenchConfig, a, k=a.chain, device="cpu") == BenchConfig(k=3, baselines=False, json_out="r.json",
-                                                                             top_p=0.5)
+    assert from_args(BenchConfig, a, k=a.chain, **bench) == BenchConfig(k=3, baselines=False, json_out="r.json",
+                                                                        top_p=0.5)
     a = p.parse_args(["prepare", "--out", "P", "--temperature", "0.7", "--regen-dtype", "bf16"])
-    assert from_args(PrepareConfig, a) == PrepareConfig(out="P", regen_temperature=0.7, regen_dtype="bf16")
+    assert from_args(PrepareConfig, a, device="cpu") == PrepareConfig(out="P", regen_temperature=0.7,
+                                                                      regen_dtype="bf16")
     a = p.parse_args(["train", "--data", "D", "--target", "T", "--out", "R", "--no-progress", "--pack", "on"])
     assert from_args(TrainConfig, a) == TrainConfig(data="D", target="T", out="R", progress=False, pack="on")
     a = p.parse_args(["capture", "--data", "D", "--out", "S", "--layers", "1,2,3", "--dtype", "fp8"])
-    assert from_args(CaptureConfig, a) == CaptureConfig(data="D", out="S", layers=(1, 2, 3), dtype="fp8")
+    assert from_args(CaptureConfig, a, device="cpu") == CaptureConfig(data="D", out="S", layers=(1, 2, 3),
+                                                                      dtype="fp8")
     with pytest.raises(SystemExit):
         p.parse_args(["train", "--store", "S", "--data", "D", "--out", "R"])     # still one of --store | --data
     with pytest.raises(SystemExit):

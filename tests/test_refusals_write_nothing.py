@@ -96,9 +96,10 @@ def test_train_refusing_its_target_or_store_leaves_no_run_dir(root, tmp_path, ca
 
 def test_capture_refusing_its_target_leaves_no_parent_dirs(root, tmp_path, capsys):
     """Before: the store's lock removed the store directory it made, but not the parents it made with it."""
-    out = tmp_path / "a" / "b" / "store"
-    line = fail(["capture", "--target", str(root / "remote"), "--data", str(root / "store"), "--out", str(out)],
-                capsys)
+    out, prep = tmp_path / "a" / "b" / "store", tmp_path / "prep"
+    assert main(["prepare", "--target", str(root / "target"), "--data", str(root / "chats.jsonl"), "--out", str(prep),
+                 "--heldout-fraction", "0", "--device", "cpu"]) == 0   # data that pass, so the target is refused
+    line = fail(["capture", "--target", str(root / "remote"), "--data", str(prep), "--out", str(out)], capsys)
     assert "--trust-remote-code" in line
     assert not (tmp_path / "a").exists()
 

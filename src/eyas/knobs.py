@@ -11,10 +11,14 @@ import ast
 import dataclasses
 import functools
 import inspect
+import os
+import re
+import sys
 import textwrap
 import types
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 
 from eyas.errors import EyasError
 
@@ -106,7 +110,7 @@ def add_flags(parser, cls, names=None, **special: dict) -> None:
         tp = _flag_type(k.type)
         if tp is None and "type" not in kw:
             raise TypeError(f"{cls.__name__}.{name}: a {k.type} field needs type= in add_flags")
-        args = {"dest": name, "help": _escape(k.doc)}
+        args = {"dest": name, "help": _escape(as_flags(k.doc, every))}
         if tp is bool:
             off = k.default is True
             flags = (flag_name("no_" + name),) if off else (flag_name(name),)
@@ -144,3 +148,62 @@ def _flag_type(tp):
 
 def _escape(text: str) -> str:
     return text.replace("%", "%%")
+
+
+def as_flags(doc: str, names) -> str:
+    """A field docstring as help text: every other field it names by its identifier (`regen_temperature`,
+    `max_len`) becomes the flag a user types (--regen-temperature, --max-len). Only names joined by '_' are
+    rewritten, and a one-word field only in backticks (`out` is also a plain word); a file name (feature_cache.py)
+    is left alone."""
+    names = sorted(names, key=len, reverse=True)
+    ticked = r"`(" + "|".join(map(re.escape, names)) + r")`"
+    doc = re.sub(ticked, lambda m: flag_name(m.group(1)), doc)
+    joined = [n for n in names if "_" in n]
+    if not joined:
+        return doc
+    bare = r"(?<![\w.-])(" + "|".join(map(re.escape, joined)) + r")(?![\w-]|\.\w)"
+    return re.sub(bare, lambda m: flag_name(m.group(1)), doc)
+
+
+# ---- what every stage command says and resolves the same way ----------------------------------------------------
+
+DEVICE_HELP = "auto (cuda when a CUDA GPU is present, else cpu), cpu, cuda or cuda:N"
+"""The help of every stage's --device, whose default is auto."""
+
+
+def resolve_device(device: str) -> str:
+    """A --device value as the device to run on: auto is cuda when a CUDA GPU is present, else cpu; cuda asked for on
+    a machine without one is refused in one line (the stage would otherwise fail deep inside torch)."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.split(":")[0] == "cuda" and not torch.cuda.is_available():
+        raise EyasError(f"--device {device}: CUDA is not available on this machine (--device auto or cpu runs here)")
+    return device
+
+
+FROM_FLAG = "--target"
+FROM_DRAFTER = "the drafter's manifest"
+FROM_STORE = "the store's"
+
+
+def default_source(spec: str) -> str:
+    """How the line of `announce_target` names a target no one chose: the embedded default by its model name."""
+    from eyas.target.load import EMBEDDED   # loads torch and transformers: only as a stage starts
+
+    if spec in EMBEDDED:
+        return f"the embedded default {Path(EMBEDDED[spec][1]).name.split('.')[0]}"   # SmolLM2-135M-Instruct
+    return "the default"
+
+
+def flag_or_default(spec: str, default: str) -> str:
+    """The source of a --target value that defaults to `default`: the flag, or the embedded default."""
+    return FROM_FLAG if spec != default else default_source(spec)
+
+
+def announce_target(stage: str, spec: str, source: str) -> None:
+    """One line on stderr as a stage starts, naming the target it runs with and where that name came from, e.g.
+    `eyas bench: target /models/Qwen3-8B (source: the drafter's manifest)`. Under torchrun rank 0 says it."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"eyas {stage}: target {spec} (source: {source})", file=sys.stderr)

@@ -74,7 +74,7 @@ class BenchConfig:
     """torch.compile the target's graphed steps (CUDA)."""
     persist_steps: bool = False
     """With compile: keep the target's compiled steps in $EYAS_CACHE/steps, so later benches load them instead of
-    tracing them again (torch.compile(...).aot_compile); what it saves on the H200: BENCHMARKS.md."""
+    tracing them again (torch.compile's ahead-of-time compile); what it saves on the H200: BENCHMARKS.md."""
     baselines: bool = True
     """Also run plain decoding and prompt lookup."""
     lossless_turns: int = 4

@@ -1,10 +1,19 @@
-"""`eyas bench` command line: parses arguments and calls run_bench."""
+"""`eyas bench` command line: parses arguments and calls run_bench.
+
+Everything that needs no target is checked before one loads (the counts, --drafter, --prompts, the device), so a typo
+fails in milliseconds rather than after a model load. Without --target the bench runs the target the drafter was
+trained for, read from what its directories record."""
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
-from eyas.knobs import add_flags, from_args
+from eyas.errors import EyasError
+from eyas.knobs import (DEVICE_HELP, FROM_DRAFTER, FROM_FLAG, add_flags, announce_target, default_source, flag_name,
+                        from_args, resolve_device)
+from eyas.manifest import MANIFEST, read_manifest
 
 
 # Flags that are not a BenchConfig field: --chain K | --tree set method and k together, --graph-round resolves
@@ -12,33 +21,48 @@ from eyas.knobs import add_flags, from_args
 # spec.graph_round; the mismatch override is handled here, where the drafter is opened.
 NOT_FIELDS = ("chain", "tree", "one_graph_round", "allow_target_mismatch")
 
+COUNTS = ("chain", "top_k", "depth", "total_tokens", "max_new_tokens", "limit", "max_turns", "max_prompt_tokens",
+          "min_prompt_tokens", "max_seq", "concurrency")
+"""Flags that take a count of at least 1 (None where a flag is left out: its default)."""
+
 
 def register(subparsers) -> argparse.ArgumentParser:
     from eyas.bench.bench import BenchConfig
 
-    p = subparsers.add_parser("bench", help="measure acceptance length and real speedup of a drafter",
-                              description="Speculative decoding benchmark with plain and prompt-lookup baselines.")
-    add_flags(p, BenchConfig, ["target", "drafter", "prompts"])
-    shape = p.add_mutually_exclusive_group()
+    p = subparsers.add_parser(
+        "bench", help="measure acceptance length and real speedup of a drafter",
+        description="Speculative decoding benchmark with plain and prompt-lookup baselines: tokens per target "
+                    "forward (tau) and the speedup over plain decoding measured in the same run, and at "
+                    "temperature 0 a check that the outputs equal plain greedy decoding.")
+    special = dict(target={"default": None, "help": "target model: embedded name, HF directory, hub id or GGUF path "
+                                                    "(default: the target the drafter was trained for, as its run "
+                                                    "records it; without --drafter the embedded SmolLM2-135M-Instruct)"},
+                   device={"default": "auto", "help": DEVICE_HELP + " (default: %(default)s)"},
+                   dtype={"choices": ["fp32", "bf16", "fp16"]},
+                   baselines={"help": "skip plain decoding and prompt lookup"},
+                   lossless_turns={"metavar": "N"},
+                   json_out={"flags": ("--json",)})
+    target = p.add_argument_group("target")
+    add_flags(target, BenchConfig, ["target", "device", "dtype", "compile", "persist_steps", "trust_remote_code"],
+              **special)
+    target.add_argument("--allow-target-mismatch", action="store_true",
+                        help="bench a drafter whose recorded target fingerprint differs from --target's (a warning, "
+                             "kept in the report)")
+    decoding = p.add_argument_group("drafter and decoding")
+    add_flags(decoding, BenchConfig, ["drafter"], **special)
+    shape = decoding.add_mutually_exclusive_group()
     shape.add_argument("--chain", type=int, metavar="K",
                        help="chain of K draft tokens (default 5; a DFlash drafter of block B: B-1, at most B-1)")
     shape.add_argument("--tree", action="store_true", help="EAGLE-2 dynamic tree")
-    p.add_argument("--graph-round", action=argparse.BooleanOptionalAction, default=None,
-                   dest="one_graph_round",
-                   help="greedy chains and trees: run each whole round on the device, one CUDA graph on CUDA "
-                        "(default: on for greedy chains and trees on CUDA, off otherwise)")
-    add_flags(p, BenchConfig, ["top_k", "depth", "total_tokens", "temperature", "top_p", "max_new_tokens", "limit",
-                               "max_turns", "max_prompt_tokens", "min_prompt_tokens", "max_seq", "device", "dtype",
-                               "compile", "persist_steps", "baselines", "lossless_turns", "seed", "json_out",
-                               "trust_remote_code"],
-              device={"default": None, "help": "cpu or cuda (default: cuda if available)"},
-              dtype={"choices": ["fp32", "bf16", "fp16"]},
-              baselines={"help": "skip plain decoding and prompt lookup"},
-              lossless_turns={"metavar": "N"},
-              json_out={"flags": ("--json",)})
-    p.add_argument("--allow-target-mismatch", action="store_true",
-                   help="bench a drafter whose recorded target fingerprint differs from --target's (a warning, "
-                        "kept in the report's target_mismatch)")
+    decoding.add_argument("--graph-round", action=argparse.BooleanOptionalAction, default=None,
+                          dest="one_graph_round",
+                          help="greedy chains and trees: run each whole round on the device, one CUDA graph on CUDA "
+                               "(default: on for greedy chains and trees on CUDA, off otherwise)")
+    add_flags(decoding, BenchConfig, ["top_k", "depth", "total_tokens", "temperature", "top_p", "seed"], **special)
+    add_flags(p.add_argument_group("prompts"), BenchConfig, ["prompts", "limit", "max_turns", "max_prompt_tokens",
+                                                            "min_prompt_tokens", "max_new_tokens", "max_seq"],
+              **special)
+    add_flags(p.add_argument_group("output"), BenchConfig, ["baselines", "lossless_turns", "json_out"], **special)
     from eyas.bench.engine import ENGINES, EngineBenchConfig
     served = p.add_argument_group("in a serving engine (--engine): the target and drafter are served, --target is "
                                   "the served model's directory (config and tokenizer, no weights)")
@@ -51,34 +75,121 @@ def register(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def bench_config(args: argparse.Namespace, device: str):
-    """The BenchConfig of parsed `eyas bench` flags on `device` (--chain/--tree and --graph-round resolved)."""
+def check_counts(args: argparse.Namespace) -> None:
+    """Refuse a count flag below 1 (and --lossless-turns below 0) in one line, before anything loads: --chain 0
+    must not mean the default chain."""
+    for name in COUNTS:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise EyasError(f"{flag_name(name)} {value}: expected a count of at least 1")
+    if getattr(args, "lossless_turns", 0) < 0:
+        raise EyasError(f"--lossless-turns {args.lossless_turns}: expected 0 (off) or more turns")
+
+
+def bench_config(args: argparse.Namespace, device: str, *, target: str | None = None):
+    """The BenchConfig of parsed `eyas bench` flags on `device` (--chain/--tree and --graph-round resolved) and
+    `target` (default: --target, else BenchConfig's)."""
     from eyas.bench.bench import BenchConfig, graph_round_default
 
-    shape = {"method": "tree"} if args.tree else {"method": "chain", **({"k": args.chain} if args.chain else {})}
+    shape = {"method": "tree"} if args.tree else {"method": "chain",
+                                                  **({"k": args.chain} if args.chain is not None else {})}
     graph_round = args.one_graph_round
     if graph_round is None:
         graph_round = graph_round_default(device, args.temperature)
     if graph_round:
         shape["graph_round"] = True
-    return from_args(BenchConfig, args, **shape, device=device)
+    return from_args(BenchConfig, args, **shape, device=device, target=target or args.target or BenchConfig.target)
+
+
+def loads_as_named(spec: str) -> bool:
+    """Whether a recorded target name loads as it is: an embedded name, a path that exists here, or a hub id."""
+    from eyas.target.load import EMBEDDED
+
+    return spec in EMBEDDED or Path(spec).expanduser().exists() or (spec.count("/") == 1 and
+                                                                    not spec.startswith((".", "/", "~")))
+
+
+def recorded_fingerprint(drafter: str) -> tuple[Path, dict | None]:
+    """(the directory holding the drafter's config.json, the target fingerprint it records or None), no weights read.
+    Refuses a path that holds no drafter."""
+    from eyas.model.checkpoint import drafter_dir
+
+    d = drafter_dir(drafter)
+    try:
+        raw = json.loads((d / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise EyasError(f"{d / 'config.json'}: cannot read the drafter's config ({e})") from None
+    raw = raw if isinstance(raw, dict) else {}
+    fingerprint = raw.get("target") or raw.get("eyas_target")   # an eyas drafter dir | an exported dir
+    return d, fingerprint if isinstance(fingerprint, dict) else None
+
+
+def recorded_target(drafter: str) -> str | None:
+    """The target the drafter at `drafter` was trained for, from what its directories record (no weights read): the
+    training run's --target, else the spec its store's capture loaded, else the name in the drafter's recorded
+    fingerprint (an exported drafter keeps only that). The first of them that loads as it is; None when nothing is
+    recorded (a published head). A recorded name that loads nowhere here is refused, saying to pass --target."""
+    d, fingerprint = recorded_fingerprint(drafter)
+    names = []
+    if d.name == "drafter" and (d.parent / MANIFEST).is_file():   # a training run's drafter
+        try:
+            run = read_manifest(d.parent, kind="train")
+            names.append(run["config"].get("target"))
+            if store := (run.get("source") or {}).get("store"):
+                names.append(read_manifest(store).get("config", {}).get("target"))
+        except (EyasError, KeyError, AttributeError):
+            pass   # not a run eyas can read: the drafter's own record below
+    if fingerprint:
+        names.append(fingerprint.get("identity"))
+    names = [n for n in names if isinstance(n, str) and n]
+    for name in names:
+        if loads_as_named(name):
+            return name
+    if names:
+        raise EyasError(f"{drafter}: the drafter was trained for target {names[0]!r}, a name that loads nothing "
+                        f"here; pass --target with that model's directory, GGUF file or hub id")
+    return None
+
+
+def check_prompts(spec: str) -> None:
+    """Refuse a --prompts that cannot load, before the target does: a named set's data file, a prompt file (its
+    first record is read)."""
+    from eyas.bench.bench import PROMPT_SETS
+    from eyas.data.sources import load_prompts, resolve_data
+
+    if spec in PROMPT_SETS:
+        return
+    if spec.startswith(("heldout:", "long:")):
+        resolve_data(spec.split(":", 1)[1])
+        return
+    if not load_prompts(spec, limit=1):
+        raise EyasError(f"{spec}: no prompts")
 
 
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from eyas.bench.bench import run_bench
+    from eyas.bench.bench import BenchConfig, run_bench
 
+    check_counts(args)
     if getattr(args, "engine", None) or getattr(args, "url", None) or getattr(args, "plain_url", None):
         return engine_main(args)
-    cfg = bench_config(args, args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(args.device)
+    if args.target:
+        if args.drafter:
+            recorded_fingerprint(args.drafter)   # refuses a path that holds no drafter
+        target, source = args.target, FROM_FLAG
+    else:
+        target = recorded_target(args.drafter) if args.drafter else None
+        target, source = (target, FROM_DRAFTER) if target else (BenchConfig.target, default_source(BenchConfig.target))
+    check_prompts(args.prompts)
+    cfg = bench_config(args, device, target=target)
+    announce_target("bench", cfg.target, source)
     if not args.allow_target_mismatch or not args.drafter:
         run_bench(cfg)
         return 0
     # The drafter is loaded here, accepting another target's fingerprint with a warning; run_bench gets both.
-    import json
     import sys
-    from pathlib import Path
 
     from eyas.manifest import atomic_write_bytes
     from eyas.model.checkpoint import open_drafter
@@ -100,7 +211,6 @@ def main(args: argparse.Namespace) -> int:
 def engine_main(args: argparse.Namespace) -> int:
     """`eyas bench --engine E --url URL [--plain-url URL2]`: nothing is loaded in process but the tokenizer."""
     from eyas.bench.engine import EngineBenchConfig, run_engine_bench
-    from eyas.errors import EyasError
 
     if not args.engine:
         raise EyasError("--url and --plain-url bench a served drafter: say which engine serves it (--engine "

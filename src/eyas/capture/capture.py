@@ -25,11 +25,11 @@ class CaptureConfig:
     out: str
     """Store directory to write (created; resumed if it holds a store of the same configuration)."""
     target: str = "smollm2-135m"
-    """Target spec for load_target (ignored when a Target object is passed to run_capture)."""
+    """Target model: embedded name, HF directory, hub id or GGUF path (a loaded target passed in replaces it)."""
     data: str | None = None
     """Prepared data directory (eyas prepare output)."""
     layers: tuple[int, ...] | None = None
-    """Three HF hidden_states indices (low, mid, high); default: the target's (2, N//2, N-3)."""
+    """Three layer ids, counted as HF counts hidden states (low, mid, high); default: the target's (2, N//2, N-3)."""
     dtype: str = "bf16"
     """Stored dtype of the hidden states: bf16, or fp8 (e4m3 + per-token, per-state scale)."""
     batch_tokens: int = 16384
@@ -37,7 +37,7 @@ class CaptureConfig:
     device: str = "cpu"
     """cpu or cuda (cuda:LOCAL_RANK under torchrun)."""
     overwrite: bool = False
-    """Replace a store of another configuration in `out` instead of refusing."""
+    """Replace a store of another configuration in the output directory instead of refusing."""
     limit: int | None = None
     """Capture only the first N samples of the data."""
     shard_mb: float = 512

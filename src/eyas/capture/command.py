@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from eyas.errors import EyasError
-from eyas.knobs import add_flags, from_args
+from eyas.knobs import (DEVICE_HELP, add_flags, announce_target, flag_or_default, from_args, resolve_device)
 
 
 def _layers(text: str) -> tuple[int, ...]:
@@ -22,13 +22,23 @@ def register(subparsers) -> None:
     from eyas.capture.capture import CaptureConfig
     from eyas.store.format import DTYPES
 
-    p = subparsers.add_parser("capture", help="store the target's aux + final hidden states for prepared data")
-    add_flags(p, CaptureConfig, ["target", "data", "out", "layers", "dtype", "batch_tokens", "device", "overwrite",
-                                 "limit", "shard_mb", "trust_remote_code"],
-              data={"required": True}, layers={"type": _layers}, dtype={"choices": list(DTYPES)})
-    p.add_argument("--target-config", default=None,
-                   help="with --engine: the served target's config.json or its directory (the layer count, hidden "
-                        "and vocab size; no weights are read)")
+    p = subparsers.add_parser(
+        "capture", help="store the target's aux + final hidden states for prepared data",
+        description="Run the target over a prepared directory and store, per sample, the hidden states of three of "
+                    "its layers and its final state: what offline training reads. In process (the target loads "
+                    "here) or through a running SGLang / vLLM server (--engine). Rerunning the same command resumes "
+                    "an interrupted capture.")
+    special = dict(data={"required": True}, layers={"type": _layers}, dtype={"choices": list(DTYPES)},
+                   device={"default": "auto", "help": DEVICE_HELP + "; cuda:LOCAL_RANK under torchrun (default: "
+                                                                     "%(default)s)"})
+    target = p.add_argument_group("target")
+    add_flags(target, CaptureConfig, ["target", "device", "trust_remote_code"], **special)
+    target.add_argument("--target-config", default=None,
+                        help="with --engine: the served target's config.json or its directory (the layer count, "
+                             "hidden and vocab size; no weights are read)")
+    add_flags(p.add_argument_group("data"), CaptureConfig, ["data", "limit"], **special)
+    add_flags(p.add_argument_group("capture"), CaptureConfig, ["layers", "dtype", "batch_tokens"], **special)
+    add_flags(p.add_argument_group("output"), CaptureConfig, ["out", "overwrite", "shard_mb"], **special)
     from eyas.engines.capture import add_engine_args
 
     add_engine_args(p)
@@ -65,10 +75,14 @@ def _engine_main(args) -> int:
 
 def _main(args) -> int:
     from eyas.capture.capture import CaptureConfig, run_capture
+    from eyas.data.prepared import PreparedData
 
     if args.engine:
         return _engine_main(args)
-    device = args.device
+    # The data are checked before the target loads, so a wrong --data fails at once, not after a model load; the
+    # capture itself checks them again against the target.
+    PreparedData(args.data)
+    device = resolve_device(args.device)
     world = int(os.environ.get("WORLD_SIZE", 1))
     owns = False
     if world > 1:
@@ -84,6 +98,7 @@ def _main(args) -> int:
         cfg = from_args(CaptureConfig, args, device=device)
     except ValueError as e:
         raise EyasError(f"capture: {e}") from None
+    announce_target("capture", cfg.target, flag_or_default(cfg.target, CaptureConfig.target))
     m = run_capture(cfg)
     if owns:           # every rank is past run_capture's last barrier; a live gloo group at exit can abort the process
         destroy_process_group()

@@ -7,7 +7,21 @@ import sys
 from pathlib import Path
 
 from eyas.errors import EyasError
-from eyas.knobs import add_flags, from_args
+from eyas.knobs import DEVICE_HELP, add_flags, announce_target, flag_or_default, from_args, knobs, resolve_device
+
+# The --help sections and the PrepareConfig fields in each; a field left out of every one still gets its flag, under
+# "other settings", so a new field never goes without one.
+GROUPS = {
+    "target": ["target", "device", "trust_remote_code"],
+    "data": ["data", "limit", "max_len", "max_turns", "heldout_fraction"],
+    "regeneration (--regenerate: the target writes the replies)": [
+        "regenerate", "regenerate_limit", "regen_temperature", "samples_per_prompt", "greedy_sample", "self_prompts",
+        "self_prompt_temperature", "max_new_tokens", "seed", "batch_size", "gen_batch", "regen_dtype", "regen_compile",
+        "regen_fuse"],
+    "regeneration server (--server: an OpenAI-compatible server writes the replies)": [
+        "server", "model", "concurrency", "timeout", "retries"],
+    "output": ["out", "overwrite"],
+}
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -18,10 +32,18 @@ def register(subparsers) -> argparse.ArgumentParser:
         description="Tokenize conversations with the target's chat template and assistant loss masks; "
                     "writes the TRAIN split (held-out ids are skipped) and manifest.json. "
                     "Rerunning the same command resumes an interrupted run.")
-    add_flags(p, PrepareConfig, regen_temperature={"flags": ("--regen-temperature", "--temperature")},
-              regen_dtype={"choices": ["fp32", "bf16", "fp16"]})
-    p.add_argument("--verbose", action="store_true", help="print every skipped record and dropped sample "
-                   "(always written to OUT/skipped.jsonl)")
+    special = dict(regen_temperature={"flags": ("--regen-temperature", "--temperature")},
+                   regen_dtype={"choices": ["fp32", "bf16", "fp16"]},
+                   device={"default": "auto", "help": DEVICE_HELP + "; local regeneration runs the target there "
+                                                                     "(default: %(default)s)"})
+    groups = {title: p.add_argument_group(title) for title in GROUPS}
+    for title, names in GROUPS.items():
+        add_flags(groups[title], PrepareConfig, names, **special)
+    grouped = {n for names in GROUPS.values() for n in names}
+    if rest := [n for n in knobs(PrepareConfig) if n not in grouped]:
+        add_flags(p.add_argument_group("other settings"), PrepareConfig, rest, **special)
+    groups["output"].add_argument("--verbose", action="store_true", help="print every skipped record and dropped "
+                                  "sample (always written to OUT/skipped.jsonl)")
     p.set_defaults(func=main)
     return p
 
@@ -30,9 +52,10 @@ def main(args: argparse.Namespace) -> int:
     from eyas.data.prepare import PrepareConfig, format_counts, run_prepare, skipped_lines
 
     try:
-        cfg = from_args(PrepareConfig, args)
+        cfg = from_args(PrepareConfig, args, device=resolve_device(args.device))
     except ValueError as e:
         raise EyasError(str(e)) from e
+    announce_target("prepare", cfg.target, flag_or_default(cfg.target, PrepareConfig.target))
     manifest = run_prepare(cfg)
     print(f"prepared {cfg.out}")
     print(format_counts(manifest["counts"]))

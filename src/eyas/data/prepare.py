@@ -83,8 +83,8 @@ class PrepareConfig:
     regen_fuse: bool = False
     """Local regeneration: compile each decoder layer's norms, projections, RoPE and MLP (two functions shared by all
     layers) around its eager attention, inside the same CUDA-graphed steps by lengths; one compile up front. Changes
-    speed, not the data (up to bf16 rounding); faster on CUDA (benchmarks/regen.py --modes lengths,fused), where the
-    gpu recipe turns it on."""
+    speed, not the data (up to bf16 rounding); faster on CUDA (BENCHMARKS.md, the regeneration modes), where the gpu
+    recipe turns it on."""
     regen_dtype: str | None = None
     """Weights dtype of local regeneration: fp32, bf16 or fp16 (None: the target's). bf16 is faster on
     CPUs with AVX512-BF16/AMX; the replies are then the bf16 target's, which is still the target's style."""

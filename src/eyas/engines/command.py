@@ -80,43 +80,63 @@ def _ingest(a) -> int:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("engine", help="capture through SGLang / vLLM servers")
+    p = subparsers.add_parser(
+        "engine", help="capture through SGLang / vLLM servers",
+        description="Capture hidden states through a serving engine, for targets too large to load in process: the "
+                    "server command to launch (launch-args), the SGLang source patch, and checks of what the engine "
+                    "captured (crosscheck, check); vLLM's dumps become a store with ingest-vllm. docs/engines.md "
+                    "walks through it.")
     sub = p.add_subparsers(dest="engine_cmd", required=True)
-    la = sub.add_parser("launch-args", help="print the server command for capture")
+    la = sub.add_parser("launch-args", help="print the server command for capture",
+                        description="Print the SGLang or vLLM server command that serves the target with eyas's "
+                                    "capture switched on: one flag and its value per line, ready to paste into a "
+                                    "shell. `eyas capture --engine` then sends the prepared data to it.")
     la.add_argument("engine", choices=["sglang", "vllm"])
-    la.add_argument("--target-config", required=True, help="the target's HF config.json or its directory")
-    la.add_argument("--version", dest="engine_version", default="0.5.23", help="SGLang version")
-    la.add_argument("--model", default="MODEL")
-    la.add_argument("--store", default="STORE")
-    la.add_argument("--data", default="PREPARED")
-    la.add_argument("--vllm-dir", default="VLLM_OUT")
-    la.add_argument("--aux-layer-ids", default="", help="HF ids a,b,c (default 2,N//2,N-3)")
-    la.add_argument("--tp", type=int, default=1)
-    la.add_argument("--attn-dp", type=int, default=1, help="SGLang attention-DP groups (dividing --tp)")
-    la.add_argument("--ep", type=int, default=1, help="expert parallel size (SGLang: dividing --tp; vLLM: --tp)")
-    la.add_argument("--max-model-len", type=int, default=0,
-                    help="vLLM's context (default: the longest sample of --data plus one; never the target's own)")
-    la.add_argument("--lm-head-module", default="",
-                    help="SGLang module name of the target's LogitsProcessor (default: known per architecture)")
+    target = la.add_argument_group("target")
+    target.add_argument("--target-config", required=True, help="the target's HF config.json or its directory")
+    target.add_argument("--aux-layer-ids", default="", help="HF ids a,b,c (default 2,N//2,N-3)")
+    target.add_argument("--lm-head-module", default="",
+                        help="SGLang module name of the target's LogitsProcessor (default: known per architecture)")
+    target.add_argument("--version", dest="engine_version", default="0.5.23", help="SGLang version")
+    parallel = la.add_argument_group("parallelism")
+    parallel.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    parallel.add_argument("--attn-dp", type=int, default=1, help="SGLang attention-DP groups (dividing --tp)")
+    parallel.add_argument("--ep", type=int, default=1,
+                          help="expert parallel size (SGLang: dividing --tp; vLLM: --tp)")
+    paths = la.add_argument_group("paths and sizes written into the command")
+    paths.add_argument("--model", default="MODEL", help="the served model's directory (default: %(default)s)")
+    paths.add_argument("--store", default="STORE", help="SGLang: the store the hook writes (default: %(default)s)")
+    paths.add_argument("--data", default="PREPARED", help="the prepared data to be captured (default: %(default)s)")
+    paths.add_argument("--vllm-dir", default="VLLM_OUT",
+                       help="vLLM: the directory its hidden-state dumps go to (default: %(default)s)")
+    paths.add_argument("--max-model-len", type=int, default=0,
+                       help="vLLM's context (default: the longest sample of --data plus one; never the target's own)")
     la.set_defaults(func=_launch)
-    pa = sub.add_parser("patch", help="AST-patch SGLang model files to call the eyas hook")
+    pa = sub.add_parser("patch", help="AST-patch SGLang model files to call the eyas hook",
+                        description="Patch (or check, or revert) the installed SGLang's model files so that they "
+                                    "call eyas's capture hook: for SGLang versions without forward hooks.")
     pa.add_argument("engine", choices=["sglang"])
     g = pa.add_mutually_exclusive_group(required=True)
-    g.add_argument("--check", action="store_true")
-    g.add_argument("--apply", action="store_true")
-    g.add_argument("--revert", action="store_true")
+    g.add_argument("--check", action="store_true", help="print the changes a patch would make")
+    g.add_argument("--apply", action="store_true", help="patch the files")
+    g.add_argument("--revert", action="store_true", help="restore the files as they were")
     pa.add_argument("--sglang-dir", default=None, help="sglang package dir (default: the installed one)")
     pa.set_defaults(func=_patch)
-    cc = sub.add_parser("crosscheck", help="engine-path store vs in-process capture, per layer")
-    cc.add_argument("--store", required=True)
-    cc.add_argument("--target", required=True)
-    cc.add_argument("-n", type=int, default=8)
+    cc = sub.add_parser("crosscheck", help="engine-path store vs in-process capture, per layer",
+                        description="Compare the first samples of an engine-captured store with the same samples "
+                                    "captured in process (the whole target loads here), layer by layer.")
+    cc.add_argument("--store", required=True, help="the engine-captured store")
+    cc.add_argument("--target", required=True, help="the target model (loaded with its weights)")
+    cc.add_argument("-n", type=int, default=8, help="samples compared (default: %(default)s)")
     cc.add_argument("--tol", type=float, default=0.02,
                     help="largest relative error ||engine - reference|| / ||reference|| counted as equal (bf16 engine)")
     cc.add_argument("--trust-remote-code", action="store_true",
                     help="allow the target's own code (its model, tokenizer or config)")
     cc.set_defaults(func=_crosscheck)
-    ck = sub.add_parser("check", help="engine-captured store vs the served target, with its head tensors only")
+    ck = sub.add_parser("check", help="engine-captured store vs the served target, with its head tensors only",
+                        description="Check an engine-captured store against the server that wrote it, reading "
+                                    "only the target's embedding, LM head and final norm: greedy tokens, the "
+                                    "post-norm final slot and (SGLang) the aux layers probed.")
     ck.add_argument("--engine", choices=["sglang", "vllm"], required=True)
     ck.add_argument("--url", required=True, help="the server that captured the store")
     ck.add_argument("--store", required=True, help="the store (SGLang: the hook's --store; its probes land in it)")
@@ -125,12 +145,15 @@ def register(subparsers) -> None:
     ck.add_argument("-n", type=int, default=4, help="stored samples re-sent")
     ck.add_argument("--tol", type=float, default=0.02,
                     help="largest relative error of an aux slot against its probed layer (bf16 engine)")
-    ck.add_argument("--vllm-dir", default="", help="vLLM: shared_storage_path (the check's own dumps are removed)")
+    ck.add_argument("--vllm-dir", default="", help="vLLM: the directory of its hidden-state dumps (the check's own "
+                    "dumps are removed)")
     ck.set_defaults(func=_check)
-    iv = sub.add_parser("ingest-vllm", help="vLLM extract_hidden_states files -> store")
-    iv.add_argument("--vllm-dir", required=True)
-    iv.add_argument("--data", required=True)
-    iv.add_argument("--out", required=True, help="store created by run_engine_capture / capture --engine")
+    iv = sub.add_parser("ingest-vllm", help="vLLM extract_hidden_states files -> store",
+                        description="Turn the hidden-state files a vLLM server dumped (its extract_hidden_states "
+                                    "connector) into an eyas store, applying the target's final norm.")
+    iv.add_argument("--vllm-dir", required=True, help="the directory of vLLM's dumps")
+    iv.add_argument("--data", required=True, help="the prepared data the server was sent")
+    iv.add_argument("--out", required=True, help="the store, created by `eyas capture --engine vllm`")
     iv.add_argument("--target-config", required=True,
                     help="the served target's config.json (vLLM's last slot is pre-norm; eyas applies its final norm)")
     iv.add_argument("--target-weights", default="", help="dir of its safetensors (default: beside --target-config)")

@@ -222,4 +222,11 @@ def vllm_args(target_config, *, model: str = "MODEL", out_dir: str = "VLLM_OUT",
 
 
 def format_command(args: list[str]) -> str:
-    return " \\\n  ".join(shlex.quote(a) for a in args)
+    """`args` as a shell command to paste: the program and its leading words on the first line, then one flag and
+    its value(s) per line (a new line at each `--` token), joined by backslash continuations."""
+    lines: list[list[str]] = [[]]
+    for a in args:
+        if a.startswith("--") and lines[-1]:
+            lines.append([])
+        lines[-1].append(shlex.quote(a))
+    return " \\\n  ".join(" ".join(line) for line in lines)

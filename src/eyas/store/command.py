@@ -6,14 +6,18 @@ import json
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("store", help="inspect or verify a hidden-state store")
+    p = subparsers.add_parser("store", help="inspect or verify a hidden-state store",
+                              description="Inspect or verify a store of hidden states written by `eyas capture`.")
     sub = p.add_subparsers(dest="store_cmd", required=True)
-    v = sub.add_parser("verify", help="check checksums, shapes and finiteness of every shard")
-    v.add_argument("store")
+    v = sub.add_parser("verify", help="check checksums, shapes and finiteness of every shard",
+                       description="Read every shard of a store and check its checksum, tensor shapes and that "
+                                   "every value is finite.")
+    v.add_argument("store", help="the store directory")
     v.add_argument("--allow-incomplete", action="store_true", help="also verify an interrupted store")
     v.set_defaults(func=_verify)
-    i = sub.add_parser("info", help="counts, bytes per token, layers")
-    i.add_argument("store")
+    i = sub.add_parser("info", help="counts, bytes per token, layers",
+                       description="Print a store's counts, bytes per token and captured layers as JSON.")
+    i.add_argument("store", help="the store directory")
     i.set_defaults(func=_info)
 
 
