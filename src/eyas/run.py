@@ -300,7 +300,9 @@ def run_pipeline(cfg: RunConfig) -> dict:
 
     r = cfg.recipe.run
     if r.device == "cuda" and not torch.cuda.is_available():
-        raise EyasError(f"recipe {cfg.preset!r} needs a CUDA GPU and none is available; use --preset cpu-demo")
+        asked = [k for k in cfg.overrides if resolve_key(k) == ("run", "device")]
+        why = f"--set {asked[-1]}=cuda" if asked else f"recipe {cfg.preset!r} runs on cuda"
+        raise EyasError(f"{why}, but this machine has no CUDA GPU; use --preset cpu-demo (or --set run.device=cpu)")
     run = Path(cfg.out)
     t_start = time.time()
     # The run directory is refused, then the target opened, before anything is written: a run that cannot start
