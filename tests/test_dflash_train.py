@@ -16,7 +16,7 @@ from eyas.model.dflash import DFlashConfig, DFlashDrafter, default_mask_token
 from eyas.train.config import TrainConfig
 from eyas.train.dflash import BlockLossConfig, DFlashModule, candidates, dflash_forward, sample_anchors
 from eyas.train.trainer import run_train
-from test_train import capture, crashed_run, make_samples, records, tiny_target
+from test_train import capture, crashed_run, make_samples, prepared, records, tiny_target
 
 H, V, B = 32, 96, 4
 
@@ -277,16 +277,10 @@ def test_train_dflash_learns_a_copy_task(tmp_path):
 
 
 def test_train_dflash_online_matches_offline(tmp_path):
-    from eyas.data.prepared import PreparedWriter, Sample
-
     t = tiny_target()
     samples = make_samples(16)
     store = capture(tmp_path, t, samples)
-    w = PreparedWriter(tmp_path / "prep", identity={"test": 1})
-    for sid, ids, m in samples:
-        w.add(Sample(sid, ids, m))
-    w.commit(len(samples), {})
-    w.finish({"target": t.fingerprint, "counts": {"kept": len(samples)}})
+    prepared(tmp_path / "prep", t, samples)
     a = run_train(dcfg(tmp_path, store, "off", steps=1, eval_fraction=0.0), target=t)
     b = run_train(dcfg(tmp_path, None, "on", data=str(tmp_path / "prep"), target="custom", steps=1,
                        eval_fraction=0.0), target=t)

@@ -56,6 +56,18 @@ def records(run, split="train"):
     return [{k: r.get(k) for k in keys} for r in lines if r["split"] == split]
 
 
+def prepared(path, target, samples):
+    """A prepared-data directory of `samples` (id, ids, mask), recorded for `target`: online training's input."""
+    from eyas.data.prepared import PreparedWriter, Sample
+
+    w = PreparedWriter(path, identity={"test": 1})
+    for sid, ids, m in samples:
+        w.add(Sample(sid, ids, m))
+    w.commit(len(samples), {})
+    w.finish({"target": target.fingerprint, "counts": {"kept": len(samples)}})
+    return path
+
+
 def drafter_state(run):
     from safetensors.torch import load_file
     return load_file(os.path.join(run, "drafter", "model.safetensors"))
@@ -120,16 +132,10 @@ def test_online_features_match_hidden_states_and_store(tmp_path):
 
 def test_online_run_matches_offline_run(tmp_path):
     """End to end through run_train: the same batches, counts and draft vocab; loss equal up to bf16 storage."""
-    from eyas.data.prepared import PreparedWriter, Sample
-
     t = tiny_target()
     samples = make_samples(16)
     store = capture(tmp_path, t, samples)
-    w = PreparedWriter(tmp_path / "prep", identity={"test": 1})
-    for sid, ids, m in samples:
-        w.add(Sample(sid, ids, m))
-    w.commit(len(samples), {})
-    w.finish({"target": t.fingerprint, "counts": {"kept": len(samples)}})
+    prepared(tmp_path / "prep", t, samples)
     a = run_train(cfg(tmp_path, store, "off", steps=1, eval_fraction=0.0), target=t)
     b = run_train(cfg(tmp_path, None, "on", data=str(tmp_path / "prep"), target="custom", steps=1,
                       eval_fraction=0.0), target=t)

@@ -28,7 +28,7 @@ import torch
 from eyas.errors import EyasError
 from eyas.manifest import check_target
 from eyas.model.dflash import DFlashConfig, DFlashDrafter
-from eyas.model.importer import accept_mismatch
+from eyas.model.importer import accept_mismatch, check_weights
 from eyas.model.shape import target_rope
 
 log = logging.getLogger(__name__)
@@ -259,16 +259,7 @@ def load_dflash_checkpoint(path: str | os.PathLike, *, target=None,
         state[c] = t
     drafter = DFlashDrafter(cfg)
     want = drafter.state_dict()
-    missing, extra = sorted(set(want) - set(state)), sorted(set(state) - set(want))
-    shape = [f"{k} {tuple(state[k].shape)} (expected {tuple(want[k].shape)})"
-             for k in want if k in state and state[k].shape != want[k].shape]
-    if missing or extra or shape:
-        parts = [f"missing {missing}" if missing else "", f"unexpected {extra}" if extra else "",
-                 f"wrong shape {shape}" if shape else ""]
-        raise EyasError(f"{wpath}: weights do not match config.json: " + "; ".join(p for p in parts if p))
-    not_float = [k for k in want if not state[k].is_floating_point()]
-    if not_float:
-        raise EyasError(f"{wpath}: tensors {not_float} are not floating point")
+    check_weights(wpath, state, want)
     row = read_mask_embedding(path, cfg)
     with torch.no_grad():
         for k, v in want.items():

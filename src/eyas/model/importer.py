@@ -164,6 +164,21 @@ def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor | None, *, vocab_size:
     return rebuilt
 
 
+def check_weights(wpath, state: dict, want: dict, also: tuple[str, ...] = ()) -> None:
+    """Refuse a checkpoint's tensors `state` that do not fill the drafter's `want` exactly (names, shapes, floating
+    point), naming each difference; `also`: names allowed beside them (read separately)."""
+    missing, extra = sorted(set(want) - set(state)), sorted(set(state) - set(want) - set(also))
+    shape = [f"{k} {tuple(state[k].shape)} (expected {tuple(want[k].shape)})"
+             for k in want if k in state and state[k].shape != want[k].shape]
+    if missing or extra or shape:
+        parts = [f"missing {missing}" if missing else "", f"unexpected {extra}" if extra else "",
+                 f"wrong shape {shape}" if shape else ""]
+        raise EyasError(f"{wpath}: weights do not match config.json: " + "; ".join(p for p in parts if p))
+    not_float = [k for k in want if not state[k].is_floating_point()]
+    if not_float:
+        raise EyasError(f"{wpath}: tensors {not_float} are not floating point")
+
+
 def load_eagle3_checkpoint(path: str | os.PathLike, *, target=None,
                            allow_target_mismatch: bool = False) -> tuple[Any, dict]:
     """A published / exported EAGLE-3 dir -> (Eagle3Drafter fp32, meta).
@@ -211,17 +226,7 @@ def load_eagle3_checkpoint(path: str | os.PathLike, *, target=None,
         state[c] = t
     drafter = Eagle3Drafter(cfg)
     want = {k: v for k, v in drafter.state_dict().items() if k not in ("d2t", "t2d")}
-    missing = sorted(set(want) - set(state))
-    extra = sorted(set(state) - set(want) - {"d2t", "t2d"})
-    shape = [f"{k} {tuple(state[k].shape)} (expected {tuple(want[k].shape)})"
-             for k in want if k in state and state[k].shape != want[k].shape]
-    if missing or extra or shape:
-        parts = [f"missing {missing}" if missing else "", f"unexpected {extra}" if extra else "",
-                 f"wrong shape {shape}" if shape else ""]
-        raise EyasError(f"{wpath}: weights do not match config.json: " + "; ".join(p for p in parts if p))
-    not_float = [k for k in want if not state[k].is_floating_point()]
-    if not_float:
-        raise EyasError(f"{wpath}: tensors {not_float} are not floating point")
+    check_weights(wpath, state, want, also=("d2t", "t2d"))
 
     d2t, t2d = state.pop("d2t", None), state.pop("t2d", None)
     if d2t is None:
