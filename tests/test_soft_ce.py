@@ -137,3 +137,23 @@ def test_flex_gradients_equal_dense_on_cuda():
     # differ by up to 2e-3 absolute); a wrong mask or position moves the whole gradient, so compare norms
     for x, y in zip(gd, gf):
         assert float((y - x).norm()) <= 1e-2 * float(x.norm()) + 1e-6
+
+
+@pytest.mark.parametrize("chunk", [5, 64])
+def test_hard_labels_and_a_frozen_head_and_the_targets_argmax(chunk):
+    """Hard labels equal F.cross_entropy with its gradient; a head that needs no gradient gets none; targets=True
+    returns the target's argmax of the soft labels' own logits, chunk by chunk."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(23, 16, generator=g, requires_grad=True)
+    w, f, wt = torch.randn(40, 16, generator=g), torch.randn(23, 12, generator=g), torch.randn(40, 12, generator=g)
+    labels = torch.randint(0, 40, (23,), generator=g)
+    loss, pred = fused_soft_ce(x, w, labels, None, chunk=chunk)
+    ref = torch.nn.functional.cross_entropy(x @ w.T, labels, reduction="sum")
+    torch.testing.assert_close(loss, ref)
+    loss.backward()
+    gx = x.grad.clone()
+    x.grad = None
+    ref.backward()
+    torch.testing.assert_close(gx, x.grad)
+    loss, pred, tgt = fused_soft_ce(x, w, f, wt, chunk=chunk, targets=True)
+    assert torch.equal(tgt, (f @ wt.T).argmax(-1)) and torch.equal(pred, (x @ w.T).argmax(-1))

@@ -170,14 +170,15 @@ def dflash_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, 
         w = m.float()
         x = hidden[:, :, s].reshape(R * N, -1)                                     # (R*N, h)
         prev = _at(final, (lab[..., s] - 1).clamp(max=T - 1)).reshape(R * N, h_t)  # (R*N, h_t) final_{a+s-1}
-        with torch.no_grad():  # the target's argmax, in row chunks: (R*N, V) logits never exist at once
-            tgt = torch.cat([first_argmax(F.linear(prev[i:i + chunk].to(lm_head_weight.dtype), lm_head_weight))
-                             for i in range(0, prev.shape[0], chunk)])               # (R*N,)
-        if cfg.labels == "soft":
-            ls, pred = fused_soft_ce(x, lm_head_weight, prev, lm_head_weight, chunk=chunk, weight=w)
+        if cfg.labels == "soft":  # the target's argmax comes with its soft labels (the same logits)
+            ls, pred, tgt = fused_soft_ce(x, lm_head_weight, prev, lm_head_weight, chunk=chunk, weight=w,
+                                          targets=True)
         else:
             ls, pred = fused_soft_ce(x, lm_head_weight, _at(input_ids, labc[..., s]).reshape(-1), None,
                                      chunk=chunk, weight=w)
+            with torch.no_grad():  # the target's argmax, in row chunks: (R*N, V) logits never exist at once
+                tgt = torch.cat([first_argmax(F.linear(prev[i:i + chunk].to(lm_head_weight.dtype), lm_head_weight))
+                                 for i in range(0, prev.shape[0], chunk)])           # (R*N,)
         count = m.sum()
         loss_s = ls / count.clamp(min=1)
         total = total + math.exp(-(s - 1) / gamma) * loss_s

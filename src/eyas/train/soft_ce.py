@@ -65,11 +65,12 @@ def _compiled_chunk():
 
 class _FusedSoftCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, f, wt, chunk: int, dtype: torch.dtype, weight):
+    def forward(ctx, x, w, f, wt, chunk: int, dtype: torch.dtype, weight, targets: bool):
         N = x.shape[0]
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         loss = torch.zeros((), dtype=torch.float32, device=x.device)
         pred = torch.empty(N, dtype=torch.long, device=x.device)                 # (N,)
+        tpred = torch.full((N,) if targets else (0,), -1, dtype=torch.long, device=x.device)  # the target's argmax
         gx = torch.empty(x.shape, dtype=dtype, device=x.device) if need_grad else None  # (N, h)
         # a frozen head (DFlash reads the target's) gets no (V, h) gradient buffer
         gw = (torch.zeros(w.shape, dtype=torch.float32, device=x.device) if ctx.needs_input_grad[1] else None)
@@ -86,6 +87,8 @@ class _FusedSoftCE(torch.autograd.Function):
                     ls, pr, dz = _hard_chunk(xc @ wc.T, fc, wr)                  # dz (c, Vd) softmax(z) - onehot
                 else:
                     zt = fc if wtc is None else fc.to(dtype) @ wtc.T             # (c, Vd) target logits
+                    if targets:
+                        tpred[i:i + chunk] = zt.max(-1).indices                  # (c,) first max = argmax
                     ls, pr, dz = part(xc @ wc.T, zt, wr)                         # dz (c, Vd) softmax(z) - p
                 loss += ls
                 pred[i:i + chunk] = pr
@@ -96,31 +99,33 @@ class _FusedSoftCE(torch.autograd.Function):
                         gw += (dz.T @ xc).float()                                # (Vd, h)
         ctx.save_for_backward(gx, gw if gw is not None else torch.zeros(0, device=x.device))
         ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
-        ctx.mark_non_differentiable(pred)
-        return loss, pred
+        ctx.mark_non_differentiable(pred, tpred)
+        return loss, pred, tpred
 
     @staticmethod
-    def backward(ctx, g_loss, g_pred):
+    def backward(ctx, g_loss, g_pred, g_tpred):
         gx, gw = ctx.saved_tensors
         dx = (gx * g_loss).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
         dw = (gw * g_loss).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None
 
 
 def fused_soft_ce(x: Tensor, w: Tensor, f: Tensor, wt: Tensor | None, *, chunk: int = 4096,
-                  weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                  weight: Tensor | None = None, targets: bool = False) -> tuple[Tensor, ...]:
     """(sum over rows of soft CE, drafter argmax per row). x (N, h) normed drafter states, w (Vd, h) the drafter's
     lm_head weight, f (N, h_t) the target's final states, wt (Vd, h_t) the target's lm_head rows of the draft vocab;
     or wt None and f (N, Vd) the target's draft-vocab logits themselves (f @ wt^T, computed by the caller).
     weight (N,) of 0/1, optional: rows weighted 0 add nothing to the loss or the gradients (fixed-size row sets).
     f (N,) int64 instead: hard labels (token ids; the plain cross-entropy). A w that needs no gradient (a frozen head)
-    gets none computed.
+    gets none computed. targets: also return the target's argmax per row (N,), read off the soft labels' logits
+    (-1 with hard labels, which have none).
 
     Matmuls run in the autocast dtype when autocast is on (else x's dtype); logsumexp/softmax in fp32."""
     if x.shape[0] != f.shape[0]:
         raise ValueError(f"fused_soft_ce: {x.shape[0]} drafter rows but {f.shape[0]} target rows")
     if x.shape[0] == 0:
-        return (x.sum() + w.sum()) * 0.0, torch.empty(0, dtype=torch.long, device=x.device)
+        empty = torch.empty(0, dtype=torch.long, device=x.device)
+        return ((x.sum() + w.sum()) * 0.0, empty) + ((empty,) if targets else ())
     if weight is not None and weight.shape != x.shape[:1]:
         raise ValueError(f"fused_soft_ce: weight {tuple(weight.shape)} for {x.shape[0]} rows")
     if f.dtype == torch.long:  # hard labels
@@ -128,8 +133,10 @@ def fused_soft_ce(x: Tensor, w: Tensor, f: Tensor, wt: Tensor | None, *, chunk: 
             raise ValueError(f"fused_soft_ce: hard labels {tuple(f.shape)} for {x.shape[0]} rows (and no wt)")
     elif wt is None and f.shape[1] != w.shape[0]:
         raise ValueError(f"fused_soft_ce: target logits have {f.shape[1]} columns for a {w.shape[0]}-token head")
-    return _FusedSoftCE.apply(x, w, f.detach(), None if wt is None else wt.detach(), int(chunk), _compute_dtype(x),
-                              None if weight is None else weight.detach())
+    loss, pred, tpred = _FusedSoftCE.apply(x, w, f.detach(), None if wt is None else wt.detach(), int(chunk),
+                                           _compute_dtype(x), None if weight is None else weight.detach(),
+                                           bool(targets) and f.dtype != torch.long)
+    return (loss, pred, tpred) if targets else (loss, pred)
 
 
 def soft_ce_reference(x: Tensor, w: Tensor, f: Tensor, wt: Tensor) -> tuple[Tensor, Tensor]:
