@@ -94,7 +94,7 @@ def test_every_flag_a_help_text_names_is_a_flag():
     assert quoted   # the quoted commands were read, not skipped
 
 
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", STAGES + ("run",))
 def test_every_stage_groups_its_flags(stage):
     """Every flag of a stage sits under a titled group; train's --method stays first, above them."""
     p = dict(commands())[stage]

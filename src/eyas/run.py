@@ -47,7 +47,8 @@ class RunConfig:
     target: str = "smollm2-135m"
     """Target model (embedded name, HF dir, hub id, GGUF)."""
     data: str = "sharegpt"
-    """Conversations (`sharegpt` or a ShareGPT .json / OpenAI .jsonl path)."""
+    """Conversations: `sharegpt`, a .json / .jsonl file (OpenAI messages or ShareGPT conversations), a .parquet file
+    or a directory a Hugging Face dataset was saved to (docs/data.md)."""
     preset: str = "cpu-demo"
     """A shipped recipe (cpu-demo or gpu); with `recipe_file`, the name the run and its report go by."""
     recipe_file: str | None = None
@@ -566,20 +567,23 @@ def parse_knob(text: str) -> tuple[str, object]:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("run", help="the whole pipeline in one resumable command",
-                              description="prepare -> capture -> train -> bench -> export -> report.md")
-    add_flags(p, RunConfig, ["target", "data"])
-    which = p.add_mutually_exclusive_group()
+                              description="prepare -> capture -> train -> bench -> export -> report.md, resumable by "
+                                          "stage: the target and data, a preset or recipe, and --set for one value.")
+    add_flags(p.add_argument_group("target and data"), RunConfig, ["target", "data", "trust_remote_code"])
+    recipe = p.add_argument_group("recipe")
+    which = recipe.add_mutually_exclusive_group()
     add_flags(which, RunConfig, ["preset", "recipe_file"],
-              preset={"default": None, "help": "a shipped recipe: cpu-demo or gpu (default: gpu when a CUDA GPU is "
-                                               "present, else cpu-demo)"},
+              preset={"default": None, "help": "a shipped recipe: cpu-demo, gpu or gpu-dflash (default: gpu when a "
+                                               "CUDA GPU is present, else cpu-demo)"},
               recipe_file={"flags": ("--recipe",), "metavar": "FILE",
                            "help": "a recipe TOML file ([run], [prepare], [capture], [train], [[bench]]; docs/run.md)"})
-    add_flags(p, RunConfig, ["out"], out={"default": None, "help": "run directory (default: runs/<preset or recipe "
-                                                                  "name>)"})
-    p.add_argument("--set", dest="overrides", action="append", type=parse_knob, default=[], metavar="KEY=VALUE",
-                   help="change one recipe value, e.g. --set train.epochs=3 or --set prepare.limit=100; VALUE is "
-                        "JSON (null for None); pre-recipe flat names such as limit=100 still work (repeatable)")
-    add_flags(p, RunConfig, ["overwrite", "quiet", "verbose", "until", "trust_remote_code"], until={"choices": STAGES})
+    recipe.add_argument("--set", dest="overrides", action="append", type=parse_knob, default=[], metavar="KEY=VALUE",
+                        help="change one recipe value, e.g. --set train.epochs=3 or --set prepare.limit=100; VALUE is "
+                             "JSON (null for None); pre-recipe flat names such as limit=100 still work (repeatable)")
+    out = p.add_argument_group("output and progress")
+    add_flags(out, RunConfig, ["out"], out={"default": None, "help": "run directory (default: runs/<preset or "
+                                                                    "recipe name>)"})
+    add_flags(out, RunConfig, ["overwrite", "quiet", "verbose", "until"], until={"choices": STAGES})
     p.set_defaults(func=_main)
 
 

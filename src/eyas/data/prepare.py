@@ -30,7 +30,8 @@ class PrepareConfig:
     target: str = "smollm2-135m"
     """Target model: embedded name, HF dir, hub id or GGUF path."""
     data: str = "sharegpt"
-    """Conversations: `sharegpt` or a .json (ShareGPT) / .jsonl (OpenAI messages) path."""
+    """Conversations: `sharegpt`, a .json / .jsonl file (OpenAI messages or ShareGPT conversations), a .parquet file
+    or a directory a Hugging Face dataset was saved to (docs/data.md)."""
     out: str
     """Output directory."""
     limit: int | None = None
