@@ -86,7 +86,7 @@ poll)  # wait up to $2 seconds for the background run, then copy what there is
     [ "$n" -gt 0 ] && for f in $(ls /root/outbox | sort | head -n $n); do mv "/root/outbox/$f" "$OUT/"; done
     left=$(ls /root/outbox | wc -l)
     [ "$left" -gt 0 ] && echo "$left packed part(s) still in /root/outbox: poll again to bring them back"
-    [ -f $RUN.done ] && python3 benchmarks/run_report.py "$RUN" --command "eyas run --preset gpu --target $STAGE/smollm2.gguf --out $RUN (one background process)" --md "$OUT/BENCH.md"
+    [ -f $RUN.done ] && python3 benchmarks/run_report.py "$RUN" --command "eyas run --preset ${PRESET:-gpu} ${EYAS_ARGS:-} --target $STAGE/smollm2.gguf --out $RUN (one background process)" --md "$OUT/BENCH.md"
   fi
   [ -f $RUN.done ]; exit $? ;;
 run)
@@ -98,15 +98,21 @@ esac
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 if [ "$until" = bg ]; then  # the whole run in its own session, outliving this call; `poll` collects it
   rm -rf $RUN.done /root/drafter.sent /root/outbox
-  rm -rf /root/src && cp -r src /root/src  # later calls re-sync the tree under the running process
-  [ -n "${GPU_TESTS:-}" ] && (cd "$PWD" && setsid nohup env PYTHONPATH=src:tests:/tmp/site python3 -m pytest -m gpu -q \
-     -p no:cacheprovider tests > /root/gputests.log 2>&1 < /dev/null &)
+  # later calls lay the tree anew under the running process: it runs from its own copy, started in that copy
+  rm -rf /root/work && mkdir -p /root/work && cp -r src benchmarks /root/work/
+  # GPU_TESTS=1: every -m gpu test; GPU_TESTS='tests/test_a.py tests/test_b.py': those files' (copied out of the tree)
+  if [ -n "${GPU_TESTS:-}" ]; then
+    rm -rf /root/gtests && mkdir -p /root/gtests && cp -r src tests pyproject.toml /root/gtests/
+    sel=tests; [ "$GPU_TESTS" != 1 ] && sel=$GPU_TESTS
+    (cd /root/gtests && setsid nohup env PYTHONPATH=src:tests:/tmp/site python3 -m pytest -m gpu -q \
+       -p no:cacheprovider $sel > /root/gputests.log 2>&1 < /dev/null &)
+  fi
   # AFTER='a command': run it once the preset is done (its output in after.log; poll brings it back), e.g. the
   # one-graph round on the new drafter: AFTER='python3 benchmarks/decode.py --round graph --chain 3,5
   # --drafter /root/run/export --compile --target /root/stage/smollm2.gguf --md /root/after.md'
   printf '%s' "${AFTER:-}" > /root/after.cmd; rm -f /root/after.done /root/after.log
-  setsid nohup env PYTHONPATH=/root/src:/tmp/site bash -c "python3 -m eyas run --preset gpu --target $STAGE/smollm2.gguf --out $RUN --quiet ${EYAS_ARGS:-}; \
-     echo \$? > $RUN.done; [ -s /root/after.cmd ] && cd $PWD && PYTHONPATH=/root/src:/tmp/site bash /root/after.cmd > /root/after.log 2>&1; touch /root/after.done" \
+  cd /root/work && setsid nohup env PYTHONPATH=/root/work/src:/tmp/site bash -c "python3 -m eyas run --preset ${PRESET:-gpu} --target $STAGE/smollm2.gguf --out $RUN --quiet ${EYAS_ARGS:-}; \
+     echo \$? > $RUN.done; [ -s /root/after.cmd ] && PYTHONPATH=/root/work/src:/tmp/site bash /root/after.cmd > /root/after.log 2>&1; touch /root/after.done" \
      > /root/bg.log 2>&1 < /dev/null &
   sleep 20; tail -n 5 /root/bg.log; echo "started in the background; collect with: gpu_preset.sh poll SECONDS"
   exit 0
