@@ -131,7 +131,7 @@ def test_shipped_recipes_are_the_presets():
     for name in preset_names():  # the top-level recipes/ files are the packaged ones
         assert (ROOT / "recipes" / f"{name}.toml").read_text() == (ROOT / "src/eyas/recipes" / f"{name}.toml").read_text()
     pyproject = (ROOT / "pyproject.toml").read_text()
-    assert '"eyas.recipes" = ["*.toml"]' in pyproject   # installed eyas finds them (package data)
+    assert '"eyas.recipes" = ["*.toml", "families/*.toml"]' in pyproject   # installed eyas finds them and the families
 
 
 @pytest.mark.parametrize("name", ["cpu-demo", "gpu"])

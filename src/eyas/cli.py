@@ -8,6 +8,7 @@ import os
 import sys
 
 from eyas.errors import EyasError
+from eyas.recipes import named_recipe, stage_defaults
 
 # Each stage module exposes register(subparsers). Order = the pipeline.
 STAGE_MODULES = [
@@ -21,6 +22,10 @@ STAGE_MODULES = [
     ("target", "eyas.target.command"),
     ("run", "eyas.run"),
 ]
+# The stage commands that take --recipe: the recipe's table of the same name sets their defaults.
+RECIPE_STAGES = ("prepare", "capture", "train", "bench")
+RECIPE_HELP = ("a recipe (a preset, a family recipe such as deepseek-v3, or a TOML file): its {0} table sets this "
+               "command's defaults, and a flag given here wins over it")
 
 
 def _not_implemented(name: str):
@@ -48,7 +53,31 @@ def build_parser() -> argparse.ArgumentParser:
             p.set_defaults(func=_not_implemented(name))
             continue
         mod.register(sub)
+        if name in RECIPE_STAGES:
+            group = sub.choices[name].add_argument_group("recipe")
+            group.add_argument("--recipe", metavar="NAME|FILE",
+                               help=RECIPE_HELP.format("[[bench]]" if name == "bench" else f"[{name}]"))
+    parser.stages = sub.choices  # name -> its subparser, for --recipe
     return parser
+
+
+def with_recipe(parser: argparse.ArgumentParser, argv: list[str] | None,
+                args: argparse.Namespace) -> argparse.Namespace:
+    """The stage's arguments parsed again over its recipe table's values (flags given still win), the values it
+    set printed to stderr."""
+    recipe, stage = named_recipe(args.recipe), parser.stages[args.command]
+    table = stage_defaults(recipe, args.command)
+    if args.command == "train":  # the family trained: a --method flag, else the recipe's
+        before = {k: stage.get_default(k) for k in table}
+        stage.set_defaults(**table)
+        table = stage_defaults(recipe, "train", method=parser.parse_args(argv).method)
+        stage.set_defaults(**{k: v for k, v in before.items() if k not in table})  # the other family's keys: back
+    stage.set_defaults(**table)
+    args = parser.parse_args(argv)
+    shown = ", ".join(f"{k}={v}" if getattr(args, k) == v else f"{k}={getattr(args, k)} (the flag; the recipe: {v})"
+                      for k, v in table.items())
+    print(f"eyas {args.command}: recipe {recipe.name}: {shown or 'sets nothing for this stage'}", file=sys.stderr)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if args.command in RECIPE_STAGES and args.recipe:
+            args = with_recipe(parser, argv, args)
         return int(args.func(args) or 0)
     except EyasError as e:
         print(f"eyas {args.command}: error: {e}", file=sys.stderr)

@@ -28,8 +28,10 @@ from pathlib import Path
 
 from eyas.errors import EyasError
 from eyas.knobs import knobs
+from eyas.train.config import DFLASH_ONLY, EAGLE_ONLY
 
 DTYPES = ("fp32", "bf16", "fp16")
+FAMILIES = "families"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -313,6 +315,57 @@ def parse_recipe(text: str, *, name: str, where: str) -> Recipe:
     except tomllib.TOMLDecodeError as e:
         raise EyasError(f"{where}: not valid TOML ({e})") from None
     return from_tables(tables, name=name, where=where)
+
+
+def family_names() -> list[str]:
+    """The recipes of eyas/recipes/families/: stage settings for a target family whose target an engine serves (the
+    stage commands take them with --recipe NAME; docs/engines.md uses them)."""
+    return sorted(p.name[:-len(".toml")] for p in (resources.files(__name__) / FAMILIES).iterdir()
+                  if p.name.endswith(".toml"))
+
+
+def named_recipe(spec: str) -> Recipe:
+    """A recipe by name (a preset or a family recipe) or a recipe file's path."""
+    if spec in preset_names():
+        return preset(spec)
+    if spec in family_names():
+        res = resources.files(__name__) / FAMILIES / f"{spec}.toml"
+        return parse_recipe(res.read_text(), name=spec, where=f"recipe {spec} ({res})")
+    if Path(spec).expanduser().is_file():
+        return load_recipe(Path(spec).expanduser())
+    close = difflib.get_close_matches(spec, preset_names() + family_names(), n=1)
+    raise EyasError(f"recipe {spec!r}: no such file, and no shipped recipe of that name (presets: "
+                    f"{', '.join(preset_names())}; families: {', '.join(family_names())})"
+                    + (f"; did you mean {close[0]!r}?" if close else ""))
+
+
+def stage_defaults(recipe: Recipe, stage: str, *, method: str | None = None) -> dict:
+    """A recipe's table for one stage command (`eyas prepare|capture|train|bench --recipe`), keyed as that command's
+    parsed arguments: the defaults its flags override. The [run] table is eyas run's and is not read here. For
+    train, `method` (the drafter family the command will train) drops the recipe's keys that apply only to the
+    other family, so `--method dflash` over an EAGLE-3 recipe keeps its shared settings, and max_len is [prepare]
+    max_len, as eyas run sets it. For bench, the recipe must
+    hold one [[bench]] table; its method and k become --tree / --chain K and graph_round --graph-round."""
+    if stage == "bench":
+        if len(recipe.bench) != 1:
+            raise EyasError(f"recipe {recipe.name} has {len(recipe.bench)} [[bench]] tables: eyas bench --recipe takes "
+                            f"a recipe with exactly one (eyas run runs them all)")
+        table = dict(recipe.bench[0])
+        method, k = table.pop("method", None), table.pop("k", None)
+        if method == "tree":
+            table["tree"] = True
+        elif k is not None:
+            table["chain"] = k
+        if "graph_round" in table:
+            table["one_graph_round"] = table.pop("graph_round")
+        return table
+    table = dict(getattr(recipe, stage))
+    if stage == "train":
+        if "max_len" in recipe.prepare:  # as eyas run derives it: rows as long as the prepared conversations
+            table["max_len"] = recipe.prepare["max_len"]
+        other = EAGLE_ONLY if (method or table.get("method", "eagle3")) == "dflash" else DFLASH_ONLY
+        table = {k: v for k, v in table.items() if k not in other}
+    return table
 
 
 def preset_names() -> list[str]:
