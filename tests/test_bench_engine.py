@@ -19,6 +19,7 @@ from eyas.bench.engine import EngineBenchConfig, open_tokenizer, run_engine_benc
 from eyas.cli import main as cli_main
 from eyas.decode.spec import SpecConfig, SpecDecoder, SpecStats
 from eyas.errors import EyasError
+from eyas.model.dflash import DFlashConfig, DFlashDrafter
 from eyas.model.drafter import DrafterConfig, Eagle3Drafter
 from eyas.target import target_from_model
 from eyas.target.runner import Runner
@@ -64,14 +65,15 @@ class Engine:
     (spec_verify_ct, spec_correct_drafts_histogram), vLLM as Prometheus counters.
 
     speculative: the server says it decodes speculatively (SGLang's speculative_algorithm, vLLM's spec metrics);
-    counters=False drops SGLang's per-reply counters; die_after: the server shuts down (connection refused from
+    algorithm: SGLang's speculative_algorithm (EAGLE3, DFLASH); counters=False drops SGLang's per-reply counters; die_after: the server shuts down (connection refused from
     then on) after that many replies; delay: seconds each reply waits."""
 
     lock = threading.Lock()  # every server decodes on the one runner: a timed-out request still decodes after
 
     def __init__(self, engine, decode, *, speculative, served="tiny", model_path="/models/tiny", counters=True,
-                 die_after=None, delay=0.0, logprobs=None):
+                 die_after=None, delay=0.0, logprobs=None, algorithm="EAGLE3"):
         self.engine, self.decode, self.speculative, self.logprobs = engine, decode, speculative, logprobs
+        self.algorithm = algorithm  # SGLang's speculative_algorithm; its DFLASH forces num_steps to 1
         self.served, self.model_path, self.counters = served, model_path, counters
         self.die_after, self.delay = die_after, delay
         self.replies, self.drafts, self.per_pos, self.bodies = 0, 0, [], []
@@ -121,8 +123,8 @@ class Engine:
             return 200, {"model_path": self.model_path, "is_generation": True}
         if self.engine == "sglang" and path == "/get_server_info":
             return 200, {"version": "0.5.14-fake", "model_path": self.model_path, "dtype": "float32",
-                         "speculative_algorithm": "EAGLE3" if self.speculative else None,
-                         "speculative_num_steps": 3, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4,
+                         "speculative_algorithm": self.algorithm if self.speculative else None,
+                         "speculative_num_steps": 1 if self.algorithm == "DFLASH" else 3, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4,
                          "speculative_draft_model_path": "/models/drafter" if self.speculative else None}
         if self.engine == "vllm" and path == "/version":
             return 200, {"version": "0.25.0-fake"}
@@ -381,3 +383,36 @@ def test_differing_replies_get_the_plain_servers_margins(tiny, prompts, decoders
     assert div[3]["margin"] is None and div[3]["spec_logprob"] is None and div[3]["plain_logprob"] is not None
     line = capsys.readouterr().out
     assert "eagle-chain first differing tokens: 2 turn(s)" in line and "1 drafted token(s) outside" in line
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_a_served_dflash_drafter_is_benched_as_dflash(tiny, prompts, tmp_path, engine):
+    """A DFlash drafter of block 4 behind the servers (SGLang says DFLASH with 4 draft tokens; vLLM says nothing, so
+    --drafter-kind dflash): the report's method is dflash, with the in-process DFlash bench's tau, counts and
+    acceptance at each of the block's 3 draft slots; a kind that contradicts SGLang's algorithm is refused."""
+    target, _, d = tiny
+    torch.manual_seed(3)
+    cfg = DFlashConfig.from_target(target.model.config, aux_layer_ids=(1, 2, 3), mask_token_id=256, num_layers=1,
+                                   block_size=4)
+    dflash = DFlashDrafter(cfg)
+    dflash.init_weights(0.3)
+    dflash.eval()
+    ref = run_bench(bench_cfg(prompts, d, lossless_turns=0, baselines=False), target=target,
+                    drafter=dflash)["methods"]["dflash"]
+    runner = Runner.from_hf(target.model, max_batch=1, max_seq=160, device="cpu")
+    dec = SpecDecoder(runner, dflash, SpecConfig(method="chain", k=3))
+    srv = Engine(engine, lambda ids, n, eos: dec.generate(ids, n, eos_ids=eos), speculative=True, algorithm="DFLASH")
+    try:
+        kind = "dflash" if engine == "vllm" else None
+        rep = run_engine_bench(bench_cfg(prompts, d), EngineBenchConfig(engine=engine, url=srv.url,
+                                                                         drafter_kind=kind))
+        ours = rep["methods"]["dflash"]
+        for key in ("tau", "tokens", "target_forwards", "rounds", "acceptance_by_position"):
+            assert ours[key] == ref[key], key
+        assert len(ours["acceptance_by_position"]) == 3
+        if engine == "sglang":
+            with pytest.raises(EyasError, match="--drafter-kind eagle3, but the server at --url serves 'DFLASH'"):
+                run_engine_bench(bench_cfg(prompts, d), EngineBenchConfig(engine=engine, url=srv.url,
+                                                                          drafter_kind="eagle3"))
+    finally:
+        srv.close()

@@ -97,20 +97,21 @@ def test_flags_from_fields_types_none_defaults_bools_and_help():
 
 
 # Each stage command's config, and the flags that are not one of its fields (with why).
+RECIPE = {"recipe": "a recipe whose stage table sets the defaults (eyas.cli.with_recipe)"}
 COMMANDS = {
-    "prepare": (PrepareConfig, {"verbose": "prints the skipped records; not a prepare setting"}),
+    "prepare": (PrepareConfig, {"verbose": "prints the skipped records; not a prepare setting", **RECIPE}),
     "capture": (CaptureConfig, {"target_config": "--engine only: the served model's config.json",
                                 **{n: "--engine: EngineCaptureConfig (eyas.engines.capture.add_engine_args)"
                                    for n in ("engine", "url", "vllm_dir", "concurrency", "request_timeout",
                                              "retries", "hook_wait")},
                                 **{n: "--engine: the served check after the capture (eyas.engines.served_check)"
-                                   for n in ("no_check", "check_samples")}}),
-    "train": (TrainConfig, {}),
+                                   for n in ("no_check", "check_samples")}, **RECIPE}),
+    "train": (TrainConfig, RECIPE),
     "bench": (BenchConfig, {**{n: "--chain K | --tree set method and k; the mismatch override opens the drafter"
                                for n in BENCH_NOT_FIELDS},
                             **{n: "--engine: EngineBenchConfig (eyas.bench.engine)"
                                for n in ("engine", "url", "plain_url", "model", "request_timeout", "concurrency",
-                                         "trust_remote_code")}}),
+                                         "trust_remote_code", "drafter_kind")}, **RECIPE}),
     "run": (RunConfig, {}),
 }
 # Flags whose default is not the field's, and why.

@@ -67,7 +67,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     served = p.add_argument_group("in a serving engine (--engine): the target and drafter are served, --target is "
                                   "the served model's directory (config and tokenizer, no weights)")
     # --trust-remote-code (above) reaches EngineBenchConfig too: from_args reads it by its field name
-    add_flags(served, EngineBenchConfig, ["engine", "url", "plain_url", "model", "request_timeout", "concurrency"],
+    add_flags(served, EngineBenchConfig, ["engine", "url", "plain_url", "model", "request_timeout", "concurrency",
+                                          "drafter_kind"],
+              drafter_kind={"choices": ["eagle3", "dflash"]},
               engine={"default": None, "required": False, "choices": ENGINES,
                       "help": "bench the drafter served by this engine at --url, from the engine's own counters"},
               url={"default": None, "required": False})

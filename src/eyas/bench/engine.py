@@ -57,6 +57,13 @@ class EngineBenchConfig:
     """Records in flight on a server (a record's turns go one after another)."""
     trust_remote_code: bool = False
     """Load --target's tokenizer with its own code (remote-code tokenizers, e.g. Kimi's)."""
+    drafter_kind: str | None = None
+    """The served drafter's family, eagle3 or dflash: it names the report's method. vLLM's server does not say which
+    it serves (None there: eagle3); SGLang's does, and a different value is refused."""
+
+    def __post_init__(self):
+        if self.drafter_kind not in (None, "eagle3", "dflash"):
+            raise EyasError(f"--drafter-kind {self.drafter_kind!r}: expected eagle3 or dflash")
 
     def __post_init__(self):
         if self.engine not in ENGINES:
@@ -406,12 +413,12 @@ def run_engine_bench(cfg: BenchConfig, eng: EngineBenchConfig, *, tokenizer=None
     seconds["warmup"] = time.perf_counter() - clock
 
     clock = time.perf_counter()
-    spec_name = _spec_name(spec_info["speculative"], eng.engine)
+    spec_name = _spec_name(spec_info["speculative"], eng.engine, eng.drafter_kind)
     methods, truncated = [], 0
     for srv, info in servers:
         spec = info is spec_info
         m, cut = _serve_all(srv, spec_name if spec else "plain", records, tokenizer, room, cfg, eng, eos_ids, spec=spec,
-                            depth=spec_info["speculative"].get("num_steps") or 0)
+                            depth=_depth(spec_info["speculative"], spec_name))
         truncated = truncated or cut  # counted on the first server, as run_bench counts on its first method
         methods.append(m)
     seconds["decode"] = time.perf_counter() - clock
@@ -450,10 +457,26 @@ def run_engine_bench(cfg: BenchConfig, eng: EngineBenchConfig, *, tokenizer=None
     return report
 
 
-def _spec_name(spec: dict, engine: str) -> str:
-    """The report's method name: eagle-chain / eagle-tree as run_bench names them (SGLang: a tree when its
-    eagle_topk > 1; vLLM's EAGLE drafts a chain), else the server's algorithm."""
+def _depth(spec: dict, name: str) -> int:
+    """Draft positions a round proposes: SGLang's num_steps for EAGLE; a DFlash block's draft tokens less the
+    committed one (SGLang forces DFlash's num_steps to 1)."""
+    if name == "dflash":
+        return max((spec.get("num_draft_tokens") or 1) - 1, 0)
+    return spec.get("num_steps") or 0
+
+
+def _spec_name(spec: dict, engine: str, kind: str | None = None) -> str:
+    """The report's method name as run_bench names it: dflash for a DFlash drafter (SGLang's DFLASH algorithm, or
+    `kind` on vLLM), else eagle-chain / eagle-tree (SGLang: a tree when its eagle_topk > 1; vLLM's EAGLE drafts a
+    chain); another SGLang algorithm keeps its own name. A `kind` that contradicts SGLang's algorithm is refused."""
     algo = str(spec.get("algorithm", "")).lower()
-    if engine == "vllm" or algo.startswith("eagle"):
+    if engine == "vllm":
+        return "dflash" if kind == "dflash" else "eagle-chain"
+    served = "dflash" if algo == "dflash" else "eagle3" if algo.startswith("eagle") else None
+    if kind and served != kind:
+        raise EyasError(f"--drafter-kind {kind}, but the server at --url serves {spec.get('algorithm')!r}")
+    if algo == "dflash":
+        return "dflash"
+    if algo.startswith("eagle"):
         return "eagle-tree" if (spec.get("eagle_topk") or 1) > 1 else "eagle-chain"
     return algo
