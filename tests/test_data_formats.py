@@ -247,3 +247,22 @@ def test_a_table_without_a_turn_column_is_one_line_naming_its_columns(tmp_path, 
                                         f"id, text)")
     nt = save_dataset(tmp_path / "nt", {"test": [r for r, _ in RECORDS[:2]], "validation": [RECORDS[0][0]]})
     prepare_fails(tmp_path, capsys, nt, f"{nt}: a DatasetDict without a 'train' split (its splits: test, validation)")
+
+
+def test_the_long_prompt_set_from_parquet_and_a_saved_dataset_is_the_jsonl_one(tmp_path):
+    """`long:DATA` reads every accepted format: the same held-out records, contexts and kinds from a .jsonl, a .parquet
+    and a datasets.save_to_disk directory of the same conversations."""
+    pytest.importorskip("pyarrow")
+    words = "the quick brown fox jumps over the lazy dog while a log of errors scrolls past".split()
+    records = []
+    for i in range(24):
+        doc = " ".join(words[(i + j) % len(words)] for j in range(500 + 40 * i))   # 2-5 kB: a long single turn
+        records.append({"id": f"c{i}", "messages": msgs((USER, f"summarise this: {doc}"), (BOT, "a summary"),
+                                                         (USER, "and the errors?"), (BOT, "two of them"))})
+    jsonl = write_jsonl(tmp_path / "d.jsonl", records)
+    reference = load_prompts(f"long:{jsonl}", heldout_fraction=0.5)
+    kinds = {r["kind"] for r in reference}
+    assert len(reference) >= 6 and kinds == {"document", "conversation"}
+    assert load_prompts(f"long:{write_parquet(tmp_path / 'd.parquet', records)}", heldout_fraction=0.5) == reference
+    pytest.importorskip("datasets")
+    assert load_prompts(f"long:{save_dataset(tmp_path / 'ds', {None: records})}", heldout_fraction=0.5) == reference

@@ -57,12 +57,10 @@ def heldout_chats(data: str, fraction: float, skips) -> Iterator[tuple[str, tupl
 
     A joined chat's id is "<first part id>..<last part id>"; a chat of one part keeps the part's id and
     its messages as `iter_conversations` gives them."""
-    from eyas.data.sources import (Skipped, iter_json_array, iter_jsonl, normalize_messages, resolve_data,
-                                   to_conversation)
+    from eyas.data.sources import Skipped, data_format, iter_raw, normalize_messages, resolve_data, to_conversation
 
     path = resolve_data(data)
-    sharegpt = path.suffix == ".json"
-    items = iter_jsonl(path) if path.suffix == ".jsonl" else iter_json_array(path)
+    sharegpt = data_format(path) == "json"   # ShareGPT's parts are joined; other sources' records are whole chats
     chat = None   # {"key", "ids", "messages" (validated, one part), "raw" (ShareGPT turns), "next" (turn offset)}
 
     def emit():
@@ -72,12 +70,11 @@ def heldout_chats(data: str, fraction: float, skips) -> Iterator[tuple[str, tupl
         # a later part's leading assistant turn (dropped from the part alone) is the chat's own and kept
         return f"{chat['ids'][0]}..{chat['ids'][-1]}", normalize_messages(chat["raw"], sharegpt=True)
 
-    for item in items:
+    for item in iter_raw(path):
         if isinstance(item, Skipped):
             skips.add(item)
             continue
-        idx, obj = item
-        where = f"{path} {'line' if path.suffix == '.jsonl' else 'item'} {idx}"
+        where, obj = item
         rec = to_conversation(obj, where, default_sharegpt=sharegpt)
         if isinstance(rec, Skipped):
             skips.add(rec)

@@ -293,22 +293,26 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, object] | Skipped]:
                 yield Skipped("malformed JSON", where, f"malformed JSON ({e.msg} at column {e.colno})")
 
 
-def iter_records(spec: str) -> Iterator[Conversation | Skipped]:
-    """All records of a conversation source, in file order."""
-    path = resolve_data(spec)
+def iter_raw(path: Path) -> Iterator[tuple[str, object] | Skipped]:
+    """(where, record as read) of every record of an accepted source file or directory, in file order; a line or
+    item that does not parse is a Skipped. `where` names the file and the line, item or row."""
     fmt = data_format(path)
     if fmt in ("parquet", "dataset"):   # rows are JSONL records: `messages` or `conversations`, optional `id`
-        rows = iter_parquet(path) if fmt == "parquet" else iter_dataset(path, say=lambda s: print(s, file=sys.stderr))
-        for where, row in rows:
-            yield to_conversation(row, where, default_sharegpt=False)
-    elif fmt == "jsonl":
-        for item in iter_jsonl(path):
-            yield item if isinstance(item, Skipped) else to_conversation(item[1], f"{path} line {item[0]}",
-                                                                         default_sharegpt=False)
-    else:
-        for item in iter_json_array(path):
-            yield item if isinstance(item, Skipped) else to_conversation(item[1], f"{path} item {item[0]}",
-                                                                         default_sharegpt=True)
+        yield from (iter_parquet(path) if fmt == "parquet"
+                    else iter_dataset(path, say=lambda s: print(s, file=sys.stderr)))
+        return
+    unit = "line" if fmt == "jsonl" else "item"
+    for item in (iter_jsonl(path) if fmt == "jsonl" else iter_json_array(path)):
+        yield item if isinstance(item, Skipped) else (f"{path} {unit} {item[0]}", item[1])
+
+
+def iter_records(spec: str) -> Iterator[Conversation | Skipped]:
+    """All records of a conversation source, in file order (a ShareGPT .json array's records default to its
+    `conversations` form)."""
+    path = resolve_data(spec)
+    sharegpt = data_format(path) == "json"
+    for item in iter_raw(path):
+        yield item if isinstance(item, Skipped) else to_conversation(item[1], item[0], default_sharegpt=sharegpt)
 
 
 def iter_conversations(spec: str, skips: SkipLog | None = None) -> Iterator[Conversation]:
