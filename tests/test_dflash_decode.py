@@ -13,6 +13,7 @@ from eyas.decode.spec import SpecConfig, SpecDecoder
 from eyas.errors import EyasError
 from eyas.model.dflash import DFlashConfig, DFlashDrafter
 from eyas.target.runner import Runner
+from eyas.train.dflash import BlockLossConfig, block_hidden, dflash_forward
 from test_decode import chi2, chi2_critical, exact_laws, peaky
 
 AUX = (1, 2, 3)
@@ -222,3 +223,78 @@ def test_cuda_graphed_dflash_equals_plain_greedy_and_the_cpu(setup, block):
     outs, stats = decode_all(dec, prompts)
     assert outs == ref == want[0]
     assert [s.accepted for s in stats] == [s.accepted for s in want[1]]
+
+
+def features(model, x):
+    """The target's aux states (1, T, 3h) and final states (1, T, h) of the sequence x (1, T)."""
+    with torch.no_grad():
+        hs = model(x, output_hidden_states=True).hidden_states
+    return torch.cat([hs[i] for i in AUX], -1), hs[-1]
+
+
+def fit_on_replies(model, runner, drafter, steps=150):
+    """A few Adam steps of the training loss on the target's own greedy replies, every position an anchor: a
+    drafter whose drafts land, so acceptance replays are not all zeros."""
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 255, (6,), generator=g).tolist() for _ in range(8)]
+    rows = [p + o for p, o in zip(prompts, runner.generate(prompts, 40))]
+    x = torch.tensor(rows)                                                           # (8, 46)
+    aux, final = features(model, x)
+    loss_mask = torch.arange(x.shape[1])[None].expand_as(x) >= 6
+    anchors = torch.arange(5, x.shape[1] - 1)[None].expand(x.shape[0], -1)           # every round start
+    opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
+    drafter.train()
+    for _ in range(steps):  # (the fit is judged on these same replies: it only has to make drafts land)
+        o = dflash_forward(drafter, input_ids=x, loss_mask=loss_mask, valid=torch.ones_like(loss_mask), aux=aux,
+                           final=final, embed=model.model.embed_tokens.weight, lm_head_weight=model.lm_head.weight,
+                           cfg=BlockLossConfig(attention="dense"), anchors=anchors,
+                           real=torch.ones_like(anchors, dtype=torch.bool))
+        opt.zero_grad()
+        o.loss.backward()
+        opt.step()
+    return drafter.eval(), prompts
+
+
+@pytest.mark.parametrize("block", [4, 8])
+def test_each_round_proposes_what_training_predicts_at_its_anchor(setup, block):
+    """The train/serve contract end to end, on the target's own greedy reply: at every decoding round, the block the
+    decoder proposes (after the committed tokens x_0..x_a, the bonus x_a at position a) equals the training path's
+    prediction for the anchor a (train/dflash.block_hidden over the target's features of the whole sequence and the
+    target's head), logits included; and the training loss's accepted length at each anchor equals the round's
+    accepted count. An off-by-one in positions, context, mask row or head on either side breaks it."""
+    model, runner, _, _ = setup
+    drafter, prompts = fit_on_replies(model, runner, make_dflash(model, block=block, seed=block, std=0.02))
+    dec = SpecDecoder(runner, drafter, SpecConfig(method="chain", k=block - 1))
+    rounds, block_fn = [], dec.drafting.block
+
+    def spy(root):
+        logits, greedy = block_fn(root)
+        rounds.append((dec.drafting.count, root, logits.clone(), greedy.clone()))
+        return logits, greedy
+    dec.drafting.block = spy
+    prompt = prompts[0]
+    out, stats = dec.generate(prompt, 40)
+    assert len(rounds) == stats.rounds and len(rounds) > 3
+    x = torch.tensor([prompt + out])                                                 # (1, T)
+    T, P = x.shape[1], len(prompt)
+    aux, final = features(model, x)
+    anchors = torch.tensor([[a for a, *_ in rounds]])                                # (1, N)
+    assert anchors[0, 0] == P and all(x[0, a] == root for a, root, *_ in rounds)     # the bonus sits at a
+    positions = torch.arange(T)[None]
+    with torch.no_grad():
+        h = block_hidden(drafter, input_ids=x, aux=aux, embed=model.model.embed_tokens.weight, anchors=anchors,
+                         seg=torch.ones_like(x), positions=positions, flex=False)    # (1, N, B, h)
+        train_logits = (h[0, :, 1:] @ model.lm_head.weight.T).float()                # (N, B-1, V)
+    for n, (_, _, logits, greedy) in enumerate(rounds):
+        torch.testing.assert_close(logits, train_logits[n], rtol=1e-4, atol=1e-4)
+        assert greedy.tolist() == train_logits[n].argmax(-1).tolist()
+    # the training loss's accepted lengths replay the rounds (blocks that end inside the sequence)
+    loss_mask = positions >= P
+    with torch.no_grad():
+        o = dflash_forward(drafter, input_ids=x, loss_mask=loss_mask, valid=torch.ones_like(loss_mask), aux=aux,
+                           final=final, embed=model.model.embed_tokens.weight, lm_head_weight=model.lm_head.weight,
+                           cfg=BlockLossConfig(attention="dense"), anchors=anchors,
+                           real=torch.ones_like(anchors, dtype=torch.bool))
+    inside = [r for r, (a, *_) in enumerate(rounds) if a + block - 1 < T]
+    assert [int(o.accept_len[0, rounds[r][0] - 1]) for r in inside] == [stats.accepted[r] for r in inside]
+    assert sum(stats.accepted[r] for r in inside) > len(inside)   # drafts land: more than one per round on average

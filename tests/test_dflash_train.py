@@ -318,14 +318,13 @@ def test_refusals_write_nothing(tmp_path):
 def test_gpu_flex_block_mask_equals_the_dense_mask(packed):
     """On CUDA the loss runs through a flex BlockMask: the same losses, counts and gradients as the dense mask."""
     torch.manual_seed(0)
-    cfg = DFlashConfig(hidden_size=64, target_hidden_size=H, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+    cfg = DFlashConfig(hidden_size=H, target_hidden_size=H, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6,
                        rope_theta=10000.0, max_position_embeddings=256, vocab_size=V, aux_layer_ids=(1, 2, 3),
                        num_target_layers=4, block_size=8, mask_token_id=V - 1)
     d = DFlashDrafter(cfg).cuda()
     d.init_weights(0.3)
     b = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in batch(T=96, packed=packed).items()}
-    b["embed"] = torch.randn(V, 64, device="cuda")
     seg = b["segment_ids"] if packed else b["valid"].long()
     anchors, real = sample_anchors(candidates(b["loss_mask"] & b["valid"], torch.where(b["valid"], seg, 0)), 24)
     outs = []

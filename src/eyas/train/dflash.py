@@ -118,6 +118,24 @@ def block_mask_flex(anchors: Tensor, seg: Tensor, B: int):
     return create_block_mask(rule, R, None, N * B, T + N * B, device=seg.device, _compile=seg.is_cuda)
 
 
+def block_hidden(drafter: nn.Module, *, input_ids: Tensor, aux: Tensor, embed: Tensor, anchors: Tensor,
+                 seg: Tensor, positions: Tensor, flex: bool) -> Tensor:
+    """The drafter's output states (R, N, B, h) of the blocks [x_a, MASK x (B-1)] at the anchors (R, N), each at
+    positions pos(a)..pos(a)+B-1 over the context of its sample before a: what a decoding round computes for the
+    block after the committed tokens x_0..x_a (decode/dflash.py)."""
+    R, N = anchors.shape
+    B = drafter.config.block_size
+    with torch.no_grad():
+        k = torch.arange(B, device=anchors.device)                                 # (B,)
+        ids = torch.full((R, N, B), drafter.config.mask_token_id, dtype=torch.long, device=anchors.device)
+        ids[..., 0] = input_ids.gather(1, anchors)                                 # (R, N, B) [x_a, MASK, ...]
+        block_pos = (positions.gather(1, anchors)[..., None] + k).reshape(R, N * B)  # (R, N*B)
+        mask = (block_mask_flex if flex else block_mask_dense)(anchors, seg, B)
+    ctx = drafter.context_input(aux, positions)                                    # each layer makes its k, v
+    hidden = drafter(drafter.embed_block(ids.reshape(R, N * B), embed), block_pos, ctx, mask)  # (R, N*B, h)
+    return hidden.view(R, N, B, -1)
+
+
 def dflash_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, valid: Tensor, aux: Tensor,
                    final: Tensor, embed: Tensor, lm_head_weight: Tensor, cfg: BlockLossConfig,
                    anchors: Tensor, real: Tensor, segment_ids: Tensor | None = None,
@@ -150,14 +168,8 @@ def dflash_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, 
         counted = (inside & real[..., None] & (_at(seg, labc) == a_seg[..., None])
                    & (_at(holes, labc) == a_holes[..., None]) & _at(lmask, labc))  # (R, N, B)
         counted[..., 0] = False                                                    # the anchor slot: no loss
-        ids = torch.full((R, N, B), dc.mask_token_id, dtype=torch.long, device=dev)
-        ids[..., 0] = input_ids.gather(1, anchors)                                 # (R, N, B) [x_a, MASK, ...]
-        block_pos = (positions.gather(1, anchors)[..., None] + k).reshape(R, N * B)  # (R, N*B)
-        mask = (block_mask_flex if use_flex else block_mask_dense)(anchors, seg, B)
-
-    ctx = drafter.context_input(aux, positions)                                    # each layer makes its k, v
-    hidden = drafter(drafter.embed_block(ids.reshape(R, N * B), embed), block_pos, ctx, mask)  # (R, N*B, h)
-    hidden = hidden.view(R, N, B, -1)
+    hidden = block_hidden(drafter, input_ids=input_ids, aux=aux, embed=embed, anchors=anchors, seg=seg,
+                          positions=positions, flex=use_flex)                      # (R, N, B, h)
 
     chunk = cfg.chunk_size or 4096
     h_t = final.shape[-1]
