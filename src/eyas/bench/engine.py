@@ -89,13 +89,14 @@ def open_tokenizer(target: str, *, trust_remote_code: bool = False):
     except Exception as e:  # noqa: BLE001 - any loader failure is one line
         hint = "" if trust_remote_code else "; a tokenizer with its own code needs --trust-remote-code"
         raise EyasError(f"{d}: cannot load its tokenizer ({type(e).__name__}: {str(e).splitlines()[0][:200]}){hint}")
+    from eyas.target.fingerprint import text_config
     from eyas.target.load import eos_ids
 
     declared = []
     for name in ("config.json", "generation_config.json"):
         if (d / name).is_file():
             c = json.loads((d / name).read_text())
-            declared += [src.get("eos_token_id") for src in (c, c.get("text_config") or {})]
+            declared += [src.get("eos_token_id") for src in (c, text_config(c))]   # the wrapper's and its LM's
     return tok, eos_ids(declared, tok)
 
 

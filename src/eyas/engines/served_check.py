@@ -183,11 +183,12 @@ def locate_head(target) -> tuple[dict, dict, dict]:
     """(config.json, its text config, kind -> {"name", "path", ...}) of a target directory, checked without
     reading a tensor: the head tensors found by name as every stage finds them (target/meta.py open_heads; no
     tokenizer, no code from the checkpoint), each in a shard that is there."""
+    from eyas.target.fingerprint import text_config  # noqa: PLC0415
     from eyas.target.meta import open_heads, read_json  # noqa: PLC0415
     d = Path(target)
     raw = read_json(d / "config.json")
     _, where, _ = open_heads(d, raw)
-    return raw, raw.get("text_config") or raw, where
+    return raw, text_config(raw), where
 
 
 def load_head(target) -> Head:
