@@ -23,7 +23,8 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from eyas.engines.client import http_post, request_body
+from eyas.engines.client import request_body
+from eyas.serving import post_json
 
 VLLM_COUNTERS = ("vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_drafts_total")
 
@@ -43,7 +44,7 @@ def prefill(args) -> int:
 
     def one(k: int) -> dict:
         path, body = request_body(args.engine, f"prefill-{k}", samples[k])
-        return http_post(args.url + path, body, 600)
+        return post_json(args.url + path, body, 600)
 
     t = time.perf_counter()
     with ThreadPoolExecutor(16) as pool:
@@ -90,11 +91,11 @@ def main() -> int:
 
     def one(ids: list[int]) -> tuple[int, int | None, float | None]:
         if args.engine == "sglang":
-            r = http_post(args.url + "/generate", {"input_ids": ids, "sampling_params": {
+            r = post_json(args.url + "/generate", {"input_ids": ids, "sampling_params": {
                 "max_new_tokens": args.max_new_tokens, "temperature": 0}}, 600)
             m = r["meta_info"]
             return m["completion_tokens"], m.get("spec_verify_ct"), m.get("spec_accept_length")
-        r = http_post(args.url + "/v1/completions", {"model": args.served_name, "prompt": ids,
+        r = post_json(args.url + "/v1/completions", {"model": args.served_name, "prompt": ids,
                                                      "max_tokens": args.max_new_tokens, "temperature": 0}, 600)
         return r["usage"]["completion_tokens"], None, None
 

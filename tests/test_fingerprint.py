@@ -419,3 +419,31 @@ def test_real_gguf_drafter_from_the_gpu_machine_is_accepted(tmp_path):
     out = export_drafter(Eagle3Drafter(cfg), tmp_path / "export", meta={"target": GPU_5_17_FINGERPRINT})
     _, meta = open_drafter(out, target=target)
     assert meta["target"] == GPU_5_17_FINGERPRINT and "target_mismatch" not in meta
+
+
+def test_text_config_unwraps_a_wrapper_in_every_spelling():
+    """A multimodal wrapper's language model under text_config, whatever the caller holds: a dict of config.json, an
+    attribute view of it, or a transformers config; any other config is its own text config."""
+    from transformers import LlamaConfig, LlavaConfig
+
+    from eyas.target.fingerprint import text_config
+
+    lm = {"model_type": "deepseek_v3", "num_hidden_layers": 61}
+    wrapper = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": lm}
+    assert text_config(wrapper) is lm and text_config(lm) is lm
+    view = SimpleNamespace(**wrapper)
+    assert text_config(view) is lm and text_config(SimpleNamespace(**lm)).num_hidden_layers == 61
+    llava = LlavaConfig(text_config=LlamaConfig(num_hidden_layers=3))
+    assert text_config(llava) is llava.text_config and text_config(llava.text_config) is llava.text_config
+
+
+def test_one_text_config_unwrap():
+    """The wrapper's text_config is unwrapped in target/fingerprint.py alone: no stage reads the key or
+    calls get_text_config itself."""
+    import pathlib
+    import re
+
+    src = pathlib.Path(__file__).resolve().parents[1] / "src"
+    pattern = re.compile(r"get_text_config\(|\[\"text_config\"\]|get\(\"text_config\"|\.text_config\b")
+    hits = sorted(p.relative_to(src).as_posix() for p in src.rglob("*.py") if pattern.search(p.read_text()))
+    assert hits == ["eyas/target/fingerprint.py"], hits

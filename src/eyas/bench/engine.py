@@ -32,11 +32,12 @@ from eyas.bench.bench import BenchConfig, Method, prompt_room, write_report
 from eyas.bench.prompts import prompt_ids, load_bench_prompts, prompt_summary, tau_by_kind
 from eyas.bench.check import agreement, common_prefix
 from eyas.errors import EyasError
+from eyas.serving import ENGINES, SERVER_INFO, Client, greedy_request, reply_ids
 
-ENGINES = ("sglang", "vllm")
 DRAFTS = "vllm:spec_decode_num_drafts"
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 TOP_K = 5   # candidates asked for at a differing position
+MODEL_INFO = ("/get_model_info", "/model_info")   # where SGLang reports its model path, under either name
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,50 +90,30 @@ def open_tokenizer(target: str, *, trust_remote_code: bool = False):
     except Exception as e:  # noqa: BLE001 - any loader failure is one line
         hint = "" if trust_remote_code else "; a tokenizer with its own code needs --trust-remote-code"
         raise EyasError(f"{d}: cannot load its tokenizer ({type(e).__name__}: {str(e).splitlines()[0][:200]}){hint}")
+    from eyas.target.fingerprint import text_config
     from eyas.target.load import eos_ids
 
     declared = []
     for name in ("config.json", "generation_config.json"):
         if (d / name).is_file():
             c = json.loads((d / name).read_text())
-            declared += [src.get("eos_token_id") for src in (c, c.get("text_config") or {})]
+            declared += [src.get("eos_token_id") for src in (c, text_config(c))]   # the wrapper's and its LM's
     return tok, eos_ids(declared, tok)
 
 
 class EngineServer:
-    """One engine server: what it serves, greedy requests of token ids, and its speculative counters."""
+    """One engine server: what it serves, greedy requests of token ids, and its speculative counters. Requests go
+    through one serving.Client; errors name `flag` (--url or --plain-url), the URL and the request."""
 
     def __init__(self, engine: str, url: str, timeout: float, flag: str):
-        self.engine, self.url, self.timeout, self.flag = engine, url.rstrip("/"), timeout, flag
+        self.http = Client(url, timeout=timeout, flag=flag, timeout_flag="--request-timeout")
+        self.engine, self.url, self.timeout, self.flag = engine, self.http.url, timeout, flag
         self.model: str | None = None  # the served name vLLM requests carry
-
-    def _call(self, method: str, path: str, body: dict | None = None, *, text: bool = False, missing_ok=False):
-        import httpx
-
-        where = f"{self.flag} {self.url}{path}"
-        try:
-            r = httpx.request(method, self.url + path, json=body, timeout=self.timeout)
-        except httpx.TimeoutException:
-            raise EyasError(f"{where}: no answer within {self.timeout:g} s (--request-timeout)") from None
-        except httpx.ConnectError:
-            raise EyasError(f"{where}: connection refused (is the server up?)") from None
-        except httpx.TransportError as e:
-            raise EyasError(f"{where}: the server dropped the connection ({type(e).__name__})") from None
-        if missing_ok and r.status_code == 404:
-            return None
-        if r.status_code >= 400:
-            raise EyasError(f"{where}: HTTP {r.status_code}: {' '.join(r.text.split())[:200]}")
-        if text:
-            return r.text
-        try:
-            return r.json()
-        except ValueError:
-            raise EyasError(f"{where}: the answer is not JSON") from None
 
     def describe(self, model: str | None) -> dict:
         """Served name (checked against `model`), model path, engine version, dtype and speculative settings
         (None: the server does not decode speculatively)."""
-        cards = [c for c in (self._call("GET", "/v1/models").get("data") or []) if c.get("id")]
+        cards = [c for c in (self.http.call("GET", "/v1/models").get("data") or []) if c.get("id")]
         served = [c["id"] for c in cards]
         if not served or (model is not None and model not in served):
             raise EyasError(f"{self.flag} {self.url} serves {', '.join(map(repr, served)) or 'no model'}"
@@ -140,8 +121,8 @@ class EngineServer:
         self.model = model or served[0]
         info = {"url": self.url, "served_model": self.model}
         if self.engine == "sglang":
-            s = self._call("GET", "/get_server_info", missing_ok=True) or self._call("GET", "/server_info")
-            m = self._call("GET", "/get_model_info", missing_ok=True) or self._call("GET", "/model_info")
+            s = self.http.first(SERVER_INFO["sglang"])
+            m = self.http.first(MODEL_INFO)
             algo = s.get("speculative_algorithm")
             spec = None if not algo else {
                 "algorithm": algo, "num_steps": s.get("speculative_num_steps"),
@@ -151,27 +132,25 @@ class EngineServer:
                         dtype=s.get("dtype"), speculative=spec)
         else:
             card = next(c for c in cards if c["id"] == self.model)
-            version = (self._call("GET", "/version", missing_ok=True) or {}).get("version")
-            spec = {"algorithm": "vllm speculative config"} if DRAFTS in self._call("GET", "/metrics", text=True) else None
+            version = (self.http.call("GET", "/version", missing_ok=True) or {}).get("version")
+            metrics = self.http.call("GET", "/metrics", text=True)
+            spec = {"algorithm": "vllm speculative config"} if DRAFTS in metrics else None
             info.update(model_path=card.get("root") or self.model, version=version, dtype=None, speculative=spec)
         return info
 
     def generate(self, ids: list[int], n: int, eos: list[int]) -> tuple[list[int], int | None, list[int] | None]:
         """Greedy reply to prompt `ids` -> (its token ids, SGLang's verify steps or None, SGLang's histogram of
         verify steps by drafts accepted or None)."""
+        path, body = greedy_request(self.engine, ids, n, model=self.model, stop=eos, token_ids=True)
+        r = self.http.call("POST", path, body)
+        out = reply_ids(self.engine, r)
         if self.engine == "sglang":
-            r = self._call("POST", "/generate", {"input_ids": list(ids), "sampling_params": {
-                "max_new_tokens": n, "temperature": 0.0, "stop_token_ids": list(eos)}})
-            if not isinstance(r.get("output_ids"), list):
+            if not isinstance(out, list):
                 raise EyasError(f"{self.flag} {self.url}/generate: the reply has no output_ids")
             m = r.get("meta_info") or {}
             # spec_accept_histogram: the field's earlier name, kept as an alias in 0.5.14
             hist = m.get("spec_correct_drafts_histogram") or m.get("spec_accept_histogram")
-            return r["output_ids"], m.get("spec_verify_ct"), hist
-        r = self._call("POST", "/v1/completions", {"model": self.model, "prompt": list(ids), "max_tokens": n,
-                                                   "temperature": 0.0, "stop_token_ids": list(eos),
-                                                   "return_token_ids": True})
-        out = ((r.get("choices") or [{}])[0]).get("token_ids")
+            return out, m.get("spec_verify_ct"), hist
         if not isinstance(out, list):
             raise EyasError(f"{self.flag} {self.url}/v1/completions: the reply has no token_ids (this vLLM does not "
                             f"take return_token_ids)")
@@ -179,15 +158,12 @@ class EngineServer:
 
     def top_logprobs(self, ids: list[int], k: int) -> dict[int, float]:
         """The server's log-probabilities of its k likeliest next tokens after prompt `ids` -> {token id: logprob}."""
+        path, body = greedy_request(self.engine, ids, 1, model=self.model, top_logprobs=k)
+        r = self.http.call("POST", path, body)
         if self.engine == "sglang":
-            r = self._call("POST", "/generate", {"input_ids": list(ids), "return_logprob": True, "top_logprobs_num": k,
-                                                 "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
             tops = ((r.get("meta_info") or {}).get("output_top_logprobs") or [None])[0]
             pairs = [(t[1], t[0]) for t in tops or ()]            # (logprob, token id, text) per candidate
         else:
-            r = self._call("POST", "/v1/completions", {"model": self.model, "prompt": list(ids), "max_tokens": 1,
-                                                       "temperature": 0.0, "logprobs": k,
-                                                       "return_tokens_as_token_ids": True})
             tops = ((((r.get("choices") or [{}])[0]).get("logprobs") or {}).get("top_logprobs") or [None])[0]
             pairs = [(key.rsplit(":", 1)[-1], v) for key, v in (tops or {}).items()]   # "token_id:ID": logprob
         try:
@@ -201,7 +177,7 @@ class EngineServer:
     def counters(self) -> tuple[float, list[float]]:
         """vLLM's (drafts, accepted drafts by position) now, summed over its engines' label sets."""
         drafts, pos = 0.0, {}
-        for line in self._call("GET", "/metrics", text=True).splitlines():
+        for line in self.http.call("GET", "/metrics", text=True).splitlines():
             if line.startswith("#") or " " not in line:
                 continue
             head, value = line.rsplit(" ", 1)

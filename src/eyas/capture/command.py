@@ -48,6 +48,7 @@ def register(subparsers) -> None:
 def _engine_main(args) -> int:
     """`eyas capture --engine sglang|vllm`: the target runs in a server; only its config is read here."""
     from eyas.engines.capture import config_from_args, run_engine_capture, served_check
+    from eyas.target.fingerprint import text_config
     from eyas.target.layers import resolve_aux_layer_ids
 
     if not args.target_config:
@@ -58,7 +59,7 @@ def _engine_main(args) -> int:
         raw = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise EyasError(f"{args.target_config}: cannot read the target config ({e})") from None
-    raw = raw.get("text_config", raw)  # multimodal wrappers keep the language model's fields inside
+    raw = text_config(raw)  # multimodal wrappers keep the language model's fields inside
     try:
         n, h, v = int(raw["num_hidden_layers"]), int(raw["hidden_size"]), int(raw["vocab_size"])
     except (KeyError, TypeError, ValueError) as e:

@@ -9,7 +9,7 @@ never kept: the conversation is cut before it (dropped when it was the first) an
 * `LocalBackend`: batched generation with the loaded target through `Runner.from_hf`: the static-cache
   runner for Llama-family targets, the generic `HFRunner` (target/hf_runner.py) for other full-attention
   ones, else (a target neither takes) HF `model.generate`.
-* `ServerBackend`: any OpenAI-compatible chat-completions server (SGLang, vLLM, ...), with
+* `ServerBackend`: any OpenAI-compatible chat-completions server (SGLang, vLLM, ...), through eyas/serving.py:
   timeouts, retries with exponential backoff and a bounded number of requests in flight.
 
 The local backend also writes Magpie-style prompts (`self_prompts`): the target continues the
@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from eyas.data.chat import TemplateError, encode_prompts, special_strings, user_header
 from eyas.data.sources import Conversation, Skipped
 from eyas.errors import EyasError
+from eyas.serving import TIMEOUT, Client, ServerError, retrying
 
 
 @dataclass
@@ -253,12 +254,11 @@ class ServerBackend:
     def __init__(self, server: str, *, model: str | None, max_new_tokens: int, temperature: float, seed: int,
                  concurrency: int = 8, timeout: float = 120.0, retries: int = 3, backoff: float = 1.0,
                  max_backoff: float = 30.0, client=None, specials=()):
-        import httpx
-
         self.url, self.max_new, self.temperature, self.seed = chat_url(server), max_new_tokens, temperature, seed
         self.concurrency, self.retries, self.backoff, self.max_backoff = concurrency, retries, backoff, max_backoff
-        self.client = client or httpx.Client(timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
-                                             limits=httpx.Limits(max_connections=concurrency))
+        # the OpenAI API's base (.../v1): chat completions and the model list under it; `client`: an httpx.Client
+        self.http = Client(self.url.rsplit("/chat/completions", 1)[0], timeout=timeout,
+                           connect_timeout=min(timeout, 10.0), max_connections=concurrency, http=client)
         self.model = model or self._first_model()
         self.stats = RegenStats()
         self.notes: list[Skipped] = []
@@ -267,38 +267,30 @@ class ServerBackend:
         self.specials = tuple(specials)  # the target's special-token texts: a reply of only these is empty
 
     def _first_model(self) -> str:
-        import httpx
-
-        url = self.url.rsplit("/chat/completions", 1)[0] + "/models"
         try:
-            r = self.client.get(url)
-            r.raise_for_status()
-            return r.json()["data"][0]["id"]
-        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
-            raise EyasError(f"{url}: could not list the server's models ({e}); pass --model NAME") from e
+            return self.http.call("GET", "/models")["data"][0]["id"]
+        except ServerError as e:
+            why = e.reason
+        except (KeyError, IndexError, TypeError) as e:
+            why = str(e)
+        raise EyasError(f"{self.http.where('/models')}: could not list the server's models ({why}); pass --model NAME")
+
+    def _slept(self, delay: float) -> None:
+        with self._lock:
+            self.sleeps.append(delay)
 
     def _post(self, payload: dict, what: str) -> dict:
-        """One chat completion with retries; raises EyasError naming `what` when they run out."""
-        import httpx
-
-        last = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                delay = min(self.backoff * 2 ** (attempt - 1), self.max_backoff)
-                with self._lock:
-                    self.sleeps.append(delay)
-                time.sleep(delay)
+        """One chat completion, retried (serving.retrying) on a transport failure, a RETRY_STATUS or an answer
+        that is not a chat completion; raises EyasError naming `what` when the retries run out, _Rejected for
+        another HTTP error status."""
+        def attempt(_k: int) -> dict:
             try:
-                r = self.client.post(self.url, json=payload)
-            except httpx.TimeoutException:
-                last = "timed out"
-                continue
-            except httpx.TransportError as e:
-                last = f"connection failed ({type(e).__name__}: {e})"
-                continue
+                r = self.http.send("POST", "/chat/completions", payload)
+            except ServerError as e:
+                raise _Retry("timed out" if e.kind == TIMEOUT else
+                             f"connection failed ({type(e.cause).__name__}: {e.cause})") from None
             if r.status_code in self.RETRY_STATUS:
-                last = f"HTTP {r.status_code} {r.text[:200]!r}"
-                continue
+                raise _Retry(f"HTTP {r.status_code} {r.text[:200]!r}")
             if r.status_code >= 400:
                 raise _Rejected(r.status_code, r.text[:200])
             try:
@@ -312,9 +304,13 @@ class ServerBackend:
                     raise TypeError(f"usage.completion_tokens is {type(tokens).__name__}, not an integer")
                 return {"text": text, "finish": choice.get("finish_reason"), "tokens": tokens}
             except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
-                last = f"unexpected response ({e})"
-                continue
-        raise EyasError(f"{self.url}: {what}: {last} after {self.retries + 1} attempts")
+                raise _Retry(f"unexpected response ({e})") from None
+
+        try:
+            return retrying(attempt, retries=self.retries, backoff=self.backoff, max_backoff=self.max_backoff,
+                            retry_on=_Retry, slept=self._slept)
+        except _Retry as e:
+            raise EyasError(f"{self.url}: {what}: {e} after {self.retries + 1} attempts") from None
 
     def _one(self, c: Conversation, temperature: float) -> Conversation | Skipped:
         msgs = list(c.messages)
@@ -354,6 +350,10 @@ class ServerBackend:
         if progress is not None:
             progress(0, self.stats)
         return out
+
+
+class _Retry(Exception):
+    """A failed attempt that the next one may fix; its text says what went wrong."""
 
 
 class _Rejected(Exception):

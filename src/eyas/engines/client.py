@@ -1,7 +1,7 @@
 """Send prepared samples to a serving engine and drive them into a verified store.
 
 Each sample goes out as rid `{id}#a{attempt}` with max_new_tokens=1: the prompt forward is what
-carries the states. Bounded concurrency (a thread pool), a timeout and retries per request; samples
+carries the states. Bounded concurrency (a thread pool), a timeout and retries per request (eyas/serving.py); samples
 already committed to the store are never sent again (resume), and a sample id is written at most
 once (the hook / ingester refuse duplicates). Failures end up in STORE/engine-failures.jsonl.
 
@@ -23,6 +23,7 @@ from pathlib import Path
 from eyas.engines.launch_args import VLLM_SERVED_NAME
 from eyas.engines.records import ATTEMPT_SEP
 from eyas.errors import EyasError
+from eyas.serving import greedy_request, post_json, retrying
 
 FAILURES = "engine-failures.jsonl"
 
@@ -63,39 +64,31 @@ def dp_group(sample_id: str, groups: int) -> int:
 
 
 def request_body(engine: str, rid: str, ids: list[int], dp_groups: int = 1) -> tuple[str, dict]:
-    if engine == "sglang":
-        body = {"rid": rid, "input_ids": list(ids), "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
-        if dp_groups > 1:                    # SGLang >= 0.5.10: the DP controller sends it to that group
-            body["routed_dp_rank"] = dp_group(rid.split(ATTEMPT_SEP, 1)[0], dp_groups)
-        return "/generate", body
-    return "/v1/completions", {"model": VLLM_SERVED_NAME, "prompt": list(ids), "max_tokens": 1, "temperature": 0.0,
-                               "request_id": rid}
+    """(path, body) of one capture request: a greedy one-token request (serving.greedy_request) carrying its rid;
+    SGLang >= 0.5.10 with several DP groups sends it to the sample's group (dp_group)."""
+    path, body = greedy_request(engine, ids, 1, model=VLLM_SERVED_NAME, rid=rid)
+    if engine == "sglang" and dp_groups > 1:
+        body["routed_dp_rank"] = dp_group(rid.split(ATTEMPT_SEP, 1)[0], dp_groups)
+    return path, body
 
 
-def http_post(url: str, body: dict, timeout: float) -> dict:
-    import httpx  # noqa: PLC0415
-    r = httpx.post(url, json=body, timeout=timeout)
-    r.raise_for_status()
-    return r.json()
-
-
-def send_all(cfg: EngineCaptureConfig, samples: dict, *, attempt: int, post=http_post) -> dict:
-    """POST each sample once (with per-request retries on transport errors) -> {id: response | error str}."""
+def send_all(cfg: EngineCaptureConfig, samples: dict, *, attempt: int, post=post_json) -> dict:
+    """POST each sample once (with per-request retries on any failure, backing off from 0.1 s up to 5 s) ->
+    {id: response | error str}. post(url, body, timeout) -> JSON: serving.post_json, or a fake server (tests)."""
     if cfg.engine == "vllm":  # vLLM names its file after the request id: no id may point outside its directory
         from eyas.engines.vllm_ingest import check_sample_id  # noqa: PLC0415
         for sid in samples:
             check_sample_id(sid, cfg.data)
+
     def one(sid):
-        last = ""
-        for k in range(cfg.retries + 1):
+        def request(k):
             rid = f"{sid}{ATTEMPT_SEP}{attempt * (cfg.retries + 1) + k}"
             path, body = request_body(cfg.engine, rid, samples[sid], cfg.dp_groups)
-            try:
-                return sid, post(cfg.url.rstrip("/") + path, body, cfg.timeout_s)
-            except Exception as e:  # noqa: BLE001 - recorded and retried
-                last = f"{type(e).__name__}: {e}"
-                time.sleep(min(2 ** k * 0.1, 5))
-        return sid, last
+            return post(cfg.url.rstrip("/") + path, body, cfg.timeout_s)
+        try:
+            return sid, retrying(request, retries=cfg.retries, backoff=0.1, max_backoff=5.0)
+        except Exception as e:  # noqa: BLE001 - recorded; the next round resends it
+            return sid, f"{type(e).__name__}: {e}"
     with ThreadPoolExecutor(cfg.concurrency) as pool:
         return dict(pool.map(one, list(samples)))
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from eyas.errors import EyasError
+from eyas.target.fingerprint import text_config
 from eyas.target.meta import INDEX, NAMES, SINGLE, find_name, read_tensor, weight_map
 
 # The final norm's names (target/meta.py, as every stage finds them): HF causal LMs, multimodal wrappers
@@ -63,7 +64,7 @@ def load_final_norm(target_config, weights_dir=None) -> FinalNorm:
         cfg = json.loads(p.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise EyasError(f"{p}: cannot read the target config ({e})") from e
-    text = cfg.get("text_config") or cfg
+    text = text_config(cfg)
     model_type = str(text.get("model_type") or cfg.get("model_type") or "")
     if model_type.startswith("gemma"):
         raise EyasError(f"{p}: {model_type} scales its norm by (1 + weight); eyas's vLLM ingest supports plain RMSNorm")

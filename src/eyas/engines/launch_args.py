@@ -21,6 +21,7 @@ import shlex
 from pathlib import Path
 
 from eyas.errors import EyasError
+from eyas.target.fingerprint import text_config
 from eyas.target.layers import resolve_aux_layer_ids, sglang_layer_ids
 
 # Read from the wheels (tests/engine_sglang_layouts.py records each release; the tests check it):
@@ -66,7 +67,7 @@ def read_target_config(path) -> dict:
         cfg = json.loads(p.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise EyasError(f"{p}: cannot read target config ({e})") from e
-    text = cfg.get("text_config") or cfg
+    text = text_config(cfg)
     if "num_hidden_layers" not in text:
         raise EyasError(f"{p}: no num_hidden_layers (not a HF causal-LM config.json?)")
     arch = (cfg.get("architectures") or text.get("architectures") or ["?"])[0]

@@ -24,17 +24,7 @@ from pathlib import Path
 from eyas.engines.client import EngineCaptureConfig, event_offsets, new_events, send_all
 from eyas.engines.records import NO_AUX, STORE_LOCKED, overlap_refusal
 from eyas.errors import EyasError
-
-# Where each engine reports the flags it runs with: SGLang's /server_info (/get_server_info before it) holds the
-# server args by field name; vLLM's /server_info exists only under VLLM_SERVER_DEV_MODE=1.
-SERVER_INFO = {"sglang": ("/server_info", "/get_server_info"), "vllm": ("/server_info?config_format=json",)}
-
-
-def http_get(url: str, timeout: float) -> dict:
-    import httpx  # noqa: PLC0415
-    r = httpx.get(url, timeout=timeout)
-    r.raise_for_status()
-    return r.json()
+from eyas.serving import SERVER_INFO, get_json
 
 
 def overlap_flag(engine: str, info: dict) -> str | None:
@@ -57,7 +47,7 @@ def dp_groups(engine: str, info: dict) -> int:
         return 1
 
 
-def refuse_overlap(cfg: EngineCaptureConfig, get=http_get) -> dict:
+def refuse_overlap(cfg: EngineCaptureConfig, get=get_json) -> dict:
     """Stop before any request when the server reports a batch-overlap flag; else its server info ({} when it
     reports nothing: no such endpoint; the SGLang hook refuses two-batch overlap itself when it loads)."""
     for path in SERVER_INFO[cfg.engine]:
@@ -76,7 +66,7 @@ def refuse_overlap(cfg: EngineCaptureConfig, get=http_get) -> dict:
 class Probe:
     """Sends the first samples of a capture one by one until one shows that the capture side runs."""
 
-    def __init__(self, cfg: EngineCaptureConfig, out: Path, poll_s: float = 0.05, get=http_get):
+    def __init__(self, cfg: EngineCaptureConfig, out: Path, poll_s: float = 0.05, get=get_json):
         self.cfg, self.out, self.poll_s, self.get = cfg, Path(out), poll_s, get
         self.verified = self.flags_checked = False
         self.no_aux: list[str] = []

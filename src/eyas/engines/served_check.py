@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from eyas.errors import EyasError
+from eyas.serving import greedy_request, post_json, reply_ids  # light: no httpx until a request
 
 PROBE_RID = "eyas-probe-"
 CHECK_RID = "eyas-check-"
@@ -183,11 +184,12 @@ def locate_head(target) -> tuple[dict, dict, dict]:
     """(config.json, its text config, kind -> {"name", "path", ...}) of a target directory, checked without
     reading a tensor: the head tensors found by name as every stage finds them (target/meta.py open_heads; no
     tokenizer, no code from the checkpoint), each in a shard that is there."""
+    from eyas.target.fingerprint import text_config  # noqa: PLC0415
     from eyas.target.meta import open_heads, read_json  # noqa: PLC0415
     d = Path(target)
     raw = read_json(d / "config.json")
     _, where, _ = open_heads(d, raw)
-    return raw, raw.get("text_config") or raw, where
+    return raw, text_config(raw), where
 
 
 def load_head(target) -> Head:
@@ -271,7 +273,8 @@ def compare_slots(probe: list[dict], stored: list, aux_ids, *, tol: float) -> li
 
 
 class Server:
-    """The check's requests: greedy next tokens and probes, through `post(url, body, timeout) -> json`."""
+    """The check's requests: greedy next tokens and probes (serving.greedy_request), through
+    `post(url, body, timeout) -> json` (serving.post_json, or a fake server in tests)."""
 
     def __init__(self, cfg: CheckConfig, post):
         self.cfg, self.post, self.n = cfg, post, 0
@@ -282,21 +285,13 @@ class Server:
 
     def next_token(self, ids: list[int]) -> int:
         from eyas.engines.launch_args import VLLM_SERVED_NAME  # noqa: PLC0415
-        url = self.cfg.url.rstrip("/")
         rid = self._rid(CHECK_RID)
-        if self.cfg.engine == "sglang":
-            r = self.post(url + "/generate", {"rid": rid, "input_ids": list(ids),
-                                              "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}},
-                          self.cfg.timeout_s)
-            out = r.get("output_ids")
-        else:
-            r = self.post(url + "/v1/completions", {"model": VLLM_SERVED_NAME, "prompt": list(ids), "max_tokens": 1,
-                                                    "temperature": 0.0, "return_token_ids": True, "request_id": rid},
-                          self.cfg.timeout_s)
-            out = ((r.get("choices") or [{}])[0]).get("token_ids")
-            if self.cfg.vllm_dir:                         # extract_hidden_states dumped this request too
-                for p in Path(self.cfg.vllm_dir).glob(f"*{rid}*.safetensors"):
-                    p.unlink(missing_ok=True)
+        path, body = greedy_request(self.cfg.engine, ids, 1, model=VLLM_SERVED_NAME, rid=rid, token_ids=True)
+        r = self.post(self.cfg.url.rstrip("/") + path, body, self.cfg.timeout_s)
+        out = reply_ids(self.cfg.engine, r)
+        if self.cfg.engine == "vllm" and self.cfg.vllm_dir:   # extract_hidden_states dumped this request too
+            for p in Path(self.cfg.vllm_dir).glob(f"*{rid}*.safetensors"):
+                p.unlink(missing_ok=True)
         if not out:
             raise EyasError(f"{self.cfg.url}: the reply to a greedy request carries no output token ids "
                             f"(SGLang: output_ids; vLLM: choices[0].token_ids from return_token_ids): {str(r)[:200]}")
@@ -308,10 +303,9 @@ class Server:
         last = ""
         for _ in range(self.cfg.retries + 1):
             rid = probe_rid(layers, self._rid(""))
+            path, body = greedy_request("sglang", ids, 1, rid=rid)
             try:
-                self.post(self.cfg.url.rstrip("/") + "/generate", {
-                    "rid": rid, "input_ids": list(ids),
-                    "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}, self.cfg.timeout_s)
+                self.post(self.cfg.url.rstrip("/") + path, body, self.cfg.timeout_s)
             except Exception as e:  # noqa: BLE001 - resent
                 last = f"{type(e).__name__}: {e}"
                 continue
@@ -389,7 +383,6 @@ def probe_rows(cfg: CheckConfig, head: Head, samples, aux_ids, server: Server) -
 
 def run_served_check(cfg: CheckConfig, *, post=None, head: Head | None = None) -> dict:
     """Run every check that applies to the engine -> {"ok", "rows", "config"}; written to STORE/check.json."""
-    from eyas.engines.client import http_post  # noqa: PLC0415
     from eyas.store.reader import Store  # noqa: PLC0415
     st = Store(cfg.store, allow_incomplete=True)
     if len(st) == 0:
@@ -399,7 +392,7 @@ def run_served_check(cfg: CheckConfig, *, post=None, head: Head | None = None) -
         raise EyasError(f"{cfg.target}: hidden size {head.norm.shape[0]} != the store's {st.hidden_size} (another "
                         f"target?)")
     samples = [st.get(i, dtype=torch.float32) for i in range(min(cfg.n, len(st)))]
-    server = Server(cfg, post or http_post)
+    server = Server(cfg, post or post_json)
     rows = final_rows(cfg, head, samples, server)
     if cfg.engine == "sglang":
         rows += probe_rows(cfg, head, samples, st.aux_layer_ids, server)

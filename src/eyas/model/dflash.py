@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from eyas.errors import EyasError
 from eyas.knobs import from_known, to_json
 from eyas.model.drafter import GROUPED_ROWS, MLP, RMSNorm, flex_attend, grouped_attend, rope_inv_freq, rotate_half
-from eyas.model.shape import ROPE_TYPES, mla_or_moe, target_shape, text_config
+from eyas.model.shape import ROPE_TYPES, mla_or_moe, target_shape, text_view
 
 MAX_BLOCK = 32
 """Largest block: the engines' CUDA-graph and verify buffers are sized for blocks of up to 16-32 tokens."""
@@ -38,7 +38,7 @@ def default_layers(num_target_layers: int) -> int:
 def default_block(hf_config) -> int:
     """16 (the published dense-target heads), 8 for DeepSeek-V3 / Kimi-class MoE targets: each verified token
     there activates its own experts, and the published Kimi-K2.5 head is served with blocks of 8."""
-    return 8 if mla_or_moe(text_config(hf_config)) else 16
+    return 8 if mla_or_moe(text_view(hf_config)) else 16
 
 
 def default_mask_token(tokenizer, vocab_size: int) -> int:
@@ -123,7 +123,7 @@ class DFlashConfig:
         """Every size, eps and the RoPE from the target's config (model/shape.py target_shape, the heads EAGLE-3
         gets); depth from default_layers, block from default_block, each unless given."""
         shape = target_shape(hf_config, intermediate_size=intermediate_size)
-        n = int(text_config(hf_config).num_hidden_layers)
+        n = int(text_view(hf_config).num_hidden_layers)
         return cls(**shape, aux_layer_ids=tuple(aux_layer_ids), num_target_layers=n,
                    num_hidden_layers=num_layers or default_layers(n),
                    block_size=block_size or default_block(hf_config), mask_token_id=int(mask_token_id))

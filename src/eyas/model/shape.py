@@ -18,15 +18,12 @@ MLA_ROPE_THETA = 1_000_000.0       # plain RoPE: the published heads' theta; its
 DEEPSEEK_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "n_routed_experts")
 
 
-def text_config(config):
-    """The language model's fields of a target config: `get_text_config()` of a transformers config (a VLM
-    wrapper's text_config, else itself), or the `text_config` of an attribute view / dict of config.json."""
-    if isinstance(config, dict):
-        config = SimpleNamespace(**config)
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    elif getattr(config, "text_config", None) is not None:
-        config = config.text_config
+def text_view(config):
+    """The language model's fields of a target config (target/fingerprint.py text_config: a VLM wrapper's
+    text_config, else the config itself) as attributes: a dict of config.json becomes an attribute view."""
+    from eyas.target.fingerprint import text_config
+
+    config = text_config(config)
     return SimpleNamespace(**config) if isinstance(config, dict) else config
 
 
@@ -53,7 +50,7 @@ def target_shape(hf_config, *, intermediate_size: int | None = None) -> dict:
     (yarn, dynamic, ...) is dropped for plain RoPE at the target's theta. DeepSeek-V2/V3 / Kimi (MLA or DeepSeek
     MoE fields): the Llama head of the published EAGLE-3 heads for them, head_dim 128, plain RoPE at
     MLA_ROPE_THETA."""
-    c = text_config(hf_config)
+    c = text_view(hf_config)
     theta, scaling = target_rope(c)
     if scaling is not None and scaling["rope_type"] not in ROPE_TYPES:
         scaling = None                               # plain RoPE; config.json says so (rope_scaling null)

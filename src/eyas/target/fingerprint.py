@@ -69,6 +69,19 @@ def _number(v):
     return float(f"{v:.6g}") if isinstance(v, float) else v
 
 
+def text_config(config):
+    """The language model's part of a target config: a multimodal wrapper (Kimi-K2.5, Llava, Qwen-VL) keeps it
+    under `text_config`; any other config is its own. The one unwrap, for what callers hold: a dict of config.json
+    (-> its `text_config` dict, else itself), a transformers config (-> `get_text_config()`), or an attribute view
+    of config.json (-> its `text_config`, else itself). The wrapper's own fields (architectures,
+    quantization_config, a wrapper-level eos) are not in a wrapper's result: read those from `config`."""
+    if isinstance(config, dict):
+        return config.get("text_config") or config
+    if hasattr(config, "get_text_config"):
+        return config.get_text_config()
+    return getattr(config, "text_config", None) or config
+
+
 def rope_of(cfg) -> tuple[float | None, dict]:
     """(rope_theta, or None where the config has none; the RoPE parameters, their kind under "rope_type", "default"
     when none) the same whether the config spells rope_parameters (transformers 5) or rope_theta + rope_scaling
@@ -99,7 +112,7 @@ def config_fields(config) -> dict:
     """The normalised architecture fields of a HF config (its text config for multimodal wrappers), the same
     whether `config` is a transformers config object or an attribute view of the raw config.json (a model type
     transformers does not know: eyas.target.meta)."""
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    cfg = text_config(config)
     out = {}
     for k in CONFIG_FIELDS:
         v = getattr(cfg, k, None)
@@ -133,7 +146,7 @@ def tokenizer_sha256(tokenizer) -> str | None:
 def special_tokens(config, tokenizer) -> dict:
     """{"bos", "eos", "unk": sorted ids}: the ids the model config declares, else the tokenizer's. The config's
     agree across transformers versions; a tokenizer's bos/eos attributes are a converter's guess (see above)."""
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    cfg = text_config(config)
     out = {}
     for k in ("bos", "eos", "unk"):
         v = getattr(cfg, f"{k}_token_id", None)

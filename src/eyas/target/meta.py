@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from eyas.errors import EyasError
-from eyas.target.fingerprint import fingerprint, head_identity
+from eyas.target.fingerprint import fingerprint, head_identity, text_config
 from eyas.target.layers import resolve_aux_layer_ids
 
 INDEX = "model.safetensors.index.json"
@@ -147,7 +147,7 @@ def needs_remote_code(d: Path, raw: dict, *, engine: bool = False) -> list[str]:
     auto = raw.get("auto_map") or {}
     tok_cfg = read_json(d / "tokenizer_config.json") if (d / "tokenizer_config.json").exists() else {}
     if engine:
-        types = sorted({raw.get("model_type"), (raw.get("text_config") or {}).get("model_type")} - {None})
+        types = sorted({raw.get("model_type"), text_config(raw).get("model_type")} - {None})
         procs = [f for f in PROCESSOR_CONFIGS if (d / f).exists() and read_json(d / f).get("auto_map")]
         return ((["config.json has an auto_map"] if auto else [])
                 + [f"transformers has no model_type {mt!r}" for mt in types if mt not in CONFIG_MAPPING]
@@ -165,17 +165,17 @@ def needs_remote_code(d: Path, raw: dict, *, engine: bool = False) -> list[str]:
     return why
 
 
-def text_config(d: Path, raw: dict):
+def open_text_config(d: Path, raw: dict):
     """The text config: transformers' class when it knows the (wrapper's or text) model type, else a JSON view."""
     from transformers import CONFIG_MAPPING, AutoConfig
 
     if raw.get("model_type") in CONFIG_MAPPING:
         cfg = AutoConfig.from_pretrained(str(d), local_files_only=True, trust_remote_code=False)
-        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        text = text_config(cfg)
         if not getattr(text, "architectures", None):
             text.architectures = raw.get("architectures")   # the wrapper's: SGLang's layer-id convention reads it
         return text
-    text = dict(raw.get("text_config") or raw)
+    text = dict(text_config(raw))
     if text.get("model_type") in CONFIG_MAPPING:
         return CONFIG_MAPPING[text["model_type"]].from_dict(text)
     if "architectures" not in text and "architectures" in raw:
@@ -189,7 +189,7 @@ def check_unquantized(where: Path, wm: dict, name: str, dtype: str, raw: dict) -
     companions = sorted(k for k in wm if k.rsplit(".", 1)[0] == prefix and k.rsplit(".", 1)[-1] in QUANT_COMPANIONS)
     if dtype in FLOAT_DTYPES and not companions:
         return
-    q = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config") or {}
+    q = raw.get("quantization_config") or text_config(raw).get("quantization_config") or {}
     method = f" (quantization_config: {q.get('quant_method') or q.get('format') or 'set'})" if q else ""
     what = f"dtype {dtype}" + (f" with {', '.join(companions)}" if companions else "")
     raise EyasError(f"{where}: {name} is quantized ({what}){method}; eyas needs the embedding, LM head and final "
@@ -311,7 +311,7 @@ def open_heads(d: Path, raw: dict | None = None, *, check: tuple[str, ...] = ())
     engines/served_check.py, both locate the head here). `raw`: config.json when the caller has read it."""
     raw = read_json(d / "config.json") if raw is None else raw
     try:
-        config = text_config(d, raw)
+        config = open_text_config(d, raw)
     except (OSError, ValueError, TypeError) as e:
         raise EyasError(f"{d / 'config.json'}: {e}") from None
     found = weight_map(d)
