@@ -1,21 +1,19 @@
 """Capture throughput: bare forward vs captured-and-written, bf16 and fp8, next to the disk's write speed.
 
-    PYTHONPATH=src python benchmarks/capture.py                       # GPU: SmolLM2, 32 batches of 32 x 1024
-    PYTHONPATH=src python benchmarks/capture.py --device cpu --batches 2 --batch-size 2 --seq 256 --random-weights --no-record   # smoke test
+    python -m benchmarks.capture                       # GPU: SmolLM2, 32 batches of 32 x 1024; a CPU smoke test:
+    python -m benchmarks.capture --device cpu --batches 2 --batch-size 2 --seq 256 --random-weights --no-record
 
-Prints a table and appends a dated section to BENCHMARKS.md (repo root). Ratio = tokens/s divided by bare-forward
-tokens/s in the same run (goal: the disk-bound ceiling). Each store dtype is captured twice in this run: with
-overlap=False (.cpu() after every forward, shards serialised and written in the same thread) and with the
-overlapped pipeline (pinned staging buffers and side-stream copies, intake and writer threads; store/writer.py),
-so their ratio is measured within one run.
+Prints a table and appends a dated section to BENCHMARKS.md (benchmarks.record: --md FILE, --no-record).
+Ratio = tokens/s divided by bare-forward tokens/s in the same run (goal: the disk-bound ceiling). Each store dtype
+is captured twice in this run: with overlap=False (.cpu() after every forward, shards serialised and written in
+the same thread) and with the overlapped pipeline (pinned staging buffers and side-stream copies, intake and writer
+threads; store/writer.py), so their ratio is measured within one run.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import shutil
 import sys
 import time
@@ -23,14 +21,12 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-
-from eyas.capture import CaptureConfig, run_capture  # noqa: E402
-from eyas.store import Store  # noqa: E402
-from eyas.store import format as fmt  # noqa: E402
-from eyas.target import load_target  # noqa: E402
-from eyas.target.hooks import capture_states, decoder_stack  # noqa: E402
+from benchmarks import record
+from eyas.capture import CaptureConfig, run_capture
+from eyas.store import Store
+from eyas.store import format as fmt
+from eyas.target import load_target
+from eyas.target.hooks import capture_states, decoder_stack
 
 
 def sync(device):
@@ -76,7 +72,7 @@ def main() -> int:
     ap.add_argument("--dir", default="/tmp/eyas-bench-capture", help="where the stores and the disk test write")
     ap.add_argument("--disk-gb", type=float, default=2.0)
     ap.add_argument("--shard-mb", type=float, default=256)
-    ap.add_argument("--no-record", action="store_true", help="do not append to BENCHMARKS.md")
+    record.add_options(ap)
     ap.add_argument("--random-weights", action="store_true",
                     help="SmolLM2-135M's exact architecture with random weights (same speed, no GGUF to stage)")
     args = ap.parse_args()
@@ -170,7 +166,6 @@ def main() -> int:
             rate[sd, overlap] = tokens / dt
             shutil.rmtree(out)
 
-    dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
     head = f"| {'what':<56} | {'tokens/s':>12} | {'ratio':>6} | {'MB/s written':>12} | {'bytes/token':>11} |"
     sep = "|" + "-" * 58 + "|" + "-" * 14 + "|" + "-" * 8 + "|" + "-" * 14 + "|" + "-" * 13 + "|"
     lines = [head, sep]
@@ -180,7 +175,6 @@ def main() -> int:
     lines.append(f"| {'disk: write + fsync ' + f'{args.disk_gb:g} GiB':<56} | {'':>12} | {'':>6} | "
                  f"{disk / 1e6:>12,.0f} | {'':>11} |")
     table = "\n".join(lines)
-    cmd = "python " + " ".join([os.path.relpath(__file__, ROOT)] + sys.argv[1:])
     h = target.hidden_size
     note = (f"{target.name}, h={h}, aux={list(target.aux_layer_ids)}, model dtype {str(dtype)[6:]}, "
             f"{n} batches of {B} x {T} random ids ({tokens:,} tokens), shards of {args.shard_mb:g} MiB, "
@@ -191,13 +185,8 @@ def main() -> int:
             + ", ".join(f"{sd} {rate[sd, True] / rate[sd, False]:.2f}x" for sd in ("bf16", "fp8")) + ".")
     print(table)
     print(note)
-    if not args.no_record:
-        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        with open(ROOT / "BENCHMARKS.md", "a") as f:
-            if f.tell() == 0:
-                f.write("# Benchmarks\n\nAppend-only; each section says when, where and how it was measured.\n")
-            f.write(f"\n## Capture throughput — {now}\n\nMachine: {dev}, torch {torch.__version__}. "
-                    f"Command: `{cmd}`\n\n{table}\n\n{note}\n")
+    record.write(args, "Capture throughput", f"{table}\n\n{note}", command=record.command_line(__spec__.name),
+                 machine=record.device_name(args.device))
     shutil.rmtree(work, ignore_errors=True)
     return 0
 

@@ -1,6 +1,6 @@
 """Compile variants of the target runner: compile time and step time (issue 14: bench start-up, plain decoding).
 
-    PYTHONPATH=src python benchmarks/compile_variants.py [--target smollm2-135m] [--dtype bf16] [--k 5] \
+    python -m benchmarks.compile_variants [--target smollm2-135m] [--dtype bf16] [--k 5] \
         [--variants whole,regions,cdt,autotune,combo,flex,gemv,gemv8,gemv-autotune,gemv-regions]
 
 `Runner.from_hf(compile=True)` compiles the whole unrolled N-layer step ("whole"). The variants:
@@ -26,22 +26,22 @@ Each variant runs in its own process with empty inductor and Triton caches (and 
   all max_seq slots as in `eyas bench`; 1000 / decode ms is the batch-1 plain decoding rate the step allows;
 - the greedy tokens of one prompt, compared with the first variant's.
 
-Prints a table and appends it, with date, machine and command, to BENCHMARKS.md (or --md).
+Prints a table and appends it as a dated section to BENCHMARKS.md (benchmarks.record: --md FILE, --no-record).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 
 import torch
+
+from benchmarks import record
 
 VARIANTS = {"whole": {}, "regions": {}, "cdt": {"coordinate_descent_tuning": True},
             "autotune": {"max_autotune": True, "coordinate_descent_tuning": True}, "combo": {"combo_kernels": True},
@@ -124,7 +124,7 @@ def main() -> int:
                          "others tune Triton kernels)")
     ap.add_argument("--variant-timeout", type=float, default=300, help="seconds per variant process")
     ap.add_argument("--variant", choices=list(VARIANTS), default=None, help="(internal) measure one variant, print JSON")
-    ap.add_argument("--md", default="BENCHMARKS.md")
+    record.add_options(ap)
     args = ap.parse_args()
     if args.variant:
         print(json.dumps(measure(args)))
@@ -135,19 +135,18 @@ def main() -> int:
         ap.error(f"unknown variant(s) {', '.join(bad)}")
     rows = {}
     own = ["--target", args.target, "--dtype", args.dtype, "--k", str(args.k), "--max-seq", str(args.max_seq),
-           "--reps", str(args.reps), "--md", ""]
+           "--reps", str(args.reps)]
     for v in names:
         with tempfile.TemporaryDirectory() as cache:
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"),
                    "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
-            cmd = [sys.executable, __file__, *own, "--variant", v]
+            cmd = [sys.executable, "-m", __spec__.name, *own, "--variant", v]
             rows[v] = run_variant(cmd, env, args.variant_timeout)
             if "error" not in rows[v]:  # again in a fresh process on the caches the first one filled
                 warm = run_variant(cmd, env, args.variant_timeout)
                 rows[v]["warm_compile_s"] = warm.get("compile_s")
             print(v, {k: x for k, x in rows[v].items() if k != "tokens"}, flush=True)
     ref = next((r for r in rows.values() if "tokens" in r), None)
-    machine = torch.cuda.get_device_name() if torch.cuda.is_available() else (platform.processor() or "cpu")
 
     def row(v: str) -> str:
         r = rows[v]
@@ -158,17 +157,14 @@ def main() -> int:
         return (f"| {v} | {r['compile_s']:.1f} | {warm} | {r['decode_ms']:.3f} | {1e3 / r['decode_ms']:,.0f} | "
                 f"{r['verify_ms']:.3f} | {same}/{len(ref['tokens'])} |\n")
 
-    table = (f"\n## Runner compile variants, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
-             f"- machine: {machine}; torch {torch.__version__}; dtype {args.dtype}; threads {torch.get_num_threads()}\n"
-             f"- command: `python benchmarks/compile_variants.py {' '.join(sys.argv[1:])}`\n"
-             f"- target {args.target}; cache {args.max_seq} slots; steps: plain decode (S=1) and chain-{args.k} verify "
-             f"with aux capture (S={args.k + 1}); each variant in its own process with empty compile caches\n\n"
-             "| variant | compile + capture s (empty caches) | same, warm caches (a second process) | decode step ms | "
+    table = ("| variant | compile + capture s (empty caches) | same, warm caches (a second process) | decode step ms | "
              "plain tok/s bound | verify step ms | greedy tokens equal to the first variant's |\n"
              "|---|---|---|---|---|---|---|\n" + "".join(row(v) for v in names))
-    print(table)
-    with open(args.md, "a") as f:
-        f.write(table)
+    print(record.write(args, "Runner compile variants", table, command=record.command_line(__spec__.name),
+                       details=[f"dtype {args.dtype}; threads {torch.get_num_threads()}",
+                                f"target {args.target}; cache {args.max_seq} slots; steps: plain decode (S=1) and "
+                                f"chain-{args.k} verify with aux capture (S={args.k + 1}); each variant in its own "
+                                "process with empty compile caches"]))
     return 0
 
 

@@ -1,35 +1,35 @@
 """Decoding benchmark (GPU): plain fast decoding vs model.generate, speculative chains and tree.
 
-    PYTHONPATH=src python benchmarks/decode.py --target smollm2-135m [--drafter RUN] [--compile]
+    python -m benchmarks.decode --target smollm2-135m [--drafter RUN] [--compile]
 
 Batched speculative decoding (`eyas.decode.batch`: greedy eagle chains, every row accepting its own length)
 against batched plain decoding (`Runner.generate`), at each batch size; this runs only that comparison:
 
-    PYTHONPATH=src python benchmarks/decode.py --batch 1,4,16,64 --chain 3 [--drafter RUN | --random-drafter]
-    PYTHONPATH=src python benchmarks/decode.py --batch 1,4,16 --tiny --dtype fp32 --max-new-tokens 64  # CPU smoke
+    python -m benchmarks.decode --batch 1,4,16,64 --chain 3 [--drafter RUN | --random-drafter]
+    python -m benchmarks.decode --batch 1,4,16 --tiny --dtype fp32 --max-new-tokens 64  # CPU smoke
 
 Greedy chains (and with --tree the default tree) at batch 1 with each round ONE CUDA graph (`eyas.decode.round`'s
 RoundDecoder) against host-driven rounds (`SpecDecoder`, the static drafter cache and graphed verify) and plain
 decoding, on the same prompts and runner; with --compile both also with the drafter's steps compiled
 (`compile_drafter`):
 
-    PYTHONPATH=src python benchmarks/decode.py --round graph --chain 3,5 [--drafter RUN | --random-drafter] [--compile]
-    PYTHONPATH=src python benchmarks/decode.py --round graph --tiny --dtype fp32 --max-new-tokens 64  # CPU smoke
+    python -m benchmarks.decode --round graph --chain 3,5 [--drafter RUN | --random-drafter] [--compile]
+    python -m benchmarks.decode --round graph --tiny --dtype fp32 --max-new-tokens 64  # CPU smoke
 
-Prints a table and appends it, with date, machine and command, to BENCHMARKS.md (or --md).
+Prints a table and appends it as a dated section to BENCHMARKS.md (benchmarks.record: --md FILE, --no-record).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import io
 import json
-import platform
 import sys
 import time
 
 import torch
+
+from benchmarks import record
 
 
 def tok_per_s(fn, tokens_fn, device) -> float:
@@ -118,17 +118,11 @@ def batch_compare(args) -> int:
         print(rows[-2], rows[-1], flush=True)
         del r, dec
         torch.cuda.empty_cache() if dev.type == "cuda" else None
-    machine = (torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor() or "cpu")
-    head = (f"\n## batched decode benchmark, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
-            f"- machine: {machine}; torch {torch.__version__}; dtype {args.dtype}; threads {torch.get_num_threads()}\n"
-            f"- command: `{' '.join(['python'] + sys.argv)}`\n"
-            f"- target: {'tiny random Llama' if args.tiny else args.target}; drafter: {drafter_name}; "
-            f"max new tokens {N}; cache {M}; eos {eos}\n\n"
-            "| what | result |\n|---|---|\n")
-    table = head + "".join(f"| {a} | {b} |\n" for a, b in rows)
-    print(table)
-    with open(args.md, "a") as f:
-        f.write(table)
+    print(record.write(args, "batched decode benchmark", _table(rows), command=record.command_line(__spec__.name),
+                       machine=record.device_name(dev),
+                       details=[f"dtype {args.dtype}; threads {torch.get_num_threads()}",
+                                f"target: {'tiny random Llama' if args.tiny else args.target}; "
+                                f"drafter: {drafter_name}; max new tokens {N}; cache {M}; eos {eos}"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
@@ -212,18 +206,18 @@ def round_compare(args) -> int:
                      f"{round_ms / step_ms:.2f} plain steps, {toks / t / plain_rate:.2f}x plain = "
                      f"{toks / t / (tau * plain_rate):.2f} x tau x plain, identical {same}/{len(prompts)}"))
         print(rows[-1], flush=True)
-    machine = (torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor() or "cpu")
     title = "one-graph chain rounds" + (" and the tree" if args.tree else "")
-    table = (f"\n## {title}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
-             f"- machine: {machine}; torch {torch.__version__}; dtype {args.dtype}; threads {torch.get_num_threads()}\n"
-             f"- command: `{' '.join(['python'] + sys.argv)}`\n"
-             f"- target: {'tiny random Llama' if args.tiny else args.target}; drafter: "
-             f"{args.drafter or 'UNTRAINED random (timing only, tau ~1)'}; {len(prompts)} prompts; max new tokens {N}; "
-             f"cache {M}\n\n| what | result |\n|---|---|\n" + "".join(f"| {a} | {b} |\n" for a, b in rows))
-    print(table)
-    with open(args.md, "a") as f:
-        f.write(table)
+    print(record.write(args, title, _table(rows), command=record.command_line(__spec__.name),
+                       machine=record.device_name(dev),
+                       details=[f"dtype {args.dtype}; threads {torch.get_num_threads()}",
+                                f"target: {'tiny random Llama' if args.tiny else args.target}; drafter: "
+                                f"{args.drafter or 'UNTRAINED random (timing only, tau ~1)'}; {len(prompts)} prompts; "
+                                f"max new tokens {N}; cache {M}"]))
     return 0
+
+
+def _table(rows: list[tuple[str, str]]) -> str:
+    return "| what | result |\n|---|---|\n" + "".join(f"| {a} | {b} |\n" for a, b in rows)
 
 
 def timed(fn, device):
@@ -266,7 +260,7 @@ def main() -> int:
                          "cuBLAS GEMMs for the plain step too, e.g. to see whether gemv moves bf16 agreement)")
     ap.add_argument("--tiny", action="store_true",
                     help="--batch/--round: a tiny random Llama target and random drafter, random prompts (CPU smoke test)")
-    ap.add_argument("--md", default="BENCHMARKS.md")
+    record.add_options(ap)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.round:
@@ -360,17 +354,12 @@ def main() -> int:
                 rows.append((f"{pset} lossless ({method}{k or ''})",
                              ", ".join(f"{n}: {v['identical_turns']}/{v['turns']}" for n, v in rep["lossless"].items())))
 
-    machine = (torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor() or "cpu")
-    head = (f"\n## decode benchmark, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
-            f"- machine: {machine}; torch {torch.__version__}; dtype {args.dtype}\n"
-            f"- command: `{' '.join(['python'] + sys.argv)}`\n"
-            f"- target: {args.target}; drafter: {args.drafter or ('UNTRAINED random (timing only, tau ~1)' if args.random_drafter else 'none (baselines only)')}; "
-            f"max new tokens {N}; prompts {args.prompts} (limit {args.limit})\n\n"
-            "| what | result |\n|---|---|\n")
-    table = head + "".join(f"| {a} | {b} |\n" for a, b in rows)
-    print(table)
-    with open(args.md, "a") as f:
-        f.write(table)
+    drafter_name = args.drafter or ("UNTRAINED random (timing only, tau ~1)" if args.random_drafter
+                                    else "none (baselines only)")
+    print(record.write(args, "decode benchmark", _table(rows), command=record.command_line(__spec__.name),
+                       machine=record.device_name(dev),
+                       details=[f"dtype {args.dtype}", f"target: {args.target}; drafter: {drafter_name}; max new "
+                                f"tokens {N}; prompts {args.prompts} (limit {args.limit})"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2, default=str)

@@ -1,7 +1,7 @@
 """Where a speculative round spends its time: per-phase wall times (propose / verify / accept+extend, each
 closed by a device sync) and the top operators by host and device time, for chains and the tree.
 
-    python benchmarks/profile_decode.py --target T --drafter D --prompts FILE.jsonl [--limit 3] [--device cuda]
+    python -m benchmarks.profile_decode --target T --drafter D --prompts FILE.jsonl [--limit 3] [--device cuda]
 """
 
 from __future__ import annotations

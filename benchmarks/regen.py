@@ -1,8 +1,8 @@
 """Regeneration throughput: `Runner.generate` as prepare's regeneration runs it, old way vs new way, one process.
 
-    PYTHONPATH=src python benchmarks/regen.py                   # GPU: SmolLM2-shaped, 1024 prompts, batch 512
-    PYTHONPATH=src python benchmarks/regen.py --device cpu --dtype fp32 --prompts 12 --batch 6 --max-new 24 \
-        --max-seq 160 --no-record                                # smoke test
+    python -m benchmarks.regen                   # GPU: SmolLM2-shaped, 1024 prompts, batch 512
+    python -m benchmarks.regen --device cpu --dtype fp32 --prompts 12 --batch 6 --max-new 24 \
+        --max-seq 160 --no-record                 # smoke test
 
 A random-weight SmolLM2-shaped target (speed does not depend on the weights) samples at temperature 1 over
 a near-flat distribution; `--eos` random token ids act as end-of-turn, so reply lengths are geometric
@@ -10,9 +10,9 @@ a near-flat distribution; `--eos` random token ids act as end-of-turn, so reply 
 drawn log-uniformly from --prompt-len. Each mode decodes the same prompts; the table gives generated
 tokens/s and the ratio to the first mode ("full": every step attends all max_seq slots and the whole batch
 runs until its last row ends; "window+compact": the default). Appends a dated section to BENCHMARKS.md
-(or to --md).
+(benchmarks.record: --md FILE, --no-record).
 
-    PYTHONPATH=src python benchmarks/regen.py --modes window+compact --profile   # what bounds a decode step
+    python -m benchmarks.regen --modes window+compact --profile   # what bounds a decode step
 
 --profile then decodes the prompts once more in --profile-mode and, inside the first chunk, times --profile-steps
 decode steps after --profile-skip steps, then profiles as many more with torch.profiler. Per decode step it prints
@@ -25,23 +25,16 @@ the tok/s that bandwidth allows beside the measured tok/s.
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
-import platform
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from capture import smollm2_shaped  # noqa: E402
-from profiling import (activities, by_kernel, copy_bandwidth, device_work, group, host_calls,  # noqa: E402
-                       sync)
-from eyas.target.runner import Runner  # noqa: E402
+from benchmarks import record
+from benchmarks.capture import smollm2_shaped
+from benchmarks.profiling import activities, by_kernel, copy_bandwidth, device_work, group, host_calls, sync
+from eyas.target.runner import Runner
 
 MODES = {"full": dict(window=0, compact=False, lengths=False), "window": dict(window=256, compact=False, lengths=False),
          "window+compact": dict(window=256, compact=True, lengths=False),
@@ -286,8 +279,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-top", type=int, default=10, help="kernels listed by time")
     ap.add_argument("--bw-mib", type=int, default=None, help="copy size of the bandwidth probe (default 1024 on "
                     "CUDA, 64 elsewhere)")
-    ap.add_argument("--md", help="write the section to this file instead of appending to BENCHMARKS.md")
-    ap.add_argument("--no-record", action="store_true")
+    record.add_options(ap)
     a = ap.parse_args(argv)
     a.bw_mib = a.bw_mib or (1024 if a.device.startswith("cuda") else 64)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype]
@@ -332,8 +324,6 @@ def main(argv=None) -> int:
         rows.append((name, new, dt, new / dt, pre.s))
         print(f"{name}: {new} tokens in {dt:.1f} s ({pre.s:.1f} s prefill) = {new / dt:,.0f} tok/s", flush=True)
     prof = profile_mode(ready(a.profile_mode), prompts, eos, a, a.profile_mode) if a.profile else None
-    dev = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
-    cmd = "python benchmarks/regen.py " + " ".join(sys.argv[1:] if argv is None else argv)
     mean_prompt = sum(lens) / len(lens)
     setup = (f"{a.prompts} prompts (mean {mean_prompt:.0f} tokens, log-uniform {lo}-{hi}), batch {a.batch}, "
              f"max_new {a.max_new}, cache {a.max_seq} slots, {a.dtype}, temperature 1 with {a.eos} eos ids")
@@ -351,12 +341,8 @@ def main(argv=None) -> int:
             body.append(setup + ".")
     text = "\n\n".join(body)
     print(text)
-    if not a.no_record:
-        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        section = (f"\n## Regeneration throughput — {now}\n\nMachine: {dev}, torch {torch.__version__}. "
-                   f"Command: `{cmd}`\n\n{text}\n")
-        with open(a.md or ROOT / "BENCHMARKS.md", "a") as f:
-            f.write(section)
+    record.write(a, "Regeneration throughput", text, command=record.command_line(__spec__.name, argv),
+                 machine=record.device_name(a.device))
     return 0
 
 

@@ -1,32 +1,25 @@
-"""Summarise an `eyas run` directory as a BENCHMARKS.md section: stage wall times, data, held-out acc_k, and
-tau / tokens/s / speedup of every bench with its baselines, all read from what the run measured.
+"""Summarise an `eyas run` directory as a BENCHMARKS.md section (benchmarks.record's header: date, machine,
+commit, and the run's own command): stage wall times, data, held-out acc_k, and tau / tokens/s / speedup of every
+bench with its baselines, all read from what the run measured.
 
-    python benchmarks/run_report.py RUN --command "eyas run --preset gpu ..." [--md OUT.md] [--append BENCHMARKS.md]
+    python -m benchmarks.run_report RUN --command "eyas run --preset gpu ..." [--md OUT.md] [--append BENCHMARKS.md]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
-import time
 from pathlib import Path
 
-
-def machine() -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name()}; torch {torch.__version__}"
-    return f"CPU {platform.processor() or platform.machine()} x{__import__('os').cpu_count()}; torch {torch.__version__}"
+from benchmarks import record
 
 
 def section(run: Path, command: str) -> str:
+    """The run's section; `command` is the `eyas run` command that made RUN."""
     state = json.loads((run / "run.json").read_text())
     st = state["stages"]
-    lines = [f"## eyas run ({state['identity']['preset']} preset), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
-             f"- machine: {machine()}", f"- command: `{command}`",
-             f"- knobs: `{json.dumps({k: v for k, v in (state['identity'].get('knobs') or state['identity'].get('recipe') or {}).items() if k != 'bench'})}`", ""]
+    knobs = state["identity"].get("knobs") or state["identity"].get("recipe") or {}
+    lines = []
     total = sum(v.get("seconds", 0) for v in st.values())
     lines += ["| stage | wall s | done |", "|---|---|---|"]
     lines += [f"| {name} | {v.get('seconds', 0):.0f} | {v.get('done', False)} |" for name, v in st.items()]
@@ -81,7 +74,8 @@ def section(run: Path, command: str) -> str:
                              f"{m.get('speedup', 1.0)} | {lossless} | {acc} |")
         lines.append("")
         lines += warmup_lines(state, benches)
-    return "\n".join(lines) + "\n"
+    return record.section(f"eyas run ({state['identity']['preset']} preset)", "\n".join(lines), command=command,
+                          details=[f"knobs: `{json.dumps({k: v for k, v in knobs.items() if k != 'bench'})}`"])
 
 
 def warmup_lines(state: dict, benches: list[Path]) -> list[str]:
@@ -114,8 +108,7 @@ def main() -> None:
     if a.md:
         a.md.write_text(text)
     if a.append:
-        with open(a.append, "a") as f:
-            f.write("\n" + text)
+        record.append(text, a.append)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Offline training input at the seed target's scale: can the store feed the step?
 
-    PYTHONPATH=src python benchmarks/store_read.py --no-record                   # Kimi-shaped (h 7168), 1 reader
-    PYTHONPATH=src python benchmarks/store_read.py --procs 8 --no-record         # 8 readers at once, one host
-    PYTHONPATH=src python benchmarks/store_read.py --hidden 576 --tokens 200000  # SmolLM2-shaped
+    python -m benchmarks.store_read --no-record                   # Kimi-shaped (h 7168), 1 reader
+    python -m benchmarks.store_read --procs 8 --no-record         # 8 readers at once, one host
+    python -m benchmarks.store_read --hidden 576 --tokens 200000  # SmolLM2-shaped
 
 Writes (or reuses: keyed by hidden size, tokens, dtype and seed, under --dir) a store per dtype (bf16, fp8) with
 the real StoreWriter: samples of 256..2048 tokens, 40% of them at 2048 (long conversations cut at --max-len; mean
@@ -21,31 +21,28 @@ by rank_batches), in five passes per store:
 The requirement is the step's consumption: --step-rate tokens/s per rank (default 7,728: one H200 training the
 Kimi-shaped drafter at 2048-token rows, BENCHMARKS.md) times 4h bytes of features per token. With --procs N,
 N processes read at once (rank r of N: its own batches, one torch thread each as under torchrun) and the rates
-are summed over them. Prints a table and appends a dated section to BENCHMARKS.md unless --no-record.
+are summed over them. Prints a table and appends a dated section to BENCHMARKS.md (benchmarks.record: --md FILE,
+--no-record).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import multiprocessing as mp
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-
-from eyas.store import format as fmt  # noqa: E402
-from eyas.store.reader import Store  # noqa: E402
-from eyas.store.writer import StoreWriter  # noqa: E402
-from eyas.train.data import StoreSource, epoch_batches, rank_batches, split_indices  # noqa: E402
-from eyas.train.prefetch import Prefetcher  # noqa: E402
+from benchmarks import record
+from eyas.store import format as fmt
+from eyas.store.reader import Store
+from eyas.store.writer import StoreWriter
+from eyas.train.data import StoreSource, epoch_batches, rank_batches, split_indices
+from eyas.train.prefetch import Prefetcher
 
 AUX = [2, 30, 58]          # Kimi-K2.5 / DeepSeek-V3 (61 layers)
 VOCAB = 163840
@@ -69,7 +66,7 @@ def write_store(path: Path, dtype: str, hidden: int, tokens: int, max_len: int, 
         return path
     header = {"target": {"identity": f"store-read-bench-h{hidden}", "config_sha256": "0", "tokenizer_sha256": None},
               "layers": {"aux": AUX}, "dtype": dtype, "hidden_size": hidden, "vocab_size": VOCAB,
-              "data": {"source": "benchmarks/store_read.py", "seed": seed}, "config": {}}
+              "data": {"source": "benchmarks.store_read", "seed": seed}, "config": {}}
     lengths = lengths_like_conversations(tokens, max_len, seed)
     g = torch.Generator().manual_seed(seed)
     pool = torch.randn(max_len, fmt.NUM_STATES, hidden, generator=g)            # (L, 4, h): sliced per sample
@@ -197,7 +194,7 @@ def main() -> int:
                                                             "as torchrun sets, else torch's default)")
     ap.add_argument("--steps", type=int, default=0, help="batches per reader and pass (0: all of the rank's)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-record", action="store_true", help="do not append to BENCHMARKS.md")
+    record.add_options(ap)
     args = ap.parse_args()
 
     rows = []
@@ -226,12 +223,8 @@ def main() -> int:
             f"{'pinned' if torch.cuda.is_available() else 'pageable (no CUDA)'}.")
     print(table)
     print(note)
-    if not args.no_record:
-        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        dev = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
-        with open(ROOT / "BENCHMARKS.md", "a") as f:
-            f.write(f"\n## Offline training input at h {args.hidden} — {now}\n\nMachine: {dev}, torch "
-                    f"{torch.__version__}. Command: `{' '.join(['python'] + sys.argv)}`\n\n{table}\n\n{note}\n")
+    record.write(args, f"Offline training input at h {args.hidden}", f"{table}\n\n{note}",
+                 command=record.command_line(__spec__.name), machine=record.device_name("cpu"))
     return 0
 
 

@@ -1,14 +1,14 @@
 """Drafter training throughput: tokens/s, MFU against the card's measured bf16 matmul rate, peak memory.
 
-    PYTHONPATH=src python benchmarks/train.py --batch-tokens 32768 --online     # GPU: SmolLM2 + 8B shapes
-    PYTHONPATH=src python benchmarks/train.py --shapes smollm2 --seqs 2048 --batch-tokens 32768 --attention flex \
+    python -m benchmarks.train --batch-tokens 32768 --online     # GPU: SmolLM2 + 8B shapes
+    python -m benchmarks.train --shapes smollm2 --seqs 2048 --batch-tokens 32768 --attention flex \
         --compile 1 --online --feature-cache off,device,host,split --trainer 10  # the target's share; cached epochs
-    PYTHONPATH=src python benchmarks/train.py --device cpu --shapes tiny --seqs 128 --steps 2   # smoke test
-    PYTHONPATH=src python benchmarks/train.py --shapes kimi --seqs 2048,8192 --attention flex --compile 1
-    torchrun --nproc_per_node 2 benchmarks/train.py --shapes llama8b --seqs 2048 # DDP scaling (NCCL)
-    torchrun --nproc_per_node 2 benchmarks/train.py --shapes kimi --seqs 2048,8192 --fsdp --json r.json  # FSDP2
-    torchrun --nproc_per_node 2 benchmarks/train.py --device cpu --shapes tiny --seqs 128 --steps 1 --fsdp  # gloo
-    PYTHONPATH=src python benchmarks/train.py --method dflash --block 8,16 --shapes kimi --seqs 4096 --attention flex \
+    python -m benchmarks.train --device cpu --shapes tiny --seqs 128 --steps 2   # smoke test
+    python -m benchmarks.train --shapes kimi --seqs 2048,8192 --attention flex --compile 1
+    torchrun --nproc_per_node 2 -m benchmarks.train --shapes llama8b --seqs 2048 # DDP scaling (NCCL)
+    torchrun --nproc_per_node 2 -m benchmarks.train --shapes kimi --seqs 2048,8192 --fsdp --json r.json  # FSDP2
+    torchrun --nproc_per_node 2 -m benchmarks.train --device cpu --shapes tiny --seqs 128 --steps 1 --fsdp  # gloo
+    python -m benchmarks.train --method dflash --block 8,16 --shapes kimi --seqs 4096 --attention flex \
         --compile 1                                                     # the Kimi-shaped DFlash drafter (5 layers)
 
 Each row times full optimizer steps of the trainer's own pieces (TTTModule = drafter + TTT loss, bf16 autocast,
@@ -30,31 +30,26 @@ on those slots (the soft labels).
 Under torchrun every rank trains its own copy of the rows (DDP, or FSDP2 with --fsdp, wrapped by eyas.train.dist
 as `eyas train` wraps it); tokens/s counts all ranks, and peak memory and the parameter bytes a rank holds (FSDP2:
 its shards) are the largest over the ranks.
-Prints a table and appends a dated section to BENCHMARKS.md (repo root; --md: another file); --json writes the rows
-too.
+Prints a table and appends a dated section to BENCHMARKS.md (benchmarks.record: --md FILE, --no-record); --json
+writes the rows too.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-
-from eyas.model.dflash import DFlashConfig, DFlashDrafter  # noqa: E402
-from eyas.model.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
-from eyas.train.dflash import BlockLossConfig, DFlashModule  # noqa: E402
-from eyas.train.trainer import TTTModule  # noqa: E402
-from eyas.train.ttt import TTTConfig  # noqa: E402
+from benchmarks import record
+from eyas.model.dflash import DFlashConfig, DFlashDrafter
+from eyas.model.drafter import DrafterConfig, Eagle3Drafter
+from eyas.train.dflash import BlockLossConfig, DFlashModule
+from eyas.train.trainer import TTTModule
+from eyas.train.ttt import TTTConfig
 
 # name -> (h, heads, kv heads, head_dim, intermediate, target vocab, draft vocab)
 SHAPES = {
@@ -395,8 +390,7 @@ def main() -> int:
                     help="also time the real Trainer loop (online target of --shapes' smollm2/tiny, else smollm2; "
                          "prepared random samples), reading "
                          "metrics back every LOG_EVERY steps (0: skip; 1: every step, as before issue 12's change)")
-    ap.add_argument("--no-record", action="store_true", help="do not append to BENCHMARKS.md")
-    ap.add_argument("--md", help="append the section to this file instead of BENCHMARKS.md")
+    record.add_options(ap)
     ap.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 (fully_shard) instead of DDP")
     ap.add_argument("--json", default="", help="also write the rows, ranks and matmul rate to this JSON file")
     args = ap.parse_args()
@@ -456,7 +450,6 @@ def main() -> int:
         Path(args.json).write_text(json.dumps({"world": world, "wrap": ("fsdp2" if args.fsdp else "ddp") if world > 1
                                                else "none", "matmul_flops": peak, "rows": rows}, indent=1) + "\n")
     what = "bf16" if device.type == "cuda" else "fp32"
-    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     lines = ["| drafter | row len x rows | tokens | ranks | attention | compiled | features | ms/step | feat ms "
              "| tokens/s (all ranks) | TFLOP/step | MFU | peak GiB | param MiB/rank |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -484,14 +477,8 @@ def main() -> int:
             + (f", reading metrics back every {args.trainer} steps." if args.trainer else "."))
     print(table)
     print(note)
-    if not args.no_record:
-        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        cmd = " ".join(["python"] + sys.argv) if world == 1 else f"torchrun --nproc_per_node {world} " + " ".join(sys.argv)
-        with open(args.md or ROOT / "BENCHMARKS.md", "a") as f:
-            if f.tell() == 0 and not args.md:
-                f.write("# Benchmarks\n\nAppend-only; each section says when, where and how it was measured.\n")
-            f.write(f"\n## Drafter training throughput — {now}\n\nMachine: {dev} x{world}, torch {torch.__version__}. "
-                    f"Command: `{cmd}`\n\n{table}\n\n{note}\n")
+    record.write(args, "Drafter training throughput", f"{table}\n\n{note}", command=record.command_line(__spec__.name),
+                 machine=f"{record.device_name(device)} x{world}")
     return 0
 
 

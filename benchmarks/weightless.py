@@ -1,12 +1,13 @@
 """Peak memory of the stages that never load the target whole, on a weightless Kimi-K2-shaped directory.
 
-    PYTHONPATH=src python benchmarks/weightless.py                     # vocab 163,840 x hidden 7168, bf16 heads
-    PYTHONPATH=src python benchmarks/weightless.py --vocab 16384 --hidden 1024 --no-record   # smoke test
+    python -m benchmarks.weightless                     # vocab 163,840 x hidden 7168, bf16 heads
+    python -m benchmarks.weightless --vocab 16384 --hidden 1024 --no-record   # smoke test
 
 The script writes the directory itself: a Kimi-K2 text config (61 layers, MLA, 384 experts) with the given vocab and
-hidden size, the tiny twin's tokenizer (tests/deepseek_twin.py), an index naming every layer tensor in shards that
-are absent, and the two shards holding the random bf16 head tensors (embedding in the first, final norm and LM head
-in the last, as DeepSeek-V3/Kimi checkpoints place them), streamed to disk a block of rows at a time.
+hidden size, a small chat tokenizer (320 byte-level BPE tokens, ChatML's specials and template), an index naming
+every layer tensor in shards that are absent, and the two shards holding the random bf16 head tensors (embedding
+in the first, final norm and LM head in the last, as DeepSeek-V3/Kimi checkpoints place them), streamed to disk a
+block of rows at a time.
 
 Each stage runs in a fresh child process with its own empty hash cache (so its fingerprint hashes the head tensors
 once, as a first run does); its peak RSS is the child's ru_maxrss (os.wait4). Stages:
@@ -16,13 +17,12 @@ once, as a first run does); its peak RSS is the child's ru_maxrss (os.wait4). St
   asks for fp32, twice the bytes), then every byte of the tensors the trainer and --init-from-target read
   (embedding, LM head, final norm);
 - export check: open_target_meta as `eyas export --target` opens it (tensors=(): fingerprint only).
-Appends a dated section to BENCHMARKS.md (or --md).
+Appends a dated section to BENCHMARKS.md (benchmarks.record: --md FILE, --no-record).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -33,9 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import record
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "tests"))
 
 # Kimi-K2's text config (moonshotai/Kimi-K2-Instruct config.json); vocab and hidden size come from the flags.
 KIMI_K2 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "intermediate_size": 18432,
@@ -47,6 +47,42 @@ KIMI_K2 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v
            "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                             "original_max_position_embeddings": 4096, "type": "yarn"},
            "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+
+
+# The tokenizer's chat template (ChatML) and the words of the conversations prepare reads.
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+WORDS = "the quick brown fox jumps over lazy dog hello there paris capital france code return".split()
+
+
+def conversations(n: int) -> list[dict]:
+    """n records of 1-3 user/assistant turns of a few WORDS each, as prepare reads them from JSONL."""
+    def text(i: int, n_words: int) -> str:
+        return " ".join(WORDS[(i + j) % len(WORDS)] for j in range(n_words))
+
+    return [{"id": f"c{i}", "messages": [m for t in range(1 + i % 3)
+                                         for m in ({"role": "user", "content": text(i + t, 3 + i % 5)},
+                                                   {"role": "assistant", "content": text(7 * i + t, 2 + i % 7)})]}
+            for i in range(n)]
+
+
+def chat_tokenizer(vocab_size: int = 320):
+    """A byte-level BPE tokenizer trained on the conversations' text (deterministic), with ChatML's special tokens
+    and chat template: prepare needs one; its size is nothing beside the head tensors."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([m["content"] for c in conversations(64) for m in c["messages"]], trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                 pad_token="<|endoftext|>")
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
 
 
 def write_shard(path: Path, tensors: dict[str, tuple[tuple[int, ...], int]], block_rows: int = 4096) -> None:
@@ -75,11 +111,9 @@ def write_shard(path: Path, tensors: dict[str, tuple[tuple[int, ...], int]], blo
 
 def make_target(d: Path, vocab: int, hidden: int) -> int:
     """Write the weightless directory; returns the bytes of its head tensors."""
-    from deepseek_twin import twin_tokenizer
-
     d.mkdir(parents=True)
     (d / "config.json").write_text(json.dumps({**KIMI_K2, "vocab_size": vocab, "hidden_size": hidden}, indent=1))
-    twin_tokenizer().save_pretrained(d)
+    chat_tokenizer().save_pretrained(d)
     n = KIMI_K2["num_hidden_layers"]
     first, last = "model-00001-of-00064.safetensors", "model-00064-of-00064.safetensors"
     wm = {f"model.layers.{i}.{t}.weight": f"model-{2 + i:05d}-of-00064.safetensors"
@@ -104,10 +138,9 @@ def child(stage: str, d: str, work: str) -> None:
         return
     from eyas.target.meta import open_target_meta
     if stage == "prepare":
-        from test_prepare import write_data
-
         from eyas.data.prepare import PrepareConfig, run_prepare
-        data = write_data(Path(work) / "d.jsonl", 16)
+        data = Path(work) / "d.jsonl"
+        data.write_text("".join(json.dumps(c) + "\n" for c in conversations(16)))
         run_prepare(PrepareConfig(target=d, data=str(data), out=str(Path(work) / "prep"), max_len=256),
                     progress=False)
     elif stage == "train set-up":
@@ -120,9 +153,10 @@ def child(stage: str, d: str, work: str) -> None:
 
 def run_child(stage: str, d: Path, work: Path) -> tuple[int, float]:
     """(peak RSS bytes, seconds) of a child process running `stage`."""
-    env = dict(os.environ, EYAS_CACHE=str(work / "cache"), PYTHONPATH=str(ROOT / "src"))
+    env = dict(os.environ, EYAS_CACHE=str(work / "cache"), PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
     t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, __file__, "--child", stage, "--dir", str(d), "--work", str(work)], env=env)
+    p = subprocess.Popen([sys.executable, "-m", __spec__.name, "--child", stage, "--dir", str(d), "--work", str(work)],
+                         env=env)
     _, status, usage = os.wait4(p.pid, 0)
     p.returncode = os.waitstatus_to_exitcode(status)
     if p.returncode:
@@ -135,8 +169,7 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=163840)
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--dir", default=None, help="the target directory (default: written to a temp dir)")
-    ap.add_argument("--md", default=str(ROOT / "BENCHMARKS.md"))
-    ap.add_argument("--no-record", action="store_true")
+    record.add_options(ap)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--work", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -170,15 +203,10 @@ def main() -> int:
                 f"the export check include hashing the head tensors for the fingerprint (read in 4 MiB blocks).")
         print(table)
         print(note)
-        if not args.no_record:
-            import torch
-            now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-            cmd = "PYTHONPATH=src python " + " ".join([os.path.relpath(__file__, ROOT)] + sys.argv[1:])
-            mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
-            machine = f"{platform.machine()} CPU, {os.cpu_count()} cores, {mem:.0f} GiB RAM, torch {torch.__version__}"
-            with open(args.md, "a") as f:
-                f.write(f"\n## Weightless target, peak memory — {now}\n\nMachine: {machine}. Command: `{cmd}`\n\n"
-                        f"{table}\n\n{note}\n")
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
+        record.write(args, "Weightless target, peak memory", f"{table}\n\n{note}",
+                     command=record.command_line(__spec__.name),
+                     machine=f"{platform.machine()} CPU, {os.cpu_count()} cores, {mem:.0f} GiB RAM")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0

@@ -1,7 +1,7 @@
 """Live engines (issue 13): capture through a real SGLang or vLLM server, then crosscheck against in-process capture.
 
 GPU only, and only where the engine's wheels are staged: EYAS_SGLANG_SITE / EYAS_VLLM_SITE name the folder the
-engine was installed into (`benchmarks/engines_live.sh install ENGINE` makes /root/site-ENGINE; its `tests ENGINE`
+engine was installed into (`benchmarks/gpu/engines_live.sh install ENGINE` makes /root/site-ENGINE; its `tests ENGINE`
 mode runs this file with the variable set). The server is started from `eyas engine launch-args` exactly as a user
 would (plus a port and the attention backend the staging keeps), on the embedded SmolLM2 and 8 prepared ShareGPT
 conversations; the store must pass `eyas engine crosscheck`.
@@ -63,7 +63,7 @@ def server_command(engine: str, hf: str, store: Path, prep: Path, vllm_dir: Path
 def test_live_capture_passes_crosscheck(tmp_path, engine):
     site = os.environ.get(f"EYAS_{engine.upper()}_SITE")
     if not site or not Path(site).is_dir():
-        pytest.skip(f"EYAS_{engine.upper()}_SITE names no staged {engine} (benchmarks/engines_live.sh install)")
+        pytest.skip(f"EYAS_{engine.upper()}_SITE names no staged {engine} (benchmarks/gpu/engines_live.sh install)")
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")

@@ -376,7 +376,7 @@ def test_ddp_ranks_each_keep_the_samples_of_their_own_micro_batches(tmp_path):
 
 @pytest.mark.slow
 def test_throughput_benchmark_times_the_two_part_cache(tmp_path):
-    """benchmarks/train.py --feature-cache split (the next lease's measure of the device + pinned host plan) times a
+    """benchmarks.train --feature-cache split (the next lease's measure of the device + pinned host plan) times a
     row whose states are gathered from both parts of a two-part cache (the benchmark asserts that every sample is
     held), beside the online row it is compared with."""
     import subprocess
@@ -385,11 +385,12 @@ def test_throughput_benchmark_times_the_two_part_cache(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "rows.json"
-    r = subprocess.run([sys.executable, str(root / "benchmarks" / "train.py"), "--device", "cpu", "--shapes", "tiny",
+    r = subprocess.run([sys.executable, "-m", "benchmarks.train", "--device", "cpu", "--shapes", "tiny",
                         "--seqs", "128", "--batch-tokens", "1024", "--steps", "1", "--attention", "dense", "--online",
                         "--feature-cache", "off,split", "--no-record", "--json", str(out)],
                        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                       env={**os.environ, "PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1"})
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)]),
+                            "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [x["feature_cache"] for x in rows] == ["off", "split"]

@@ -1,18 +1,14 @@
-"""benchmarks/regen.py --profile on the CPU with a tiny target: the decode-step section has every field, its times
+"""benchmarks.regen --profile on the CPU with a tiny target: the decode-step section has every field, its times
 are consistent with each other, its byte counts equal a hand computation from the target's shapes, and it counts the
 loop's one compaction check (a nonzero) per 16 steps."""
 
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# regen.py's tiny_shaped: 3 layers, h 64, MLP 128, 4 heads and 2 kv heads of 16, vocab 512; fp32 here.
+# benchmarks.regen's tiny_shaped: 3 layers, h 64, MLP 128, 4 heads and 2 kv heads of 16, vocab 512; fp32 here.
 LAYERS, H, INTER, HEADS, KV, D, V, F32 = 3, 64, 128, 4, 2, 16, 512, 4
 BATCH, SKIP, STEPS = 6, 4, 8
 
@@ -26,7 +22,7 @@ def section(one_thread):
     import io
     from contextlib import redirect_stdout
 
-    import regen
+    from benchmarks import regen
 
     buf = io.StringIO()
     with redirect_stdout(buf):

@@ -348,7 +348,7 @@ def test_compile_regions_without_compile_change_nothing():
 
 
 def test_compile_options_reach_inductor_and_keep_the_tokens(monkeypatch):
-    """compile_options go to torch.compile as inductor options (benchmarks/compile_variants.py measures them); the
+    """compile_options go to torch.compile as inductor options (benchmarks.compile_variants measures them); the
     compiled runner still decodes the eager tokens; an option inductor does not know is refused at construction."""
     model = make_tiny_llama(seed=9)
     eager = Runner.from_hf(model, max_batch=1, max_seq=48)

@@ -1,5 +1,5 @@
-"""benchmarks/train.py under torchrun (2 processes, gloo on the CPU, the tiny shape): the rehearsal of issue 32's
-`torchrun --nproc_per_node 2 benchmarks/train.py --shapes kimi --fsdp` on 2 GPUs. With --fsdp each rank holds
+"""benchmarks.train under torchrun (2 processes, gloo on the CPU, the tiny shape): the rehearsal of issue 32's
+`torchrun --nproc_per_node 2 -m benchmarks.train --shapes kimi --fsdp` on 2 GPUs. With --fsdp each rank holds
 half of the drafter's parameters (FSDP2 shards them); with DDP each holds all of them.
 """
 
@@ -16,9 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run(tmp_path, *extra) -> dict:
     out = tmp_path / "rows.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]), "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        str(ROOT / "benchmarks" / "train.py"), "--device", "cpu", "--shapes", "tiny", "--seqs", "128",
+                        "-m", "benchmarks.train", "--device", "cpu", "--shapes", "tiny", "--seqs", "128",
                         "--steps", "1", "--attention", "dense", "--no-record", "--json", str(out), *extra],
                        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]

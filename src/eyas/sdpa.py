@@ -1,7 +1,7 @@
 """Attention backends for inference (decoding, prefill, verification).
 
 cuDNN attention builds an execution plan for every new input shape, and decoding changes the key length
-every round, so inference leaves it out (the eager tree drafter with and without it: benchmarks/profile_decode.py,
+every round, so inference leaves it out (the eager tree drafter with and without it: benchmarks.profile_decode,
 BENCHMARKS.md "Speculative round profile"). Training keeps PyTorch's choice.
 """
 

@@ -16,7 +16,7 @@ only when the disk is behind:
            laid out as the finished file (a pool of threads + 1); hands a full shard to a writer;
   writers  `threads` threads: header, sha256, write + fsync, rename, commit record, manifest.
 overlap=False does the same in the caller's thread through safetensors.save: the reference the tests compare
-the pipeline with, file for file, and the synchronous rate of benchmarks/capture.py.
+the pipeline with, file for file, and the synchronous rate of benchmarks.capture.
 """
 
 from __future__ import annotations

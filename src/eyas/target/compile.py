@@ -50,7 +50,7 @@ class CompilePolicy:
     """With compile: inductor compiles the decoder layer once for all layers, not the unrolled stack (faster to
     compile, no fusion across layer boundaries; BENCHMARKS.md, 'compile regions vs whole-step compile')."""
     options: dict = field(default_factory=dict)
-    """Inductor options for those compiles (torch.compile `options`); benchmarks/compile_variants.py compares them."""
+    """Inductor options for those compiles (torch.compile `options`); benchmarks.compile_variants compares them."""
     attention: str = "matmul"
     """"matmul" (few-query steps as plain matmuls, many as fused SDPA) or "flex" (flex_attention over the mask)."""
     gemv: int = 0

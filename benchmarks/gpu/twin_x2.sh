@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 32 on 2 GPUs (kind nvidia-h200-x2), the DeepSeek-V3 twin in bf16: NOT YET RUN on the device.
 # One background job runs these units in order (the most valuable first: a lease that runs out keeps what finished):
-#   train2-fsdp    torchrun, 2 ranks, FSDP2: the Kimi-shaped drafter (benchmarks/train.py --shapes kimi) at 2048 and
+#   train2-fsdp    torchrun, 2 ranks, FSDP2: the Kimi-shaped drafter (benchmarks.train --shapes kimi) at 2048 and
 #                  8192 tokens; runs while the engine wheels are still being carried (the engines wait for install)
 #   sglang-tp2     SGLang 0.5.14 --tp-size 2:                   launch-args -> server -> capture (served check on) ->
 #   sglang-ep2     ... --tp-size 2 --ep-size 2                  crosscheck against in-process capture; the same
@@ -17,26 +17,26 @@
 #
 # Plan (each device call is `run` with kind nvidia-h200-x2 and the carry shown, back to back within the 30 s idle
 # release; every carry <= 64 MiB; minutes are estimates from the 1-GPU runs, not measured on 2 GPUs):
-#   here, once:  bash benchmarks/engines_live.sh split   (.stage-engines/: sglang part-00..04, vllm part-00..05)
-#                bash benchmarks/twin_live.sh prep       (.stage-twin/, about 29 MB; keep .stage-twin/drafter)
-#   call 1   carry .stage-twin                          bash benchmarks/twin_x2.sh stage && bash benchmarks/twin_x2.sh bg
+#   here, once:  bash benchmarks/gpu/engines_live.sh split   (.stage-engines/: sglang part-00..04, vllm part-00..05)
+#                bash benchmarks/gpu/twin_live.sh prep       (.stage-twin/, about 29 MB; keep .stage-twin/drafter)
+#   call 1   carry .stage-twin                          bash benchmarks/gpu/twin_x2.sh stage && bash benchmarks/gpu/twin_x2.sh bg
 #                                                       (~1.5 min with the machine's start; train2-fsdp starts)
 #   calls 2-5  carry .stage-engines/sglang/part-0N      STAGE_MARK=/root/stage/twin/config.json bash
-#                                                       benchmarks/engines_live.sh stage sglang 0N      (N = 0..3)
+#                                                       benchmarks/gpu/engines_live.sh stage sglang 0N  (N = 0..3)
 #   call 6   carry .stage-engines/sglang/part-04 and .stage-engines/sglang/SHA256SUMS
-#                                                       STAGE_MARK=... bash benchmarks/engines_live.sh install sglang
-#   calls 7-11 carry .stage-engines/vllm/part-0N        STAGE_MARK=... bash benchmarks/engines_live.sh stage vllm 0N
+#                                                       STAGE_MARK=... bash benchmarks/gpu/engines_live.sh install sglang
+#   calls 7-11 carry .stage-engines/vllm/part-0N        STAGE_MARK=... bash benchmarks/gpu/engines_live.sh stage vllm 0N
 #   call 12  carry .stage-engines/vllm/part-05 and .stage-engines/vllm/SHA256SUMS
-#                                                       STAGE_MARK=... bash benchmarks/engines_live.sh install vllm
+#                                                       STAGE_MARK=... bash benchmarks/gpu/engines_live.sh install vllm
 #            (calls 2-12: ~5 min; train2-fsdp ~5 min meanwhile, capped by TRAIN_LIMIT)
-#   calls    OUT=$OUT bash benchmarks/twin_x2.sh poll 540     (each ~9 min; results in x2-results.tgz)
+#   calls    OUT=$OUT bash benchmarks/gpu/twin_x2.sh poll 540     (each ~9 min; results in x2-results.tgz)
 #   Expected job: train2-fsdp 5, sglang-tp2/ep2/dp2 2.5 each, vllm-tp2 4, sglang-serve2 3, vllm-serve2 4, train2-ddp 4,
 #   train1 4 minutes: about 32 minutes from call 1, so the last units are the ones a 30-minute lease drops.
 #   A replaced machine is detected (exit 3: stage again from call 1).
 # Rehearsal on the CPU machine (no engine installed: servers die at once and say why; training runs on gloo):
 #   STAGE=/tmp/rx/stage WORK=/tmp/rx/work SITE_ROOT=/tmp/rx EYAS_CACHE=~/.cache/eyas TRAIN_DEVICE=cpu \
-#     TRAIN_ARGS="--shapes tiny --seqs 128 --steps 1 --attention dense --compile 0" bash benchmarks/twin_x2.sh stage,
-#   then touch /tmp/rx/site-{sglang,vllm}/.installed, `... bash benchmarks/twin_x2.sh bg`, `OUT=/tmp/rx/out ... poll 600`.
+#     TRAIN_ARGS="--shapes tiny --seqs 128 --steps 1 --attention dense --compile 0" bash benchmarks/gpu/twin_x2.sh stage,
+#   then touch /tmp/rx/site-{sglang,vllm}/.installed, `... bash benchmarks/gpu/twin_x2.sh bg`, `OUT=/tmp/rx/out ... poll 600`.
 set -uo pipefail
 cmd=${1:?usage: twin_x2.sh stage|bg|poll S|run}
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -56,10 +56,9 @@ stage)  # device: the twin, its drafter, prepared data and prompts (twin_live.sh
   bash "$HERE/twin_live.sh" stage; exit $? ;;
 bg)
   [ -f $STAGE/twin/config.json ] || { echo "machine was replaced (no $STAGE/twin): stage again"; exit 3; }
-  mkdir -p $WORK && rm -f $WORK/x2.done $WORK/x2.log $WORK/units.txt && rm -rf $WORK/src $WORK/bench &&
-    cp -r src $WORK/src && mkdir -p $WORK/bench && cp benchmarks/*.py benchmarks/*.sh $WORK/bench/ &&
-    cp benchmarks/twin_live.sh $WORK/job.sh || exit 1
-  setsid nohup bash -c "bash $WORK/bench/twin_x2.sh run > $WORK/x2.log 2>&1; echo \$? > $WORK/x2.done" \
+  mkdir -p $WORK && rm -f $WORK/x2.done $WORK/x2.log $WORK/units.txt && rm -rf $WORK/src $WORK/benchmarks &&
+    cp -r src $WORK/src && cp -r benchmarks $WORK/benchmarks && cp benchmarks/gpu/twin_live.sh $WORK/job.sh || exit 1
+  setsid nohup bash -c "bash $WORK/benchmarks/gpu/twin_x2.sh run > $WORK/x2.log 2>&1; echo \$? > $WORK/x2.done" \
     > /dev/null 2>&1 < /dev/null &
   sleep 5; tail -n 5 $WORK/x2.log; echo "started: $UNITS"; exit 0 ;;
 poll)
@@ -84,13 +83,14 @@ esac
 say() { echo "[$(date +%H:%M:%S)] $*"; }
 nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv,noheader 2>/dev/null || say "no nvidia-smi"
 export PYTHONPATH=$WORK/src PYTHONUNBUFFERED=1
-train() {  # $1: unit name, $2: ranks, $3: wrap (fsdp | ddp | ''): benchmarks/train.py, its rows in $WORK/$1.json
-  local py=(python3 $WORK/bench/train.py)
-  [ "$2" -gt 1 ] && py=(python3 -m torch.distributed.run --standalone --nproc_per_node $2 $WORK/bench/train.py)
+train() {  # $1: unit name, $2: ranks, $3: wrap (fsdp | ddp | ''): benchmarks.train, its rows in $WORK/$1.json
+  # (run in $WORK: python -m imports the job's copy of the benchmarks package from the current directory)
+  local py=(python3 -m benchmarks.train)
+  [ "$2" -gt 1 ] && py=(python3 -m torch.distributed.run --standalone --nproc_per_node $2 -m benchmarks.train)
   [ "$2" = 1 ] && [ $TRAIN_DEVICE = cuda ] && export CUDA_VISIBLE_DEVICES=0
   local wrap=(); [ "$3" = fsdp ] && wrap=(--fsdp)                     # DDP is train.py's default under torchrun
-  timeout $TRAIN_LIMIT "${py[@]}" --device $TRAIN_DEVICE $TRAIN_ARGS "${wrap[@]}" --no-record --json $WORK/$1.json \
-    > $WORK/$1.log 2>&1; local rc=$?
+  (cd $WORK && timeout $TRAIN_LIMIT "${py[@]}" --device $TRAIN_DEVICE $TRAIN_ARGS "${wrap[@]}" --no-record \
+    --json $WORK/$1.json) > $WORK/$1.log 2>&1; local rc=$?
   unset CUDA_VISIBLE_DEVICES
   grep -E "^\|" $WORK/$1.log | tail -n 4
   return $rc

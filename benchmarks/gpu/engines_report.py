@@ -1,22 +1,23 @@
-"""Tables of a live engine run (benchmarks/engines_live.sh), appended to BENCHMARKS.md (issue 13).
+"""Tables of a live engine run (benchmarks/gpu/engines_live.sh), appended to BENCHMARKS.md (issue 13).
 
-    python benchmarks/engines_report.py --results DIR [--bench NAME=BENCH.json ...] [--note TEXT] [--md BENCHMARKS.md]
+    python -m benchmarks.gpu.engines_report --results DIR [--bench NAME=BENCH.json ...] [--note TEXT] [--md FILE]
 
 DIR holds ENGINE/spec-CONFIG-PROMPTS-bsB.json (engine_measure.py's lines) for sglang and/or vllm. Each engine gets
 one row per prompt set and batch: output tok/s without a drafter and with the EAGLE-3 chain, the speedup, the
 engine's accept length (its own convention: tokens per verify step) and tau in eyas's unit (tokens per target
 forward, the prefill counted). `--bench PROMPTS=FILE` adds `eyas bench` JSONs run on the same batch-1 prompts:
-their tau and the engine's difference from it.
+their tau and the engine's difference from it. The section goes to BENCHMARKS.md through benchmarks.record (--md
+FILE, --no-record); its machine is the one the job ran on (--machine), not the one making the tables.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import sys
 from pathlib import Path
+
+from benchmarks import record
 
 
 def rows(results: Path, bench: dict[str, float]) -> list[str]:
@@ -50,7 +51,8 @@ def main() -> int:
     ap.add_argument("--bench", action="append", default=[], help="PROMPTS=eyas bench JSON on the same prompts")
     ap.add_argument("--title", default="Live engines: an eyas drafter served by SGLang and vLLM")
     ap.add_argument("--note", action="append", default=[], help="a line added under the table (what ran, caveats)")
-    ap.add_argument("--md", default="BENCHMARKS.md")
+    ap.add_argument("--machine", default="the lent GPU machine", help="where the job ran (the section's machine)")
+    record.add_options(ap)
     args = ap.parse_args()
     bench = {}
     for item in args.bench:
@@ -61,13 +63,8 @@ def main() -> int:
     table = rows(Path(args.results), bench)
     if not table:
         sys.exit(f"{args.results}: no sglang/ or vllm/ folder with spec-*.json")
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    text = [f"## {args.title} — {now}", "",
-            f"- tables by: `python benchmarks/engines_report.py {' '.join(sys.argv[1:])}` on {platform.node()}",
-            *[f"- {n}" for n in args.note], "", *table]
-    print("\n".join(text))
-    with open(args.md, "a") as f:
-        f.write("\n\n" + "\n".join(text).rstrip() + "\n")
+    print(record.write(args, args.title, "\n".join(table), command=record.command_line(__spec__.name),
+                       machine=args.machine, details=args.note, measured_here=False))
     return 0
 
 

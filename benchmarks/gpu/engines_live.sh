@@ -14,25 +14,25 @@
 # Device calls in that run: model-a, model-b, drafter, 4 + 1 SGLang parts (install), 2 + 1 vLLM parts (install,
 # staged while SGLang's job ran), 3 extras, bg, polls; staging took about 3 minutes, server starts 52-234 s.
 # Plan (both engines fit one lease when the second is staged while the first runs; each call is `run` with the carry shown):
-#   here, once:  bash benchmarks/gpu_preset.sh split           (.stage2/: SmolLM2 GGUF + ShareGPT wheel)
-#                DRAFTER_EXPORT=DIR bash benchmarks/engines_live.sh split
+#   here, once:  bash benchmarks/gpu/gpu_preset.sh split           (.stage2/: SmolLM2 GGUF + ShareGPT wheel)
+#                DRAFTER_EXPORT=DIR bash benchmarks/gpu/engines_live.sh split
 #                  (.stage-engines/: trimmed engine wheels in parts; DIR: an `eyas export` of a SmolLM2 drafter)
-#   call 1   carry .stage2/a                         bash benchmarks/engines_live.sh model-a
-#   call 2   carry .stage2/b                         bash benchmarks/engines_live.sh model-b
-#   calls    carry .stage-engines/ENGINE/part-NN     bash benchmarks/engines_live.sh stage ENGINE NN  (all parts but
+#   call 1   carry .stage2/a                         bash benchmarks/gpu/engines_live.sh model-a
+#   call 2   carry .stage2/b                         bash benchmarks/gpu/engines_live.sh model-b
+#   calls    carry .stage-engines/ENGINE/part-NN     bash benchmarks/gpu/engines_live.sh stage ENGINE NN  (all parts but
 #            the last)
 #   call     carry .stage-engines/ENGINE/part-LAST and .stage-engines/ENGINE/SHA256SUMS
-#                                                    bash benchmarks/engines_live.sh install ENGINE
-#   call     carry .stage-engines/drafter            bash benchmarks/engines_live.sh drafter   (or DRAFTER=/root/run/export
+#                                                    bash benchmarks/gpu/engines_live.sh install ENGINE
+#   call     carry .stage-engines/drafter            bash benchmarks/gpu/engines_live.sh drafter   (or DRAFTER=/root/run/export
 #            after gpu_preset.sh's run in the same lease)
-#   call                                             bash benchmarks/engines_live.sh bg ENGINE [ENGINE2]  (the jobs, in
+#   call                                             bash benchmarks/gpu/engines_live.sh bg ENGINE [ENGINE2]  (the jobs, in
 #            the background, one after the other; ENGINE2's job waits for its install, so its parts can be staged
 #            while the first job runs)
-#   calls                                            OUT=$OUT bash benchmarks/engines_live.sh poll ENGINE 540  (until DONE;
+#   calls                                            OUT=$OUT bash benchmarks/gpu/engines_live.sh poll ENGINE 540  (until DONE;
 #            with OUT set, the results come back as ENGINE-results.tgz)
 # Rehearsal on the CPU machine (no engine: the servers die at once and say why; bench and prepare run):
 #   STAGE=/tmp/rh/stage WORK=/tmp/rh/work SITE_ROOT=/tmp/rh EYAS_CACHE=~/.cache/eyas BENCH_DEVICE=cpu BENCH_LIMIT=2 \
-#     bash benchmarks/engines_live.sh bg sglang   (with /tmp/rh/site-sglang/.installed, the GGUF in STAGE, a drafter
+#     bash benchmarks/gpu/engines_live.sh bg sglang   (with /tmp/rh/site-sglang/.installed, the GGUF in STAGE, a drafter
 #     in WORK/drafter)
 # `split` prints the sizes and the number of calls. Calls must follow each other within the 30 s idle release; a
 # replaced machine is detected (exit 3: stage again).
@@ -94,7 +94,7 @@ ENTRIES = {
 }
 # Members cut out of wheels the run needs (GPU.md, issue 13's table): SGLang's FA3 (flash_ops, 1.7 GB unpacked) and
 # its Blackwell build (we use the triton backend on sm90); vLLM's FA2 (Hopper runs FA3). vLLM's MoE kernels stay:
-# the DeepSeek-V3 twin (benchmarks/twin_live.sh) routes through them.
+# the DeepSeek-V3 twin (benchmarks/gpu/twin_live.sh) routes through them.
 CUT = {"sglang_kernel": [r"^sgl_kernel/flash_ops\.abi3\.so$", r"^sgl_kernel/sm100/"],
        "vllm": [r"^vllm/vllm_flash_attn/_vllm_fa2_C\.abi3\.so$"]}
 
@@ -321,8 +321,8 @@ bg)  # the jobs in their own session (outlives this call), one engine after the 
   shift; [ $# -gt 0 ] || { echo "usage: engines_live.sh bg ENGINE [ENGINE]"; exit 2; }
   for e in "$@"; do need_engine $e; done
   [ -f $STAGE/smollm2.gguf ] || { echo "machine was replaced (no $STAGE/smollm2.gguf): stage again"; exit 3; }
-  mkdir -p $WORK && rm -f $WORK/*.done $WORK/*.log && rm -rf $WORK/src $WORK/bench && cp -r src $WORK/src &&
-    cp -r benchmarks $WORK/bench && cp "$0" $WORK/job.sh
+  mkdir -p $WORK && rm -f $WORK/*.done $WORK/*.log && rm -rf $WORK/src $WORK/benchmarks && cp -r src $WORK/src &&
+    cp -r benchmarks $WORK/benchmarks && cp "$0" $WORK/job.sh
   # a later engine may still be staging while the first one runs: its job waits for its install (WAIT_INSTALL s)
   setsid nohup bash -c "for e in $*; do bash $WORK/job.sh job \$e > $WORK/\$e.log 2>&1; echo \$? > $WORK/\$e.done; done" \
     > /dev/null 2>&1 < /dev/null &
@@ -348,7 +348,7 @@ esac
 # Phases, each timed and logged on its own; a failed phase is reported and the next one runs:
 #   serve   the exported drafter in the engine: a server without a drafter (the speedup's baseline), the EAGLE-3
 #           chain (3 drafts, as `eyas bench --chain 3`) and in SGLang the tree (topk 4, 3 steps, 8 tokens); each
-#           measured by benchmarks/engine_measure.py on held-out ShareGPT and HumanEval at batch 1 and 16
+#           measured by benchmarks.gpu.engine_measure on held-out ShareGPT and HumanEval at batch 1 and 16
 #   bench   (SGLang's job only, the GPU is free then) eyas bench on the same batch-1 prompts: its tau beside the
 #           engine's accept length
 #   capture eyas capture --engine through the launch-args server on SAMPLES prepared conversations, then crosscheck
@@ -400,13 +400,15 @@ say "target $HF"
 DRAFTER=${DRAFTER:-$WORK/drafter}
 [ -f $DRAFTER/config.json ] || [ ! -f /root/run/export/config.json ] || DRAFTER=/root/run/export   # gpu_preset.sh's
 SETS=(sharegpt-heldout humaneval)
+# the job's own copy of the benchmarks package (bg made it): python -m imports from the current directory first
+engine_measure() { (cd $WORK && python3 -m benchmarks.gpu.engine_measure "$@"); }
 
 measure() {  # $1: configuration name; batch 1 on 16 records, batch 16 on 64, per prompt set
   local ps bs lim
   for ps in "${SETS[@]}"; do
     for bs in 1 16; do
       lim=16; [ $bs = 16 ] && lim=64
-      python3 $WORK/bench/engine_measure.py --engine $e --url $URL --target $HF --prompts $ps --limit $lim \
+      engine_measure --engine $e --url $URL --target $HF --prompts $ps --limit $lim \
         --batch $bs --config $1 > $R/spec-$1-$ps-bs$bs.json 2> $R/spec-$1-$ps-bs$bs.err || {
         say "measure $1 $ps bs$bs failed:"; tail -n 5 $R/spec-$1-$ps-bs$bs.err; continue; }
       say "$1 $ps bs$bs: $(cat $R/spec-$1-$ps-bs$bs.json)"
@@ -522,7 +524,7 @@ prefill() {  # issue 13 item 5: the engine's plain prefill tok/s on the same con
       "$(python3 -c 'from eyas.engines.launch_args import VLLM_SERVED_NAME as n; print(n)')" \
       --gpu-memory-utilization ${VLLM_MEM:-0.5} || return 1
   fi
-  python3 $WORK/bench/engine_measure.py --engine $e --url $URL --target $HF --prefill $WORK/prep | tee $R/prefill.json
+  engine_measure --engine $e --url $URL --target $HF --prefill $WORK/prep | tee $R/prefill.json
 }
 
 only=PHASES_${e^^}                    # PHASES_SGLANG / PHASES_VLLM pick per engine, PHASES for both

