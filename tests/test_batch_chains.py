@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.decode import batch as batch_mod
 from eyas.decode import cache as cache_mod
 from eyas.decode.batch import BatchChainDecoder, BatchSpecConfig, accept

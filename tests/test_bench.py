@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.bench import startup
 from eyas.bench.bench import BenchConfig, run_bench
 from eyas.bench.check import agreement
@@ -378,7 +378,7 @@ def test_compile_cache_dir_is_scoped(tmp_path, monkeypatch):
 _COMPILE_CHILD = """
 import json, sys, torch
 sys.path.insert(0, "tests")
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.bench.startup import compile_cache, warm_up
 from eyas.target.runner import Runner
 torch.set_num_threads(1)

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from test_bench import byte_tokenizer
 
 from eyas.bench.bench import BenchConfig, prompt_ids, prompt_room, run_bench

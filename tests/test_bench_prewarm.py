@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.bench import prewarm
 from eyas.bench.bench import BenchConfig, run_bench
 from eyas.model.drafter import DrafterConfig, Eagle3Drafter

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.decode import tree as tree_mod
 from eyas.decode.lookup import lookup
 from eyas.target.sampling import probs

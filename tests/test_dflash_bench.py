@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.bench.bench import BenchConfig, run_bench
 from eyas.errors import EyasError
 from eyas.model.checkpoint import save_drafter

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.errors import EyasError
 from eyas.model.checkpoint import load_drafter, save_drafter
 from eyas.model.drafter import DrafterConfig, Eagle3Drafter, rope_inv_freq

@@ -5,7 +5,7 @@ import re
 import shlex
 from pathlib import Path
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.export.export import export_drafter
 from eyas.target import target_from_model
 from test_export import make_drafter

@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine_fakes import H, header, true_states
-from engine_vllm_fake import FakeVllmServer, tiny_target, vllm_states
+from support.engine_fakes import H, header, true_states
+from support.engine_vllm_fake import FakeVllmServer, tiny_target, vllm_states
 from eyas.cli import main
 from eyas.engines.capture import run_engine_capture
 from eyas.engines.client import EngineCaptureConfig

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-import engine_src
-from engine_fakes import H, make_args
-from engine_sglang_layouts import declares_flag, server_arg_sources
+from support import engine_src
+from support.engine_fakes import H, make_args
+from support.engine_sglang_layouts import declares_flag, server_arg_sources
 from eyas.cli import main
 from eyas.engines.capture import run_engine_capture
 from eyas.engines.client import EngineCaptureConfig

@@ -23,7 +23,7 @@ import traceback
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.errors import EyasError
 from eyas.target import target_from_model
 from test_stage_start import TARGET_LINE

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from test_bench import byte_tokenizer
 from eyas.capture.capture import CaptureConfig, run_capture
 from eyas.errors import EyasError

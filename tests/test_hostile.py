@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.cli import main
 from eyas.errors import EyasError
 from test_bench import byte_tokenizer

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.errors import EyasError
 from eyas.target.layers import (check_aux_layer_ids, default_aux_layer_ids, is_deepseek, resolve_aux_layer_ids,
                                 sglang_capture_ids, sglang_capture_readings, sglang_layer_ids)

@@ -58,7 +58,7 @@ def test_long_set_is_exactly_the_heldout_side_of_prepare(tmp_path):
     check runs prepare itself on a made-up ShareGPT file, with the same held-out fraction."""
     from test_bench import byte_tokenizer
 
-    from conftest import make_tiny_llama
+    from support.models import make_tiny_llama
     from eyas.data.prepare import PrepareConfig, run_prepare
     from eyas.data.prepared import PreparedData
     from eyas.target import target_from_model
@@ -165,7 +165,7 @@ def tiny():
     import torch
     from test_bench import byte_tokenizer
 
-    from conftest import make_tiny_llama
+    from support.models import make_tiny_llama
     from eyas.model.drafter import DrafterConfig, Eagle3Drafter
     from eyas.target import target_from_model
 

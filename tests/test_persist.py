@@ -4,7 +4,7 @@ without compiling, equal to the eager runner; another configuration, a torn file
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.errors import EyasError
 from eyas.target import persist
 from eyas.target.runner import Runner

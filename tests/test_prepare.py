@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from test_chat_masks import make_tokenizer
 
 from eyas.data.chat import first_turn_framing, tokenize_conversation
@@ -235,7 +235,7 @@ def test_crash_then_resume_with_sampled_regeneration_and_self_prompts(tmp_path, 
 CHILD = """
 import sys
 sys.path.insert(0, {tests!r})
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from transformers import AutoTokenizer
 from eyas.data.prepare import PrepareConfig, run_prepare
 from eyas.target import target_from_model

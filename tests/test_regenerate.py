@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from test_chat_masks import make_tokenizer
 
 from eyas.data.chat import encode_prompt, tokenize_conversation

@@ -27,7 +27,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.decode import eagle as eagle_mod
 from eyas.decode.spec import SpecConfig, SpecDecoder
 from eyas.model.drafter import DrafterConfig, Eagle3Drafter

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.errors import EyasError
 from eyas.run import RunConfig, run_pipeline
 

@@ -18,7 +18,7 @@ import copy
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.decode import tree_static as ts
 from eyas.decode.spec import SpecConfig, SpecDecoder
 from eyas.decode.tree import Draft, select_tree

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.decode.eagle import EagleDrafting
 from eyas.decode.cache import DraftCache
 from eyas.decode.tree import Draft, chain, select_tree, verify

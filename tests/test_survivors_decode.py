@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.decode.batch import BatchChainDecoder, BatchSpecConfig
 from eyas.decode.round import RoundDecoder
 from eyas.decode.spec import SpecConfig, SpecDecoder

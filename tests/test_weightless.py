@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from deepseek_twin import HEAD_TENSORS, save_twin, weightless_copy
+from support.deepseek_twin import HEAD_TENSORS, save_twin, weightless_copy
 from test_prepare import write_data
 from test_stage_start import TARGET_LINE
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from conftest import make_tiny_llama
+from .models import make_tiny_llama
 
 
 class VllmError(RuntimeError):
