@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models on o
 
 
 def _target():
-    from test_bench import byte_tokenizer
+    from support.models import byte_tokenizer
 
     model = make_tiny_llama(vocab=258, seed=31)
     model.config.eos_token_id = model.generation_config.eos_token_id = 257
@@ -77,7 +77,7 @@ def test_a_warm_up_process_leaves_every_graph_the_bench_builds_in_the_caches(tmp
     $EYAS_CACHE/inductor; the bench proper, a later process with the real drafter, then finds every one of them
     there: FX-graph cache hits only, no miss. (No baselines and a chain of 1: the fewest compiles on the CPU.)"""
     from eyas.model.checkpoint import save_drafter
-    from test_bench import byte_tokenizer
+    from support.models import byte_tokenizer
 
     model = make_tiny_llama(hidden=32, heads=2, kv_heads=1, inter=64, vocab=258, seed=31)
     model.config.eos_token_id = model.generation_config.eos_token_id = 257
@@ -118,7 +118,7 @@ def test_benches_after_a_lossless_rerun_still_hit_the_warm_up_caches(tmp_path, d
     bench misses the warm-up's graphs and compiles them again (docs/LOG.md, session 22). Here the second bench
     (another chain length and cache size) must hit them too."""
     from eyas.model.checkpoint import save_drafter
-    from test_bench import byte_tokenizer
+    from support.models import byte_tokenizer
 
     model = make_tiny_llama(hidden=32, heads=2, kv_heads=1, inter=64, vocab=258, seed=31)
     model.config.eos_token_id = model.generation_config.eos_token_id = 257

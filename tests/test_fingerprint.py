@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from support.models import make_tiny_llama
-from test_bench import byte_tokenizer
+from support.models import byte_tokenizer
 from eyas.capture.capture import CaptureConfig, run_capture
 from eyas.errors import EyasError
 from eyas.manifest import check_target, diff_dicts

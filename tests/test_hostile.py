@@ -22,7 +22,7 @@ import torch
 from support.models import make_tiny_llama
 from eyas.cli import main
 from eyas.errors import EyasError
-from test_bench import byte_tokenizer
+from support.models import byte_tokenizer
 from test_stage_start import TARGET_LINE
 
 H = 8

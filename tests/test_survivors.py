@@ -283,7 +283,7 @@ def test_eval_split_scores_each_conversation_by_its_first_reply_set():
 V, DV = 256, 100
 
 
-def make_drafter(seed=0, draft_vocab=V, std=0.2):
+def drafter_and_embeddings(seed=0, draft_vocab=V, std=0.2):
     """A tiny random drafter with weights large enough that its logits are far from flat."""
     model = make_tiny_llama(seed=3)
     cfg = DrafterConfig.from_target(model.config, draft_vocab_size=draft_vocab, aux_layer_ids=(1, 2, 3))
@@ -316,7 +316,7 @@ class LogitsRecorder:
 def graphed_vs_eager(device, rounds=12, K=4):
     """Drive both chain drafters through the same rounds (prefill, then per round: propose, accept j of K
     drafts with j random in 0..K, extend with j+1 fresh entries) and compare their draft logits."""
-    d, embed = make_drafter()
+    d, embed = drafter_and_embeddings()
     d, embed = d.to(device), embed.to(device)
     dg = copy.deepcopy(d)
     rec_e, rec_g = LogitsRecorder(d), LogitsRecorder(dg)
@@ -401,7 +401,7 @@ def naive_tree(drafting, drafter, embed, root, top_k, depth, total):
 
 @pytest.fixture(scope="module")
 def tree_setup():
-    d, embed = make_drafter(seed=1, draft_vocab=DV)
+    d, embed = drafter_and_embeddings(seed=1, draft_vocab=DV)
     rec = LogitsRecorder(d)
     drafting = EagleDrafting(d, embed)
     g = torch.Generator().manual_seed(2)

@@ -28,7 +28,7 @@ class VllmError(RuntimeError):
     pass
 
 
-def tiny_target(path: Path, *, layers: int = 6):
+def save_tiny_target(path: Path, *, layers: int = 6):
     """A tiny Llama with a non-trivial final norm, saved as a HF checkpoint in `path`."""
     model = make_tiny_llama(layers=layers)
     with torch.no_grad():
