@@ -494,7 +494,7 @@ def test_bench_runs_graph_rounds_like_host_rounds(tiny, prompts, method):
 
 
 def test_compiled_bench_runs_tree_rounds_with_the_proposer_compiled(tiny, tmp_path):
-    """What `eyas bench --tree --compile` runs on CUDA since session 14 (one-graph rounds, the runner and the tree
+    """What `eyas bench --tree --compile` runs on CUDA (one-graph rounds, the runner and the tree
     proposer compiled), here on the CPU: the eager host rounds' tokens and counts, lossless."""
     target, drafter = tiny
     prompts = tmp_path / "p.jsonl"

@@ -115,7 +115,7 @@ def test_a_warm_up_process_leaves_every_graph_the_bench_builds_in_the_caches(tmp
 def test_benches_after_a_lossless_rerun_still_hit_the_warm_up_caches(tmp_path, device):
     """eyas run's bench stage: several benches in one process, each bf16 bench followed by its fp32 lossless rerun.
     The rerun's precision switch must leave every switch inductor's cache keys read as it found it, or each later
-    bench misses the warm-up's graphs and compiles them again (docs/LOG.md, session 22). Here the second bench
+    bench misses the warm-up's graphs and compiles them again. Here the second bench
     (another chain length and cache size) must hit them too."""
     from eyas.model.checkpoint import save_drafter
     from support.models import byte_tokenizer

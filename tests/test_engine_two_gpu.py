@@ -1,4 +1,4 @@
-"""Capture on 2 GPUs (issue 32): launch-args' TP / EP / attention-DP flags, and every sample exactly once across
+"""Capture on 2 GPUs: launch-args' TP / EP / attention-DP flags, and every sample exactly once across
 the hooks of several DP groups.
 
 SGLang deals requests to its DP groups round robin, and each group's hook knows only what it wrote. The fake

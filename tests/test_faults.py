@@ -1,4 +1,4 @@
-"""Fault injection (issue 16, deliverable 2): SIGKILL at random points of prepare, capture and train, then resume
+"""Fault injection: SIGKILL at random points of prepare, capture and train, then resume
 and compare with an uninterrupted run; two captures on one store; a shard corrupted while training reads it.
 
 Kill points. A stage runs in a forked child (no interpreter start-up: a kill-and-resume cycle takes about a

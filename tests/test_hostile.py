@@ -1,4 +1,4 @@
-"""Hostile inputs through the CLI (issue 16, deliverables 3/4): every one ends in ONE line on stderr, exit
+"""Hostile inputs through the CLI: every one ends in ONE line on stderr, exit
 code 2 and no traceback, and no pickle is ever executed.
 
 The corpus is generated here (no binary files in the repository): each case builds its bad input under a

@@ -144,7 +144,7 @@ def test_launch_args_refuse_id_n_and_importer_refuses_it():
 
 
 def test_one_definition_each():
-    """grep finds one definition of each mapping (issue 15)."""
+    """grep finds one definition of each mapping."""
     import pathlib
     import re
 

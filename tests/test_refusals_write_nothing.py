@@ -1,4 +1,4 @@
-"""A stage that refuses its target writes nothing (issue 31's review): `eyas train`, `eyas capture` and `eyas run`
+"""A stage that refuses its target writes nothing: `eyas train`, `eyas capture` and `eyas run`
 open and check the target before they make their output directory, so a target that fails to open (a bad path, a
 missing head tensor, a remote-code tokenizer without --trust-remote-code) or an --init head that does not fit leaves
 no directory behind. The in-process bench and `eyas run` take --trust-remote-code and say when it is missing."""

@@ -1,4 +1,4 @@
-"""Tests for the mutations that survived the suite (issue 16): each one fails with its mutation applied.
+"""Tests that each fail under one mutation of the code (the mutation is named beside each test).
 
 | mutation                                                               | test                                        |
 |------------------------------------------------------------------------|---------------------------------------------|

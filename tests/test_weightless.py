@@ -1,4 +1,4 @@
-"""Targets that are never loaded whole (issue 31, deliverable 1): a DeepSeek-V3 twin's weightless directory (config,
+"""Targets that are never loaded whole: a DeepSeek-V3 twin's weightless directory (config,
 tokenizer, index, the head's shard) opens like the full checkpoint with the same fingerprint, goes through prepare,
 offline train and export without its model being built, and every bad input is one line and exit code 2."""
 
