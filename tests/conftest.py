@@ -1,28 +1,15 @@
-"""Shared fixtures: tiny random Llamas built in the test, and the embedded target for slow tests."""
+"""Shared fixtures. Helpers the test modules import live in tests/support/ (tests/ is on sys.path: pytest's
+rootdir conftest puts it there, so `from support.models import make_tiny_llama, tiny_byte_target_and_drafter` works however pytest is started)."""
 
 import os
 
 import pytest
 import torch
 
+from support.models import make_tiny_llama, tiny_byte_target_and_drafter
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-
-def make_tiny_llama(*, layers=4, hidden=64, heads=4, kv_heads=2, vocab=256, inter=128,
-                    tie=False, seed=0, max_pos=512, rope_theta=10000.0):
-    """A tiny random HF LlamaForCausalLM in fp32, eval mode."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=max_pos, rms_norm_eps=1e-5, tie_word_embeddings=tie,
-        rope_theta=rope_theta, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )
-    model = LlamaForCausalLM(cfg).eval()
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -38,3 +25,10 @@ def one_thread():
 @pytest.fixture
 def tiny_llama():
     return make_tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """(target, drafter): a tiny random Llama behind a byte-level chat tokenizer and an untrained EAGLE-3 drafter
+    (support.models.tiny_byte_target_and_drafter), built once per module."""
+    return tiny_byte_target_and_drafter()

@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from test_chat_masks import make_tokenizer
 
 from eyas.cli import main

@@ -13,14 +13,15 @@ import copy
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.decode import batch as batch_mod
 from eyas.decode import cache as cache_mod
 from eyas.decode.batch import BatchChainDecoder, BatchSpecConfig, accept
 from eyas.decode.spec import SpecConfig, SpecDecoder
 from eyas.errors import EyasError
 from eyas.target.runner import Runner
-from test_decode import make_drafter, peaky, train_drafter
+from support.drafters import eagle3_for_model
+from test_decode import peaky, train_drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models on one thread
 
@@ -188,7 +189,7 @@ def test_bad_input_refused(setup):
     with pytest.raises(EyasError, match="does not fit"):
         BatchChainDecoder(runner, drafter, BatchSpecConfig(k=400))
     with pytest.raises(EyasError, match="target vocab"):
-        BatchChainDecoder(runner, make_drafter(make_tiny_llama(vocab=128)))
+        BatchChainDecoder(runner, eagle3_for_model(make_tiny_llama(vocab=128)))
     dec = BatchChainDecoder(runner, drafter, BatchSpecConfig(k=4))
     with pytest.raises(EyasError, match="prompt 1 is empty"):
         dec.generate([[5], []], NEW)

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from support.models import byte_tokenizer, make_tiny_llama
 from eyas.bench import startup
 from eyas.bench.bench import BenchConfig, run_bench
 from eyas.bench.check import agreement
@@ -25,32 +25,6 @@ from eyas.target import target_from_model
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models on one thread
-
-
-def byte_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab.update({"<|im_start|>": 256, "<|im_end|>": 257})
-    t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    t.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<|im_end|>", bos_token="<|im_start|>")
-    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    return tok
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    model = make_tiny_llama(vocab=258, seed=31)
-    model.config.eos_token_id = 257
-    model.generation_config.eos_token_id = 257
-    target = target_from_model(model, byte_tokenizer(), name="tiny", aux_layer_ids=(1, 2, 3))
-    torch.manual_seed(0)
-    drafter = Eagle3Drafter(DrafterConfig.from_target(model.config, draft_vocab_size=258, aux_layer_ids=(1, 2, 3)))
-    return target, drafter.eval()
 
 
 @pytest.fixture
@@ -378,7 +352,7 @@ def test_compile_cache_dir_is_scoped(tmp_path, monkeypatch):
 _COMPILE_CHILD = """
 import json, sys, torch
 sys.path.insert(0, "tests")
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.bench.startup import compile_cache, warm_up
 from eyas.target.runner import Runner
 torch.set_num_threads(1)
@@ -520,7 +494,7 @@ def test_bench_runs_graph_rounds_like_host_rounds(tiny, prompts, method):
 
 
 def test_compiled_bench_runs_tree_rounds_with_the_proposer_compiled(tiny, tmp_path):
-    """What `eyas bench --tree --compile` runs on CUDA since session 14 (one-graph rounds, the runner and the tree
+    """What `eyas bench --tree --compile` runs on CUDA (one-graph rounds, the runner and the tree
     proposer compiled), here on the CPU: the eager host rounds' tokens and counts, lossless."""
     target, drafter = tiny
     prompts = tmp_path / "p.jsonl"

@@ -11,8 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from conftest import make_tiny_llama
-from test_bench import byte_tokenizer
+from support.models import make_tiny_llama
+from support.models import byte_tokenizer
 
 from eyas.bench.bench import BenchConfig, prompt_ids, prompt_room, run_bench
 from eyas.bench.engine import EngineBenchConfig, open_tokenizer, run_engine_bench
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models on o
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny_served(tmp_path_factory):
     """(target, drafter, weightless target dir: config + generation config + tokenizer)."""
     model = make_tiny_llama(vocab=258, seed=31)
     model.config.eos_token_id = 257
@@ -181,10 +181,10 @@ class Engine:
 
 
 @pytest.fixture(scope="module")
-def decoders(tiny):
+def decoders(tiny_served):
     """The servers' models on one runner of the tiny target: the bench's EAGLE-3 chain (its random drafter accepts
     nothing), prompt lookup (accepts some: tau > 1), both with k = 3, and plain greedy decoding."""
-    target, drafter, _ = tiny
+    target, drafter, _ = tiny_served
     runner = Runner.from_hf(target.model, max_batch=1, max_seq=160, device="cpu")
     decs = {"eagle-chain": SpecDecoder(runner, drafter, SpecConfig(method="chain", k=3)),
             "lookup": SpecDecoder(runner, None, SpecConfig(method="lookup", k=3))}
@@ -214,13 +214,13 @@ def servers(decoders):
 
 
 @pytest.fixture(scope="module")
-def in_process(tiny, prompts):
-    target, drafter, d = tiny
+def in_process(tiny_served, prompts):
+    target, drafter, d = tiny_served
     return run_bench(bench_cfg(prompts, d, lossless_turns=0), target=target, drafter=drafter)
 
 
-def test_weightless_dir_gives_the_targets_tokenizer_and_eos(tiny):
-    target, _, d = tiny
+def test_weightless_dir_gives_the_targets_tokenizer_and_eos(tiny_served):
+    target, _, d = tiny_served
     tok, eos = open_tokenizer(d)
     msgs = [{"role": "user", "content": "hello there"}]
     assert eos == target.eos_token_ids == [257]
@@ -230,13 +230,13 @@ def test_weightless_dir_gives_the_targets_tokenizer_and_eos(tiny):
 @pytest.mark.parametrize("engine,concurrency,decoder", [
     ("sglang", 1, "eagle-chain"), ("vllm", 1, "eagle-chain"), ("sglang", 1, "lookup"), ("vllm", 1, "lookup"),
     ("sglang", 2, "lookup"), ("vllm", 2, "lookup")])
-def test_engine_tau_is_the_in_process_tau(tiny, prompts, in_process, servers, tmp_path, capsys, engine, concurrency,
+def test_engine_tau_is_the_in_process_tau(tiny_served, prompts, in_process, servers, tmp_path, capsys, engine, concurrency,
                                           decoder):
     """The same model and decoder behind the servers as in the in-process bench's method: the engine bench's tau
     (from the engine's counters), tokens, target forwards and acceptance by position equal that method's exactly;
     the speedup is the ratio of the two servers' tok/s; the greedy replies of the two servers agree on every turn;
     the prompts went as ids."""
-    _, _, d = tiny
+    _, _, d = tiny_served
     spec, plain = servers(engine, decoder=decoder), servers(engine, spec=False)
     out = tmp_path / "engine.json"
     rep = run_engine_bench(bench_cfg(prompts, d, json_out=str(out)),
@@ -265,15 +265,15 @@ def test_engine_tau_is_the_in_process_tau(tiny, prompts, in_process, servers, tm
     # in flight, it need not be the last request)
     sent = {tuple(b["input_ids"] if engine == "sglang" else b["prompt"]): b for b in spec.bodies}
     room = prompt_room(bench_cfg(prompts, d))
-    body = sent[tuple(prompt_ids(tiny[0].tokenizer, [{"role": "user", "content": "abcabcabcabc"}], room)[0])]
+    body = sent[tuple(prompt_ids(tiny_served[0].tokenizer, [{"role": "user", "content": "abcabcabcabc"}], room)[0])]
     assert (body["sampling_params"]["stop_token_ids"] if engine == "sglang" else body["stop_token_ids"]) == [257]
     assert "eagle-chain" in capsys.readouterr().out
 
 
-def test_cli_engine_bench_and_one_line_errors(tiny, prompts, servers, tmp_path, capsys):
+def test_cli_engine_bench_and_one_line_errors(tiny_served, prompts, servers, tmp_path, capsys):
     """Through `eyas bench --engine`: a report JSON; a wrong served model name is one line naming what is served,
     exit 2, no JSON."""
-    _, _, d = tiny
+    _, _, d = tiny_served
     spec, plain = servers("sglang"), servers("sglang", spec=False)
     out = tmp_path / "cli.json"
     base = ["bench", "--engine", "sglang", "--url", spec.url, "--target", d, "--prompts", prompts, "--chain", "3",
@@ -290,8 +290,8 @@ def test_cli_engine_bench_and_one_line_errors(tiny, prompts, servers, tmp_path, 
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
-def test_a_server_that_does_not_decode_speculatively_is_refused(tiny, prompts, servers, engine):
-    _, _, d = tiny
+def test_a_server_that_does_not_decode_speculatively_is_refused(tiny_served, prompts, servers, engine):
+    _, _, d = tiny_served
     plain = servers(engine, spec=False)
     with pytest.raises(EyasError, match=r"--url .* does not decode speculatively"):
         run_engine_bench(bench_cfg(prompts, d), EngineBenchConfig(engine=engine, url=plain.url))
@@ -300,17 +300,17 @@ def test_a_server_that_does_not_decode_speculatively_is_refused(tiny, prompts, s
         run_engine_bench(bench_cfg(prompts, d), EngineBenchConfig(engine=engine, url=spec.url, plain_url=spec.url))
 
 
-def test_sglang_replies_without_counters_are_refused(tiny, prompts, servers):
+def test_sglang_replies_without_counters_are_refused(tiny_served, prompts, servers):
     """A server that says it is speculative but sends no spec_verify_ct: refused at its first reply, not a tau."""
-    _, _, d = tiny
+    _, _, d = tiny_served
     bare = servers("sglang", counters=False)
     with pytest.raises(EyasError, match=r"no meta_info.spec_verify_ct .*warm-up"):
         run_engine_bench(bench_cfg(prompts, d), EngineBenchConfig(engine="sglang", url=bare.url))
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
-def test_wrong_model_name_and_two_different_models(tiny, prompts, servers, engine):
-    _, _, d = tiny
+def test_wrong_model_name_and_two_different_models(tiny_served, prompts, servers, engine):
+    _, _, d = tiny_served
     spec = servers(engine)
     with pytest.raises(EyasError, match=r"serves 'tiny', not 'other' \(--model\)"):
         run_engine_bench(bench_cfg(prompts, d), EngineBenchConfig(engine=engine, url=spec.url, model="other"))
@@ -319,18 +319,18 @@ def test_wrong_model_name_and_two_different_models(tiny, prompts, servers, engin
         run_engine_bench(bench_cfg(prompts, d), EngineBenchConfig(engine=engine, url=spec.url, plain_url=other.url))
 
 
-def test_request_timeout(tiny, prompts, servers):
-    _, _, d = tiny
+def test_request_timeout(tiny_served, prompts, servers):
+    _, _, d = tiny_served
     slow = servers("sglang", delay=1.5)
     with pytest.raises(EyasError, match=r"no answer within 0.3 s \(--request-timeout\)"):
         run_engine_bench(bench_cfg(prompts, d), EngineBenchConfig(engine="sglang", url=slow.url, request_timeout=0.3))
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
-def test_a_server_that_dies_mid_run(tiny, prompts, servers, tmp_path, engine):
+def test_a_server_that_dies_mid_run(tiny_served, prompts, servers, tmp_path, engine):
     """Killed after its third reply (the warm-up and two timed turns): one line saying the connection was refused
     and how many replies finished; no report file."""
-    _, _, d = tiny
+    _, _, d = tiny_served
     plain, spec = servers(engine, spec=False), servers(engine, die_after=3)
     out = tmp_path / "r.json"
     with pytest.raises(EyasError, match=r"connection refused .*; 2 of 5 replies had finished, no report written"):
@@ -340,12 +340,12 @@ def test_a_server_that_dies_mid_run(tiny, prompts, servers, tmp_path, engine):
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
-def test_differing_replies_get_the_plain_servers_margins(tiny, prompts, decoders, servers, engine, capsys):
+def test_differing_replies_get_the_plain_servers_margins(tiny_served, prompts, decoders, servers, engine, capsys):
     """A speculative server whose replies leave plain greedy at a known position (record 0: its third token becomes
     the second likeliest; record 3: its second token the tenth likeliest): the report names each record's first
     differing turn and position, and the margin is the plain server's log-probability gap there, equal to a naive
     reference forward over the prompt and the common prefix; a drafted token outside the top 5 has no margin."""
-    target, _, d = tiny
+    target, _, d = tiny_served
     model, spec_decode = target.model, decoders[0]("eagle-chain")
 
     def logprobs(ids):
@@ -386,11 +386,11 @@ def test_differing_replies_get_the_plain_servers_margins(tiny, prompts, decoders
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
-def test_a_served_dflash_drafter_is_benched_as_dflash(tiny, prompts, tmp_path, engine):
+def test_a_served_dflash_drafter_is_benched_as_dflash(tiny_served, prompts, tmp_path, engine):
     """A DFlash drafter of block 4 behind the servers (SGLang says DFLASH with 4 draft tokens; vLLM says nothing, so
     --drafter-kind dflash): the report's method is dflash, with the in-process DFlash bench's tau, counts and
     acceptance at each of the block's 3 draft slots; a kind that contradicts SGLang's algorithm is refused."""
-    target, _, d = tiny
+    target, _, d = tiny_served
     torch.manual_seed(3)
     cfg = DFlashConfig.from_target(target.model.config, aux_layer_ids=(1, 2, 3), mask_token_id=256, num_layers=1,
                                    block_size=4)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.bench import prewarm
 from eyas.bench.bench import BenchConfig, run_bench
 from eyas.model.drafter import DrafterConfig, Eagle3Drafter
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models on o
 
 
 def _target():
-    from test_bench import byte_tokenizer
+    from support.models import byte_tokenizer
 
     model = make_tiny_llama(vocab=258, seed=31)
     model.config.eos_token_id = model.generation_config.eos_token_id = 257
@@ -77,7 +77,7 @@ def test_a_warm_up_process_leaves_every_graph_the_bench_builds_in_the_caches(tmp
     $EYAS_CACHE/inductor; the bench proper, a later process with the real drafter, then finds every one of them
     there: FX-graph cache hits only, no miss. (No baselines and a chain of 1: the fewest compiles on the CPU.)"""
     from eyas.model.checkpoint import save_drafter
-    from test_bench import byte_tokenizer
+    from support.models import byte_tokenizer
 
     model = make_tiny_llama(hidden=32, heads=2, kv_heads=1, inter=64, vocab=258, seed=31)
     model.config.eos_token_id = model.generation_config.eos_token_id = 257
@@ -115,10 +115,10 @@ def test_a_warm_up_process_leaves_every_graph_the_bench_builds_in_the_caches(tmp
 def test_benches_after_a_lossless_rerun_still_hit_the_warm_up_caches(tmp_path, device):
     """eyas run's bench stage: several benches in one process, each bf16 bench followed by its fp32 lossless rerun.
     The rerun's precision switch must leave every switch inductor's cache keys read as it found it, or each later
-    bench misses the warm-up's graphs and compiles them again (docs/LOG.md, session 22). Here the second bench
+    bench misses the warm-up's graphs and compiles them again. Here the second bench
     (another chain length and cache size) must hit them too."""
     from eyas.model.checkpoint import save_drafter
-    from test_bench import byte_tokenizer
+    from support.models import byte_tokenizer
 
     model = make_tiny_llama(hidden=32, heads=2, kv_heads=1, inter=64, vocab=258, seed=31)
     model.config.eos_token_id = model.generation_config.eos_token_id = 257

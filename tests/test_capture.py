@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.capture import CaptureConfig, run_capture
 from eyas.errors import EyasError
 from eyas.store import Store
@@ -252,7 +252,7 @@ def test_enospc_leaves_consistent_store_and_resumes(tmp_path, monkeypatch):
 KILL_SCRIPT = textwrap.dedent("""
     import json, sys, time, torch
     sys.path[:0] = [{tests!r}, {src!r}]
-    from conftest import make_tiny_llama
+    from support.models import make_tiny_llama
     from eyas.target import target_from_model
     from eyas.capture import CaptureConfig, run_capture
     model = make_tiny_llama()

@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import make_tiny_llama
-from test_export import make_drafter
+from support.models import make_tiny_llama
+from support.drafters import eagle3_for_target
 from eyas.errors import EyasError
 from eyas.export.export import export_drafter, run_export
 from eyas.model.checkpoint import load_drafter, open_drafter, save_drafter
@@ -45,7 +45,7 @@ def published(export_dir, out):
 @pytest.fixture
 def layouts(target, tmp_path):
     """The same drafter in each accepted layout."""
-    d = make_drafter(target)
+    d = eagle3_for_target(target)
     fp = {"target": target.fingerprint}
     save_drafter(d, tmp_path / "RUN" / "train" / "drafter", meta=fp)       # `eyas run` dir
     save_drafter(d, tmp_path / "TRAIN" / "drafter", meta=fp)               # `eyas train` dir
@@ -98,7 +98,7 @@ def test_not_a_drafter_is_one_clear_line(tmp_path, make):
 
 
 def test_save_load_moved_with_meta(target, tmp_path):
-    d = make_drafter(target)
+    d = eagle3_for_target(target)
     save_drafter(d, tmp_path / "d", meta={"target": target.fingerprint, "note": 1})
     back, meta = load_drafter(tmp_path / "d")
     same_weights(d, back)
@@ -133,7 +133,7 @@ def test_bench_help_names_the_run_dir():
 def test_bench_opens_an_eyas_run_dir(tmp_path):
     """`eyas bench --drafter RUN` (an `eyas run` dir, e.g. runs/cpu-demo) benches RUN/train/drafter: the same
     report as the drafter passed in."""
-    from test_bench import byte_tokenizer
+    from support.models import byte_tokenizer
     from eyas.bench.bench import BenchConfig, run_bench
     from eyas.model.drafter import DrafterConfig, Eagle3Drafter
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.errors import EyasError
 from eyas.target.compile import CompilePolicy
 from eyas.target.runner import Runner

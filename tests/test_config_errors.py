@@ -1,5 +1,5 @@
 """Every stage config refuses a bad value with the one error type (EyasError, which the CLI prints as one line and
-exit 2), not a bare ValueError: issue 15 item 5."""
+exit 2), not a bare ValueError."""
 
 import pytest
 

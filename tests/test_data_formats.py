@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from test_prepare import tiny_target, tok, write_data  # noqa: F401  (tok: the module's tokenizer fixture)
+from test_prepare import tiny_chat_target, tok, write_data  # noqa: F401  (tok: the module's tokenizer fixture)
 
 from eyas.cli import main
 from eyas.data.prepare import PrepareConfig, run_prepare
@@ -140,7 +140,7 @@ def test_prepare_from_parquet_and_save_to_disk_writes_the_jsonl_samples(tmp_path
     pytest.importorskip("pyarrow")
     jsonl = write_data(tmp_path / "d.jsonl", 40)
     records = [json.loads(line) for line in jsonl.read_text().splitlines()]
-    target = tiny_target(tok)
+    target = tiny_chat_target(tok)
     outs = {}
     for name, data in [("jsonl", jsonl), ("parquet", write_parquet(tmp_path / "d.parquet", records))]:
         m = run_prepare(PrepareConfig(data=str(data), out=str(tmp_path / name), max_len=120, heldout_fraction=0.2,

@@ -7,7 +7,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
+from support.drafters import eagle3_for_model
 from eyas.decode import tree as tree_mod
 from eyas.decode.lookup import lookup
 from eyas.target.sampling import probs
@@ -17,19 +18,6 @@ from eyas.model.drafter import DrafterConfig, Eagle3Drafter
 from eyas.target.runner import Runner
 
 AUX = (1, 2, 3)
-
-
-def make_drafter(model, seed=0, draft_vocab=None):
-    torch.manual_seed(seed)
-    V = model.config.vocab_size
-    cfg = DrafterConfig.from_target(model.config, draft_vocab_size=draft_vocab or V, aux_layer_ids=AUX)
-    d = Eagle3Drafter(cfg).eval()
-    if draft_vocab and draft_vocab < V:
-        ids = torch.randperm(V)[:draft_vocab].sort().values
-        t2d = torch.zeros(V, dtype=torch.bool)
-        t2d[ids] = True
-        d.set_vocab(ids - torch.arange(draft_vocab), t2d)
-    return d
 
 
 def peaky(model, scale, layer_scale=1.0):
@@ -48,7 +36,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models on o
 
 def train_drafter(model, runner, steps=150, seed=0):
     """A few hundred Adam steps of the step-0 EAGLE objective on the target's own greedy text."""
-    d = make_drafter(model, seed)
+    d = eagle3_for_model(model, seed)
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, 256, (4,), generator=g).tolist() for _ in range(24)]
     x = torch.tensor([p + o for p, o in zip(prompts, runner.generate(prompts, 40))])  # (B,T)
@@ -160,7 +148,7 @@ def run_all_dec(dec, prompts, eos):
 
 def test_greedy_default_tree_and_untrained_drafter_with_small_draft_vocab(setup):
     model, runner, _, prompts, ref, eos = setup
-    untrained = make_drafter(model, seed=3, draft_vocab=100)
+    untrained = eagle3_for_model(model, seed=3, draft_vocab=100)
     for cfg in (SpecConfig(method="tree"), SpecConfig(method="chain", k=3)):
         outs, _ = run_all(runner, untrained, cfg, prompts[::5], eos)
         assert outs == ref[::5]
@@ -240,7 +228,7 @@ def small():
     V = 12
     model = peaky(make_tiny_llama(layers=4, hidden=32, heads=2, kv_heads=1, vocab=V, inter=64, seed=21), 8.0)
     runner = Runner.from_hf(model, max_batch=1, max_seq=32)
-    drafter = make_drafter(model, seed=5)
+    drafter = eagle3_for_model(model, seed=5)
     with torch.no_grad():  # a confident drafter whose law differs from the target's
         drafter.lm_head.weight.normal_(0, 1.0)
     prompt = [3, 7, 1]

@@ -1,4 +1,4 @@
-"""Every stage on a tiny random DeepSeek-V3 (tests/deepseek_twin.py: MLA, MoE with shared and routed experts after
+"""Every stage on a tiny random DeepSeek-V3 (tests/support/deepseek_twin.py: MLA, MoE with shared and routed experts after
 first_k_dense_replace, YaRN RoPE, untied head), saved as a sharded HF directory and driven through the CLI as a user
 would: prepare (regenerated locally by the twin) -> in-process capture -> offline and online training -> bench
 (fp32, lossless) -> export. Each test states what its stage must have produced on this non-Llama target."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from deepseek_twin import CORPUS, save_twin
+from support.deepseek_twin import CORPUS, save_twin
 from eyas.cli import main
 
 N_LAYERS = 7

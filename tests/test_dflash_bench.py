@@ -6,13 +6,13 @@ import json
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.bench.bench import BenchConfig, run_bench
 from eyas.errors import EyasError
 from eyas.model.checkpoint import save_drafter
 from eyas.model.dflash import DFlashConfig, DFlashDrafter
 from eyas.target import target_from_model
-from test_bench import byte_tokenizer
+from support.models import byte_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models on one thread
 
@@ -20,7 +20,7 @@ BLOCK = 6
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny_dflash_run(tmp_path_factory):
     """A tiny target and a random DFlash drafter for it, saved with save_drafter under a train dir's layout."""
     model = make_tiny_llama(vocab=258, seed=31)
     model.config.eos_token_id = 257
@@ -42,10 +42,10 @@ def prompts(tmp_path):
     return str(p)
 
 
-def test_bench_dflash_report_block_chain_and_lossless(tiny, prompts, tmp_path, capsys):
+def test_bench_dflash_report_block_chain_and_lossless(tiny_dflash_run, prompts, tmp_path, capsys):
     """No k given: the drafter's whole block (B-1 drafts); acceptance by position has B-1 block slots; the fp32
     bench is itself the lossless check; the JSON, the table and the plot say dflash and the block."""
-    target, run = tiny
+    target, run = tiny_dflash_run
     out = tmp_path / "bench.json"
     cfg = BenchConfig(prompts=prompts, drafter=run, max_new_tokens=16, max_seq=200, json_out=str(out))
     rep = run_bench(cfg, target=target)
@@ -64,10 +64,10 @@ def test_bench_dflash_report_block_chain_and_lossless(tiny, prompts, tmp_path, c
     assert (tmp_path / "bench.png").stat().st_size > 0
 
 
-def test_bench_dflash_given_k_graph_round_and_refusals(tiny, prompts, capsys):
+def test_bench_dflash_given_k_graph_round_and_refusals(tiny_dflash_run, prompts, capsys):
     """A given k <= B-1 is kept; graph_round (the CUDA default for EAGLE-3) is turned off with a note; without
     baselines the fp32 rerun checks losslessness; k > B-1 and trees are refused, naming B-1."""
-    target, run = tiny
+    target, run = tiny_dflash_run
     cfg = BenchConfig(prompts=prompts, drafter=run, k=2, graph_round=True, max_new_tokens=8, max_seq=200,
                       baselines=False, limit=1)
     rep = run_bench(cfg, target=target)

@@ -1,6 +1,6 @@
 """Our DFlash export vs the real SGLang / vLLM DFlash loaders (pinned in eyas.export.engine_pins).
 
-As in tests/test_engine_contract.py, the loaders are parsed, not imported: tests/engine_contract.py instantiates
+As in tests/test_engine_contract.py, the loaders are parsed, not imported: tests/support/engine_contract.py instantiates
 SGLang's DFlashDraftModel and vLLM's DFlashQwen3ForCausalLM abstractly with our config.json, and the tests replay
 their load_weights name mapping (its literals read from the source) over our model.safetensors. SGLang ignores a
 name it cannot place without a word, so "every tensor we write lands on a parameter" is the check that matters
@@ -17,9 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import engine_wheels
-from conftest import make_tiny_llama
-from engine_contract import NS, Interpreter, Module, ParamSpec, config_fields_read, dict_keys_read, find_function, \
+from support import engine_wheels
+from support.models import make_tiny_llama
+from support.engine_contract import NS, Interpreter, Module, ParamSpec, config_fields_read, dict_keys_read, find_function, \
     flatten
 from eyas.export.export import export_drafter
 from eyas.model.dflash import DFlashConfig, DFlashDrafter

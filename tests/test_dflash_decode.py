@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.decode import tree as tree_mod
 from eyas.decode.dflash import DFlashDrafting
 from eyas.decode.spec import SpecConfig, SpecDecoder

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.errors import EyasError
 from eyas.export.export import export_drafter, run_export
 from eyas.model.checkpoint import open_drafter, save_drafter
@@ -14,7 +14,7 @@ from eyas.model.dflash import DFlashConfig, DFlashDrafter
 from eyas.model.dflash_import import load_dflash_checkpoint
 from eyas.target import target_from_model
 
-from test_export import make_drafter as make_eagle3
+from support.drafters import eagle3_for_target
 
 MASK = 7
 
@@ -119,7 +119,7 @@ def test_export_refuses_own_mask_row(target, tmp_path):
 
 def test_kind_is_checked(target, tmp_path):
     df = export_drafter(make_dflash(target), tmp_path / "df")
-    eg = export_drafter(make_eagle3(target), tmp_path / "eg")
+    eg = export_drafter(eagle3_for_target(target), tmp_path / "eg")
     save_drafter(make_dflash(target), tmp_path / "own")
     with pytest.raises(EyasError, match="a DFlash drafter where an EAGLE-3 drafter was expected"):
         open_drafter(df, kind="eagle3")

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.errors import EyasError
 from eyas.target import target_from_model
 from eyas.model.dflash import DFlashConfig, DFlashDrafter, default_mask_token

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.errors import EyasError
 from eyas.model.checkpoint import load_drafter, save_drafter
 from eyas.model.drafter import DrafterConfig, Eagle3Drafter, rope_inv_freq
@@ -34,7 +34,7 @@ EXPORT_KEYS = {
 }
 
 
-def make_drafter(seed=0, std=0.2, **target_kw):
+def initialised_drafter(seed=0, std=0.2, **target_kw):
     target = make_tiny_llama(**target_kw)
     cfg = DrafterConfig.from_target(target.config, draft_vocab_size=100, aux_layer_ids=(2, 2, 1))
     torch.manual_seed(seed)
@@ -48,7 +48,7 @@ def make_drafter(seed=0, std=0.2, **target_kw):
 
 
 def test_state_dict_keys_are_the_export_keys():
-    d = make_drafter()
+    d = initialised_drafter()
     sd = d.state_dict()
     assert {k: tuple(v.shape) for k, v in sd.items()} == EXPORT_KEYS
     assert sd["d2t"].dtype == torch.int64 and sd["t2d"].dtype == torch.bool
@@ -136,7 +136,7 @@ def naive_layer(d, hidden, embeds, pos, mask, *, embed_first=True, residual_norm
 
 
 def test_layer_matches_naive_reference_and_order_and_residual_matter():
-    d = make_drafter()
+    d = initialised_drafter()
     torch.manual_seed(1)
     B, S = 2, 6
     hidden, embeds = torch.randn(B, S, 64) * 2, torch.randn(B, S, 64)
@@ -163,7 +163,7 @@ def test_decode_attention_equals_the_training_path(monkeypatch):
     prefills use SDPA on repeated k/v. Both match the naive reference, with a cache and a tree-shaped mask."""
     from eyas.model import drafter as drafter_mod
 
-    d = make_drafter(seed=3)
+    d = initialised_drafter(seed=3)
     torch.manual_seed(4)
     B, P, S = 2, 7, 5
     hidden, embeds = torch.randn(B, P + S, 64), torch.randn(B, P + S, 64)
@@ -190,7 +190,7 @@ def test_decode_attention_equals_the_training_path(monkeypatch):
 
 
 def test_kv_cached_steps_equal_one_full_call():
-    d = make_drafter()
+    d = initialised_drafter()
     torch.manual_seed(2)
     B, S = 2, 9
     hidden, embeds = torch.randn(B, S, 64), torch.randn(B, S, 64)
@@ -208,7 +208,7 @@ def test_kv_cached_steps_equal_one_full_call():
 
 
 def test_vocab_maps_and_draft_to_target():
-    d = make_drafter()
+    d = initialised_drafter()
     counts = torch.randint(0, 1000, (256,), generator=torch.Generator().manual_seed(0))
     vocab = build_draft_vocab(counts, 100)
     d.set_vocab(vocab.d2t, vocab.t2d)
@@ -220,7 +220,7 @@ def test_vocab_maps_and_draft_to_target():
 
 
 def test_save_load_round_trip(tmp_path):
-    d = make_drafter()
+    d = initialised_drafter()
     vocab = build_draft_vocab(torch.arange(256), 100)
     d.set_vocab(vocab.d2t, vocab.t2d)
     meta = {"target": {"identity": "tiny", "config_sha256": "ab", "tokenizer_sha256": "cd"}}
@@ -239,7 +239,7 @@ def test_load_refuses_bad_checkpoints(tmp_path):
 
     with pytest.raises(EyasError, match="missing"):
         load_drafter(tmp_path / "nothing")
-    d = make_drafter()
+    d = initialised_drafter()
     save_drafter(d, tmp_path / "a", {})
     state = load_file(str(tmp_path / "a" / "model.safetensors"))
     state["embed_tokens.weight"] = torch.zeros(256, 64)

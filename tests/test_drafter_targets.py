@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import make_tiny_llama
-from deepseek_twin import make_twin
+from support.models import make_tiny_llama
+from support.deepseek_twin import make_twin
 from eyas.model.drafter import MLA_ROPE_THETA, DrafterConfig, Eagle3Drafter
 
 # Public config.json fields of the targets (the fields a drafter derivation can read; quantization and routing

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from deepseek_twin import make_twin, save_twin, weightless_copy
+from support.deepseek_twin import make_twin, save_twin, weightless_copy
 from eyas.cli import main
 from eyas.engines.capture import run_engine_capture
 from eyas.engines.client import EngineCaptureConfig

@@ -4,7 +4,7 @@ import threading
 
 import torch
 
-from engine_fakes import H, make_args
+from support.engine_fakes import H, make_args
 from eyas.engines.capture import run_engine_capture
 from eyas.engines.client import EngineCaptureConfig
 from eyas.engines.records import sample_id_of
@@ -64,7 +64,7 @@ def test_retries_rejections_and_resume_give_each_sample_once(tmp_path):
     st = Store(out)
     assert sorted(st.ids) == sorted(SAMPLES) and len(st.ids) == len(set(st.ids))
     assert not (before & srv2.seen)                # resume: committed samples were not sent again
-    from engine_fakes import true_states
+    from support.engine_fakes import true_states
     for sid in SAMPLES:
         s = st.by_id(sid, dtype=torch.float32)
         assert torch.equal(s.aux, true_states(SAMPLES[sid])[0].bfloat16().float())

@@ -1,6 +1,6 @@
 """Our export vs the real SGLang / vLLM EAGLE-3 loaders (pinned in eyas.export.engine_pins).
 
-The loaders are parsed, not imported (they need CUDA): tests/engine_contract.py instantiates
+The loaders are parsed, not imported (they need CUDA): tests/support/engine_contract.py instantiates
 their model classes abstractly with our config.json, and the tests replay their load_weights
 name mapping (its literals read from the source) over our model.safetensors. Every engine
 parameter must be filled from our file with the right shape (embed_tokens excepted: the target's),
@@ -18,9 +18,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import engine_wheels
-from conftest import make_tiny_llama
-from engine_contract import (NS, Interpreter, Module, ParamSpec, assigned_literal, config_fields_read,
+from support import engine_wheels
+from support.models import make_tiny_llama
+from support.engine_contract import (NS, Interpreter, Module, ParamSpec, assigned_literal, config_fields_read,
                              dict_keys_read, find_function, flatten, replace_calls, substring_branches)
 from eyas.export.export import export_drafter
 from eyas.model.drafter import DrafterConfig, Eagle3Drafter

@@ -1,7 +1,7 @@
 """Crosscheck flags an engine that returns layer i+1 (the SGLang +1 applied twice) or i-1."""
 
 import torch
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 
 from eyas.engines.crosscheck import crosscheck, reference_states, report
 from eyas.target.layers import sglang_capture_ids, sglang_layer_ids
@@ -85,7 +85,7 @@ def test_bf16_noise_on_massive_activations_is_ok_and_a_neighbour_is_still_caught
 
 
 def test_an_empty_store_is_one_clear_error(tmp_path, capsys):
-    from engine_fakes import init_store
+    from support.engine_fakes import init_store
     from eyas.cli import main
     init_store(tmp_path / "store")
     rc = main(["engine", "crosscheck", "--store", str(tmp_path / "store"), "--target", "unused"])

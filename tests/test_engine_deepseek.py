@@ -1,7 +1,7 @@
 """The SGLang capture hooks on DeepSeek-V3 and Kimi-K2.5, driven the way SGLang's own sources call the model.
 
 Stand-ins shaped like SGLang's module tree (sglang 0.5.14 / 0.5.23 models/deepseek_v2.py, kimi_k25.py,
-managers/mm_utils.py), running the tiny DeepSeek-V3 twin's real weights (tests/deepseek_twin.py):
+managers/mm_utils.py), running the tiny DeepSeek-V3 twin's real weights (tests/support/deepseek_twin.py):
   - DeepseekV2Model: the layer loop; layer i appends the stream entering it (`hidden_states + residual`) when
     i is in layers_to_capture; under two-batch overlap the layers from first_k_dense_replace on run through
     model_forward_stages, with no capture; returns (hidden, aux) only when something was captured.
@@ -24,8 +24,8 @@ import pytest
 import torch
 from torch import nn
 
-from deepseek_twin import make_twin
-from engine_fakes import ForwardMode
+from support.deepseek_twin import make_twin
+from support.engine_fakes import ForwardMode
 from eyas.engines.launch_args import sglang_args
 from eyas.engines.sglang_hook import CaptureHook
 from test_engine_sglang_forward import Writer, register
@@ -234,7 +234,7 @@ def test_the_0_5_23_sources_size_the_aux_states_from_the_switched_list_and_check
     run); the layer loop sizes its packer (DeepSeek) or list (Llama) from layers_to_capture at each forward; the
     logits processor checks the aux count only at its first forward with tokens, which the probe switch hook
     leaves to the server's own layers."""
-    import engine_src
+    from support import engine_src
     whl = engine_src.wheel("0.5.23")
     if whl is None:
         pytest.skip("sglang 0.5.23 wheel not cached and PyPI unreachable")
@@ -253,7 +253,7 @@ def test_the_0_5_23_sources_size_the_aux_states_from_the_switched_list_and_check
 
 def test_no_ids_anywhere_rejects_each_request_instead_of_crashing_the_server(tmp_path):
     """input_ids None and a batch without input_ids: each request is rejected with the reason, none written."""
-    from engine_fakes import make_args
+    from support.engine_fakes import make_args
     from eyas.engines.records import NO_IDS
     from test_engine_hook import SAMPLES, events
     from test_engine_hook import MASKS as HOOK_MASKS
@@ -304,7 +304,7 @@ def test_the_hooks_refuse_two_batch_overlap_when_they_load(tmp_path, sglang_with
 def test_is_tbo_enabled_is_set_before_the_hooks_load(version):
     """The accessor the hook reads exists in each wheel, is fed by --enable-two-batch-overlap, and the scheduler
     sets it (init_moe_gemm_config) before it builds the model worker, which loads the model and its hooks."""
-    import engine_src
+    from support import engine_src
     whl = engine_src.wheel(version)
     if whl is None:
         pytest.skip(f"sglang {version} wheel not cached and PyPI unreachable")

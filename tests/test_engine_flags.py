@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import engine_src
-from engine_sglang_layouts import declares_flag, server_arg_sources
+from support import engine_src
+from support.engine_sglang_layouts import declares_flag, server_arg_sources
 from eyas.cli import main
 from eyas.engines import launch_args as la
 from eyas.engines.final_norm import NORM_KEYS, load_final_norm

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from engine_fakes import ForwardMode, init_store, make_args, true_states
+from support.engine_fakes import ForwardMode, init_store, make_args, true_states
 from eyas.engines.sglang_hook import CaptureHook, events_name
 from eyas.store.reader import Store
 

@@ -11,8 +11,8 @@ import json
 import pytest
 from torch import nn
 
-import engine_src
-from engine_sglang_layouts import logits_processor_names, model_classes
+from support import engine_src
+from support.engine_sglang_layouts import logits_processor_names, model_classes
 from eyas.cli import main
 from eyas.engines.launch_args import LM_HEAD_MODULES, lm_head_module, read_target_config
 

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from engine_fakes import H, init_store, make_args
+from support.engine_fakes import H, init_store, make_args
 from eyas.cli import main
 from eyas.engines.capture import run_engine_capture
 from eyas.engines.client import EngineCaptureConfig

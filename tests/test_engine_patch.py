@@ -5,7 +5,7 @@ import hashlib
 
 import pytest
 
-import engine_src
+from support import engine_src
 from eyas.engines import sglang_patch as sp
 from eyas.errors import EyasError
 
@@ -92,7 +92,7 @@ def test_attach_registers_the_same_hook(monkeypatch, tmp_path):
     """The patched-source path registers what launch-args prints, on the same modules hook_manager would."""
     import json
 
-    from engine_fakes import ForwardMode, make_args
+    from support.engine_fakes import ForwardMode, make_args
     from eyas.engines import sglang_hook
     from eyas.engines.launch_args import hook_spec
     from test_engine_client import SAMPLES

@@ -5,10 +5,10 @@ import re
 import shlex
 from pathlib import Path
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.export.export import export_drafter
 from eyas.target import target_from_model
-from test_export import make_drafter
+from support.drafters import eagle3_for_target
 
 
 def commands(readme: str) -> list[list[str]]:
@@ -20,7 +20,7 @@ def test_readme_paths_are_absolute_from_a_relative_export(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "models" / "tiny").mkdir(parents=True)
     target = target_from_model(make_tiny_llama(layers=8), name="tiny")
-    out = export_drafter(make_drafter(target), "exports/x", target_ref="models/tiny")
+    out = export_drafter(eagle3_for_target(target), "exports/x", target_ref="models/tiny")
     sglang, vllm = commands((out / "README.md").read_text())
     draft = Path(sglang[sglang.index("--speculative-draft-model-path") + 1])
     model = Path(sglang[sglang.index("--model-path") + 1])
@@ -28,5 +28,5 @@ def test_readme_paths_are_absolute_from_a_relative_export(tmp_path, monkeypatch)
     assert model == (tmp_path / "models" / "tiny").resolve()
     spec = json.loads(vllm[vllm.index("--speculative-config") + 1])
     assert Path(spec["model"]) == draft and Path(vllm[2]) == model
-    hub = export_drafter(make_drafter(target), "exports/y", target_ref="org/model")   # a hub id stays an id
+    hub = export_drafter(eagle3_for_target(target), "exports/y", target_ref="org/model")   # a hub id stays an id
     assert commands((hub / "README.md").read_text())[0][4] == "org/model"

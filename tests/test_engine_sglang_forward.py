@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine_fakes import ForwardMode, make_args, true_states
+from support.engine_fakes import ForwardMode, make_args, true_states
 from eyas.engines.launch_args import hook_spec, inner_model_module
 from eyas.engines.sglang_hook import CaptureHook
 from test_engine_client import MASKS, SAMPLES

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-import engine_src
-from engine_fakes import init_store, make_args
-from engine_sglang_layouts import LAYOUTS, declares_flag, layout_from_wheel, server_arg_sources, stub_package
+from support import engine_src
+from support.engine_fakes import init_store, make_args
+from support.engine_sglang_layouts import LAYOUTS, declares_flag, layout_from_wheel, server_arg_sources, stub_package
 from eyas.engines import launch_args as la
 from eyas.engines.sglang_hook import CaptureHook, events_name, sglang_ranks
 from eyas.errors import EyasError

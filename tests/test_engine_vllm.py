@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine_fakes import H, header, true_states
-from engine_vllm_fake import FakeVllmServer, tiny_target, vllm_states
+from support.engine_fakes import H, header, true_states
+from support.engine_vllm_fake import FakeVllmServer, save_tiny_target, vllm_states
 from eyas.cli import main
 from eyas.engines.capture import run_engine_capture
 from eyas.engines.client import EngineCaptureConfig
@@ -111,7 +111,7 @@ def test_capture_through_vllm_stores_the_final_norm_output(capsys, tmp_path):
     """launch-args -> (stand-in) vLLM -> capture client -> store: every request served, and the stored
     final state is the final-norm output whose lm_head gives the target's logits, not vLLM's pre-norm slot."""
     model_dir, vllm_dir, out = tmp_path / "target", tmp_path / "vllm", tmp_path / "store"
-    model = tiny_target(model_dir)
+    model = save_tiny_target(model_dir)
     n = model.config.num_hidden_layers
     srv = FakeVllmServer(launch(capsys, tmp_path, model_dir, vllm_dir), model)
     samples = {f"s{i}": torch.randint(3, 250, (9 + i,), generator=torch.Generator().manual_seed(i)).tolist()
@@ -148,7 +148,7 @@ def write_prepared(prep, samples):
 
 def test_ingest_vllm_command_reads_vllm_names_and_the_norm(capsys, tmp_path):
     model_dir, vllm_dir, out, prep = tmp_path / "target", tmp_path / "vllm", tmp_path / "store", tmp_path / "prep"
-    model = tiny_target(model_dir)
+    model = save_tiny_target(model_dir)
     n = model.config.num_hidden_layers
     samples = {"x": list(range(3, 14)), "y": list(range(30, 37))}
     write_prepared(prep, samples)

@@ -1,4 +1,4 @@
-"""Live engines (issue 13): capture through a real SGLang or vLLM server, then crosscheck against in-process capture.
+"""Live engines: capture through a real SGLang or vLLM server, then crosscheck against in-process capture.
 
 GPU only, and only where the engine's wheels are staged: EYAS_SGLANG_SITE / EYAS_VLLM_SITE name the folder the
 engine was installed into (`benchmarks/gpu/engines_live.sh install ENGINE` makes /root/site-ENGINE; its `tests ENGINE`

@@ -6,7 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
+from support.drafters import eagle3_for_target
 from eyas.errors import EyasError
 from eyas.export.export import export_drafter
 from eyas.model.checkpoint import open_drafter, save_drafter
@@ -17,28 +18,13 @@ from eyas.target import target_from_model
 DRAFT_VOCAB = 100
 
 
-def make_drafter(target, *, draft_vocab=DRAFT_VOCAB, seed=1):
-    cfg = DrafterConfig.from_target(target.config, draft_vocab_size=draft_vocab, aux_layer_ids=target.aux_layer_ids)
-    torch.manual_seed(seed)
-    d = Eagle3Drafter(cfg)
-    tok = torch.sort(torch.randperm(cfg.vocab_size)[:draft_vocab]).values   # ascending target ids
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    t2d[tok] = True
-    d.set_vocab(tok - torch.arange(draft_vocab), t2d)
-    with torch.no_grad():   # non-trivial norms so a swapped norm would show
-        for n, p in d.named_parameters():
-            if "norm" in n:
-                p.uniform_(0.5, 1.5)
-    return d
-
-
 @pytest.fixture
 def target():
     return target_from_model(make_tiny_llama(layers=8), name="tiny")
 
 
 def test_export_layout(target, tmp_path):
-    d = make_drafter(target)
+    d = eagle3_for_target(target)
     out = export_drafter(d, tmp_path / "x", meta={"target": target.fingerprint})
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
@@ -58,7 +44,7 @@ def test_export_layout(target, tmp_path):
 
 
 def test_full_vocab_omits_identity_maps(target, tmp_path):
-    d = make_drafter(target, draft_vocab=256)
+    d = eagle3_for_target(target, draft_vocab=256)
     out = export_drafter(d, tmp_path / "x")
     assert "d2t" not in load_file(out / "model.safetensors")     # vLLM refuses d2t when draft vocab == vocab
     back, _ = load_eagle3_checkpoint(out, target=target)
@@ -67,7 +53,7 @@ def test_full_vocab_omits_identity_maps(target, tmp_path):
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_round_trip(target, tmp_path, dtype):
-    d = make_drafter(target)
+    d = eagle3_for_target(target)
     out = export_drafter(d, tmp_path / dtype, meta={"target": target.fingerprint}, dtype=dtype)
     back, meta = load_eagle3_checkpoint(out, target=target)
     assert back.config == d.config and meta["warnings"] == []
@@ -79,7 +65,7 @@ def test_round_trip(target, tmp_path, dtype):
 
 
 def test_run_dir_and_load_any(target, tmp_path):
-    d = make_drafter(target)
+    d = eagle3_for_target(target)
     save_drafter(d, tmp_path / "run" / "drafter", meta={"target": target.fingerprint})
     from eyas.export.export import run_export
 
@@ -98,7 +84,7 @@ def test_run_dir_and_load_any(target, tmp_path):
 
 def _published(target, tmp_path, *, rename=None, drop=(), extra=None, cfg_edit=None):
     """An exported dir rewritten into another published layout."""
-    d = make_drafter(target)
+    d = eagle3_for_target(target)
     out = export_drafter(d, tmp_path / "pub", dtype="fp32")
     w = load_file(out / "model.safetensors")
     w = {(rename(k) if rename else k): v for k, v in w.items() if k not in drop}

@@ -1,4 +1,4 @@
-"""Fault injection (issue 16, deliverable 2): SIGKILL at random points of prepare, capture and train, then resume
+"""Fault injection: SIGKILL at random points of prepare, capture and train, then resume
 and compare with an uninterrupted run; two captures on one store; a shard corrupted while training reads it.
 
 Kill points. A stage runs in a forked child (no interpreter start-up: a kill-and-resume cycle takes about a
@@ -23,7 +23,7 @@ import traceback
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.errors import EyasError
 from eyas.target import target_from_model
 from test_stage_start import TARGET_LINE

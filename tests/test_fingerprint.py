@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import make_tiny_llama
-from test_bench import byte_tokenizer
+from support.models import make_tiny_llama
+from support.models import byte_tokenizer
 from eyas.capture.capture import CaptureConfig, run_capture
 from eyas.errors import EyasError
 from eyas.manifest import check_target, diff_dicts
@@ -285,7 +285,7 @@ def test_train_override_on_a_store_of_another_target(machine_a, elsewhere):
     assert "config.rms_norm_eps" in manifest["source"]["target_mismatch"]
 
 
-# What the GPU machine (transformers 5.17.0) recorded for the embedded SmolLM2-135M GGUF (issue 15): the same file
+# What the GPU machine (transformers 5.17.0) recorded for the embedded SmolLM2-135M GGUF: the same file
 # as here, byte for byte; only tokenizer_sha256 differs from what eyas with fingerprint version 2 computes here.
 GPU_5_17_FINGERPRINT = {
     "fingerprint": 2, "identity": "gguf:smollm2.gguf",

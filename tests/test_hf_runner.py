@@ -6,8 +6,8 @@ that runs the whole sequence through the HF model at every step, without a cache
 import pytest
 import torch
 
-from conftest import make_tiny_llama
-from deepseek_twin import make_twin
+from support.models import make_tiny_llama
+from support.deepseek_twin import make_twin
 from eyas.decode.spec import SpecConfig, SpecDecoder
 from eyas.errors import EyasError
 from eyas.model.drafter import DrafterConfig, Eagle3Drafter

@@ -8,7 +8,7 @@ the capture stage's, bit for bit.
 
 import torch
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.target.hooks import LayerInputs, capture_states, decoder_stack
 from eyas.target.load import target_from_model
 from eyas.target.runner import Runner

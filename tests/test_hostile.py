@@ -1,4 +1,4 @@
-"""Hostile inputs through the CLI (issue 16, deliverables 3/4): every one ends in ONE line on stderr, exit
+"""Hostile inputs through the CLI: every one ends in ONE line on stderr, exit
 code 2 and no traceback, and no pickle is ever executed.
 
 The corpus is generated here (no binary files in the repository): each case builds its bad input under a
@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.cli import main
 from eyas.errors import EyasError
-from test_bench import byte_tokenizer
+from support.models import byte_tokenizer
 from test_stage_start import TARGET_LINE
 
 H = 8

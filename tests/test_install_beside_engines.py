@@ -18,7 +18,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-import engine_wheels
+from support import engine_wheels
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINES = ("sglang", "vllm")

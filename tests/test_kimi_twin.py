@@ -1,4 +1,4 @@
-"""The tiny Kimi-K2.5 twin (tests/kimi_twin.py) as eyas and SGLang 0.5.14 see it.
+"""The tiny Kimi-K2.5 twin (tests/support/kimi_twin.py) as eyas and SGLang 0.5.14 see it.
 
 eyas: the nested text_config and the three `language_model.*` head tensors found through the index, the capture
 server's flags (hooks on the wrapper's inner modules, --trust-remote-code for its processor), the drafter shape
@@ -22,10 +22,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-import engine_src
-from deepseek_twin import TEMPLATE as DEEPSEEK_TEMPLATE
-from deepseek_twin import save_twin
-from kimi_twin import HEAD_TENSORS, MEDIA_PAD, PREFIX, save_kimi_twin
+from support import engine_src
+from support.deepseek_twin import TEMPLATE as DEEPSEEK_TEMPLATE
+from support.deepseek_twin import save_twin
+from support.kimi_twin import HEAD_TENSORS, MEDIA_PAD, PREFIX, save_kimi_twin
 from eyas.cli import main
 from eyas.model.drafter import DrafterConfig
 from eyas.target.meta import open_target_meta
@@ -316,7 +316,7 @@ def test_sglang_renders_the_warmup_image_message(monkeypatch):
     splits on."""
     import jinja2
 
-    from kimi_twin import TEMPLATE
+    from support.kimi_twin import TEMPLATE
 
     monkeypatch.setitem(sys.modules, "sglang.srt.utils", types.SimpleNamespace(ImageData=dict))
     j = wheel_module(sglang_wheel(), "sglang/srt/parser/jinja_template_utils.py", "sglang_jinja_utils")
@@ -333,7 +333,7 @@ def test_sglang_renders_the_warmup_image_message(monkeypatch):
 def test_wrapping_a_bf16_twin_keeps_its_dtype(tmp_path):
     """`kimi_twin.py OUT --from TWIN` (the device's path) around a bf16 twin: every tensor, vision included, and
     config.json's dtype are bf16, as SGLang's --dtype auto reads them; the language model is TWIN's."""
-    from kimi_twin import wrap_twin
+    from support.kimi_twin import wrap_twin
 
     twin = save_twin(tmp_path / "twin", layers=2, dtype=torch.bfloat16)
     k = wrap_twin(twin, tmp_path / "kimi")

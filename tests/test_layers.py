@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.errors import EyasError
 from eyas.target.layers import (check_aux_layer_ids, default_aux_layer_ids, is_deepseek, resolve_aux_layer_ids,
                                 sglang_capture_ids, sglang_capture_readings, sglang_layer_ids)
@@ -144,7 +144,7 @@ def test_launch_args_refuse_id_n_and_importer_refuses_it():
 
 
 def test_one_definition_each():
-    """grep finds one definition of each mapping (issue 15)."""
+    """grep finds one definition of each mapping."""
     import pathlib
     import re
 

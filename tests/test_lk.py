@@ -303,7 +303,7 @@ def test_a_cpu_run_with_each_lk_loss_learns(tmp_path, loss):
     and the mean alpha the loss raises rises in training and is reported in eval."""
     import test_decode as td
     import test_train as tt
-    from conftest import make_tiny_llama
+    from support.models import make_tiny_llama
 
     from eyas.target import target_from_model
     from eyas.train.trainer import run_train

@@ -56,9 +56,9 @@ def chat_key(record_id: str) -> str:
 def test_long_set_is_exactly_the_heldout_side_of_prepare(tmp_path):
     """Every chat prepare writes is absent from the long set, and every other (long enough) chat is in it: the
     check runs prepare itself on a made-up ShareGPT file, with the same held-out fraction."""
-    from test_bench import byte_tokenizer
+    from support.models import byte_tokenizer
 
-    from conftest import make_tiny_llama
+    from support.models import make_tiny_llama
     from eyas.data.prepare import PrepareConfig, run_prepare
     from eyas.data.prepared import PreparedData
     from eyas.target import target_from_model
@@ -136,7 +136,7 @@ def test_order_alternates_kinds_and_cycles_conversation_lengths_deterministicall
 def test_bench_keeps_the_token_range_and_counts_the_rest(tmp_path):
     """load_bench_prompts keeps the records whose first prompt (context + turn, template applied) is in
     [min, max] tokens; the others are counted, by side; `long` defaults to LONG_TOKENS and a cache that holds it."""
-    from test_bench import byte_tokenizer
+    from support.models import byte_tokenizer
 
     tok = byte_tokenizer()
     items = [{"id": f"{cid}_0", "conversations": [h(text(cid, 2100 + 400 * i)), g("ok"), h("more?"), g("yes")]}
@@ -158,24 +158,6 @@ def test_bench_keeps_the_token_range_and_counts_the_rest(tmp_path):
 
 
 # ---- bench --------------------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def tiny():
-    """test_bench's tiny random Llama (byte-level tokenizer, chat template) and an untrained drafter for it."""
-    import torch
-    from test_bench import byte_tokenizer
-
-    from conftest import make_tiny_llama
-    from eyas.model.drafter import DrafterConfig, Eagle3Drafter
-    from eyas.target import target_from_model
-
-    model = make_tiny_llama(vocab=258, seed=31)
-    model.config.eos_token_id = model.generation_config.eos_token_id = 257
-    target = target_from_model(model, byte_tokenizer(), name="tiny", aux_layer_ids=(1, 2, 3))
-    torch.manual_seed(0)
-    drafter = Eagle3Drafter(DrafterConfig.from_target(model.config, draft_vocab_size=258, aux_layer_ids=(1, 2, 3)))
-    return target, drafter.eval()
-
 
 def context_prompts(tmp_path) -> tuple[str, list[dict]]:
     ctx = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "first question"},
@@ -240,7 +222,7 @@ def test_bench_reports_prompt_lengths_and_tau_by_kind(tiny, tmp_path):
 
 def test_engine_bench_sends_the_context(tmp_path):
     """bench --engine encodes a record's context before its turn too (the ids the server gets)."""
-    from test_bench import byte_tokenizer
+    from support.models import byte_tokenizer
 
     from eyas.bench.engine import _answer
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import test_train as tt
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.errors import EyasError
 from eyas.export.export import export_drafter
 from eyas.model.checkpoint import load_drafter, open_drafter, save_drafter

@@ -4,7 +4,7 @@ without compiling, equal to the eager runner; another configuration, a torn file
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.errors import EyasError
 from eyas.target import persist
 from eyas.target.runner import Runner
@@ -129,7 +129,7 @@ def test_bench_persist_steps_needs_compile(capsys):
 def test_captured_graphs_do_not_stop_a_step_from_being_saved(tmp_path):
     """On CUDA the runner's captured steps close over CUDA graphs, which cannot be pickled; dynamo pickles the guard
     state of a step with the runner as its argument, so a verify step compiled after the decode step's capture
-    failed on the H200 ("cannot pickle 'CUDAGraph' object", session 14). The runner's captured steps pickle as an
+    failed on the H200 ("cannot pickle 'CUDAGraph' object"). The runner's captured steps pickle as an
     empty dict: an unpicklable object in them (a lock, on the CPU) leaves the verify step compiled and saved, not a
     fallback, and equal to eager."""
     import threading
@@ -181,7 +181,7 @@ def test_a_step_that_cannot_be_saved_runs_under_plain_torch_compile(tmp_path, ca
 def test_the_steps_pass_every_keyword_so_no_defaults_guard(caplog):
     """A keyword left to forward's default becomes a dynamo guard on `__kwdefaults__` (a DefaultsSource), which
     torch 2.11 saves but cannot load ("DefaultsSource.__init__() takes from 3 to 4 positional arguments but 6 were
-    given" on the H200, session 14; fixed in torch 2.12). The guards dynamo prints for both steps name none."""
+    given" on the H200; fixed in torch 2.12). The guards dynamo prints for both steps name none."""
     import logging
 
     r = Runner.from_hf(make_tiny_llama(seed=5), max_batch=1, max_seq=64, compile=True)
@@ -200,7 +200,7 @@ def test_the_steps_pass_every_keyword_so_no_defaults_guard(caplog):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphed_steps_are_saved_and_loaded(tmp_path):
     """The bench's order on CUDA: the decode step captured as a CUDA graph, then the verify step compiled and
-    captured (where torch 2.11 raised "cannot pickle 'CUDAGraph' object", session 14). Both are saved, a second
+    captured (where torch 2.11 raised "cannot pickle 'CUDAGraph' object"). Both are saved, a second
     runner loads both without compiling, and the graphs' outputs equal the eager CPU runner's."""
     model = make_tiny_llama(seed=5)
     M = 64

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from test_chat_masks import make_tokenizer
 
 from eyas.data.chat import first_turn_framing, tokenize_conversation
@@ -40,7 +40,7 @@ def write_data(path: Path, n: int, bad_every: int = 0) -> Path:
     return path
 
 
-def tiny_target(tok, name="tiny"):
+def tiny_chat_target(tok, name="tiny"):
     return target_from_model(make_tiny_llama(vocab=len(tok)), tok, name=name)
 
 
@@ -51,7 +51,7 @@ def tok():
 
 def test_prepare_writes_exactly_the_train_split(tmp_path, tok):
     data = write_data(tmp_path / "d.jsonl", 300, bad_every=50)
-    target = tiny_target(tok)
+    target = tiny_chat_target(tok)
     m = run_prepare(PrepareConfig(target="tiny", data=str(data), out=str(tmp_path / "p"), max_len=120,
                                   heldout_fraction=0.2, batch_size=7), target, progress=False)
     # naive reference: every valid, non-held-out conversation tokenized on its own
@@ -79,7 +79,7 @@ def test_prepare_writes_exactly_the_train_split(tmp_path, tok):
 
 def test_limit_takes_a_prefix_and_drops_untrainable(tmp_path, tok):
     data = write_data(tmp_path / "d.jsonl", 200)
-    target = tiny_target(tok)
+    target = tiny_chat_target(tok)
     full = run_prepare(PrepareConfig(data=str(data), out=str(tmp_path / "a")), target, progress=False)
     part = run_prepare(PrepareConfig(data=str(data), out=str(tmp_path / "b"), limit=37, batch_size=5), target,
                        progress=False)
@@ -95,12 +95,12 @@ def test_limit_takes_a_prefix_and_drops_untrainable(tmp_path, tok):
 
 def test_reader_refuses_another_target_and_unfinished_dirs(tmp_path, tok):
     data = write_data(tmp_path / "d.jsonl", 20)
-    run_prepare(PrepareConfig(data=str(data), out=str(tmp_path / "p")), tiny_target(tok), progress=False)
+    run_prepare(PrepareConfig(data=str(data), out=str(tmp_path / "p")), tiny_chat_target(tok), progress=False)
     other = target_from_model(make_tiny_llama(vocab=len(tok), layers=5), tok, name="tiny")
     with pytest.raises(EyasError, match=r"target does not match \(config\.num_hidden_layers: 4 != 5"):
         PreparedData(tmp_path / "p", target=other)
     with pytest.raises(EyasError, match="use --overwrite"):  # same dir, different config
-        run_prepare(PrepareConfig(data=str(data), out=str(tmp_path / "p"), max_len=99), tiny_target(tok),
+        run_prepare(PrepareConfig(data=str(data), out=str(tmp_path / "p"), max_len=99), tiny_chat_target(tok),
                     progress=False)
     (tmp_path / "p" / "manifest.json").unlink()
     (tmp_path / "p" / PROGRESS).write_text("{}")
@@ -113,14 +113,14 @@ def test_no_chat_template_and_missing_data(tmp_path):
     tok.chat_template = None
     data = write_data(tmp_path / "d.jsonl", 3)
     with pytest.raises(EyasError, match="no chat template"):
-        run_prepare(PrepareConfig(data=str(data), out=str(tmp_path / "p")), tiny_target(tok), progress=False)
+        run_prepare(PrepareConfig(data=str(data), out=str(tmp_path / "p")), tiny_chat_target(tok), progress=False)
     with pytest.raises(EyasError, match="no such file"):
         run_prepare(PrepareConfig(data=str(tmp_path / "x.jsonl"), out=str(tmp_path / "p")), None)
 
 
 def test_uncommitted_tail_is_discarded_on_resume(tmp_path, tok):
     data = write_data(tmp_path / "d.jsonl", 60)
-    target = tiny_target(tok)
+    target = tiny_chat_target(tok)
     ref = run_prepare(PrepareConfig(data=str(data), out=str(tmp_path / "ref"), batch_size=4), target, progress=False)
     out = tmp_path / "p"
     cfg = PrepareConfig(data=str(data), out=str(out), batch_size=4)
@@ -162,7 +162,7 @@ def test_bad_input_is_one_clear_error(tmp_path, tok, capsys):
     # max_len shorter than the template's framing of a first turn (82 tokens here: the default system prompt)
     n = first_turn_framing(tok)
     with pytest.raises(EyasError, match=rf"--max-len 50 is too short for target tiny: .* {n} tokens .* >= {n + 2}$"):
-        run_prepare(PrepareConfig(data=data, out=out, max_len=50), tiny_target(tok), progress=False)
+        run_prepare(PrepareConfig(data=data, out=out, max_len=50), tiny_chat_target(tok), progress=False)
 
 
 def test_skipped_records_are_one_summary_line_with_details_in_a_log(tmp_path, tok, capsys):
@@ -172,7 +172,7 @@ def test_skipped_records_are_one_summary_line_with_details_in_a_log(tmp_path, to
         for i in range(4):
             f.write(json.dumps({"id": f"e{i}", "messages": [{"role": "user", "content": " "},
                                                             {"role": "assistant", "content": "y"}]}) + "\n")
-    m = run_prepare(PrepareConfig(data=str(data), out=str(tmp_path / "p"), heldout_fraction=0.0), tiny_target(tok),
+    m = run_prepare(PrepareConfig(data=str(data), out=str(tmp_path / "p"), heldout_fraction=0.0), tiny_chat_target(tok),
                     progress=False)
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"eyas prepare: skipped 11 of 65 records (empty turn 4, malformed JSON 6, unknown role 1); "
@@ -190,7 +190,7 @@ def test_crash_then_resume_with_sampled_regeneration_and_self_prompts(tmp_path, 
     from eyas.data.prepared import PreparedWriter
 
     data = write_data(tmp_path / "d.jsonl", 14, bad_every=5)
-    target = tiny_target(tok)
+    target = tiny_chat_target(tok)
 
     def cfg(out):
         return PrepareConfig(data=str(data), out=str(tmp_path / out), regenerate=True, samples_per_prompt=2,
@@ -235,7 +235,7 @@ def test_crash_then_resume_with_sampled_regeneration_and_self_prompts(tmp_path, 
 CHILD = """
 import sys
 sys.path.insert(0, {tests!r})
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from transformers import AutoTokenizer
 from eyas.data.prepare import PrepareConfig, run_prepare
 from eyas.target import target_from_model

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from deepseek_twin import CORPUS, save_twin
+from support.deepseek_twin import CORPUS, save_twin
 from eyas.cli import main
 from eyas.data.prepare import PrepareConfig
 from eyas.errors import EyasError

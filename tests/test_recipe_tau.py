@@ -1,4 +1,4 @@
-"""`eyas run --recipe recipes/cpu-demo.toml` reproduces `eyas run --preset cpu-demo` exactly (issue 15, "Done when").
+"""`eyas run --recipe recipes/cpu-demo.toml` reproduces `eyas run --preset cpu-demo` exactly.
 
 tests/test_recipes.py shows that both resolve to the same stage configs. Here both go through `eyas.cli.main` end to
 end on a tiny target, with the same --set values shrinking the preset. The property is that the two runs give the

@@ -1,8 +1,16 @@
 """Recipes: the TOML files are the presets, map one-to-one onto the stage dataclasses, refuse unknown keys and wrong
-types by name, and resolve to exactly the stage configs the pre-recipe PRESETS dicts produced."""
+types by name, round-trip through their tables, and resolve to the stage configs checked in as a golden file.
+
+The golden file, tests/support/golden/presets_resolved.json, holds every preset's fully resolved stage configs
+(eyas.run.resolve_stages) for two target vocabularies and both kinds of held-out prompts. After a deliberate change
+to a preset or to what resolve_stages derives, regenerate it and review the diff:
+
+    EYAS_UPDATE_GOLDEN=1 python -m pytest -q tests/test_recipes.py -k golden
+"""
 
 import json
-from dataclasses import fields, replace
+import os
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import pytest
@@ -11,15 +19,15 @@ from eyas.bench.bench import BenchConfig
 from eyas.capture.capture import CaptureConfig
 from eyas.data.prepare import PrepareConfig
 from eyas.errors import EyasError
-from eyas.recipes import LEGACY, from_legacy_knobs, preset, preset_names, with_overrides
+from eyas.recipes import LEGACY, from_legacy_knobs, from_tables, preset, preset_names, with_overrides
 from eyas.run import RunConfig, _open_state, resolve_stages
 from eyas.train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = Path("RUN")
 
-# src/eyas/run.py's PRESETS as they stood before recipes (commit 05adfa6), copied verbatim: the knob values the
-# recipes must keep, and what run.json files written then hold as identity["knobs"].
+# The presets' flat knobs as a run.json written before recipes holds them (identity["knobs"]), with the values the
+# presets had then: since changed, so such a run.json is another configuration than today's preset.
 OLD_PRESETS: dict[str, dict] = {
     "cpu-demo": dict(
         device="cpu", dtype="bf16", bench_dtype="fp32", autocast="bf16", limit=1600, max_len=416, max_turns=1,
@@ -41,76 +49,75 @@ OLD_PRESETS: dict[str, dict] = {
                dict(prompts="humaneval", method="chain", k=5, limit=30, max_turns=1, max_new_tokens=256)],
     ),
 }
-# Since session 3 the cpu-demo takes bf16 from the CPU (dtype and autocast "auto": bf16 where the CPU has native
-# bf16, as on the machine the old values were chosen on; fp32 elsewhere). Everything else is as before.
-# Since session 6 the gpu recipe trains 4 epochs (held-out acc_0 0.766 -> 0.813 on one H200, BENCHMARKS.md) and
-# checkpoints every 200 steps instead of 50, reads train metrics back every 10 steps instead of every step, and runs
-# its benches chain-5 (ShareGPT, HumanEval) first. Since session 7 it trains 5 epochs and evaluates every 200 steps,
-# and the cpu-demo benches in its own dtype (bf16 on native-bf16 CPUs: the fastest plain decoding there; an fp32
-# rerun of the first turns is the exact lossless check) instead of always fp32. Since session 8 the gpu recipe's
-# chain benches run each round as one CUDA graph (graph_round; 1.09-1.37x the host rounds' speed on the H200).
-PRESETS_NOW: dict[str, dict] = {name: {**k, **({"dtype": "auto", "autocast": "auto", "bench_dtype": None}
-                                          if name == "cpu-demo" else {}),
-                                       **({"epochs": 5, "eval_every": 400,
-                                           "bench": [{**k["bench"][j], **({"graph_round": True} if k["bench"][j]["method"]
-                                                                          == "chain" else {})} for j in (1, 3, 0, 2)]}
-                                          if name == "gpu" else {})}
-                                for name, k in OLD_PRESETS.items()}
-# Since issue 33 the cpu-demo is sized for 20 minutes on 2 cores: 1,360 conversations (770 regenerated), a 6,144-token
-# draft vocabulary, 3 epochs, one held-out eval after the last step, an fp32 lossless rerun of 2 turns instead of 4,
-# and a bench of 15 prompts instead of 20.
-PRESETS_NOW["cpu-demo"].update(limit=1360, regen_limit=770, draft_vocab=6144, epochs=3, eval_every=1000,
-                               bench=[{**PRESETS_NOW["cpu-demo"]["bench"][0], "lossless_turns": 2, "limit": 15}])
-# Since issue 33 the gpu recipe benches the long-prompt set third, with its own prompt range (max_seq derived).
-PRESETS_NOW["gpu"]["bench"].insert(2, dict(prompts="long", method="chain", k=5, graph_round=True, limit=30,
-                                           max_new_tokens=256, min_prompt_tokens=2048, max_prompt_tokens=6144))
-# Since issue 33 the gpu recipe's benches keep their compiled steps on disk (persist_steps), and its tree runs
-# one-graph rounds like its chains (its host rounds ran at 0.72x plain).
-PRESETS_NOW["gpu"]["bench"] = [{**b, "persist_steps": True, **({"graph_round": True} if b["method"] == "tree" else {})}
-                               for b in PRESETS_NOW["gpu"]["bench"]]
+# The presets as the flat knobs of a run.json written before recipes (identity["knobs"]): a run.json that
+# holds these resumes under today's preset (from_legacy_knobs).
+PRESETS_NOW: dict[str, dict] = {
+    'cpu-demo': dict(
+        device='cpu', dtype='auto', bench_dtype=None, autocast='auto', limit=1360, max_len=416, max_turns=1,
+        regenerate=True, regen_limit=770, max_new_tokens=96,
+                 regen_batch=256, gen_batch=32, regen_dtype=None,
+        samples_per_prompt=1, regen_temperature=0.0, self_prompts=0, capture=True, capture_dtype='bf16',
+        online=False, draft_vocab=6144, ttt_steps=3, epochs=3, steps=None, lr=0.003, batch_tokens=2048,
+        chunk_size=None, loss_on='assistant', pack='off', attention='auto', compile=False, eval_every=1000,
+        bench=[
+            dict(prompts='heldout', method='chain', k=5, limit=15, max_turns=1, max_new_tokens=64,
+                 lossless_turns=2),
+        ],
+    ),
+    'gpu': dict(
+        device='cuda', dtype='bf16', bench_dtype='bf16', autocast='auto', limit=None, max_len=2048, max_turns=3,
+        regenerate=True, regen_limit=None, max_new_tokens=384,
+                 regen_batch=4096, gen_batch=512, regen_dtype=None,
+        samples_per_prompt=1, regen_temperature=0.0, self_prompts=0, capture=False, capture_dtype='bf16',
+        online=True, draft_vocab=32000, ttt_steps=6, epochs=5, steps=None, lr=0.001, batch_tokens=32768,
+        chunk_size=None, loss_on='assistant', pack='on', attention='flex', compile=True, eval_every=400,
+        bench=[
+            dict(prompts='heldout', method='chain', k=5, limit=30, max_turns=1, max_new_tokens=256,
+                 graph_round=True, persist_steps=True),
+            dict(prompts='humaneval', method='chain', k=5, limit=30, max_turns=1, max_new_tokens=256,
+                 graph_round=True, persist_steps=True),
+            dict(prompts='long', method='chain', k=5, graph_round=True, limit=30, max_new_tokens=256,
+                 min_prompt_tokens=2048, max_prompt_tokens=6144, persist_steps=True),
+            dict(prompts='heldout', method='chain', k=3, limit=30, max_turns=1, max_new_tokens=256,
+                 graph_round=True, persist_steps=True),
+            dict(prompts='heldout', method='tree', k=5, limit=10, max_turns=1, max_new_tokens=128,
+                 persist_steps=True, graph_round=True),
+        ],
+    ),
+}
 
 
-def old_stage_configs(name: str, *, vocab: int, data: str = "sharegpt", target: str = "smollm2-135m"):
-    """The stage configs the pre-recipe run.py built (its _prepare/_capture/_train/_bench, with their literal
-    arguments), written out: checked against those code paths before they were replaced."""
-    k = PRESETS_NOW[name]
-    heldout = "sharegpt-heldout" if data == "sharegpt" else f"heldout:{data}"
-    label = "sharegpt-heldout" if data == "sharegpt" else "heldout"
-    prepare = PrepareConfig(target=target, data=data, out=str(RUN / "prepared"), limit=k["limit"],
-                            max_len=k["max_len"], regenerate=k["regenerate"], regenerate_limit=k["regen_limit"],
-                            max_new_tokens=k["max_new_tokens"], batch_size=k["regen_batch"], max_turns=k["max_turns"],
-                            regen_dtype=k["regen_dtype"], gen_batch=k["gen_batch"],
-                            samples_per_prompt=k["samples_per_prompt"], regen_temperature=k["regen_temperature"],
-                            self_prompts=k["self_prompts"], overwrite=False,
-                            # not a pre-recipe knob: since issue 33 the gpu recipe regenerates through fused layers
-                            # (1.17x the regeneration call on one H200, BENCHMARKS.md 2026-12-04 15:08 UTC)
-                            regen_fuse=name == "gpu")
-    capture = CaptureConfig(out=str(RUN / "store"), target=target, data=str(RUN / "prepared"),
-                            dtype=k["capture_dtype"], device=k["device"], overwrite=False,
-                            progress=True) if k["capture"] else None
-    src = dict(data=str(RUN / "prepared")) if k["online"] else dict(store=str(RUN / "store"))
-    train = TrainConfig(out=str(RUN / "train"), target=target, epochs=k["epochs"], steps=k["steps"], lr=k["lr"],
-                        ttt_steps=k["ttt_steps"], draft_vocab=min(k["draft_vocab"], vocab),
-                        batch_tokens=k["batch_tokens"], chunk_size=k["chunk_size"], max_len=k["max_len"],
-                        device=k["device"], autocast=k["autocast"], loss_on=k["loss_on"], pack=k["pack"],
-                        attention=k["attention"], compile=k["compile"], eval_every=k["eval_every"],
-                        # not a pre-recipe knob: since issue 33 the gpu recipe trains EAGLE 3.1's norm_before_fc
-                        # (held-out acc_0 0.839 -> 0.867 at the full preset, BENCHMARKS.md)
-                        norm_before_fc=name == "gpu",
-                        checkpoint_every=200 if name == "gpu" else 50, log_every=10 if name == "gpu" else 1, resume=False, progress=True, **src)
-    bench = {}
-    for b in k["bench"]:
-        prompts = heldout if b["prompts"] == "heldout" else b["prompts"]
-        n = (label if b["prompts"] == "heldout" else prompts) + f"-{b['method']}" + (
-            str(b["k"]) if b["method"] == "chain" else "")
-        bench[n] = BenchConfig(target=target, prompts=prompts, method=b["method"], k=b["k"], limit=b["limit"],
-                               max_turns=b.get("max_turns"), min_prompt_tokens=b.get("min_prompt_tokens"),
-                               max_prompt_tokens=b.get("max_prompt_tokens", max(1, k["max_len"] - k["max_new_tokens"])),
-                               max_new_tokens=b["max_new_tokens"], device=k["device"],
-                               graph_round=b.get("graph_round", False), lossless_turns=b.get("lossless_turns", 4),
-                               persist_steps=b.get("persist_steps", False),
-                               json_out=str(RUN / "bench" / f"{n}.json"), compile=k["device"] == "cuda")
-    return prepare, capture, train, bench
+GOLDEN = Path(__file__).parent / "support" / "golden" / "presets_resolved.json"
+GOLDEN_CASES = [(name, vocab, data) for name in preset_names() for vocab in (49152, 100)   # 100: draft_vocab capped
+                for data in ("sharegpt", "my/chats.jsonl")]                                # the heldout prompts alias
+
+
+def golden_key(name, vocab, data):
+    return f"{name} vocab={vocab} data={data}"
+
+
+def as_json(configs):
+    """(prepare, capture, train, bench) stage configs as JSON values: each dataclass as its class and fields."""
+    def one(c):
+        return None if c is None else {"class": type(c).__name__, **asdict(c)}
+    prepare, capture, train, bench = configs
+    value = {"prepare": one(prepare), "capture": one(capture), "train": one(train),
+             "bench": {n: one(b) for n, b in bench.items()}}
+    return json.loads(json.dumps(value, default=str))
+
+
+_golden = {}
+
+
+def golden() -> dict:
+    """The checked-in resolved presets; with EYAS_UPDATE_GOLDEN=1, first rewritten from today's resolve_stages."""
+    if not _golden:
+        if os.environ.get("EYAS_UPDATE_GOLDEN") == "1":
+            value = {golden_key(*case): as_json(stages(RunConfig(preset=case[0], data=case[2]), case[1]))
+                     for case in GOLDEN_CASES}
+            GOLDEN.write_text(json.dumps(value, indent=1, sort_keys=True) + "\n")
+        _golden.update(json.loads(GOLDEN.read_text()))
+    return _golden
 
 
 def stages(cfg, vocab=49152):
@@ -134,13 +141,18 @@ def test_shipped_recipes_are_the_presets():
     assert '"eyas.recipes" = ["*.toml", "families/*.toml"]' in pyproject   # installed eyas finds them and the families
 
 
-@pytest.mark.parametrize("name", ["cpu-demo", "gpu"])
-@pytest.mark.parametrize("vocab", [49152, 100])       # 100: draft_vocab capped at the target vocabulary
-@pytest.mark.parametrize("data", ["sharegpt", "my/chats.jsonl"])  # the heldout prompts alias
-def test_recipe_file_equals_preset_equals_old_presets(name, vocab, data):
+@pytest.mark.parametrize("name", preset_names())
+def test_shipped_recipe_round_trips_through_its_tables(name):
+    recipe = preset(name)
+    assert from_tables(recipe.tables(), name=name, where=f"{name}.toml") == recipe
+
+
+@pytest.mark.parametrize("name,vocab,data", GOLDEN_CASES)
+def test_recipe_file_equals_preset_equals_golden(name, vocab, data):
     by_preset = stages(RunConfig(preset=name, data=data), vocab)
     by_file = stages(RunConfig(preset=name, recipe_file=str(ROOT / "recipes" / f"{name}.toml"), data=data), vocab)
-    assert by_file == by_preset == old_stage_configs(name, vocab=vocab, data=data)
+    assert by_file == by_preset
+    assert as_json(by_preset) == golden()[golden_key(name, vocab, data)]
     assert RunConfig(preset=name).identity() == RunConfig(preset=name, recipe_file=f"recipes/{name}.toml").identity()
 
 
@@ -156,7 +168,7 @@ def test_cli_recipe_and_preset_resolve_alike(monkeypatch):
     a, b = seen
     assert (a.preset, a.out, b.out) == ("cpu-demo", "runs/cpu-demo", "runs/cpu-demo")
     assert stages(a) == stages(b)
-    assert stages(a)[2] == replace(old_stage_configs("cpu-demo", vocab=49152)[2], epochs=4)
+    assert stages(a)[2] == replace(stages(RunConfig(preset="cpu-demo"))[2], epochs=4)
 
 
 def test_cli_refuses_preset_and_recipe_together(capsys):

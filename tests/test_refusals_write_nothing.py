@@ -1,4 +1,4 @@
-"""A stage that refuses its target writes nothing (issue 31's review): `eyas train`, `eyas capture` and `eyas run`
+"""A stage that refuses its target writes nothing: `eyas train`, `eyas capture` and `eyas run`
 open and check the target before they make their output directory, so a target that fails to open (a bad path, a
 missing head tensor, a remote-code tokenizer without --trust-remote-code) or an --init head that does not fit leaves
 no directory behind. The in-process bench and `eyas run` take --trust-remote-code and say when it is missing."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -109,7 +109,7 @@ def test_capture_refusing_its_target_leaves_no_parent_dirs(root, tmp_path, capsy
 @pytest.fixture(scope="module")
 def twin(tmp_path_factory):
     """The DeepSeek-V3 twin (the Kimi-K2.5 language model's shape: MLA, YaRN, MoE) in process, and a store of it."""
-    from deepseek_twin import make_twin
+    from support.deepseek_twin import make_twin
 
     from eyas.capture.capture import CaptureConfig, run_capture
     from eyas.target import target_from_model

@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from test_chat_masks import make_tokenizer
 
 from eyas.data.chat import encode_prompt, tokenize_conversation
@@ -319,17 +319,17 @@ def masked_runs(tok, s):
 
 
 @pytest.fixture(scope="module")
-def tiny():
+def tiny_chat():
     tok = make_tokenizer()
     model = make_tiny_llama(vocab=len(tok), seed=5)
     return tok, model, target_from_model(model, tok, name="tiny")
 
 
-def test_prepare_multi_turn_regeneration_equals_naive_reference(tmp_path, tiny):
+def test_prepare_multi_turn_regeneration_equals_naive_reference(tmp_path, tiny_chat):
     from eyas.data.prepare import PrepareConfig, first_turns, run_prepare
     from eyas.data.prepared import PreparedData
 
-    tok, model, target = tiny
+    tok, model, target = tiny_chat
     data = write_jsonl(tmp_path / "d.jsonl", MULTI)
     # 4 conversations per chunk, 2 rows per forward: turn j of a chunk is one sorted, batched pass
     m = run_prepare(PrepareConfig(data=data, out=str(tmp_path / "p"), regenerate=True, max_turns=3, max_len=160,
@@ -353,13 +353,13 @@ def test_prepare_multi_turn_regeneration_equals_naive_reference(tmp_path, tiny):
     assert m["counts"]["empty_replies"] == 0 and m["counts"]["kept"] == m["counts"]["conversations"] == len(got)
 
 
-def test_sampled_replies_are_reproducible_and_differ(tmp_path, tiny):
+def test_sampled_replies_are_reproducible_and_differ(tmp_path, tiny_chat):
     from eyas.data.prepare import PrepareConfig, run_prepare
     from eyas.data.prepared import SAMPLES, PreparedData
     from eyas.data.split import is_heldout, split_key
     from eyas.train.data import is_eval
 
-    tok, model, target = tiny
+    tok, model, target = tiny_chat
     data = write_jsonl(tmp_path / "d.jsonl", MULTI)
 
     def run(out, seed):
@@ -392,14 +392,14 @@ def test_sampled_replies_are_reproducible_and_differ(tmp_path, tiny):
         assert {is_heldout(split_key(i), 0.3) for i in ids} == {is_heldout(cid, 0.3)}
 
 
-def test_greedy_sample_is_the_greedy_run_and_the_others_are_sampled(tmp_path, tiny):
+def test_greedy_sample_is_the_greedy_run_and_the_others_are_sampled(tmp_path, tiny_chat):
     """--greedy-sample: reply set #s1 of every conversation is exactly what a greedy one-sample run writes for it,
     the other sets are sampled (they differ from it), and the knob is part of the data's identity."""
     from eyas.data.prepare import PrepareConfig, run_prepare
     from eyas.data.prepared import PreparedData
     from eyas.errors import EyasError
 
-    tok, model, target = tiny
+    tok, model, target = tiny_chat
     data = write_jsonl(tmp_path / "d.jsonl", MULTI)
     base = dict(data=data, regenerate=True, max_len=160, max_new_tokens=8, batch_size=3, gen_batch=4,
                 heldout_fraction=0.0)
@@ -422,7 +422,7 @@ def test_greedy_sample_is_the_greedy_run_and_the_others_are_sampled(tmp_path, ti
         PrepareConfig(out=str(tmp_path / "x"), greedy_sample=True, regen_temperature=1.0, **base)
 
 
-def test_regen_fuse_writes_the_same_data_through_fused_layers(tmp_path, tiny):
+def test_regen_fuse_writes_the_same_data_through_fused_layers(tmp_path, tiny_chat):
     """--regen-fuse: regeneration decodes through the runner's compiled layer pieces (Runner.from_hf fuse=True) and
     writes the samples the eager runner writes; with --regen-compile it is refused in one line."""
     from eyas.data.prepare import PrepareConfig, run_prepare
@@ -430,7 +430,7 @@ def test_regen_fuse_writes_the_same_data_through_fused_layers(tmp_path, tiny):
     from eyas.data.regenerate import make_backend
     from eyas.errors import EyasError
 
-    tok, model, target = tiny
+    tok, model, target = tiny_chat
     data = write_jsonl(tmp_path / "d.jsonl", MULTI)
     base = dict(data=data, regenerate=True, max_len=160, max_new_tokens=8, batch_size=3, gen_batch=4,
                 heldout_fraction=0.0)
@@ -444,12 +444,12 @@ def test_regen_fuse_writes_the_same_data_through_fused_layers(tmp_path, tiny):
         PrepareConfig(out=str(tmp_path / "y"), regen_fuse=True, regen_compile=True, **base)
 
 
-def test_self_prompts_make_well_formed_conversations(tmp_path, tiny):
+def test_self_prompts_make_well_formed_conversations(tmp_path, tiny_chat):
     from eyas.data.chat import user_header
     from eyas.data.prepare import PrepareConfig, run_prepare
     from eyas.data.prepared import PreparedData
 
-    tok, model, target = tiny
+    tok, model, target = tiny_chat
     data = write_jsonl(tmp_path / "d.jsonl", MULTI[2:4])
     cfg = PrepareConfig(data=data, out=str(tmp_path / "p"), self_prompts=6, max_len=160, max_new_tokens=12,
                         batch_size=4, heldout_fraction=0.0, seed=7)

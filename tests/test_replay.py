@@ -27,7 +27,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.decode import eagle as eagle_mod
 from eyas.decode.spec import SpecConfig, SpecDecoder
 from eyas.model.drafter import DrafterConfig, Eagle3Drafter
@@ -223,7 +223,7 @@ def train_ttt(drafter, model, aux_ids, seqs, n, steps, lr=3e-3, num_steps=K):
 
 
 @pytest.fixture(scope="module")
-def tiny():
+def tiny_trained():
     model = peaky(make_tiny_llama(seed=11), 4.0, 0.3)
     runner = Runner.from_hf(model, max_batch=8, max_seq=128)
     g = torch.Generator().manual_seed(0)
@@ -245,8 +245,8 @@ def tiny():
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["eager", "static-cache"])
-def test_decoded_acceptance_equals_teacher_forced(tiny, fast):
-    model, runner, drafter, held, vocab = tiny
+def test_decoded_acceptance_equals_teacher_forced(tiny_trained, fast):
+    model, runner, drafter, held, vocab = tiny_trained
     outside = accepted = deep = 0
     for x in held:
         res = replay(drafter, model, runner, AUX, x, N_PROMPT, NEW, fast=fast)
@@ -304,9 +304,9 @@ def _hide_newest_key(orig):
 
 @pytest.mark.parametrize("bug", [_stale_slot, _rope_off_by_one, _hide_newest_key],
                          ids=["stale-slot", "rope-off-by-one", "mask-off-by-one"])
-def test_injected_decode_bugs_are_caught(tiny, bug, monkeypatch):
+def test_injected_decode_bugs_are_caught(tiny_trained, bug, monkeypatch):
     """Each bug keeps decoding lossless (the target verifies) but must break the replay agreement."""
-    model, runner, drafter, held, _ = tiny
+    model, runner, drafter, held, _ = tiny_trained
     x = held[0]
     monkeypatch.setattr(drafter, "layer", bug(drafter.layer))
     res = replay(drafter, model, runner, AUX, x, N_PROMPT, NEW, fast=False)

@@ -10,7 +10,7 @@ import pytest
 
 from eyas.report import _style, write_report
 
-GOLDEN = Path(__file__).with_name("report_golden.md")
+GOLDEN = Path(__file__).parent / "support" / "golden" / "report.md"
 SUMMARY = "\n".join([
     "", "=" * 72, "eyas run (cpu-demo) finished: {RUN}",
     "  verdict: Serve the drafter as eagle-3 chain of 5 drafts: on held-out ShareGPT (the prompt set with the most "
@@ -122,7 +122,7 @@ def full_run(run: Path) -> tuple[dict, SimpleNamespace]:
 
 def test_the_report_of_a_run_with_every_section_reads_exactly_as_written(tmp_path):
     """report.md and the summary, byte for byte: the verdict with its table, notes, warnings and serve commands,
-    the tables, the cells of both checks, the bench stage's sums and the plot links (report_golden.md; {RUN} stands
+    the tables, the cells of both checks, the bench stage's sums and the plot links (support/golden/report.md; {RUN} stands
     for the run directory)."""
     run = tmp_path / "run"
     state, cfg = full_run(run)
@@ -138,7 +138,7 @@ def test_a_norm_before_fc_export_carries_its_engine_warning_into_the_report_and_
     summary repeat the export README's warning (older SGLang drops the norm silently), not only the README."""
     import torch
 
-    from conftest import make_tiny_llama
+    from support.models import make_tiny_llama
     from eyas.export.export import NORM_BEFORE_FC_NOTE, export_drafter
     from eyas.model.drafter import DrafterConfig, Eagle3Drafter
 

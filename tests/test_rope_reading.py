@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.model.shape import target_rope
 from eyas.target.fingerprint import _number, _rope, config_fields, rope_of
 from eyas.target.meta import JsonConfig
@@ -66,8 +66,8 @@ JSON_SPELLINGS = {   # config.json dicts: transformers 4's and 5's spellings, bo
 @pytest.fixture(scope="module")
 def configs(tmp_path_factory):
     """name -> a config as the stages see it: transformers objects, JsonConfig views and dicts of config.json."""
-    from deepseek_twin import save_twin, twin_config
-    from kimi_twin import wrap_twin
+    from support.deepseek_twin import save_twin, twin_config
+    from support.kimi_twin import wrap_twin
     from transformers import AutoConfig, DeepseekV3Config, LlamaConfig
 
     from eyas.target.meta import open_target_meta

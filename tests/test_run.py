@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.errors import EyasError
 from eyas.run import RunConfig, run_pipeline
 
@@ -135,7 +135,7 @@ def test_bad_presets_and_knobs():
 
 def test_skipped_records_go_to_run_logs_and_verbose_prints_each(tiny_run_inputs, tmp_path, capsys):
     """A cold run prints one summary line for bad records; RUN/logs/skipped.jsonl has them all; --verbose prints
-    each (issue 15, item 7)."""
+    each."""
     data = tmp_path / "chats.jsonl"
     lines = (tiny_run_inputs / "chats.jsonl").read_text().splitlines()[:60]
     lines[5] = "{not json"

@@ -159,7 +159,7 @@ def test_a_filtered_prompt_load_stops_at_the_limit_and_equals_filter_then_cut(tm
     assert len(seen) == 5                              # 3 kept + 2 too long, nothing read after the third keep
 
     from eyas.data.chat import encode_prompt
-    from test_bench import byte_tokenizer
+    from support.models import byte_tokenizer
 
     tok = byte_tokenizer()                             # a real fast tokenizer with a chat template, built here
     lengths = [len(encode_prompt(tok, [{"role": "user", "content": r["turns"][0]}])) for r in load_prompts(str(p))]

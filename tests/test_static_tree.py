@@ -18,14 +18,15 @@ import copy
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.decode import tree_static as ts
 from eyas.decode.spec import SpecConfig, SpecDecoder
 from eyas.decode.tree import Draft, select_tree
 from eyas.decode.cache import DraftCache
 from eyas.decode.tree_static import ancestor_mask, select, stable_topk, tree_plan
 from eyas.target.runner import Runner
-from test_decode import make_drafter, peaky, train_drafter
+from support.drafters import eagle3_for_model
+from test_decode import peaky, train_drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models on one thread
 
@@ -41,7 +42,7 @@ IDS = [f"{d}-{k}x{n}-{t}" for d, k, n, t in SETTINGS]
 def setup():
     model = peaky(make_tiny_llama(seed=11), 4.0, 0.3)
     runner = Runner.from_hf(model, max_batch=8, max_seq=352)
-    drafters = {"trained": train_drafter(model, runner), "vocab8": make_drafter(model, seed=3, draft_vocab=8)}
+    drafters = {"trained": train_drafter(model, runner), "vocab8": eagle3_for_model(model, seed=3, draft_vocab=8)}
     with torch.no_grad():  # an untrained drafter with uneven laws, so that its trees are not flat
         drafters["vocab8"].lm_head.weight.mul_(30.0)
     g = torch.Generator().manual_seed(4)

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.errors import EyasError
 from eyas.target import check_aux_layer_ids, default_aux_layer_ids, load_target, target_from_model
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.errors import EyasError
 from eyas.target import load_target
 from eyas.target.device import free_bytes
@@ -40,7 +40,7 @@ def test_weights_bytes_equals_the_parameters_in_each_dtype(tmp_path):
 
 
 def test_a_weightless_copy_reports_the_index_total(tmp_path):
-    from deepseek_twin import save_twin, weightless_copy
+    from support.deepseek_twin import save_twin, weightless_copy
 
     full = save_twin(tmp_path / "full")
     light = weightless_copy(full, tmp_path / "light")

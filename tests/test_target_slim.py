@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from deepseek_twin import HEAD_TENSORS, save_twin
+from support.deepseek_twin import HEAD_TENSORS, save_twin
 from eyas.cli import main
 from eyas.target.meta import open_target_meta
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.capture.capture import CaptureConfig, run_capture
 from eyas.errors import EyasError
 from eyas.target import target_from_model

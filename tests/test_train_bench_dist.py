@@ -1,4 +1,4 @@
-"""benchmarks.train under torchrun (2 processes, gloo on the CPU, the tiny shape): the rehearsal of issue 32's
+"""benchmarks.train under torchrun (2 processes, gloo on the CPU, the tiny shape): the rehearsal of the
 `torchrun --nproc_per_node 2 -m benchmarks.train --shapes kimi --fsdp` on 2 GPUs. With --fsdp each rank holds
 half of the drafter's parameters (FSDP2 shards them); with DDP each holds all of them.
 """

@@ -1,4 +1,4 @@
-"""`eyas train --store S --out R` with no other flag takes its defaults from the device (issue 15 item 8).
+"""`eyas train --store S --out R` with no other flag takes its defaults from the device.
 
 Through `eyas.cli.main`, as a user types it: on the CPU, K and the draft vocabulary left open become the cpu-demo's
 (K=3, 8k; about 20x faster on 2 cores than EAGLE-3's K=7, 32k), the choice is printed on stderr, and the run records

@@ -1,4 +1,4 @@
-"""Targets that are never loaded whole (issue 31, deliverable 1): a DeepSeek-V3 twin's weightless directory (config,
+"""Targets that are never loaded whole: a DeepSeek-V3 twin's weightless directory (config,
 tokenizer, index, the head's shard) opens like the full checkpoint with the same fingerprint, goes through prepare,
 offline train and export without its model being built, and every bad input is one line and exit code 2."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from deepseek_twin import HEAD_TENSORS, save_twin, weightless_copy
+from support.deepseek_twin import HEAD_TENSORS, save_twin, weightless_copy
 from test_prepare import write_data
 from test_stage_start import TARGET_LINE
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 31, live: the tiny DeepSeek-V3 twin of Kimi's language model (tests/deepseek_twin.py, --live sizes: MLA with
+# Issue 31, live: the tiny DeepSeek-V3 twin of Kimi's language model (tests/support/deepseek_twin.py, --live sizes: MLA with
 # kv_lora_rank 512 / rope 64, MoE with a shared expert, YaRN, untied head) served in bf16 by SGLang 0.5.14 and
 # vLLM 0.25.0 on one H200: engine capture + the served-only check + crosscheck against in-process capture, the check
 # against a server launched with a wrong layer id, and an eyas-exported drafter for the twin served with EAGLE-3,
@@ -41,7 +41,7 @@ prep)  # here, on the CPU (seconds): the twin, conversations to regenerate on th
   set -e
   grep -qxF "/$T/" .git/info/exclude 2>/dev/null || echo "/$T/" >> .git/info/exclude
   rm -rf $T && mkdir -p $T
-  python3 tests/deepseek_twin.py $T/twin --live > /dev/null 2>&1       # bf16, sharded, SGLang's config keys
+  python3 tests/support/deepseek_twin.py $T/twin --live > /dev/null 2>&1       # bf16, sharded, SGLang's config keys
   python3 - $T $LIMIT ${CONVS:-800} <<'PY'
 import json, sys
 from eyas.data.sources import iter_conversations, load_prompts
@@ -64,7 +64,7 @@ PY
 stage)  # device: the twin, its drafter, prepared data and prompts under $STAGE
   mkdir -p $STAGE && rm -rf $STAGE/twin $STAGE/twin-drafter $STAGE/twin-prep &&
   cp -r $T/twin $STAGE/twin && cp -r $T/prep $STAGE/twin-prep && cp $T/convs.jsonl $T/prompts-*.jsonl $STAGE/ &&
-  mkdir -p $STAGE/kimi-tools && cp tests/deepseek_twin.py tests/kimi_twin.py tests/kimi_twin_processing.py $STAGE/kimi-tools/ &&
+  mkdir -p $STAGE/kimi-tools && cp tests/support/deepseek_twin.py tests/support/kimi_twin.py tests/support/kimi_twin_processing.py $STAGE/kimi-tools/ &&
   if [ -d $T/drafter ]; then mkdir -p $WORK && rm -rf $WORK/drafter && cp -r $T/drafter $WORK/drafter; fi &&
   ls $STAGE; exit $? ;;
 bg)
@@ -250,7 +250,7 @@ inproc() {  # eyas's own decoder on the same drafter and prompts, on this GPU, b
   done
   return $rc
 }
-kimi() {  # the Kimi-K2.5 twin: tests/kimi_twin.py wraps the staged twin as KimiK25ForConditionalGeneration's
+kimi() {  # the Kimi-K2.5 twin: tests/support/kimi_twin.py wraps the staged twin as KimiK25ForConditionalGeneration's
   # language model (bit for bit; plus a one-block MoonViT, the projector and the twin's own remote-code processor).
   # SGLang's Kimi class calls that language model with input_ids=None and input_embeds (general_mm_embed_routine):
   # capture through it from launch-args' server, the served check on (capture's default), then crosscheck against
@@ -260,7 +260,7 @@ kimi() {  # the Kimi-K2.5 twin: tests/kimi_twin.py wraps the staged twin as Kimi
   # kimi-warmup.txt says which ran.
   [ $e = sglang ] || { say "kimi: SGLang's phase"; return 1; }
   local KT=$WORK/kimi STORE=$R/kimi-store tools=$STAGE/kimi-tools
-  [ -f $tools/kimi_twin.py ] || tools=$PWD/tests          # staged before `stage` copied them: the job's checkout
+  [ -f $tools/kimi_twin.py ] || tools=$PWD/tests/support  # staged before `stage` copied them: the job's checkout
   rm -rf $KT $STORE
   python3 $tools/kimi_twin.py $KT --from $TW > $R/kimi-twin.log 2>&1 || { tail -n 20 $R/kimi-twin.log; return 1; }
   python3 -m eyas engine launch-args sglang --target-config $KT/config.json --version 0.5.14 --model $KT \

@@ -1,4 +1,4 @@
-"""Capture on 2 GPUs (issue 32): launch-args' TP / EP / attention-DP flags, and every sample exactly once across
+"""Capture on 2 GPUs: launch-args' TP / EP / attention-DP flags, and every sample exactly once across
 the hooks of several DP groups.
 
 SGLang deals requests to its DP groups round robin, and each group's hook knows only what it wrote. The fake
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-import engine_src
-from engine_fakes import H, make_args
-from engine_sglang_layouts import declares_flag, server_arg_sources
+from support import engine_src
+from support.engine_fakes import H, make_args
+from support.engine_sglang_layouts import declares_flag, server_arg_sources
 from eyas.cli import main
 from eyas.engines.capture import run_engine_capture
 from eyas.engines.client import EngineCaptureConfig

@@ -1,4 +1,4 @@
-"""Session 21's review before the gpu preset's lease: CUDA-only paths of today's changes, proved on the CPU."""
+"""CUDA-only paths of training's data movement (fp8 batches, the pinned feature cache), proved on the CPU."""
 
 import torch
 

@@ -1,4 +1,4 @@
-"""Training knobs of issue 12: the draft vocabulary bound, periodic held-out eval and the tokens-seen axis."""
+"""Training knobs: the draft vocabulary bound, periodic held-out eval and the tokens-seen axis."""
 
 import json
 

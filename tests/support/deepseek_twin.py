@@ -4,7 +4,7 @@ DeepseekV3ForCausalLM: MLA (q and kv LoRA ranks), MoE with shared and routed exp
 template. `save_twin` writes it as a sharded HF directory (safetensors index) with the config keys SGLang's
 deepseek_v2.py reads and transformers' config class lacks (topk_method, scoring_func, moe_layer_freq).
 
-    python tests/deepseek_twin.py OUT [--live]     # --live: the sizes SGLang's MLA kernels take (GPU twin)
+    python tests/support/deepseek_twin.py OUT [--live]     # --live: the sizes SGLang's MLA kernels take (GPU twin)
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ def test_first_argmax_keeps_argmax_ties_and_nan():
 def test_capture_runs_causal_attention_without_a_mask_and_stores_the_unpadded_states(tmp_path, monkeypatch):
     """Capture's batches are right-padded, so no attention mask is needed: every SDPA call is the causal kernel
     (attn_mask None, is_causal), and each sample's stored states are its states computed alone, unpadded."""
-    from conftest import make_tiny_llama
+    from support.models import make_tiny_llama
     from eyas.capture import CaptureConfig, run_capture
     from eyas.store import Store
     from eyas.target import target_from_model
@@ -197,7 +197,7 @@ def test_prefill_logits_of_the_last_position_copy_no_weight():
     32); the runner hands it a contiguous row instead: no op returns more than the head's logits or its weight, and
     the logits equal the full forward's last position bit for bit, and the product on the strided view (the old
     path) up to fp32 rounding."""
-    from conftest import make_tiny_llama
+    from support.models import make_tiny_llama
     from eyas.target.runner import Runner
 
     model = make_tiny_llama(layers=2, vocab=512, hidden=64)

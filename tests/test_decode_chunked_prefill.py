@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from support.models import make_tiny_llama
 from eyas.decode.batch import BatchChainDecoder, BatchSpecConfig
 from eyas.decode.round import RoundDecoder
 from eyas.decode.spec import SpecConfig, SpecDecoder
 from eyas.target.runner import Runner
-from test_decode import make_drafter
+from support.drafters import eagle3_for_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models on one thread
 
@@ -23,7 +23,7 @@ def setup():
     runner = Runner.from_hf(model, max_batch=4, max_seq=128)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (40, 5, 20, 3)]
-    return model, runner, make_drafter(model), prompts
+    return model, runner, eagle3_for_model(model), prompts
 
 
 def draft_logits(runner, drafter, prompts, chunk, monkeypatch) -> tuple[list, list, torch.Tensor]:

@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import eyas.target.device as device
-from conftest import make_tiny_llama
-from deepseek_twin import save_twin, twin_tokenizer, weightless_copy
+from support.models import make_tiny_llama
+from support.deepseek_twin import save_twin, twin_tokenizer, weightless_copy
 from eyas.bench.engine import open_tokenizer
 from eyas.errors import EyasError
 from eyas.model.drafter import DrafterConfig, Eagle3Drafter, rope_inv_freq

@@ -21,14 +21,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from conftest import make_tiny_llama
+from .models import make_tiny_llama
 
 
 class VllmError(RuntimeError):
     pass
 
 
-def tiny_target(path: Path, *, layers: int = 6):
+def save_tiny_target(path: Path, *, layers: int = 6):
     """A tiny Llama with a non-trivial final norm, saved as a HF checkpoint in `path`."""
     model = make_tiny_llama(layers=layers)
     with torch.no_grad():

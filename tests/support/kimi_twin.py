@@ -7,14 +7,14 @@ The directory: config.json (`text_config` = the twin's config with SGLang's keys
 `vision_config` with both the vt_* keys of Kimi's config and the keys SGLang's vision classes read), the sharded
 safetensors with index (the head tensors in shards of their own), the twin's tokenizer plus `<|media_pad|>`, a
 chat template that also renders content lists (image parts as `<|media_pad|>`), and the processor SGLang's
-multimodal start-up asks for (tests/kimi_twin_processing.py as remote code named by processor_config.json:
+multimodal start-up asks for (tests/support/kimi_twin_processing.py as remote code named by processor_config.json:
 SGLang serves it only with --trust-remote-code, like Kimi-K2.5).
 
 The language model's tensors are the DeepSeek twin's (same seed and sizes) bit for bit, plus the image token's
 row, so states captured through this wrapper compare with the DeepSeek twin run in process.
 
-    python tests/kimi_twin.py OUT [--live]     # --live: the twin's MLA sizes SGLang's kernels take, bf16
-    python tests/kimi_twin.py OUT --from TWIN  # around a DeepSeek twin directory already written
+    python tests/support/kimi_twin.py OUT [--live]     # --live: the twin's MLA sizes SGLang's kernels take, bf16
+    python tests/support/kimi_twin.py OUT --from TWIN  # around a DeepSeek twin directory already written
 """
 
 from __future__ import annotations
@@ -27,8 +27,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from deepseek_twin import save_twin  # noqa: E402
+if __package__:
+    from .deepseek_twin import save_twin
+else:   # run as a script: deepseek_twin.py beside it
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from deepseek_twin import save_twin  # noqa: E402
 
 MEDIA_PAD = "<|media_pad|>"   # the image placeholder SGLang's Kimi processor looks for (processors/kimi_k25.py)
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"

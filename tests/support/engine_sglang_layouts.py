@@ -19,7 +19,7 @@ import re
 import textwrap
 from pathlib import Path
 
-import engine_src
+from . import engine_src
 
 RANK_FNS = ("get_attention_tp_rank", "get_attention_dp_rank", "get_attention_dp_size")
 ALL = frozenset(RANK_FNS)
