@@ -1,7 +1,7 @@
 """Plain batched decoding on the static-cache runner: prepare's regeneration, the bench's plain baseline.
 
 Prompts run longest first in chunks of the runner's `max_batch` rows, each row from slot 0; a chunk prefills
-(`decode.common.prefill`, pieces of `prefill_chunk` tokens), then decodes one token per step (a CUDA graph per
+(`target/prefill.py`, pieces of `prefill_chunk` tokens), then decodes one token per step (a CUDA graph per
 (rows, window) shape on CUDA, or per row count when attending by lengths) until every row has met an eos or the
 token budget.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from eyas.decode.common import prefill
 from eyas.errors import EyasError
+from eyas.target.prefill import prefill
 from eyas.target.runner import Runner
 from eyas.target.sampling import sample
 
