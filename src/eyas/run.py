@@ -317,7 +317,7 @@ def run_pipeline(cfg: RunConfig) -> dict:
     _save_state(run, state)
     for key, name in (("prewarm", "prewarm"), ("train_prewarm", "train-prewarm")):  # a killed run's, maybe alive
         if (old := state.get(key) or {}).get("pid") and "returncode" not in old:
-            from eyas.bench.prewarm import stop_stale
+            from eyas.warmup import stop_stale
             if stop_stale(old["pid"], run.resolve() / "logs", name):
                 log(f"{name}: stopped the warm-up process (pid {old['pid']}) an interrupted run left running")
     log(f"eyas run: preset {cfg.preset}, target {cfg.target}, data {cfg.data} -> {run}", always=True)
@@ -425,7 +425,7 @@ def _start_train_prewarm(cfg, c: Stages, run, target, state, log, stages):
 def _await_train_prewarm(proc, state, run, log) -> None:
     """Before the train stage: wait for training's warm-up (at most its WAIT_S, then stop it) and record how it
     went in run.json's train_prewarm."""
-    from eyas.bench.prewarm import await_warmup
+    from eyas.warmup import await_warmup
     from eyas.train.prewarm import NAME, WAIT_S
 
     state["train_prewarm"].update(await_warmup(proc, log, WAIT_S, stage="train", beside="prepare",

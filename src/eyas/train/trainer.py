@@ -63,9 +63,9 @@ class TTTModule(nn.Module):
 
 def run_train(cfg: TrainConfig, target=None) -> dict:
     """Train a drafter as configured; returns the final metrics (train + last eval). A compiled run keeps inductor's
-    caches under $EYAS_CACHE/inductor (eyas.bench.startup.compile_cache), where a later run, or `eyas run`'s
+    caches under $EYAS_CACHE/inductor (eyas.target.compile.compile_cache), where a later run, or `eyas run`'s
     warm-up during prepare (train/prewarm.py), finds them."""
-    from eyas.bench.startup import compile_cache
+    from eyas.target.compile import compile_cache
 
     before = dist.switches()
     try:
