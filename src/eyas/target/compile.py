@@ -146,8 +146,9 @@ def _inductor_counters() -> dict:
 @contextmanager
 def compile_cache(enabled: bool):
     """A persistent compile cache, for the bench's start-up and for training (bench/startup.py says why). While
-    open, inductor's caches live under $EYAS_CACHE/inductor (a TORCHINDUCTOR_CACHE_DIR the user set to a non-default path wins) with the FX graph cache on. Yields a dict that, on exit, holds the
-    directory and the FX-graph cache hits/misses of the block. Restores the environment after."""
+    open, inductor's caches live under $EYAS_CACHE/inductor (a TORCHINDUCTOR_CACHE_DIR the user set to a
+    non-default path wins) with the FX graph cache on. Yields a dict that, on exit, holds the directory and the
+    FX-graph cache hits/misses of the block. Restores the environment after."""
     info: dict = {}
     if not enabled:
         yield info
