@@ -89,7 +89,7 @@ def _main(args) -> int:
     if world > 1:
         import torch.distributed as dist
 
-        from eyas.train.dist import destroy_process_group, init_process_group
+        from eyas.target.dist import destroy_process_group, init_process_group
         if not dist.is_initialized():
             init_process_group("gloo")  # only for barriers; every rank writes its own shards
             owns = True
