@@ -157,7 +157,8 @@ def check_prompts(spec: str) -> None:
     """Refuse a --prompts that cannot load, before the target does: a named set's data file, a prompt file (its
     first record is read)."""
     from eyas.bench.bench import PROMPT_SETS
-    from eyas.data.sources import load_prompts, resolve_data
+    from eyas.data.prompts import load_prompts
+    from eyas.data.sources import resolve_data
 
     if spec in PROMPT_SETS:
         return

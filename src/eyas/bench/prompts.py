@@ -21,7 +21,7 @@ def load_bench_prompts(cfg: BenchConfig, tokenizer=None, counts: dict | None = N
     given, gets {"too_long": n, "too_short": n} (under cfg.min_prompt_tokens). Lengths: context + first turn,
     chat template applied."""
     from eyas.data.chat import encode_prompt
-    from eyas.data.sources import load_prompts
+    from eyas.data.prompts import load_prompts
 
     lo, hi = cfg.min_prompt_tokens, cfg.max_prompt_tokens
     n = counts if counts is not None else {}

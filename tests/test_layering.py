@@ -1,0 +1,213 @@
+"""eyas's packages import one way (docs/architecture.md, "Layers"), read from the source with `ast`.
+
+Every `eyas` import counts, at the module top or inside a function: a function-level import hides a cycle as well
+as a top-level one does, so those are allowed only where DEFERRED says why. The checks: no import from a lower
+layer to a higher one, no cycle between modules, no cycle between packages, no function-level eyas import outside
+DEFERRED. KNOWN_* list what is still wrong; each entry says what would fix it, and a new violation fails.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "eyas"
+
+LAYERS = [
+    ("eyas", "errors"),               # the package itself (its version) and the error type
+    ("sdpa", "serving"),              # attention kernels; the HTTP client of serving engines
+    ("target",),                      # loading and running the target model
+    ("knobs", "manifest"),            # user-facing knobs; manifests and atomic writes
+    ("model",),                       # the drafters
+    ("data",),                        # conversations -> prepared/
+    ("store",),                       # the hidden-state store
+    ("engines",),                     # capture through a serving engine (used by capture)
+    ("capture",),                     # prepared/ -> store/
+    ("train",),                       # store/ or online -> drafter
+    ("decode",),                      # speculative decoding
+    ("bench",),                       # timed decoding (decode/) of a trained drafter (train/ for its config)
+    ("export",),                      # drafter -> engine checkpoint
+    ("report",),
+    ("recipes",),
+    ("run",),                         # `eyas run`: every stage in order
+    ("cli", "__main__"),
+]
+LAYER = {pkg: i for i, names in enumerate(LAYERS) for pkg in names}
+
+DEFERRED: dict[tuple[str, str], str] = {
+}
+"""(module, eyas module) -> why that module imports it inside a function rather than at its top."""
+
+KNOWN_NESTED: dict[tuple[str, str], str] = {
+}
+"""Function-level imports not yet moved: (module, eyas module) -> what stops the move."""
+
+KNOWN_UPWARD: dict[tuple[str, str], str] = {
+}
+"""Imports from a lower layer to a higher one not yet fixed: (module, eyas module) -> what would fix it."""
+
+KNOWN_MODULE_CYCLES: dict[frozenset, str] = {
+}
+"""Module cycles (the modules of one strongly connected component) not yet broken -> what would break them."""
+
+KNOWN_PACKAGE_CYCLES: dict[frozenset, str] = {
+}
+"""Package cycles not yet broken -> what would break them."""
+
+
+def modules() -> dict[str, Path]:
+    """Dotted module name -> its file, for every module of src/eyas (a package by its __init__.py)."""
+    out = {}
+    for p in sorted(SRC.rglob("*.py")):
+        parts = list(p.relative_to(SRC.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = p
+    return out
+
+
+MODULES = modules()
+
+
+def resolve(name: str) -> str | None:
+    """The module a dotted name lies in (`eyas.target.load_target` -> `eyas.target`), or None outside eyas."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def module_top(tree: ast.Module) -> set[int]:
+    """ids of the nodes that run at import time: the module's statements, also inside a top-level if/try."""
+    top = set()
+    for node in tree.body:
+        top.add(id(node))
+        if isinstance(node, (ast.If, ast.Try)):
+            top.update(map(id, ast.walk(node)))
+    return top
+
+
+def imports() -> list[tuple[str, int, str, bool]]:
+    """Every eyas import: (module, line, imported eyas module, at the module top)."""
+    out = []
+    for mod, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        top = module_top(tree)
+        package = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package, `level - 1` packages up
+                    base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+                names = [f"{base}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for target in sorted({resolve(n) for n in names} - {None, mod}):
+                if target.split(".")[0] == "eyas":
+                    out.append((mod, node.lineno, target, id(node) in top))
+    return out
+
+
+def package(mod: str) -> str:
+    """The layer unit of a module: its package below eyas (`eyas.target.load` -> target), or the module itself."""
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else "eyas"
+
+
+def cycles(edges: dict[str, set[str]]) -> list[frozenset]:
+    """The strongly connected components of more than one node (Tarjan's algorithm)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(frozenset(comp))
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def module_graph(found) -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {}
+    for mod, _, target, _ in found:
+        edges.setdefault(mod, set()).add(target)
+    return edges
+
+
+def package_graph(found) -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {}
+    for mod, _, target, _ in found:
+        if package(mod) != package(target):
+            edges.setdefault(package(mod), set()).add(package(target))
+    return edges
+
+
+FOUND = imports()
+
+
+def test_every_package_has_a_layer():
+    assert not {package(m) for m in MODULES} - set(LAYER), "add the new package to LAYERS (and docs/architecture.md)"
+    assert len(FOUND) > 300  # the walk sees eyas's imports: not vacuous
+
+
+def test_imports_go_down():
+    up = {(m, t) for m, _, t, _ in FOUND if LAYER[package(m)] < LAYER[package(t)]}
+    lines = [f"{m}:{n} imports {t} from a higher layer" for m, n, t, _ in FOUND if (m, t) in up - set(KNOWN_UPWARD)]
+    assert not lines, "\n".join(lines)
+    assert not set(KNOWN_UPWARD) - up, f"fixed: remove from KNOWN_UPWARD: {sorted(set(KNOWN_UPWARD) - up)}"
+
+
+def test_no_module_cycles():
+    found = cycles(module_graph(FOUND))
+    assert not set(found) - set(KNOWN_MODULE_CYCLES), [sorted(c) for c in set(found) - set(KNOWN_MODULE_CYCLES)]
+    assert not set(KNOWN_MODULE_CYCLES) - set(found), "broken: remove from KNOWN_MODULE_CYCLES"
+
+
+def test_no_package_cycles():
+    found = cycles(package_graph(FOUND))
+    assert not set(found) - set(KNOWN_PACKAGE_CYCLES), [sorted(c) for c in set(found) - set(KNOWN_PACKAGE_CYCLES)]
+    assert not set(KNOWN_PACKAGE_CYCLES) - set(found), "broken: remove from KNOWN_PACKAGE_CYCLES"
+
+
+def test_function_level_imports_only_where_deferred():
+    nested = {(m, t) for m, _, t, top in FOUND if not top}
+    allowed = set(DEFERRED) | set(KNOWN_NESTED)
+    lines = [f"{m}:{n} imports {t} inside a function: move it to the top (or add it to DEFERRED with the reason)"
+             for m, n, t, top in FOUND if not top and (m, t) not in allowed]
+    assert not lines, "\n".join(lines)
+    assert not allowed - nested, f"now at the top: remove {sorted(allowed - nested)}"
+    assert not set(DEFERRED) & set(KNOWN_NESTED)
+
+
+def test_the_checks_see_violations():
+    """A cycle, an upward import and a nested import made up here are each found."""
+    fake = [("eyas.target.load", 1, "eyas.target.meta", True), ("eyas.target.meta", 2, "eyas.target.load", False),
+            ("eyas.knobs", 3, "eyas.bench.bench", True)]
+    assert frozenset({"eyas.target.load", "eyas.target.meta"}) in cycles(module_graph(fake))
+    assert frozenset({"target", "knobs", "bench"}) not in cycles(package_graph(fake))
+    assert cycles(package_graph(fake + [("eyas.bench.bench", 4, "eyas.knobs", True)])) == [frozenset({"knobs", "bench"})]
+    assert LAYER[package("eyas.knobs")] < LAYER[package("eyas.bench.bench")]
+    assert resolve("eyas.target.load_target") == "eyas.target" and resolve("torch.nn") is None
+
+
+@pytest.mark.parametrize("entry", sorted({**DEFERRED, **KNOWN_NESTED, **KNOWN_UPWARD}.items()))
+def test_each_listed_entry_says_why(entry):
+    assert len(entry[1]) > 15
