@@ -13,7 +13,7 @@ from pathlib import Path
 from eyas.errors import EyasError
 from eyas.knobs import (DEVICE_HELP, FROM_DRAFTER, FROM_FLAG, add_flags, announce_target, default_source, flag_name,
                         from_args, resolve_device)
-from eyas.manifest import MANIFEST, read_manifest
+from eyas.manifest import MANIFEST, atomic_write_bytes, read_manifest
 
 
 # Flags that are not a BenchConfig field: --chain K | --tree set method and k together, --graph-round resolves
@@ -194,7 +194,6 @@ def main(args: argparse.Namespace) -> int:
     # The drafter is loaded here, accepting another target's fingerprint with a warning; run_bench gets both.
     import sys
 
-    from eyas.manifest import atomic_write_bytes
     from eyas.model.checkpoint import open_drafter
     from eyas.target import load_target
 

@@ -6,20 +6,12 @@ import argparse
 import time
 from pathlib import Path
 
+from eyas.data.prepared import load_prepared_samples
 from eyas.engines.client import EngineCaptureConfig, committed, read_events, record_failures
 from eyas.engines.locking import CLIENT_RANK, client_writer, finalize_store
 from eyas.engines.probe import Probe
 from eyas.errors import EyasError
 from eyas.store.lock import acquire_store_lock
-
-
-def load_prepared_samples(data: str):
-    """(manifest, {id: input_ids}, {id: loss_mask}) of the prepared directory DATA: what an engine capture sends."""
-    from eyas.data.prepared import PreparedData  # noqa: PLC0415
-    pd = PreparedData(data)
-    ids = {s.id: s.input_ids for s in pd}
-    masks = {s.id: s.loss_mask for s in pd}
-    return pd.manifest, ids, masks
 
 
 def store_header(prep_manifest: dict, cfg: EngineCaptureConfig, aux_ids, hidden_size: int, vocab: int) -> dict:

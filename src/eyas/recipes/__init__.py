@@ -26,9 +26,12 @@ from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
 
+from eyas.bench.bench import BenchConfig
+from eyas.capture.capture import CaptureConfig
+from eyas.data.prepare import PrepareConfig
 from eyas.errors import EyasError
 from eyas.knobs import knobs
-from eyas.train.config import DFLASH_ONLY, EAGLE_ONLY
+from eyas.train.config import DFLASH_ONLY, EAGLE_ONLY, TrainConfig
 
 DTYPES = ("fp32", "bf16", "fp16")
 FAMILIES = "families"
@@ -82,12 +85,7 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 
 def stage_classes() -> dict[str, type]:
-    """Table name -> its dataclass (imported here, not at import time: bench and capture import torch)."""
-    from eyas.bench.bench import BenchConfig
-    from eyas.capture.capture import CaptureConfig
-    from eyas.data.prepare import PrepareConfig
-    from eyas.train.config import TrainConfig
-
+    """Table name -> its dataclass."""
     return {"run": RunKnobs, "prepare": PrepareConfig, "capture": CaptureConfig, "train": TrainConfig,
             "bench": BenchConfig}
 
