@@ -12,13 +12,12 @@ from __future__ import annotations
 import torch
 
 from eyas.target.compile import compile_cache  # noqa: F401 (the bench's start-up uses it; training too)
+from eyas.target.persist import PersistentStep
 
 
 def saved_steps(runner) -> dict:
     """Totals over a runner's saved compiled steps (target/persist.py PersistentStep; none without persist): files
     loaded, steps compiled and saved, plain-compile fallbacks."""
-    from eyas.target.persist import PersistentStep
-
     steps = [s for s in (getattr(runner, "_compiled", None), *getattr(runner, "_step_fns", {}).values())
              if isinstance(s, PersistentStep)]
     return {k: sum(getattr(s, k) for s in steps) for k in ("loaded", "compiled", "fallbacks")}

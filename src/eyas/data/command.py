@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from eyas.data.prepare import PrepareConfig, format_counts, skipped_lines
 from eyas.errors import EyasError
 from eyas.knobs import DEVICE_HELP, add_flags, announce_target, flag_or_default, from_args, knobs, resolve_device
 
@@ -25,8 +26,6 @@ GROUPS = {
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    from eyas.data.prepare import PrepareConfig
-
     p = subparsers.add_parser(
         "prepare", help="tokenize conversations with loss masks (train split only)",
         description="Tokenize conversations with the target's chat template and assistant loss masks; "
@@ -49,7 +48,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
-    from eyas.data.prepare import PrepareConfig, format_counts, run_prepare, skipped_lines
+    from eyas.data.prepare import run_prepare
 
     try:
         cfg = from_args(PrepareConfig, args, device=resolve_device(args.device))

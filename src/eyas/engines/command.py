@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from eyas.engines import launch_args as la, sglang_patch as sp
+from eyas.engines.crosscheck import crosscheck, reference_states, report
+from eyas.engines.vllm_ingest import run_ingest, skip_summary
 from eyas.errors import EyasError
+from eyas.store.reader import Store
 
 
 def _launch(a) -> int:
-    from eyas.engines import launch_args as la
     ids = [int(x) for x in a.aux_layer_ids.split(",")] if a.aux_layer_ids else None
     if Path(a.target_config).is_dir():   # a target directory (weightless will do): its config.json
         a.target_config = str(Path(a.target_config) / "config.json")
@@ -28,7 +31,6 @@ def _launch(a) -> int:
 
 
 def _patch(a) -> int:
-    from eyas.engines import sglang_patch as sp
     d = sp.models_dir(a.sglang_dir)
     if a.check:
         for c in sp.plan(d):
@@ -41,8 +43,6 @@ def _patch(a) -> int:
 
 
 def _crosscheck(a) -> int:
-    from eyas.engines.crosscheck import crosscheck, reference_states, report
-    from eyas.store.reader import Store
     from eyas.target import load_target
     st = Store(a.store, allow_incomplete=True)
     if len(st) == 0:
@@ -69,7 +69,6 @@ def _check(a) -> int:
 
 def _ingest(a) -> int:
     import sys  # noqa: PLC0415
-    from eyas.engines.vllm_ingest import run_ingest, skip_summary
     summary = run_ingest(a.vllm_dir, a.data, a.out, a.target_config, a.target_weights or None)
     print(json.dumps(summary, indent=1))
     line = skip_summary(summary)

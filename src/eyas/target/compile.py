@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 
 from eyas.errors import EyasError
+from eyas.target import persist as persist_mod
 from eyas.target.fingerprint import cache_root
+from eyas.target.persist import PersistentStep
 
 ATTENTION = ("matmul", "flex")
 
@@ -107,8 +109,6 @@ class CompilePolicy:
 
 def check_persist(*, compile: bool, dynamic: bool, regions: bool, attention: str, compile_options: dict | None) -> None:
     """Refuse persist where a saved step could not serve: only static whole-model matmul steps, weights not baked in."""
-    from eyas.target import persist as persist_mod
-
     if not compile or dynamic:
         raise EyasError("runner: persist needs compile=True with static shapes (dynamic=False)")
     if regions or attention != "matmul":
@@ -125,8 +125,6 @@ def compile_step(policy: CompilePolicy, fn, *, dynamic, owner=None, free=None, e
     PersistentStep that saves it on disk, its files named also by `config` (what else shapes the step's code)."""
     raise_recompile_limit()  # a process holds a few runners (a bench's, the batched decoder's, the tests')
     if policy.persist is not None and free is not None:
-        from eyas.target.persist import PersistentStep
-
         return PersistentStep(free, owner, policy.persist, config, policy.options, extra)
     c = torch.compile(fn, fullgraph=True, dynamic=dynamic, options=policy.options or None)
     if policy.regions:

@@ -21,6 +21,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from eyas.warmup import Prewarm, anchored, watch_parent
+
 NAME = "train-prewarm"
 """Its files under RUN/logs: NAME-spec.json, NAME.json, NAME.log, and the directory NAME/ (data and run)."""
 STEPS = 2
@@ -85,7 +87,6 @@ def warm(spec: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from eyas.warmup import watch_parent
     from eyas.manifest import atomic_write_bytes
 
     spec_path, result_path = (argv if argv is not None else sys.argv[1:])[:2]
@@ -101,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def start(logs: Path, train, *, target_spec: str, device: str, dtype: str, trust_remote_code: bool = False):
     """Start the warm-up of `train` (the run's TrainConfig) in the background; returns its Prewarm."""
-    from eyas.warmup import Prewarm, anchored
 
     # the warm-up runs in the run directory (Prewarm): the paths it reads are made absolute here
     t = train.to_dict()

@@ -28,15 +28,16 @@ from torch import nn
 
 from eyas.errors import EyasError
 from eyas.manifest import check_same, write_manifest
+from eyas.model.checkpoint import save_drafter
+from eyas.model.checkpoint import open_drafter  # eyas runs and published EAGLE-3 checkpoints
 from eyas.model.dflash import DFlashDrafter
 from eyas.model.drafter import Eagle3Drafter
-from eyas.train import checkpoint as ckpt
-from eyas.train import dist
+from eyas.target.compile import compile_cache, raise_recompile_limit
+from eyas.train import checkpoint as ckpt, dist
 from eyas.train.config import TrainConfig
-from eyas.train.dflash import BlockLossConfig, DFlashModule
 from eyas.train.data import epoch_batches, group, group_packed, nonfinite_flags, pack, rank_batches, split_indices
-from eyas.train.feature_cache import online_features
-from eyas.train.feature_cache import plan as plan_feature_cache
+from eyas.train.dflash import BlockLossConfig, DFlashModule
+from eyas.train.feature_cache import online_features, plan as plan_feature_cache
 from eyas.train.metrics import MetricsSink, Sums, frequency_baseline, round_counts, truncate_metrics
 from eyas.train.prefetch import Prefetcher
 from eyas.train.setup import (KIND, build_vocab, check_init_config, check_init_kind, check_run_dir,
@@ -65,8 +66,6 @@ def run_train(cfg: TrainConfig, target=None) -> dict:
     """Train a drafter as configured; returns the final metrics (train + last eval). A compiled run keeps inductor's
     caches under $EYAS_CACHE/inductor (eyas.target.compile.compile_cache), where a later run, or `eyas run`'s
     warm-up during prepare (train/prewarm.py), finds them."""
-    from eyas.target.compile import compile_cache
-
     before = dist.switches()
     try:
         with compile_cache(cfg.compile):
@@ -117,8 +116,6 @@ class Trainer:
                             f"{target.vocab_size}")
         init_drafter, init_vocab = None, None
         if cfg.init:
-            from eyas.model.checkpoint import open_drafter  # eyas runs and published EAGLE-3 checkpoints
-
             # checks the drafter's recorded target (each differing field named), or warns with --allow-target-mismatch
             init_drafter, _ = open_drafter(cfg.init, target, allow_target_mismatch=cfg.allow_target_mismatch)
             check_init_kind(init_drafter, cfg)
@@ -148,7 +145,6 @@ class Trainer:
             init_head_from_target(drafter, target)
         drafter.to(self.device)
         if cfg.compile:
-            from eyas.target.compile import raise_recompile_limit
             raise_recompile_limit()  # K steps x train/eval
             for layer in drafter.layers if dflash else (drafter.midlayer,):
                 layer.compile(dynamic=False)  # in place: the state-dict keys stay the export keys
@@ -445,8 +441,6 @@ class Trainer:
 
     def _train(self, pre: Prefetcher | None) -> dict:
         """train()'s loop; `pre` hands it each step's host batches, else they are made in the step."""
-        from eyas.model.checkpoint import save_drafter
-
         cfg = self.cfg
         sink = MetricsSink(self.run, enabled=self.rank == 0, total_steps=self.total, start_step=self.step,
                            progress=cfg.progress)
