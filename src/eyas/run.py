@@ -17,10 +17,9 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from eyas.bench import prewarm as bench_prewarm
 from eyas.bench.bench import BenchConfig, graph_round_default, run_bench
-from eyas.bench.prewarm import await_before_bench, fits_beside_training
 from eyas.capture.capture import CaptureConfig, run_capture
 from eyas.data.longprompts import is_long_set
 from eyas.data.prepare import PrepareConfig, run_prepare, skipped_lines
@@ -36,16 +35,10 @@ from eyas.recipes import (Recipe, from_legacy_knobs, load_recipe, preset as pres
 from eyas.report import write_report
 from eyas.store.reader import Store
 from eyas.target.load import resolve
-from eyas.train import prewarm
+from eyas.train import prewarm as train_prewarm
 from eyas.train.config import EAGLE_ONLY, TrainConfig
 from eyas.train.trainer import run_train
 from eyas.warmup import await_warmup, stop_stale
-
-if TYPE_CHECKING:
-    from eyas.bench.bench import BenchConfig
-    from eyas.capture.capture import CaptureConfig
-    from eyas.data.prepare import PrepareConfig
-    from eyas.train.config import TrainConfig
 
 STAGES = ("prepare", "capture", "train", "bench", "export")
 
@@ -339,7 +332,7 @@ def run_pipeline(cfg: RunConfig) -> dict:
         _run_stages(cfg, configs, run, target, state, log, stages, started)
         # --until stopped before the bench: the caches the warm-up fills on disk serve the next invocation's bench
         if "bench" in started and "returncode" not in state["prewarm"]:
-            state["prewarm"].update(await_before_bench(started["bench"], log))
+            state["prewarm"].update(bench_prewarm.await_before_bench(started["bench"], log))
     finally:
         for proc in started.values():  # interrupted, failed, or done: never leave it running
             proc.stop()
@@ -375,7 +368,7 @@ def _run_stages(cfg, configs, run, target, state, log, stages, started: dict) ->
         if stage == "train" and (proc := _start_prewarm(cfg, configs, run, target, state, log)) is not None:
             started["bench"] = proc
         elif stage == "bench" and "bench" in started:
-            state["prewarm"].update(await_before_bench(started["bench"], log))
+            state["prewarm"].update(bench_prewarm.await_before_bench(started["bench"], log))
         log(f"{stage}: starting" + (" (resuming)" if (run / _stage_dir(stage)).exists() else ""))
         t0, before = time.time(), st.get("seconds", 0.0) if not st.get("done") else 0.0
         extra = {"prewarm": state.get("prewarm")} if stage == "bench" else {}
@@ -404,12 +397,12 @@ def _start_train_prewarm(cfg, c: Stages, run, target, state, log, stages):
     r, t = cfg.recipe.run, c.train
     before = [s for s in stages[:stages.index("train")] if not state["stages"].get(s, {}).get("done")]
     wanted = (r.prewarm_train if r.prewarm_train is not None
-              else t.compile and r.device == "cuda" and fits_beside_training(target))
+              else t.compile and r.device == "cuda" and bench_prewarm.fits_beside_training(target))
     if not (wanted and t.online and before) or state["stages"].get("train", {}).get("done") or (
             cfg.until is not None and STAGES.index(cfg.until) < STAGES.index("train")):
         return None
     try:
-        proc = prewarm.start(run.resolve() / "logs", t, target_spec=cfg.target, device=r.device,
+        proc = train_prewarm.start(run.resolve() / "logs", t, target_spec=cfg.target, device=r.device,
                              dtype=resolve_dtype(r.dtype, r.device), trust_remote_code=cfg.trust_remote_code)
     except Exception as e:  # noqa: BLE001 - a warm-up is an optimisation; the run goes on without it
         log(f"train-prewarm: not started ({type(e).__name__}: {e}); training compiles its graphs itself", always=True)
@@ -423,11 +416,10 @@ def _start_train_prewarm(cfg, c: Stages, run, target, state, log, stages):
 def _await_train_prewarm(proc, state, run, log) -> None:
     """Before the train stage: wait for training's warm-up (at most its WAIT_S, then stop it) and record how it
     went in run.json's train_prewarm."""
-    from eyas.train.prewarm import NAME, WAIT_S
-
-    state["train_prewarm"].update(await_warmup(proc, log, WAIT_S, stage="train", beside="prepare",
+    state["train_prewarm"].update(await_warmup(proc, log, train_prewarm.WAIT_S, stage="train", beside="prepare",
                                                marker="startup", who="training"))
-    shutil.rmtree(run.resolve() / "logs" / NAME, ignore_errors=True)  # its synthetic data and drafter: scratch
+    # its synthetic data and drafter: scratch
+    shutil.rmtree(run.resolve() / "logs" / train_prewarm.NAME, ignore_errors=True)
     _save_state(run, state)
 
 
@@ -437,19 +429,18 @@ def _start_prewarm(cfg, c: Stages, run, target, state, log):
     """Start the warm-up process for the benches whose JSONs are not written yet, when [run] prewarm_bench (or,
     unset, a bench that compiles) asks for it; None otherwise. Any failure to start is one log line: the bench then
     compiles its graphs itself."""
-    from eyas.bench import prewarm
-
     r = cfg.recipe.run
     pending = {n: b for n, b in c.bench.items() if not Path(b.json_out).exists()}
     wanted = r.prewarm_bench if r.prewarm_bench is not None else any(b.compile for b in pending.values())
     if not (wanted and pending) or state["stages"].get("bench", {}).get("done"):
         return None
-    if r.prewarm_bench is None and not prewarm.fits_beside_training(target):
-        log(f"prewarm: off, a second copy of the target's weights would take over {prewarm.AUTO_SHARE:.0%} of the "
+    if r.prewarm_bench is None and not bench_prewarm.fits_beside_training(target):
+        log(f"prewarm: off, a second copy of the target's weights would take over "
+            f"{bench_prewarm.AUTO_SHARE:.0%} of the "
             f"GPU's memory beside training (--set run.prewarm_bench=true to warm anyway)", always=True)
         return None
     try:
-        proc = prewarm.start(run.resolve() / "logs", pending, c.train, target, target_spec=cfg.target,
+        proc = bench_prewarm.start(run.resolve() / "logs", pending, c.train, target, target_spec=cfg.target,
                              dtype=r.bench_dtype or resolve_dtype(r.dtype, r.device),
                              trust_remote_code=cfg.trust_remote_code)
     except Exception as e:  # noqa: BLE001 - a warm-up is an optimisation; the run goes on without it

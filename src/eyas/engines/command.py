@@ -7,6 +7,7 @@ from pathlib import Path
 
 from eyas.engines import launch_args as la, sglang_patch as sp
 from eyas.engines.crosscheck import crosscheck, reference_states, report
+from eyas.engines.served_check import CheckConfig, report as check_report, run_served_check
 from eyas.engines.vllm_ingest import run_ingest, skip_summary
 from eyas.errors import EyasError
 from eyas.store.reader import Store
@@ -60,10 +61,9 @@ def _crosscheck(a) -> int:
 
 
 def _check(a) -> int:
-    from eyas.engines.served_check import CheckConfig, report, run_served_check
     res = run_served_check(CheckConfig(engine=a.engine, url=a.url, store=a.store, target=a.target, n=a.n, tol=a.tol,
                                        vllm_dir=a.vllm_dir))
-    print(report(res["rows"]))
+    print(check_report(res["rows"]))
     return 0 if res["ok"] else 1
 
 

@@ -16,7 +16,8 @@ from eyas.errors import EyasError
 from eyas.target.fingerprint import cache_root, file_sha256, fingerprint  # noqa: F401 (cache_root, file_sha256)
 from eyas.target.layers import resolve_aux_layer_ids
 from eyas.target.meta import needs_remote_code, read_json, weights_bytes, weights_of  # noqa: F401 (weights_of)
-from eyas.target.resolve import EMBEDDED, embedded_path, eos_ids, gguf_special_tokens, gguf_to_cache, resolve  # noqa: F401
+from eyas.target.resolve import EMBEDDED, embedded_path, gguf_to_cache  # noqa: F401 (other modules import them here)
+from eyas.target.resolve import eos_ids, gguf_special_tokens, resolve
 
 log = logging.getLogger(__name__)
 _LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.")
