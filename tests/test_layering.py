@@ -1,10 +1,9 @@
 """eyas's packages import one way (docs/architecture.md, "Layers"), read from the source with `ast`.
 
 Every `eyas` import counts, at the module top or inside a function (not those under `if TYPE_CHECKING:`, which
-never run): a function-level import hides a cycle as well
-as a top-level one does, so those are allowed only where DEFERRED says why. The checks: no import from a lower
-layer to a higher one, no cycle between modules, no cycle between packages, no function-level eyas import outside
-DEFERRED. KNOWN_* list what is still wrong; each entry says what would fix it, and a new violation fails.
+never run): a function-level import hides a cycle as well as a top-level one does. The checks: no import from a
+lower layer to a higher one, no cycle between modules, no cycle between packages, and no function-level eyas import
+but those DEFERRED says why, and those KNOWN_NESTED still lists with what would fix them (a new one fails).
 """
 
 import ast
@@ -71,18 +70,6 @@ KNOWN_NESTED: dict[tuple[str, str], str] = {
 }
 """Function-level imports not yet moved: (module, eyas module) -> what stops the move."""
 
-KNOWN_UPWARD: dict[tuple[str, str], str] = {
-}
-"""Imports from a lower layer to a higher one not yet fixed: (module, eyas module) -> what would fix it."""
-
-KNOWN_MODULE_CYCLES: dict[frozenset, str] = {
-}
-"""Module cycles (the modules of one strongly connected component) not yet broken -> what would break them."""
-
-KNOWN_PACKAGE_CYCLES: dict[frozenset, str] = {
-}
-"""Package cycles not yet broken -> what would break them."""
-
 
 def modules() -> dict[str, Path]:
     """Dotted module name -> its file, for every module of src/eyas (a package by its __init__.py)."""
@@ -125,29 +112,34 @@ def skipped(tree: ast.Module) -> set[int]:
     return {id(n) for node in ast.walk(tree) if type_checking(node) for n in ast.walk(node)}
 
 
-def imports() -> list[tuple[str, int, str, bool]]:
-    """Every eyas import: (module, line, imported eyas module, at the module top)."""
+def module_imports(mod: str, source: str, is_package: bool = False) -> list[tuple[str, int, str, bool]]:
+    """The eyas imports of one module's source: (module, line, imported eyas module, at the module top)."""
     out = []
-    for mod, path in MODULES.items():
-        tree = ast.parse(path.read_text())
-        top, types_only = module_top(tree), skipped(tree)
-        package = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
-        for node in ast.walk(tree):
-            if id(node) in types_only:
-                continue
-            if isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:  # relative: from the package, `level - 1` packages up
-                    base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
-                names = [f"{base}.{a.name}" for a in node.names]
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            else:
-                continue
-            for target in sorted({resolve(n) for n in names} - {None, mod}):
-                if target.split(".")[0] == "eyas":
-                    out.append((mod, node.lineno, target, id(node) in top))
+    tree = ast.parse(source)
+    top, types_only = module_top(tree), skipped(tree)
+    package = mod.split(".") if is_package else mod.split(".")[:-1]
+    for node in ast.walk(tree):
+        if id(node) in types_only:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, `level - 1` packages up
+                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+            names = [f"{base}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        for target in sorted({resolve(n) for n in names} - {None, mod}):
+            if target.split(".")[0] == "eyas":
+                out.append((mod, node.lineno, target, id(node) in top))
     return out
+
+
+def imports() -> list[tuple[str, int, str, bool]]:
+    """Every eyas import of src/eyas."""
+    return [i for mod, path in MODULES.items()
+            for i in module_imports(mod, path.read_text(), path.name == "__init__.py")]
 
 
 def package(mod: str) -> str:
@@ -210,22 +202,19 @@ def test_every_package_has_a_layer():
 
 
 def test_imports_go_down():
-    up = {(m, t) for m, _, t, _ in FOUND if LAYER[package(m)] < LAYER[package(t)]}
-    lines = [f"{m}:{n} imports {t} from a higher layer" for m, n, t, _ in FOUND if (m, t) in up - set(KNOWN_UPWARD)]
+    lines = [f"{m}:{n} imports {t} from a higher layer" for m, n, t, _ in FOUND
+             if LAYER[package(m)] < LAYER[package(t)]]
     assert not lines, "\n".join(lines)
-    assert not set(KNOWN_UPWARD) - up, f"fixed: remove from KNOWN_UPWARD: {sorted(set(KNOWN_UPWARD) - up)}"
 
 
 def test_no_module_cycles():
     found = cycles(module_graph(FOUND))
-    assert not set(found) - set(KNOWN_MODULE_CYCLES), [sorted(c) for c in set(found) - set(KNOWN_MODULE_CYCLES)]
-    assert not set(KNOWN_MODULE_CYCLES) - set(found), "broken: remove from KNOWN_MODULE_CYCLES"
+    assert not found, [sorted(c) for c in found]
 
 
 def test_no_package_cycles():
     found = cycles(package_graph(FOUND))
-    assert not set(found) - set(KNOWN_PACKAGE_CYCLES), [sorted(c) for c in set(found) - set(KNOWN_PACKAGE_CYCLES)]
-    assert not set(KNOWN_PACKAGE_CYCLES) - set(found), "broken: remove from KNOWN_PACKAGE_CYCLES"
+    assert not found, [sorted(c) for c in found]
 
 
 def test_function_level_imports_only_where_deferred():
@@ -247,8 +236,13 @@ def test_the_checks_see_violations():
     assert cycles(package_graph(fake + [("eyas.bench.bench", 4, "eyas.knobs", True)])) == [frozenset({"knobs", "bench"})]
     assert LAYER[package("eyas.knobs")] < LAYER[package("eyas.bench.bench")]
     assert resolve("eyas.target.load_target") == "eyas.target" and resolve("torch.nn") is None
+    source = ("from typing import TYPE_CHECKING\nimport eyas.errors\nif TYPE_CHECKING:\n    from eyas.bench import bench\n"
+              "def f():\n    from . import load\n    from eyas.target.meta import read_json\n")
+    assert module_imports("eyas.target.runner", source) == [
+        ("eyas.target.runner", 2, "eyas.errors", True), ("eyas.target.runner", 6, "eyas.target.load", False),
+        ("eyas.target.runner", 7, "eyas.target.meta", False)]
 
 
-@pytest.mark.parametrize("entry", sorted({**DEFERRED, **KNOWN_NESTED, **KNOWN_UPWARD}.items()))
+@pytest.mark.parametrize("entry", sorted({**DEFERRED, **KNOWN_NESTED}.items()))
 def test_each_listed_entry_says_why(entry):
     assert len(entry[1]) > 15
