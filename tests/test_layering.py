@@ -238,7 +238,8 @@ def test_the_checks_see_violations():
     assert LAYER[package("eyas.knobs")] < LAYER[package("eyas.bench.bench")]
     assert resolve("eyas.target.load_target") == "eyas.target" and resolve("torch.nn") is None
     source = ("from typing import TYPE_CHECKING\nimport eyas.errors\nif TYPE_CHECKING:\n"
-              "    from eyas.bench import bench\ndef f():\n    from . import load\n    from eyas.target.meta import read_json\n")
+              "    from eyas.bench import bench\ndef f():\n    from . import load\n"
+              "    from eyas.target.meta import read_json\n")
     assert module_imports("eyas.target.runner", source) == [
         ("eyas.target.runner", 2, "eyas.errors", True), ("eyas.target.runner", 6, "eyas.target.load", False),
         ("eyas.target.runner", 7, "eyas.target.meta", False)]
