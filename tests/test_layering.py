@@ -3,7 +3,7 @@
 Every `eyas` import counts, at the module top or inside a function (not those under `if TYPE_CHECKING:`, which
 never run): a function-level import hides a cycle as well as a top-level one does. The checks: no import from a
 lower layer to a higher one, no cycle between modules, no cycle between packages, and no function-level eyas import
-but those DEFERRED says why, and those KNOWN_NESTED still lists with what would fix them (a new one fails).
+but those DEFERRED says why.
 """
 
 import ast
@@ -53,22 +53,6 @@ DEFERRED: dict[tuple[str, str], str] = {
 }
 """(module, eyas module) -> why that module imports it inside a function rather than at its top."""
 
-_LOAD_TARGET = ("tests/test_stage_start.py's no_target_load patches eyas.target.load_target to prove a stage checks "
-                "its inputs before loading the target; fix: that fixture patches each stage module's own name")
-_DEVICE = ("tests patch eyas.target.device.cpu_bf16_fast / free_bytes (test_device.py, test_survivors_target.py); "
-           "fix: patch the importing module's name")
-KNOWN_NESTED: dict[tuple[str, str], str] = {
-    **{(m, "eyas.target"): _LOAD_TARGET for m in ("eyas.bench.bench", "eyas.bench.command", "eyas.capture.capture",
-                                                  "eyas.data.prepare", "eyas.engines.command", "eyas.run",
-                                                  "eyas.train.setup")},
-    ("eyas.capture.command", "eyas.capture.capture"): "tests/test_stage_start.py patches eyas.capture.capture."
-                                                      "run_capture; fix: patch eyas.capture.command's name",
-    ("eyas.data.command", "eyas.data.prepare"): "tests/test_stage_start.py patches eyas.data.prepare.run_prepare; "
-                                                "fix: patch eyas.data.command's name",
-    **{(m, "eyas.target.device"): _DEVICE for m in ("eyas.recipes", "eyas.run", "eyas.target.load",
-                                                     "eyas.train.trainer")},
-}
-"""Function-level imports not yet moved: (module, eyas module) -> what stops the move."""
 
 
 def modules() -> dict[str, Path]:
@@ -219,12 +203,11 @@ def test_no_package_cycles():
 
 def test_function_level_imports_only_where_deferred():
     nested = {(m, t) for m, _, t, top in FOUND if not top}
-    allowed = set(DEFERRED) | set(KNOWN_NESTED)
+    allowed = set(DEFERRED)
     lines = [f"{m}:{n} imports {t} inside a function: move it to the top (or add it to DEFERRED with the reason)"
              for m, n, t, top in FOUND if not top and (m, t) not in allowed]
     assert not lines, "\n".join(lines)
     assert not allowed - nested, f"now at the top: remove {sorted(allowed - nested)}"
-    assert not set(DEFERRED) & set(KNOWN_NESTED)
 
 
 def test_the_checks_see_violations():
@@ -245,6 +228,6 @@ def test_the_checks_see_violations():
         ("eyas.target.runner", 7, "eyas.target.meta", False)]
 
 
-@pytest.mark.parametrize("entry", sorted({**DEFERRED, **KNOWN_NESTED}.items()))
+@pytest.mark.parametrize("entry", sorted(DEFERRED.items()))
 def test_each_listed_entry_says_why(entry):
     assert len(entry[1]) > 15

@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import eyas.target  # load_target looked up at call time: tests patch it
+import eyas.target.device  # its functions looked up at call time: tests patch them
 from eyas.bench import prewarm as bench_prewarm
 from eyas.bench.bench import BenchConfig, graph_round_default, run_bench
 from eyas.capture.capture import CaptureConfig, run_capture
@@ -294,8 +296,6 @@ def run_pipeline(cfg: RunConfig) -> dict:
     """Run (or resume) every stage; returns the run state with each stage's summary."""
     import torch
 
-    from eyas.target import load_target
-
     r = cfg.recipe.run
     if r.device == "cuda" and not torch.cuda.is_available():
         asked = [k for k in cfg.overrides if resolve_key(k) == ("run", "device")]
@@ -308,7 +308,7 @@ def run_pipeline(cfg: RunConfig) -> dict:
     _open_state(cfg, run, check_only=True)
     resolve_data(cfg.data)  # a source in no accepted format, or a table without conversations: refused here
     dtype = resolve_dtype(r.dtype, r.device)
-    target = load_target(cfg.target, device=r.device, dtype=_dtype(dtype), trust_remote_code=cfg.trust_remote_code)
+    target = eyas.target.load_target(cfg.target, device=r.device, dtype=_dtype(dtype), trust_remote_code=cfg.trust_remote_code)
     state = _open_state(cfg, run)
     log = Log(run, cfg.quiet)
     _save_state(run, state)
@@ -321,8 +321,7 @@ def run_pipeline(cfg: RunConfig) -> dict:
         log("this is a demonstration on the CPU (small data, short training); for a real drafter run "
             "`eyas run --preset gpu` on a CUDA machine", always=True)
     if r.device == "cpu" and r.dtype == "auto":
-        from eyas.target.device import cpu_bf16_fast
-        log("cpu: native bf16, so bf16 weights and autocast" if cpu_bf16_fast() else
+        log("cpu: native bf16, so bf16 weights and autocast" if eyas.target.device.cpu_bf16_fast() else
             "cpu: no native bf16 instructions (AVX512-BF16/AMX), so fp32; on 2 cores that takes several times "
             "the 20 minutes the demo was sized for", always=True)
     configs = resolve_stages(cfg, run, vocab_size=target.vocab_size, progress=not cfg.quiet)
@@ -485,8 +484,7 @@ def _bench(cfg, c: Stages, run, target, redo=False, prewarm: dict | None = None)
     r = cfg.recipe.run
     dtype = resolve_dtype(r.dtype, r.device)
     if (r.bench_dtype or dtype) != dtype:  # e.g. an exact fp32 lossless check after bf16 data and training
-        from eyas.target import load_target
-        target = load_target(cfg.target, device=r.device, dtype=_dtype(r.bench_dtype),
+        target = eyas.target.load_target(cfg.target, device=r.device, dtype=_dtype(r.bench_dtype),
                              trust_remote_code=cfg.trust_remote_code)
     drafter, meta = open_drafter(run, target)
     drafter = drafter.to(target.device)

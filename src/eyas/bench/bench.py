@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+import eyas.target  # load_target looked up at call time: tests patch it
 from eyas.bench.check import (DTYPE_NAMES, agreement, exact_fp32, first_turns, fp32_drafter, fp32_runner,
                               lossless_verdict)
 from eyas.bench.prompts import first_messages, load_bench_prompts, prompt_ids, prompt_summary, tau_by_kind
@@ -277,9 +278,9 @@ def write_report(report: dict, json_out: str | None, out) -> None:
 def _run(cfg, target, drafter, drafter_meta, records, out, warm_only=False) -> dict:
     clock = time.perf_counter()
     if target is None:
-        from eyas.target import load_target
         dt = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
-        target = load_target(cfg.target, device=cfg.device, dtype=dt, trust_remote_code=cfg.trust_remote_code)
+        target = eyas.target.load_target(cfg.target, device=cfg.device, dtype=dt,
+                                         trust_remote_code=cfg.trust_remote_code)
     tok = target.tokenizer
     if tok is None:
         raise EyasError(f"target {cfg.target!r} has no tokenizer; bench needs one to apply the chat template")

@@ -10,6 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
+import eyas.target  # load_target looked up at call time: tests patch it
 from eyas.bench.bench import BenchConfig, PROMPT_SETS, graph_round_default, run_bench
 from eyas.bench.engine import ENGINES, EngineBenchConfig, run_engine_bench
 from eyas.data.prompts import load_prompts
@@ -185,10 +186,9 @@ def main(args: argparse.Namespace) -> int:
     # The drafter is loaded here, accepting another target's fingerprint with a warning; run_bench gets both.
     import sys
 
-    from eyas.target import load_target
-
     dtype = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
-    target = load_target(cfg.target, device=cfg.device, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    target = eyas.target.load_target(cfg.target, device=cfg.device, dtype=dtype,
+                                     trust_remote_code=cfg.trust_remote_code)
     drafter, meta = open_drafter(cfg.drafter, target, allow_target_mismatch=True)
     report = run_bench(cfg, target=target, drafter=drafter, drafter_meta=meta)
     if warning := meta.get("target_mismatch"):

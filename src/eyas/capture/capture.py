@@ -13,6 +13,7 @@ from typing import Iterable
 import torch
 from tqdm import tqdm
 
+import eyas.target  # load_target looked up at call time: tests patch it
 from eyas.data.prepared import PreparedData  # the data stage, left of capture in the pipeline
 from eyas.errors import EyasError
 from eyas.store import format as fmt
@@ -142,9 +143,9 @@ def _run_capture(cfg: CaptureConfig, target, samples: Iterable | None, rank: int
     # (a local path made absolute: a directory's identity is only its name), or the name of a target passed in
     spec = target.name if target is not None else _reload_spec(cfg.target)
     if target is None:
-        from eyas.target import load_target
         dtype = torch.bfloat16 if cfg.device.startswith("cuda") else torch.float32
-        target = load_target(cfg.target, device=cfg.device, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+        target = eyas.target.load_target(cfg.target, device=cfg.device, dtype=dtype,
+                                         trust_remote_code=cfg.trust_remote_code)
     aux = check_aux_layer_ids(cfg.layers if cfg.layers is not None else target.aux_layer_ids, target.num_layers)
     if samples is None:
         raw, data_id = _load_data(cfg, target)

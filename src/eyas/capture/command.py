@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+import eyas.capture.capture  # run_capture looked up at call time: tests patch it
 from eyas.capture.capture import CaptureConfig
 from eyas.data.prepared import PreparedData
 from eyas.engines.capture import add_engine_args, config_from_args, run_engine_capture, served_check
@@ -74,8 +75,6 @@ def _engine_main(args) -> int:
 
 
 def _main(args) -> int:
-    from eyas.capture.capture import run_capture
-
     if args.engine:
         return _engine_main(args)
     # The data are checked before the target loads, so a wrong --data fails at once, not after a model load; the
@@ -97,7 +96,7 @@ def _main(args) -> int:
     except ValueError as e:
         raise EyasError(f"capture: {e}") from None
     announce_target("capture", cfg.target, flag_or_default(cfg.target, CaptureConfig.target))
-    m = run_capture(cfg)
+    m = eyas.capture.capture.run_capture(cfg)
     if owns:           # every rank is past run_capture's last barrier; a live gloo group at exit can abort the process
         destroy_process_group()
     keys = ("complete", "num_samples", "num_tokens", "num_shards", "bytes", "dtype")

@@ -16,6 +16,7 @@ import sys
 from collections import Counter
 from dataclasses import asdict, dataclass
 
+import eyas.target  # load_target looked up at call time: tests patch it
 from eyas.data.chat import TemplateError, Tokenized, check_chat_template, first_turn_framing, tokenize_conversations
 from eyas.data.prepared import PreparedWriter, SKIPS, Sample
 from eyas.data.regenerate import RegenStats, make_backend
@@ -217,9 +218,7 @@ def _open_target(cfg: PrepareConfig, target):
     if target is not None:
         return target
     if (cfg.regenerate and not cfg.server) or cfg.self_prompts:
-        from eyas.target import load_target   # local generation runs the target's forward
-
-        return load_target(cfg.target, device=cfg.device, trust_remote_code=cfg.trust_remote_code)
+        return eyas.target.load_target(cfg.target, device=cfg.device, trust_remote_code=cfg.trust_remote_code)
 
     return open_target_meta(cfg.target, trust_remote_code=cfg.trust_remote_code, tensors=())
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import eyas.target  # load_target looked up at call time: tests patch it
 from eyas.engines import launch_args as la, sglang_patch as sp
 from eyas.engines.crosscheck import crosscheck, reference_states, report
 from eyas.engines.served_check import CheckConfig, report as check_report, run_served_check
@@ -44,12 +45,11 @@ def _patch(a) -> int:
 
 
 def _crosscheck(a) -> int:
-    from eyas.target import load_target
     st = Store(a.store, allow_incomplete=True)
     if len(st) == 0:
         raise EyasError(f"{a.store}: the store holds no samples, so there is nothing to crosscheck (did the "
                         f"engine capture write any? see its events and skipped files)")
-    t = load_target(a.target, aux_layer_ids=tuple(st.aux_layer_ids),   # runs the forward: the whole target
+    t = eyas.target.load_target(a.target, aux_layer_ids=tuple(st.aux_layer_ids),   # runs the forward: the whole target
                     trust_remote_code=a.trust_remote_code)
     n = min(a.n, len(st))
     samples = [st.get(i, dtype=__import__("torch").float32) for i in range(n)]

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+import eyas.target.device  # its functions looked up at call time: tests patch them
 from eyas.errors import EyasError
 from eyas.target.fingerprint import cache_root, file_sha256, fingerprint  # noqa: F401 (cache_root, file_sha256)
 from eyas.target.layers import resolve_aux_layer_ids
@@ -135,9 +136,7 @@ def _check_weights_cover_config(src, model, info: dict) -> None:
 def _check_fits(spec: str, src: Path, device, dtype: torch.dtype) -> None:
     """Refuse, before reading a weight, a target whose weights alone exceed the device's free memory: loading a
     1T-parameter checkpoint in process would run for hours and then die. Such targets run in a serving engine."""
-    from eyas.target.device import free_bytes
-
-    need, free = weights_bytes(src, dtype), free_bytes(device)
+    need, free = weights_bytes(src, dtype), eyas.target.device.free_bytes(device)
     if need is None or free is None or need <= free:
         return
     gib = 1 << 30

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+import eyas.target  # load_target looked up at call time: tests patch it
 from eyas.data.chat import TemplateError, first_turn_framing
 from eyas.data.prepare import check_max_len
 from eyas.data.prepared import PreparedData
@@ -68,12 +69,11 @@ def check_run_dir(cfg: TrainConfig, run: Path) -> None:
 
 def open_source(cfg: TrainConfig, target, device: torch.device):
     """(source, target, reference dict for the manifest). Refuses a store/target mismatch."""
-    from eyas.target import load_target
-
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if cfg.online:
         if target is None:
-            target = load_target(cfg.target, device=device, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+            target = eyas.target.load_target(cfg.target, device=device, dtype=dtype,
+                                             trust_remote_code=cfg.trust_remote_code)
         data = PreparedData(cfg.data, target=target)
         ref = {"data": str(Path(cfg.data).resolve()), "data_manifest": data.manifest.get("config")}
         check_max_len_fits(cfg, target)

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+import eyas.target.device  # its functions looked up at call time: tests patch them
 from eyas.errors import EyasError
 from eyas.manifest import check_same, write_manifest
 from eyas.model.checkpoint import save_drafter
@@ -85,8 +86,6 @@ class Trainer:
     loop: steps, metrics, evals and checkpoints until the last step, then the final drafter."""
 
     def __init__(self, cfg: TrainConfig, target=None):
-        from eyas.target.device import cpu_bf16_fast
-
         t0 = time.perf_counter()
         self.dist = dist.setup(cfg.device, deterministic=cfg.deterministic)
         self.rank, self.world, self.device = self.dist.rank, self.dist.world, self.dist.device
@@ -178,7 +177,7 @@ class Trainer:
         self.total = cfg.steps if cfg.steps is not None else sum(len(self.plan(e)) for e in range(cfg.epochs or 1))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, schedule(cfg, self.total))
         use_bf16 = cfg.autocast == "bf16" or (cfg.autocast == "auto" and (self.device.type == "cuda"
-                                                                           or cpu_bf16_fast()))
+                                                                           or eyas.target.device.cpu_bf16_fast()))
         self.amp = (torch.autocast(self.device.type, dtype=torch.bfloat16) if use_bf16 and not cfg.deterministic
                     else contextlib.nullcontext())
         if cfg.autocast == "auto" and self.rank == 0:  # the device picked it: say which (issue 15 item 8)
