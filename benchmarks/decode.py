@@ -73,7 +73,7 @@ def batch_compare(args) -> int:
         drafter_name = "UNTRAINED random (timing only, tau ~1)"
     else:
         from eyas.data.chat import encode_prompt
-        from eyas.data.sources import load_prompts
+        from eyas.data.prompts import load_prompts
         from eyas.target import load_target
 
         target = load_target(args.target, device=dev, dtype=dtype)
@@ -149,7 +149,7 @@ def round_compare(args) -> int:
         prompts = [torch.randint(3, 256, (int(n),), generator=g).tolist() for n in torch.randint(4, 128, (8,), generator=g)]
     else:
         from eyas.data.chat import encode_prompt
-        from eyas.data.sources import load_prompts
+        from eyas.data.prompts import load_prompts
         from eyas.target import load_target
 
         target = load_target(args.target, device=dev, dtype=dtype)
@@ -271,7 +271,7 @@ def main() -> int:
 
     from eyas.bench.bench import BenchConfig, run_bench
     from eyas.data.chat import encode_prompt
-    from eyas.data.sources import load_prompts
+    from eyas.data.prompts import load_prompts
     from eyas.target import load_target
     from eyas.target.runner import Runner
 

@@ -26,7 +26,7 @@ def main() -> None:
     a = ap.parse_args()
 
     from eyas.data.chat import encode_prompt
-    from eyas.data.sources import load_prompts
+    from eyas.data.prompts import load_prompts
     from eyas.decode.spec import SpecConfig, SpecDecoder
     from eyas.model.checkpoint import open_drafter
     from eyas.target import load_target

@@ -13,7 +13,8 @@ from test_prepare import tiny_chat_target, tok, write_data  # noqa: F401  (tok: 
 from eyas.cli import main
 from eyas.data.prepare import PrepareConfig, run_prepare
 from eyas.data.prepared import SAMPLES
-from eyas.data.sources import Conversation, SkipLog, iter_conversations, iter_records, load_prompts
+from eyas.data.prompts import load_prompts
+from eyas.data.sources import Conversation, SkipLog, iter_conversations, iter_records
 
 USER, BOT, SYS = "user", "assistant", "system"
 

@@ -11,7 +11,7 @@ from eyas.bench.bench import BenchConfig, prompt_room, run_bench
 from eyas.bench.prompts import first_messages, load_bench_prompts
 from eyas.data.chat import encode_prompt
 from eyas.data.longprompts import LONG_TOKENS
-from eyas.data.sources import load_prompts
+from eyas.data.prompts import load_prompts
 from eyas.data.split import is_heldout, split_key
 from eyas.errors import EyasError
 

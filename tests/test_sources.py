@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from eyas.data.sources import Conversation, SkipLog, Skipped, iter_conversations, iter_records, load_prompts
+from eyas.data.prompts import load_prompts
+from eyas.data.sources import Conversation, SkipLog, Skipped, iter_conversations, iter_records
 from eyas.data.split import is_heldout, split_key
 from eyas.errors import EyasError
 
@@ -143,7 +144,7 @@ def test_a_filtered_prompt_load_stops_at_the_limit_and_equals_filter_then_cut(tm
     import json as _json
 
     from eyas.bench.bench import BenchConfig, load_bench_prompts
-    from eyas.data.sources import load_prompts
+    from eyas.data.prompts import load_prompts
 
     p = tmp_path / "p.jsonl"
     p.write_text("".join(_json.dumps({"prompt": "x " * n}) + "\n" for n in [3, 40, 5, 50, 7, 60, 9, 11, 70, 13]))

@@ -44,7 +44,8 @@ prep)  # here, on the CPU (seconds): the twin, conversations to regenerate on th
   python3 tests/support/deepseek_twin.py $T/twin --live > /dev/null 2>&1       # bf16, sharded, SGLang's config keys
   python3 - $T $LIMIT ${CONVS:-800} <<'PY'
 import json, sys
-from eyas.data.sources import iter_conversations, load_prompts
+from eyas.data.prompts import load_prompts
+from eyas.data.sources import iter_conversations
 from eyas.data.split import is_heldout
 out, limit, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 with open(f"{out}/convs.jsonl", "w") as f:          # ShareGPT's training split only: held-out prompts stay unseen

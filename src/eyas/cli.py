@@ -7,6 +7,7 @@ import importlib
 import os
 import sys
 
+from eyas import __version__
 from eyas.errors import EyasError
 from eyas.recipes import named_recipe, stage_defaults
 
@@ -86,7 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.show_version:
-        from eyas import __version__
         print(__version__)
         return 0
     if not getattr(args, "func", None):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eyas.errors import EyasError
+from eyas.target.resolve import EMBEDDED
 
 
 @dataclass(frozen=True)
@@ -190,8 +191,6 @@ FROM_STORE = "the store's"
 
 def default_source(spec: str) -> str:
     """How the line of `announce_target` names a target no one chose: the embedded default by its model name."""
-    from eyas.target.load import EMBEDDED   # loads torch and transformers: only as a stage starts
-
     if spec in EMBEDDED:
         return f"the embedded default {Path(EMBEDDED[spec][1]).name.split('.')[0]}"   # SmolLM2-135M-Instruct
     return "the default"

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.errors import EyasError
+from eyas.target.fingerprint import diffs
 
 log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
@@ -94,8 +95,6 @@ def _short(v):
 
 def fingerprint_diffs(expected: dict, actual: dict, prefix: str = "") -> list[str]:
     """What makes two target fingerprints differ, by field (target/fingerprint.py `diffs`)."""
-    from eyas.target.fingerprint import diffs
-
     return diffs(expected, actual, prefix)
 
 

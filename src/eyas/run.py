@@ -17,21 +17,30 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+import eyas.target  # load_target looked up at call time: tests patch it
+import eyas.target.device  # its functions looked up at call time: tests patch them
+from eyas.bench import prewarm as bench_prewarm
+from eyas.bench.bench import BenchConfig, graph_round_default, run_bench
+from eyas.capture.capture import CaptureConfig, run_capture
+from eyas.data.longprompts import is_long_set
+from eyas.data.prepare import PrepareConfig, run_prepare, skipped_lines
+from eyas.data.prepared import PreparedData
 from eyas.data.sources import resolve_data
 from eyas.errors import EyasError
+from eyas.export.export import export_drafter
 from eyas.knobs import add_flags, from_args
 from eyas.manifest import atomic_write_bytes, diff_dicts
-from eyas.recipes import Recipe, from_legacy_knobs, load_recipe, resolve_key, shown_identity, with_overrides
-from eyas.recipes import preset as preset_recipe
-from eyas.recipes import resolve_dtype
-
-if TYPE_CHECKING:
-    from eyas.bench.bench import BenchConfig
-    from eyas.capture.capture import CaptureConfig
-    from eyas.data.prepare import PrepareConfig
-    from eyas.train.config import TrainConfig
+from eyas.model.checkpoint import open_drafter
+from eyas.recipes import (Recipe, from_legacy_knobs, load_recipe, preset as preset_recipe, resolve_dtype, resolve_key,
+                          shown_identity, with_overrides)
+from eyas.report import write_report
+from eyas.store.reader import Store
+from eyas.target.load import resolve
+from eyas.train import prewarm as train_prewarm
+from eyas.train.config import EAGLE_ONLY, TrainConfig
+from eyas.train.trainer import run_train
+from eyas.warmup import await_warmup, stop_stale
 
 STAGES = ("prepare", "capture", "train", "bench", "export")
 
@@ -100,12 +109,6 @@ class Stages:
 
 def resolve_stages(cfg: RunConfig, run: Path, *, vocab_size: int | None, progress: bool = True) -> Stages:
     """Every stage's config from the recipe; what eyas run sets or derives is set here, and only here."""
-    from eyas.bench.bench import BenchConfig, graph_round_default
-    from eyas.capture.capture import CaptureConfig
-    from eyas.data.longprompts import is_long_set
-    from eyas.data.prepare import PrepareConfig
-    from eyas.train.config import EAGLE_ONLY, TrainConfig
-
     r = cfg.recipe
     dev = r.run.device
 
@@ -277,27 +280,21 @@ def _save_state(run: Path, state: dict) -> None:
 def _verify(stage: str, run: Path, target) -> None:
     """Raise if a finished stage's output no longer checks out (then the stage is redone)."""
     if stage == "prepare":
-        from eyas.data.prepared import PreparedData
         PreparedData(run / "prepared", target=target)
     elif stage == "capture":
-        from eyas.store.reader import Store
         Store(run / "store", target=target).verify()
     elif stage == "train":
-        from eyas.model.checkpoint import open_drafter
         open_drafter(run / "train")
     elif stage == "bench":
         for p in (run / "bench").glob("*.json"):
             json.loads(p.read_text())
     elif stage == "export":
-        from eyas.model.checkpoint import open_drafter
         open_drafter(run / "export", target)
 
 
 def run_pipeline(cfg: RunConfig) -> dict:
     """Run (or resume) every stage; returns the run state with each stage's summary."""
     import torch
-
-    from eyas.target import load_target
 
     r = cfg.recipe.run
     if r.device == "cuda" and not torch.cuda.is_available():
@@ -311,13 +308,12 @@ def run_pipeline(cfg: RunConfig) -> dict:
     _open_state(cfg, run, check_only=True)
     resolve_data(cfg.data)  # a source in no accepted format, or a table without conversations: refused here
     dtype = resolve_dtype(r.dtype, r.device)
-    target = load_target(cfg.target, device=r.device, dtype=_dtype(dtype), trust_remote_code=cfg.trust_remote_code)
+    target = eyas.target.load_target(cfg.target, device=r.device, dtype=_dtype(dtype), trust_remote_code=cfg.trust_remote_code)
     state = _open_state(cfg, run)
     log = Log(run, cfg.quiet)
     _save_state(run, state)
     for key, name in (("prewarm", "prewarm"), ("train_prewarm", "train-prewarm")):  # a killed run's, maybe alive
         if (old := state.get(key) or {}).get("pid") and "returncode" not in old:
-            from eyas.bench.prewarm import stop_stale
             if stop_stale(old["pid"], run.resolve() / "logs", name):
                 log(f"{name}: stopped the warm-up process (pid {old['pid']}) an interrupted run left running")
     log(f"eyas run: preset {cfg.preset}, target {cfg.target}, data {cfg.data} -> {run}", always=True)
@@ -325,8 +321,7 @@ def run_pipeline(cfg: RunConfig) -> dict:
         log("this is a demonstration on the CPU (small data, short training); for a real drafter run "
             "`eyas run --preset gpu` on a CUDA machine", always=True)
     if r.device == "cpu" and r.dtype == "auto":
-        from eyas.target.device import cpu_bf16_fast
-        log("cpu: native bf16, so bf16 weights and autocast" if cpu_bf16_fast() else
+        log("cpu: native bf16, so bf16 weights and autocast" if eyas.target.device.cpu_bf16_fast() else
             "cpu: no native bf16 instructions (AVX512-BF16/AMX), so fp32; on 2 cores that takes several times "
             "the 20 minutes the demo was sized for", always=True)
     configs = resolve_stages(cfg, run, vocab_size=target.vocab_size, progress=not cfg.quiet)
@@ -334,9 +329,9 @@ def run_pipeline(cfg: RunConfig) -> dict:
     started = {}  # the warm-up processes ("train": as prepare starts, "bench": as train starts)
     try:
         _run_stages(cfg, configs, run, target, state, log, stages, started)
-        if "bench" in started and "returncode" not in state["prewarm"]:  # --until stopped before the bench: the
-            from eyas.bench.prewarm import await_before_bench  # caches it fills on disk serve the next invocation's
-            state["prewarm"].update(await_before_bench(started["bench"], log))
+        # --until stopped before the bench: the caches the warm-up fills on disk serve the next invocation's bench
+        if "bench" in started and "returncode" not in state["prewarm"]:
+            state["prewarm"].update(bench_prewarm.await_before_bench(started["bench"], log))
     finally:
         for proc in started.values():  # interrupted, failed, or done: never leave it running
             proc.stop()
@@ -345,7 +340,6 @@ def run_pipeline(cfg: RunConfig) -> dict:
     if cfg.until is not None and not all(state["stages"].get(s, {}).get("done") for s in stages):
         log(f"stopped after {cfg.until} (--until); rerun without --until to continue", always=True)
         return state
-    from eyas.report import write_report
     summary = write_report(run, state, cfg)
     log("report: " + str(run / "report.md"), always=True)
     print(summary, flush=True)
@@ -373,8 +367,7 @@ def _run_stages(cfg, configs, run, target, state, log, stages, started: dict) ->
         if stage == "train" and (proc := _start_prewarm(cfg, configs, run, target, state, log)) is not None:
             started["bench"] = proc
         elif stage == "bench" and "bench" in started:
-            from eyas.bench.prewarm import await_before_bench
-            state["prewarm"].update(await_before_bench(started["bench"], log))
+            state["prewarm"].update(bench_prewarm.await_before_bench(started["bench"], log))
         log(f"{stage}: starting" + (" (resuming)" if (run / _stage_dir(stage)).exists() else ""))
         t0, before = time.time(), st.get("seconds", 0.0) if not st.get("done") else 0.0
         extra = {"prewarm": state.get("prewarm")} if stage == "bench" else {}
@@ -400,18 +393,15 @@ def _start_train_prewarm(cfg, c: Stages, run, target, state, log, stages):
     whose target's second copy fits beside prepare, eyas.bench.prewarm.AUTO_SHARE) asks for it and a stage before
     train is still to run (else there is nothing to overlap it with); None otherwise. Any failure to start is one
     log line: training then compiles its graphs itself."""
-    from eyas.bench.prewarm import fits_beside_training
-    from eyas.train import prewarm
-
     r, t = cfg.recipe.run, c.train
     before = [s for s in stages[:stages.index("train")] if not state["stages"].get(s, {}).get("done")]
     wanted = (r.prewarm_train if r.prewarm_train is not None
-              else t.compile and r.device == "cuda" and fits_beside_training(target))
+              else t.compile and r.device == "cuda" and bench_prewarm.fits_beside_training(target))
     if not (wanted and t.online and before) or state["stages"].get("train", {}).get("done") or (
             cfg.until is not None and STAGES.index(cfg.until) < STAGES.index("train")):
         return None
     try:
-        proc = prewarm.start(run.resolve() / "logs", t, target_spec=cfg.target, device=r.device,
+        proc = train_prewarm.start(run.resolve() / "logs", t, target_spec=cfg.target, device=r.device,
                              dtype=resolve_dtype(r.dtype, r.device), trust_remote_code=cfg.trust_remote_code)
     except Exception as e:  # noqa: BLE001 - a warm-up is an optimisation; the run goes on without it
         log(f"train-prewarm: not started ({type(e).__name__}: {e}); training compiles its graphs itself", always=True)
@@ -425,12 +415,10 @@ def _start_train_prewarm(cfg, c: Stages, run, target, state, log, stages):
 def _await_train_prewarm(proc, state, run, log) -> None:
     """Before the train stage: wait for training's warm-up (at most its WAIT_S, then stop it) and record how it
     went in run.json's train_prewarm."""
-    from eyas.bench.prewarm import await_warmup
-    from eyas.train.prewarm import NAME, WAIT_S
-
-    state["train_prewarm"].update(await_warmup(proc, log, WAIT_S, stage="train", beside="prepare",
+    state["train_prewarm"].update(await_warmup(proc, log, train_prewarm.WAIT_S, stage="train", beside="prepare",
                                                marker="startup", who="training"))
-    shutil.rmtree(run.resolve() / "logs" / NAME, ignore_errors=True)  # its synthetic data and drafter: scratch
+    # its synthetic data and drafter: scratch
+    shutil.rmtree(run.resolve() / "logs" / train_prewarm.NAME, ignore_errors=True)
     _save_state(run, state)
 
 
@@ -440,19 +428,18 @@ def _start_prewarm(cfg, c: Stages, run, target, state, log):
     """Start the warm-up process for the benches whose JSONs are not written yet, when [run] prewarm_bench (or,
     unset, a bench that compiles) asks for it; None otherwise. Any failure to start is one log line: the bench then
     compiles its graphs itself."""
-    from eyas.bench import prewarm
-
     r = cfg.recipe.run
     pending = {n: b for n, b in c.bench.items() if not Path(b.json_out).exists()}
     wanted = r.prewarm_bench if r.prewarm_bench is not None else any(b.compile for b in pending.values())
     if not (wanted and pending) or state["stages"].get("bench", {}).get("done"):
         return None
-    if r.prewarm_bench is None and not prewarm.fits_beside_training(target):
-        log(f"prewarm: off, a second copy of the target's weights would take over {prewarm.AUTO_SHARE:.0%} of the "
+    if r.prewarm_bench is None and not bench_prewarm.fits_beside_training(target):
+        log(f"prewarm: off, a second copy of the target's weights would take over "
+            f"{bench_prewarm.AUTO_SHARE:.0%} of the "
             f"GPU's memory beside training (--set run.prewarm_bench=true to warm anyway)", always=True)
         return None
     try:
-        proc = prewarm.start(run.resolve() / "logs", pending, c.train, target, target_spec=cfg.target,
+        proc = bench_prewarm.start(run.resolve() / "logs", pending, c.train, target, target_spec=cfg.target,
                              dtype=r.bench_dtype or resolve_dtype(r.dtype, r.device),
                              trust_remote_code=cfg.trust_remote_code)
     except Exception as e:  # noqa: BLE001 - a warm-up is an optimisation; the run goes on without it
@@ -470,8 +457,6 @@ def _stage_dir(stage: str) -> str:
 
 def _prepare(cfg, c: Stages, run, target, redo=False) -> dict:
 
-    from eyas.data.prepare import run_prepare, skipped_lines
-
     counts = run_prepare(replace(c.prepare, overwrite=redo), target, progress=not cfg.quiet)["counts"]
     src = Path(c.prepare.out) / "skipped.jsonl"
     if src.exists():
@@ -483,16 +468,11 @@ def _prepare(cfg, c: Stages, run, target, redo=False) -> dict:
 
 
 def _capture(cfg, c: Stages, run, target, redo=False) -> dict:
-    from eyas.capture.capture import run_capture
-    from eyas.store.reader import Store
-
     run_capture(replace(c.capture, overwrite=redo), target)
     return Store(run / "store", target=target).info()
 
 
 def _train(cfg, c: Stages, run, target, redo=False) -> dict:
-    from eyas.train.trainer import run_train
-
     out = Path(c.train.out)
     resume = out.exists() and not redo
     if redo:
@@ -501,14 +481,10 @@ def _train(cfg, c: Stages, run, target, redo=False) -> dict:
 
 
 def _bench(cfg, c: Stages, run, target, redo=False, prewarm: dict | None = None) -> dict:
-    from eyas.bench.bench import run_bench
-    from eyas.model.checkpoint import open_drafter
-
     r = cfg.recipe.run
     dtype = resolve_dtype(r.dtype, r.device)
     if (r.bench_dtype or dtype) != dtype:  # e.g. an exact fp32 lossless check after bf16 data and training
-        from eyas.target import load_target
-        target = load_target(cfg.target, device=r.device, dtype=_dtype(r.bench_dtype),
+        target = eyas.target.load_target(cfg.target, device=r.device, dtype=_dtype(r.bench_dtype),
                              trust_remote_code=cfg.trust_remote_code)
     drafter, meta = open_drafter(run, target)
     drafter = drafter.to(target.device)
@@ -539,10 +515,6 @@ def _bench(cfg, c: Stages, run, target, redo=False, prewarm: dict | None = None)
 
 
 def _export(cfg, c: Stages, run, target, redo=False) -> dict:
-    from eyas.export.export import export_drafter
-    from eyas.model.checkpoint import open_drafter
-    from eyas.target.load import resolve
-
     drafter, meta = open_drafter(run)  # the target is checked once, by export_drafter
     served = str(resolve(cfg.target)[0])  # the engines need an HF directory (the GGUF's safetensors cache)
     chain = max((b.spec.k for b in c.bench.values() if b.spec.method == "chain"), default=3)

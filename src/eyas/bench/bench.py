@@ -19,14 +19,19 @@ from pathlib import Path
 
 import torch
 
-from eyas.bench.check import DTYPE_NAMES, agreement, exact_fp32, first_turns, fp32_drafter, fp32_runner, lossless_verdict
-from eyas.bench.prompts import prompt_ids, first_messages, load_bench_prompts, prompt_summary, tau_by_kind
+import eyas.target  # load_target looked up at call time: tests patch it
+from eyas.bench.check import (DTYPE_NAMES, agreement, exact_fp32, first_turns, fp32_drafter, fp32_runner,
+                              lossless_verdict)
+from eyas.bench.prompts import first_messages, load_bench_prompts, prompt_ids, prompt_summary, tau_by_kind
 from eyas.bench.startup import compile_cache, saved_steps, tree_nodes, verify_shapes, warm_up
 from eyas.data.longprompts import LONG_TOKENS, is_long_set
 from eyas.decode.dflash import block_drafts, check_spec, is_dflash
 from eyas.decode.spec import SpecConfig, SpecDecoder, SpecStats
 from eyas.errors import EyasError
+from eyas.manifest import atomic_write_bytes, check_same
+from eyas.model.checkpoint import open_drafter  # shared with `eyas export`, `train --init` and `eyas run`
 from eyas.target.fingerprint import cache_root
+from eyas.target.runner import Runner
 
 PROMPT_SETS = ("sharegpt-heldout", "humaneval", "long")
 
@@ -264,7 +269,6 @@ def write_report(report: dict, json_out: str | None, out) -> None:
     (the plot's path is added to `report` after the file is written)."""
     print(format_table(report), file=out)
     if json_out:
-        from eyas.manifest import atomic_write_bytes
         path = Path(json_out)
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(path, (json.dumps(report, indent=2) + "\n").encode())
@@ -272,24 +276,20 @@ def write_report(report: dict, json_out: str | None, out) -> None:
 
 
 def _run(cfg, target, drafter, drafter_meta, records, out, warm_only=False) -> dict:
-    from eyas.target.runner import Runner
-
     clock = time.perf_counter()
     if target is None:
-        from eyas.target import load_target
         dt = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
-        target = load_target(cfg.target, device=cfg.device, dtype=dt, trust_remote_code=cfg.trust_remote_code)
+        target = eyas.target.load_target(cfg.target, device=cfg.device, dtype=dt,
+                                         trust_remote_code=cfg.trust_remote_code)
     tok = target.tokenizer
     if tok is None:
         raise EyasError(f"target {cfg.target!r} has no tokenizer; bench needs one to apply the chat template")
     meta = dict(drafter_meta or {})
     opened = drafter is None and cfg.drafter is not None
     if opened:
-        from eyas.model.checkpoint import open_drafter  # shared with `eyas export`, `train --init` and `eyas run`
         drafter, meta = open_drafter(cfg.drafter, target)  # checks the recorded target
     if drafter is not None:
         if meta.get("target") and not opened:  # a drafter passed in: refuse one trained for another target
-            from eyas.manifest import check_same
             check_same(meta["target"], target.fingerprint, what="drafter's target", where=meta.get("source", "drafter"))
         if tuple(drafter.config.aux_layer_ids) != tuple(target.aux_layer_ids) and meta.get("target") is None:
             print(f"note: drafter aux layers {list(drafter.config.aux_layer_ids)} differ from the target default "

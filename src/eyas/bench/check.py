@@ -14,6 +14,8 @@ from contextlib import contextmanager
 
 import torch
 
+from eyas.target.runner import Runner
+
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -95,8 +97,6 @@ def exact_fp32():
 def fp32_runner(runner, model, cache: dict, key):
     """`runner` itself when it already runs in fp32, else an fp32 runner built from the same HF weights
     (an exact upcast), cached in `cache` under `key` so repeated benches build it once."""
-    from eyas.target.runner import Runner
-
     if runner.dtype == torch.float32:
         return runner
     if key not in cache:

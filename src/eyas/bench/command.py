@@ -10,10 +10,17 @@ import argparse
 import json
 from pathlib import Path
 
+import eyas.target  # load_target looked up at call time: tests patch it
+from eyas.bench.bench import BenchConfig, PROMPT_SETS, graph_round_default, run_bench
+from eyas.bench.engine import ENGINES, EngineBenchConfig, run_engine_bench
+from eyas.data.prompts import load_prompts
+from eyas.data.sources import resolve_data
 from eyas.errors import EyasError
 from eyas.knobs import (DEVICE_HELP, FROM_DRAFTER, FROM_FLAG, add_flags, announce_target, default_source, flag_name,
                         from_args, resolve_device)
-from eyas.manifest import MANIFEST, read_manifest
+from eyas.manifest import MANIFEST, atomic_write_bytes, read_manifest
+from eyas.model.checkpoint import drafter_dir, open_drafter
+from eyas.target.load import EMBEDDED
 
 
 # Flags that are not a BenchConfig field: --chain K | --tree set method and k together, --graph-round resolves
@@ -27,8 +34,6 @@ COUNTS = ("chain", "top_k", "depth", "total_tokens", "max_new_tokens", "limit", 
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    from eyas.bench.bench import BenchConfig
-
     p = subparsers.add_parser(
         "bench", help="measure acceptance length and real speedup of a drafter",
         description="Speculative decoding benchmark with plain and prompt-lookup baselines: tokens per target "
@@ -63,7 +68,6 @@ def register(subparsers) -> argparse.ArgumentParser:
                                                             "min_prompt_tokens", "max_new_tokens", "max_seq"],
               **special)
     add_flags(p.add_argument_group("output"), BenchConfig, ["baselines", "lossless_turns", "json_out"], **special)
-    from eyas.bench.engine import ENGINES, EngineBenchConfig
     served = p.add_argument_group("in a serving engine (--engine): the target and drafter are served, --target is "
                                   "the served model's directory (config and tokenizer, no weights)")
     # --trust-remote-code (above) reaches EngineBenchConfig too: from_args reads it by its field name
@@ -91,8 +95,6 @@ def check_counts(args: argparse.Namespace) -> None:
 def bench_config(args: argparse.Namespace, device: str, *, target: str | None = None):
     """The BenchConfig of parsed `eyas bench` flags on `device` (--chain/--tree and --graph-round resolved) and
     `target` (default: --target, else BenchConfig's)."""
-    from eyas.bench.bench import BenchConfig, graph_round_default
-
     shape = {"method": "tree"} if args.tree else {"method": "chain",
                                                   **({"k": args.chain} if args.chain is not None else {})}
     graph_round = args.one_graph_round
@@ -105,8 +107,6 @@ def bench_config(args: argparse.Namespace, device: str, *, target: str | None = 
 
 def loads_as_named(spec: str) -> bool:
     """Whether a recorded target name loads as it is: an embedded name, a path that exists here, or a hub id."""
-    from eyas.target.load import EMBEDDED
-
     return spec in EMBEDDED or Path(spec).expanduser().exists() or (spec.count("/") == 1 and
                                                                     not spec.startswith((".", "/", "~")))
 
@@ -114,8 +114,6 @@ def loads_as_named(spec: str) -> bool:
 def recorded_fingerprint(drafter: str) -> tuple[Path, dict | None]:
     """(the directory holding the drafter's config.json, the target fingerprint it records or None), no weights read.
     Refuses a path that holds no drafter."""
-    from eyas.model.checkpoint import drafter_dir
-
     d = drafter_dir(drafter)
     try:
         raw = json.loads((d / "config.json").read_text())
@@ -156,9 +154,6 @@ def recorded_target(drafter: str) -> str | None:
 def check_prompts(spec: str) -> None:
     """Refuse a --prompts that cannot load, before the target does: a named set's data file, a prompt file (its
     first record is read)."""
-    from eyas.bench.bench import PROMPT_SETS
-    from eyas.data.sources import load_prompts, resolve_data
-
     if spec in PROMPT_SETS:
         return
     if spec.startswith(("heldout:", "long:")):
@@ -170,8 +165,6 @@ def check_prompts(spec: str) -> None:
 
 def main(args: argparse.Namespace) -> int:
     import torch
-
-    from eyas.bench.bench import BenchConfig, run_bench
 
     check_counts(args)
     if getattr(args, "engine", None) or getattr(args, "url", None) or getattr(args, "plain_url", None):
@@ -193,12 +186,9 @@ def main(args: argparse.Namespace) -> int:
     # The drafter is loaded here, accepting another target's fingerprint with a warning; run_bench gets both.
     import sys
 
-    from eyas.manifest import atomic_write_bytes
-    from eyas.model.checkpoint import open_drafter
-    from eyas.target import load_target
-
     dtype = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
-    target = load_target(cfg.target, device=cfg.device, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    target = eyas.target.load_target(cfg.target, device=cfg.device, dtype=dtype,
+                                     trust_remote_code=cfg.trust_remote_code)
     drafter, meta = open_drafter(cfg.drafter, target, allow_target_mismatch=True)
     report = run_bench(cfg, target=target, drafter=drafter, drafter_meta=meta)
     if warning := meta.get("target_mismatch"):
@@ -212,8 +202,6 @@ def main(args: argparse.Namespace) -> int:
 
 def engine_main(args: argparse.Namespace) -> int:
     """`eyas bench --engine E --url URL [--plain-url URL2]`: nothing is loaded in process but the tokenizer."""
-    from eyas.bench.engine import EngineBenchConfig, run_engine_bench
-
     if not args.engine:
         raise EyasError("--url and --plain-url bench a served drafter: say which engine serves it (--engine "
                         "sglang or vllm)")

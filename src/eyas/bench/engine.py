@@ -29,10 +29,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from eyas.bench.bench import BenchConfig, Method, prompt_room, write_report
-from eyas.bench.prompts import prompt_ids, load_bench_prompts, prompt_summary, tau_by_kind
 from eyas.bench.check import agreement, common_prefix
+from eyas.bench.prompts import load_bench_prompts, prompt_ids, prompt_summary, tau_by_kind
 from eyas.errors import EyasError
-from eyas.serving import ENGINES, SERVER_INFO, Client, greedy_request, reply_ids
+from eyas.serving import Client, ENGINES, SERVER_INFO, greedy_request, reply_ids
+from eyas.target.fingerprint import text_config
+from eyas.target.load import eos_ids
 
 DRAFTS = "vllm:spec_decode_num_drafts"
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
@@ -90,8 +92,6 @@ def open_tokenizer(target: str, *, trust_remote_code: bool = False):
     except Exception as e:  # noqa: BLE001 - any loader failure is one line
         hint = "" if trust_remote_code else "; a tokenizer with its own code needs --trust-remote-code"
         raise EyasError(f"{d}: cannot load its tokenizer ({type(e).__name__}: {str(e).splitlines()[0][:200]}){hint}")
-    from eyas.target.fingerprint import text_config
-    from eyas.target.load import eos_ids
 
     declared = []
     for name in ("config.json", "generation_config.json"):

@@ -8,21 +8,19 @@ shapes and dtypes, not on weight values), and runs every pending bench's own set
 (`run_bench(..., warm_only=True)`), which leaves the FX-graph cache under $EYAS_CACHE/inductor (and, with
 persist_steps, the saved steps) warm for the bench proper. RESULT gets one warm-up report per bench.
 
-Parent side (`Prewarm`): start, a bounded wait before the bench stage, stop (its whole process group) when the
-run ends or is interrupted. The child exits by itself when its parent dies (`watch_parent`), and a resumed run
-stops a recorded one still alive (`stop_stale`), so a killed run leaves no process behind.
+The process itself, its wait and its stop: eyas/warmup.py (`Prewarm`), shared with training's warm-up.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
+
+from eyas.warmup import Prewarm, await_warmup, stop_stale, watch_parent  # noqa: F401 (stop_stale: run.py's)
+from eyas.warmup import anchored as anchored_path
 
 AUTO_SHARE = 0.05
 """Auto mode warms only when the warm-up's own copy of the target's weights takes at most this share of the GPU's
@@ -33,16 +31,6 @@ the bench compiles what is left after that."""
 
 
 # ---- the child --------------------------------------------------------------------------------------------------
-
-def watch_parent(parent: int, every: float = 0.5) -> None:
-    """Exit this process (no clean-up: it holds only caches, written atomically) once `parent` is no longer its
-    parent: `eyas run` was killed."""
-    def loop():
-        while os.getppid() == parent:
-            time.sleep(every)
-        os._exit(3)
-    threading.Thread(target=loop, daemon=True, name="eyas-prewarm-watch").start()
-
 
 def warm(spec: dict, out=None) -> dict:
     """Warm every bench of `spec` (see Prewarm.start) in this process; returns {"benches": {name: warm-up report}}."""
@@ -120,23 +108,15 @@ def start(logs: Path, benches: dict, train, target, *, target_spec: str, dtype: 
             "trust_remote_code": trust_remote_code, "drafter": json.loads(json.dumps(dcfg.to_dict())),
             "benches": {n: {**(d := b.to_dict()), **{k: anchored(d[k]) for k in ("target", "drafter", "prompts")}}
                         for n, b in benches.items()}}
-    return Prewarm(logs, spec, cmd=command)  # looked up at call time: tests swap in a process made to fail
+    # `command` looked up at call time: tests swap in a process made to fail
+    return Prewarm(logs, spec, cmd=command, digest=bench_digest)
 
 
 def anchored(spec: str | None) -> str | None:
-    """A target, drafter or prompt spec whose relative path (also after `heldout:` or `long:`) exists here, made
-    absolute: the warm-up runs in the run directory (Prewarm), where that path would name nothing. A name that is
-    no path here (an embedded target, a prompt set, a hub id) stays as it is."""
+    """`spec` made absolute where it is a relative path here (eyas/warmup.py anchored); a prompt set's name stays."""
     from eyas.bench.bench import PROMPT_SETS
-    from eyas.target.load import EMBEDDED
 
-    if not spec:
-        return spec
-    prefix, path = spec.split(":", 1) if spec.startswith(("heldout:", "long:")) else ("", spec)
-    p = Path(path).expanduser()
-    if path in EMBEDDED or path in PROMPT_SETS or path == "sharegpt" or p.is_absolute() or not p.exists():
-        return spec
-    return (prefix + ":" if prefix else "") + str(p.resolve())
+    return anchored_path(spec, keep=(*PROMPT_SETS, "sharegpt"))
 
 
 def await_before_bench(proc: "Prewarm", log) -> dict:
@@ -145,125 +125,11 @@ def await_before_bench(proc: "Prewarm", log) -> dict:
     return await_warmup(proc, log, WAIT_S, stage="bench", beside="training", marker="benches", who="the bench")
 
 
-def await_warmup(proc: "Prewarm", log, wait_s: float, *, stage: str, beside: str, marker: str, who: str) -> dict:
-    """Before `stage`: wait for the warm-up `proc` that ran beside `beside` (at most wait_s, then stop it), say in one
-    log line how it went, and return Prewarm.record() plus finished_before_<stage> and waited_s. The warm-up worked
-    when it exited 0 with `marker` in its result; otherwise `who` compiles for itself."""
-    before = proc.done()
-    t0 = time.time()
-    ended = before or proc.wait(wait_s)
-    rec = {**proc.record(), f"finished_before_{stage}": before, "waited_s": round(time.time() - t0, 1)}
-    if not ended:
-        log(f"{proc.name}: not finished after waiting {wait_s:.0f} s; stopped it, {who} compiles what is left",
-            always=True)
-    elif rec["returncode"] != 0 or marker not in rec:
-        log(f"{proc.name}: failed (exit status {rec['returncode']}, logs/{proc.name}.log); {who} compiles its graphs "
-            f"itself", always=True)
-    else:
-        log(f"{proc.name}: finished in {rec['seconds']:.0f} s, "
-            + (f"before {beside} ended" if before else f"{rec['waited_s']:.0f} s after it"))
-    return rec
-
-
 def bench_digest(result: dict) -> dict:
     """What run.json keeps of the bench warm-up's result: each bench's warm-up report, seconds and compile cache."""
     return {"benches": {n: {"warmup": r["warmup"], "seconds": r["seconds"],
                             **({"compile_cache": r["compile_cache"]} if "compile_cache" in r else {})}
                         for n, r in result["benches"].items()}}
-
-
-class Prewarm:
-    """One warm-up process of a run directory: RUN/logs/NAME-spec.json in, NAME.json out, NAME.log (NAME "prewarm"
-    for the bench's, "train-prewarm" for training's, eyas/train/prewarm.py); `digest` picks what run.json keeps of
-    its result (bench_digest unless given)."""
-
-    def __init__(self, logs: Path, spec: dict, cmd=command, name: str = "prewarm", digest=None):
-        from eyas.target.fingerprint import cache_root
-
-        logs = Path(logs).resolve()  # the process runs in the run directory (below): its arguments are absolute
-        self.name, self.digest = name, digest or bench_digest
-        self.spec_path, self.result_path = logs / f"{name}-spec.json", logs / f"{name}.json"
-        self.drafter_config = spec.get("drafter")
-        self.result_path.unlink(missing_ok=True)
-        self.spec_path.write_text(json.dumps({**spec, "parent": os.getpid()}, indent=2) + "\n")
-        self.started = time.time()
-        self.ended: float | None = None
-        # cwd: the run directory, which outlives the process. Inherited, the cwd of `eyas run` may be deleted while
-        # the run goes on (a working tree laid anew), and a Python started in a deleted directory cannot import
-        # torch ("Intel oneMKL FATAL ERROR: Cannot load libtorch_cpu.so"); so the spec's paths are absolute
-        # (anchored) and so is the compile cache both processes share.
-        env = {**os.environ, "EYAS_CACHE": str(cache_root().resolve())}
-        with open(logs / f"{name}.log", "ab") as log:
-            self.proc = subprocess.Popen(cmd(self.spec_path, self.result_path), stdin=subprocess.DEVNULL,
-                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                         cwd=logs.parent, env=env)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def done(self) -> bool:
-        if self.proc.poll() is not None and self.ended is None:
-            self.ended = time.time()
-        return self.ended is not None
-
-    def wait(self, timeout: float) -> bool:
-        """Wait up to `timeout` s for the process to end; False (and the process stopped) if it did not."""
-        try:
-            self.proc.wait(timeout=max(0.0, timeout))
-        except subprocess.TimeoutExpired:
-            self.stop()
-            return False
-        self.done()
-        return True
-
-    def stop(self) -> None:
-        """End the process and its compile workers (its process group): SIGTERM, then SIGKILL after 5 s."""
-        if self.proc.poll() is None:
-            _kill_group(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                _kill_group(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.done()
-
-    def record(self) -> dict:
-        """What run.json keeps: pid, seconds, exit status and, when it finished, digest(its result)."""
-        rc = self.proc.poll()
-        rec = {"pid": self.pid, "seconds": round((self.ended or time.time()) - self.started, 1), "returncode": rc}
-        if rc == 0 and self.result_path.exists():
-            rec.update(self.digest(json.loads(self.result_path.read_text())))
-        return rec
-
-
-def _kill_group(pid: int, sig) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def stop_stale(pid: int, logs: Path, name: str = "prewarm") -> bool:
-    """Stop a warm-up process a killed run left running: only if `pid` still leads its own process group and its
-    command line names this run's LOGS/NAME-spec.json (so never an unrelated process that reused the pid).
-    True if one was stopped."""
-    spec_path = logs / f"{name}-spec.json"
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        if os.getpgid(pid) != pid or str(spec_path).encode() not in cmdline:
-            return False
-    except OSError:  # gone, or no /proc: nothing to stop here
-        return False
-    _kill_group(pid, signal.SIGTERM)
-    for _ in range(50):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.1)
-    _kill_group(pid, signal.SIGKILL)
-    return True
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from eyas.data.chat import encode_prompt
+from eyas.data.prompts import load_prompts
 from eyas.errors import EyasError
 
 if TYPE_CHECKING:
@@ -20,9 +22,6 @@ def load_bench_prompts(cfg: BenchConfig, tokenizer=None, counts: dict | None = N
     """Prompt records and how many were skipped for a first prompt over cfg.max_prompt_tokens; `counts`, if
     given, gets {"too_long": n, "too_short": n} (under cfg.min_prompt_tokens). Lengths: context + first turn,
     chat template applied."""
-    from eyas.data.chat import encode_prompt
-    from eyas.data.sources import load_prompts
-
     lo, hi = cfg.min_prompt_tokens, cfg.max_prompt_tokens
     n = counts if counts is not None else {}
     n.update(too_long=0, too_short=0)
@@ -47,8 +46,6 @@ def load_bench_prompts(cfg: BenchConfig, tokenizer=None, counts: dict | None = N
 
 def prompt_ids(tok, msgs, room) -> tuple[list[int], bool]:
     """Token ids of `msgs` with the generation prompt, left-truncated to `room` (and whether they were)."""
-    from eyas.data.chat import encode_prompt
-
     ids = encode_prompt(tok, msgs)
     return (ids[-room:], True) if len(ids) > room else (ids, False)
 
@@ -56,8 +53,6 @@ def prompt_ids(tok, msgs, room) -> tuple[list[int], bool]:
 def prompt_summary(records: list[dict], tok) -> dict:
     """First-prompt lengths in tokens (context + first turn, chat template applied, before any left-truncation)
     and the records per kind (records of the `long` set carry one)."""
-    from eyas.data.chat import encode_prompt
-
     sizes = sorted(len(encode_prompt(tok, first_messages(r))) for r in records)
     kinds: dict[str, int] = {}
     for r in records:

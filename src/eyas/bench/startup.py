@@ -1,4 +1,4 @@
-"""Bench start-up: a persistent compile cache, and warm-up on a fixed set of shapes.
+"""Bench start-up: a persistent compile cache (target/compile.py compile_cache), and warm-up on a fixed set of shapes.
 
 A bench process pays for loading, dynamo tracing, inductor compilation and CUDA-graph capture before it
 decodes anything. Inductor's FX graph cache (and the Triton kernels under it) survives the process when
@@ -9,57 +9,15 @@ every shape the timed loop will use, so that nothing compiles or captures while 
 
 from __future__ import annotations
 
-import os
-from contextlib import contextmanager
-from pathlib import Path
-
 import torch
 
-
-def _inductor_counters() -> dict:
-    from torch._dynamo.utils import counters
-
-    c = counters["inductor"]
-    return {"fx_graph_hits": int(c.get("fxgraph_cache_hit", 0)), "fx_graph_misses": int(c.get("fxgraph_cache_miss", 0))}
-
-
-@contextmanager
-def compile_cache(enabled: bool):
-    """While open, inductor's caches live under $EYAS_CACHE/inductor (a TORCHINDUCTOR_CACHE_DIR the user
-    set to a non-default path wins) with the FX graph cache on. Yields a dict that, on exit, holds the
-    directory and the FX-graph cache hits/misses of the block. Restores the environment after."""
-    info: dict = {}
-    if not enabled:
-        yield info
-        return
-    from torch._inductor import config as inductor_config
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    from eyas.target.load import cache_root
-
-    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    mine = before is None or os.path.abspath(before) == os.path.abspath(default_cache_dir())
-    path = str(Path(cache_root()) / "inductor") if mine else before
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
-    start = _inductor_counters()
-    try:
-        with inductor_config.patch(fx_graph_cache=True):
-            yield info
-    finally:
-        end = _inductor_counters()
-        info.update({"dir": path, **{k: end[k] - start[k] for k in end}})
-        if mine:
-            if before is None:
-                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-            else:
-                os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
+from eyas.target.compile import compile_cache  # noqa: F401 (the bench's start-up uses it; training too)
+from eyas.target.persist import PersistentStep
 
 
 def saved_steps(runner) -> dict:
     """Totals over a runner's saved compiled steps (target/persist.py PersistentStep; none without persist): files
     loaded, steps compiled and saved, plain-compile fallbacks."""
-    from eyas.target.persist import PersistentStep
-
     steps = [s for s in (getattr(runner, "_compiled", None), *getattr(runner, "_step_fns", {}).values())
              if isinstance(s, PersistentStep)]
     return {k: sum(getattr(s, k) for s in steps) for k in ("loaded", "compiled", "fallbacks")}

@@ -13,10 +13,13 @@ from typing import Iterable
 import torch
 from tqdm import tqdm
 
+import eyas.target  # load_target looked up at call time: tests patch it
+from eyas.data.prepared import PreparedData  # the data stage, left of capture in the pipeline
 from eyas.errors import EyasError
 from eyas.store import format as fmt
 from eyas.store.lock import acquire_store_lock
 from eyas.store.writer import StoreWriter
+from eyas.target import check_aux_layer_ids
 from eyas.target.hooks import capture_states
 
 
@@ -109,7 +112,6 @@ def _barrier() -> None:
 def _load_data(cfg: CaptureConfig, target) -> tuple[list, dict]:
     if cfg.data is None:
         raise EyasError("capture: no --data given (a prepared directory)")
-    from eyas.data.prepared import PreparedData  # the data stage, left of capture in the pipeline
     data = PreparedData(cfg.data, target=target)
     sha = hashlib.sha256((Path(cfg.data) / "manifest.json").read_bytes()).hexdigest()
     return list(data), {"source": "prepared", "manifest_sha256": sha}
@@ -141,10 +143,9 @@ def _run_capture(cfg: CaptureConfig, target, samples: Iterable | None, rank: int
     # (a local path made absolute: a directory's identity is only its name), or the name of a target passed in
     spec = target.name if target is not None else _reload_spec(cfg.target)
     if target is None:
-        from eyas.target import load_target
         dtype = torch.bfloat16 if cfg.device.startswith("cuda") else torch.float32
-        target = load_target(cfg.target, device=cfg.device, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
-    from eyas.target import check_aux_layer_ids
+        target = eyas.target.load_target(cfg.target, device=cfg.device, dtype=dtype,
+                                         trust_remote_code=cfg.trust_remote_code)
     aux = check_aux_layer_ids(cfg.layers if cfg.layers is not None else target.aux_layer_ids, target.num_layers)
     if samples is None:
         raw, data_id = _load_data(cfg, target)

@@ -7,8 +7,16 @@ import json
 import os
 from pathlib import Path
 
+import eyas.capture.capture  # run_capture looked up at call time: tests patch it
+from eyas.capture.capture import CaptureConfig
+from eyas.data.prepared import PreparedData
+from eyas.engines.capture import add_engine_args, config_from_args, run_engine_capture, served_check
 from eyas.errors import EyasError
-from eyas.knobs import (DEVICE_HELP, add_flags, announce_target, flag_or_default, from_args, resolve_device)
+from eyas.knobs import DEVICE_HELP, add_flags, announce_target, flag_or_default, from_args, resolve_device
+from eyas.store.format import DTYPES
+from eyas.target.dist import destroy_process_group, init_process_group
+from eyas.target.fingerprint import text_config
+from eyas.target.layers import resolve_aux_layer_ids
 
 
 def _layers(text: str) -> tuple[int, ...]:
@@ -19,9 +27,6 @@ def _layers(text: str) -> tuple[int, ...]:
 
 
 def register(subparsers) -> None:
-    from eyas.capture.capture import CaptureConfig
-    from eyas.store.format import DTYPES
-
     p = subparsers.add_parser(
         "capture", help="store the target's aux + final hidden states for prepared data",
         description="Run the target over a prepared directory and store, per sample, the hidden states of three of "
@@ -39,7 +44,6 @@ def register(subparsers) -> None:
     add_flags(p.add_argument_group("data"), CaptureConfig, ["data", "limit"], **special)
     add_flags(p.add_argument_group("capture"), CaptureConfig, ["layers", "dtype", "batch_tokens"], **special)
     add_flags(p.add_argument_group("output"), CaptureConfig, ["out", "overwrite", "shard_mb"], **special)
-    from eyas.engines.capture import add_engine_args
 
     add_engine_args(p)
     p.set_defaults(func=_main)
@@ -47,10 +51,6 @@ def register(subparsers) -> None:
 
 def _engine_main(args) -> int:
     """`eyas capture --engine sglang|vllm`: the target runs in a server; only its config is read here."""
-    from eyas.engines.capture import config_from_args, run_engine_capture, served_check
-    from eyas.target.fingerprint import text_config
-    from eyas.target.layers import resolve_aux_layer_ids
-
     if not args.target_config:
         raise EyasError("capture --engine needs --target-config CONFIG.json (the served model's config)")
     path = Path(args.target_config)
@@ -75,9 +75,6 @@ def _engine_main(args) -> int:
 
 
 def _main(args) -> int:
-    from eyas.capture.capture import CaptureConfig, run_capture
-    from eyas.data.prepared import PreparedData
-
     if args.engine:
         return _engine_main(args)
     # The data are checked before the target loads, so a wrong --data fails at once, not after a model load; the
@@ -89,7 +86,6 @@ def _main(args) -> int:
     if world > 1:
         import torch.distributed as dist
 
-        from eyas.train.dist import destroy_process_group, init_process_group
         if not dist.is_initialized():
             init_process_group("gloo")  # only for barriers; every rank writes its own shards
             owns = True
@@ -100,7 +96,7 @@ def _main(args) -> int:
     except ValueError as e:
         raise EyasError(f"capture: {e}") from None
     announce_target("capture", cfg.target, flag_or_default(cfg.target, CaptureConfig.target))
-    m = run_capture(cfg)
+    m = eyas.capture.capture.run_capture(cfg)
     if owns:           # every rank is past run_capture's last barrier; a live gloo group at exit can abort the process
         destroy_process_group()
     keys = ("complete", "num_samples", "num_tokens", "num_shards", "bytes", "dtype")

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+import eyas.data.prepare  # run_prepare looked up at call time: tests patch it
+from eyas.data.prepare import PrepareConfig, format_counts, skipped_lines
 from eyas.errors import EyasError
 from eyas.knobs import DEVICE_HELP, add_flags, announce_target, flag_or_default, from_args, knobs, resolve_device
 
@@ -25,8 +27,6 @@ GROUPS = {
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    from eyas.data.prepare import PrepareConfig
-
     p = subparsers.add_parser(
         "prepare", help="tokenize conversations with loss masks (train split only)",
         description="Tokenize conversations with the target's chat template and assistant loss masks; "
@@ -49,14 +49,12 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
-    from eyas.data.prepare import PrepareConfig, format_counts, run_prepare, skipped_lines
-
     try:
         cfg = from_args(PrepareConfig, args, device=resolve_device(args.device))
     except ValueError as e:
         raise EyasError(str(e)) from e
     announce_target("prepare", cfg.target, flag_or_default(cfg.target, PrepareConfig.target))
-    manifest = run_prepare(cfg)
+    manifest = eyas.data.prepare.run_prepare(cfg)
     print(f"prepared {cfg.out}")
     print(format_counts(manifest["counts"]))
     skips = Path(cfg.out) / "skipped.jsonl"

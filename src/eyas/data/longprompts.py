@@ -29,6 +29,7 @@ from __future__ import annotations
 import re
 from typing import Iterator
 
+from eyas.data.sources import Skipped, data_format, iter_raw, normalize_messages, resolve_data, to_conversation
 from eyas.data.split import is_heldout
 
 LONG_TOKENS = (2048, 6144)
@@ -57,8 +58,6 @@ def heldout_chats(data: str, fraction: float, skips) -> Iterator[tuple[str, tupl
 
     A joined chat's id is "<first part id>..<last part id>"; a chat of one part keeps the part's id and
     its messages as `iter_conversations` gives them."""
-    from eyas.data.sources import Skipped, data_format, iter_raw, normalize_messages, resolve_data, to_conversation
-
     path = resolve_data(data)
     sharegpt = data_format(path) == "json"   # ShareGPT's parts are joined; other sources' records are whole chats
     chat = None   # {"key", "ids", "messages" (validated, one part), "raw" (ShareGPT turns), "next" (turn offset)}

@@ -16,11 +16,14 @@ import sys
 from collections import Counter
 from dataclasses import asdict, dataclass
 
+import eyas.target  # load_target looked up at call time: tests patch it
 from eyas.data.chat import TemplateError, Tokenized, check_chat_template, first_turn_framing, tokenize_conversations
-from eyas.data.prepared import SKIPS, PreparedWriter, Sample
+from eyas.data.prepared import PreparedWriter, SKIPS, Sample
+from eyas.data.regenerate import RegenStats, make_backend
 from eyas.data.sources import Conversation, Skipped, iter_records, resolve_data
 from eyas.data.split import is_heldout, sample_id
 from eyas.errors import EyasError
+from eyas.target.meta import open_target_meta   # tokenizer, config and fingerprint: no weights loaded
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -215,10 +218,7 @@ def _open_target(cfg: PrepareConfig, target):
     if target is not None:
         return target
     if (cfg.regenerate and not cfg.server) or cfg.self_prompts:
-        from eyas.target import load_target   # local generation runs the target's forward
-
-        return load_target(cfg.target, device=cfg.device, trust_remote_code=cfg.trust_remote_code)
-    from eyas.target.meta import open_target_meta   # tokenizer, config and fingerprint: no weights loaded
+        return eyas.target.load_target(cfg.target, device=cfg.device, trust_remote_code=cfg.trust_remote_code)
 
     return open_target_meta(cfg.target, trust_remote_code=cfg.trust_remote_code, tensors=())
 
@@ -258,8 +258,6 @@ class _Preparation:
         self.template_errors: list[str] = []  # this run's (the first one names the failure if nothing is kept)
         self.backend = None
         if cfg.regenerate or cfg.self_prompts:
-            from eyas.data.regenerate import RegenStats, make_backend
-
             self.backend = make_backend(cfg, target)
             self.backend.stats = RegenStats(**self.st["regen"])
         self.bar = None

@@ -224,3 +224,11 @@ class PreparedData:
                 os.close(self._fd)
             except OSError:
                 pass
+
+
+def load_prepared_samples(data: str):
+    """(manifest, {id: input_ids}, {id: loss_mask}) of the prepared directory DATA: what an engine capture sends."""
+    pd = PreparedData(data)
+    ids = {s.id: s.input_ids for s in pd}
+    masks = {s.id: s.loss_mask for s in pd}
+    return pd.manifest, ids, masks

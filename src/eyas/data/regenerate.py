@@ -27,7 +27,8 @@ from dataclasses import dataclass, replace
 from eyas.data.chat import TemplateError, encode_prompts, special_strings, user_header
 from eyas.data.sources import Conversation, Skipped
 from eyas.errors import EyasError
-from eyas.serving import TIMEOUT, Client, ServerError, retrying
+from eyas.serving import Client, ServerError, TIMEOUT, retrying
+from eyas.target.runner import Runner
 
 
 @dataclass
@@ -141,7 +142,6 @@ class LocalBackend:
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else (self.eos[0] if self.eos else 0)
         if use_runner:
             try:
-                from eyas.target.runner import Runner
                 runner = Runner.from_hf(self.model, max_batch=batch_size, max_seq=self.max_len + self.max_new,
                                         dtype=self.dtype, compile=compile, dynamic=True, fuse=fuse)
                 self.runner = runner

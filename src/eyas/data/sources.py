@@ -14,7 +14,6 @@ skipped record), and for prompts `sharegpt-heldout`, `humaneval` and `long` (eya
 from __future__ import annotations
 
 import codecs
-import gzip
 import hashlib
 import importlib.util
 import json
@@ -26,7 +25,7 @@ from pathlib import Path
 from typing import Iterator
 
 from eyas.data.formats import check_dataset, check_parquet, iter_dataset, iter_parquet
-from eyas.data.split import is_heldout, split_key
+from eyas.data.split import split_key
 from eyas.errors import EyasError
 
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
@@ -326,150 +325,3 @@ def iter_conversations(spec: str, skips: SkipLog | None = None) -> Iterator[Conv
 
 
 # --------------------------------------------------------------------------- prompts (for bench)
-
-def _prompt_record(obj, where: str) -> dict:
-    if not isinstance(obj, dict):
-        raise _Bad("malformed record", "expected a JSON object")
-    rid = obj.get("id", obj.get("question_id", obj.get("task_id")))
-    if isinstance(obj.get("prompt"), str):
-        turns = [obj["prompt"]]
-    elif isinstance(obj.get("turns"), list) and obj["turns"] and all(isinstance(t, str) for t in obj["turns"]):
-        turns = list(obj["turns"])
-    elif "messages" in obj or "conversations" in obj:
-        sharegpt = "conversations" in obj
-        msgs = obj["conversations" if sharegpt else "messages"]
-        try:
-            turns = [m["content"] for m in _messages_for_prompts(msgs, sharegpt)]
-        except _Bad:
-            raise
-    else:
-        raise _Bad("malformed record", "expected 'prompt' (string) or 'turns' (list of strings)")
-    for i, t in enumerate(turns):
-        if _has_surrogates(t):
-            raise _Bad("invalid UTF-8", f"turn {i} is not valid UTF-8")
-        if not t.strip():
-            raise _Bad("empty turn", f"turn {i} is empty")
-    rec = {"id": str(rid) if rid is not None else _content_id(turns), "turns": turns}
-    if "context" in obj:
-        rec["context"] = _context(obj["context"])
-        if rid is None:
-            rec["id"] = _content_id([rec["context"], turns])
-    return rec
-
-
-def _context(raw) -> list[dict]:
-    """A prompt record's fixed context: {"role": system|user|assistant, "content": str} messages, as written."""
-    if not isinstance(raw, list):
-        raise _Bad("malformed record", "'context' is not a list of messages")
-    out = []
-    for i, m in enumerate(raw):
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in OPENAI_ROLES:
-            raise _Bad("malformed record", f"context message {i}: expected {{\"role\": system|user|assistant, "
-                                           f"\"content\": string}}")
-        if _has_surrogates(m["content"]):
-            raise _Bad("invalid UTF-8", f"context message {i} is not valid UTF-8")
-        if m["role"] == "system" and i != 0:
-            raise _Bad("misplaced system turn", f"context message {i}: a system message may only come first")
-        out.append({"role": m["role"], "content": m["content"]})
-    return out
-
-
-def _messages_for_prompts(raw, sharegpt: bool):
-    return [m for m in normalize_messages(raw, sharegpt=sharegpt) if m["role"] == "user"]
-
-
-_REPORTED: set[str] = set()  # skip summaries already printed by load_prompts in this process
-
-
-def load_prompts(name_or_path: str, *, heldout_fraction: float = 0.05, limit: int | None = None,
-                 skips: SkipLog | None = None, keep=None) -> list[dict]:
-    """Prompt records {"id": str, "turns": [user turn, ...]} for bench; a record may also carry "context": the
-    messages before its first turn, fixed (a long chat's earlier turns as written), and "kind".
-
-    `keep(record) -> bool` filters records before they count towards `limit`, so a filtered load stops as soon as
-    it has `limit` records (bench's --max-prompt-tokens: reading every held-out ShareGPT conversation first was
-    most of a bench's load time; docs/LOG.md).
-
-    `sharegpt-heldout`: the user turns of the held-out ShareGPT conversations (the ones
-    `prepare` never writes); `heldout:DATA`: the same for any conversation source DATA; `humaneval`: the 164
-    HumanEval prompts; `long` (`long:DATA`): the held-out chats kept whole (context + last user turn) and long
-    single user turns, at least 2,048 bytes of text (eyas.data.longprompts; bench keeps 2k-6k tokens; the whole
-    source is read, then ordered); a .jsonl path: lines with `prompt` or `turns` (or `messages`), optionally
-    `context`; a .json, .parquet or datasets.save_to_disk path: the user turns of its conversations.
-    """
-    if skips is None:  # our own log: one summary line at the end instead of a line per record
-        own = SkipLog()
-        try:
-            return load_prompts(name_or_path, heldout_fraction=heldout_fraction, limit=limit, skips=own, keep=keep)
-        finally:
-            line = own.summary(name_or_path)
-            if own.counts and line not in _REPORTED:  # `eyas run` loads a prompt set once per bench: say it once
-                _REPORTED.add(line)
-                print(line, file=sys.stderr)
-    kept: list[dict] = []
-
-    def add(rec: dict) -> None:
-        if keep is None or keep(rec):
-            kept.append(rec)
-
-    def full() -> bool:
-        return limit is not None and len(kept) >= limit
-
-    if name_or_path == "sharegpt-heldout" or name_or_path.startswith("heldout:"):
-        data = "sharegpt" if name_or_path == "sharegpt-heldout" else name_or_path.split(":", 1)[1]
-        for c in iter_conversations(data, skips):
-            if is_heldout(c.split_key, heldout_fraction):
-                add({"id": c.id, "turns": [m["content"] for m in c.messages if m["role"] == "user"]})
-                if full():
-                    break
-        return kept
-    if name_or_path == "long" or name_or_path.startswith("long:"):
-        from eyas.data.longprompts import long_records
-
-        for rec in long_records("sharegpt" if name_or_path == "long" else name_or_path.split(":", 1)[1],
-                                heldout_fraction, skips, keep):   # ordered among the kept records
-            kept.append(rec)
-            if full():
-                break
-        return kept
-    if name_or_path == "humaneval":
-        path = package_file(*HUMANEVAL_FILE)
-        try:
-            with gzip.open(path, "rt", encoding="utf-8") as f:
-                lines = f.readlines()
-        except (OSError, UnicodeDecodeError, EOFError) as e:
-            raise EyasError(f"{path}: cannot read HumanEval ({e})") from e
-        for i, line in enumerate(lines, 1):
-            if line.strip():
-                obj = json.loads(line)
-                add({"id": obj["task_id"], "turns": [obj["prompt"]]})
-                if full():
-                    break
-        return kept
-    path = Path(name_or_path)
-    if not path.exists():
-        raise EyasError(f"{name_or_path}: no such file (expected 'sharegpt-heldout', 'humaneval', 'long', a "
-                        f".jsonl of prompts, or conversations: a .json, a .parquet or a datasets.save_to_disk "
-                        f"directory)")
-    if path.suffix in (".json", ".parquet") or path.is_dir():
-        for c in iter_conversations(name_or_path, skips):
-            add({"id": c.id, "turns": [m["content"] for m in c.messages if m["role"] == "user"]})
-            if full():
-                break
-        return kept
-    if path.suffix != ".jsonl":
-        raise EyasError(f"{name_or_path}: unknown prompt format {path.suffix!r} (expected .jsonl, .json, .parquet "
-                        f"or a datasets.save_to_disk directory)")
-    for item in iter_jsonl(path):
-        if isinstance(item, Skipped):
-            skips.add(item)
-            continue
-        where = f"{path} line {item[0]}"
-        try:
-            add(_prompt_record(item[1], where))
-        except _Bad as e:
-            skips.add(Skipped(e.reason, where, e.detail))
-            continue
-        if full():
-            break
-    return kept

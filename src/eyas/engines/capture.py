@@ -6,20 +6,15 @@ import argparse
 import time
 from pathlib import Path
 
+from eyas.data.prepared import load_prepared_samples
 from eyas.engines.client import EngineCaptureConfig, committed, read_events, record_failures
+from eyas.engines.final_norm import load_final_norm
 from eyas.engines.locking import CLIENT_RANK, client_writer, finalize_store
 from eyas.engines.probe import Probe
+from eyas.engines.served_check import CheckConfig, locate_head, report, run_served_check
+from eyas.engines.vllm_ingest import ingest_dir
 from eyas.errors import EyasError
 from eyas.store.lock import acquire_store_lock
-
-
-def load_prepared_samples(data: str):
-    """(manifest, {id: input_ids}, {id: loss_mask}) of the prepared directory DATA: what an engine capture sends."""
-    from eyas.data.prepared import PreparedData  # noqa: PLC0415
-    pd = PreparedData(data)
-    ids = {s.id: s.input_ids for s in pd}
-    masks = {s.id: s.loss_mask for s in pd}
-    return pd.manifest, ids, masks
 
 
 def store_header(prep_manifest: dict, cfg: EngineCaptureConfig, aux_ids, hidden_size: int, vocab: int) -> dict:
@@ -91,8 +86,6 @@ def _sglang_round(cfg, probe, out: Path, todo: dict, attempt: int, kw) -> dict:
 
 
 def _vllm_round(cfg, probe, todo: dict, masks: dict, header: dict, attempt: int, kw) -> dict:
-    from eyas.engines.final_norm import load_final_norm  # noqa: PLC0415
-    from eyas.engines.vllm_ingest import ingest_dir  # noqa: PLC0415
     norm = load_final_norm(cfg.target_config)              # before any request: fail fast on a bad target
     resp = probe.send(todo, attempt=attempt, **kw)
     failures = {k: v for k, v in resp.items() if isinstance(v, str)}
@@ -133,7 +126,6 @@ def served_check(args):
     returns the exit code (1 when a check fails). It never touches the captured samples."""
     if args.no_check:
         return None
-    from eyas.engines.served_check import CheckConfig, locate_head, report, run_served_check  # noqa: PLC0415
     d = Path(args.target_config)
     target = str(d if d.is_dir() else d.parent)
     try:

@@ -22,8 +22,10 @@ from pathlib import Path
 
 from eyas.engines.launch_args import VLLM_SERVED_NAME
 from eyas.engines.records import ATTEMPT_SEP
+from eyas.engines.vllm_ingest import check_sample_id
 from eyas.errors import EyasError
 from eyas.serving import greedy_request, post_json, retrying
+from eyas.store.writer import read_sidecars
 
 FAILURES = "engine-failures.jsonl"
 
@@ -76,7 +78,6 @@ def send_all(cfg: EngineCaptureConfig, samples: dict, *, attempt: int, post=post
     """POST each sample once (with per-request retries on any failure, backing off from 0.1 s up to 5 s) ->
     {id: response | error str}. post(url, body, timeout) -> JSON: serving.post_json, or a fake server (tests)."""
     if cfg.engine == "vllm":  # vLLM names its file after the request id: no id may point outside its directory
-        from eyas.engines.vllm_ingest import check_sample_id  # noqa: PLC0415
         for sid in samples:
             check_sample_id(sid, cfg.data)
 
@@ -128,7 +129,6 @@ def record_failures(store: Path, failures: dict) -> None:
 
 
 def committed(store: Path) -> set[str]:
-    from eyas.store.writer import read_sidecars  # noqa: PLC0415
     return {i for r in read_sidecars(store) for i in r["ids"]}
 
 

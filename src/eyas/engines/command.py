@@ -5,11 +5,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import eyas.target  # load_target looked up at call time: tests patch it
+from eyas.engines import launch_args as la, sglang_patch as sp
+from eyas.engines.crosscheck import crosscheck, reference_states, report
+from eyas.engines.served_check import CheckConfig, report as check_report, run_served_check
+from eyas.engines.vllm_ingest import run_ingest, skip_summary
 from eyas.errors import EyasError
+from eyas.store.reader import Store
 
 
 def _launch(a) -> int:
-    from eyas.engines import launch_args as la
     ids = [int(x) for x in a.aux_layer_ids.split(",")] if a.aux_layer_ids else None
     if Path(a.target_config).is_dir():   # a target directory (weightless will do): its config.json
         a.target_config = str(Path(a.target_config) / "config.json")
@@ -28,7 +33,6 @@ def _launch(a) -> int:
 
 
 def _patch(a) -> int:
-    from eyas.engines import sglang_patch as sp
     d = sp.models_dir(a.sglang_dir)
     if a.check:
         for c in sp.plan(d):
@@ -41,14 +45,11 @@ def _patch(a) -> int:
 
 
 def _crosscheck(a) -> int:
-    from eyas.engines.crosscheck import crosscheck, reference_states, report
-    from eyas.store.reader import Store
-    from eyas.target import load_target
     st = Store(a.store, allow_incomplete=True)
     if len(st) == 0:
         raise EyasError(f"{a.store}: the store holds no samples, so there is nothing to crosscheck (did the "
                         f"engine capture write any? see its events and skipped files)")
-    t = load_target(a.target, aux_layer_ids=tuple(st.aux_layer_ids),   # runs the forward: the whole target
+    t = eyas.target.load_target(a.target, aux_layer_ids=tuple(st.aux_layer_ids),   # runs the forward: the whole target
                     trust_remote_code=a.trust_remote_code)
     n = min(a.n, len(st))
     samples = [st.get(i, dtype=__import__("torch").float32) for i in range(n)]
@@ -60,16 +61,14 @@ def _crosscheck(a) -> int:
 
 
 def _check(a) -> int:
-    from eyas.engines.served_check import CheckConfig, report, run_served_check
     res = run_served_check(CheckConfig(engine=a.engine, url=a.url, store=a.store, target=a.target, n=a.n, tol=a.tol,
                                        vllm_dir=a.vllm_dir))
-    print(report(res["rows"]))
+    print(check_report(res["rows"]))
     return 0 if res["ok"] else 1
 
 
 def _ingest(a) -> int:
     import sys  # noqa: PLC0415
-    from eyas.engines.vllm_ingest import run_ingest, skip_summary
     summary = run_ingest(a.vllm_dir, a.data, a.out, a.target_config, a.target_weights or None)
     print(json.dumps(summary, indent=1))
     line = skip_summary(summary)

@@ -20,9 +20,11 @@ import json
 import shlex
 from pathlib import Path
 
+from eyas.data.prepared import PreparedData
 from eyas.errors import EyasError
 from eyas.target.fingerprint import text_config
 from eyas.target.layers import resolve_aux_layer_ids, sglang_layer_ids
+from eyas.target.meta import needs_remote_code
 
 # Read from the wheels (tests/engine_sglang_layouts.py records each release; the tests check it):
 FIRST_HOOKS_VERSION = (0, 5, 6)       # --forward-hooks and model_executor/hook_manager.py
@@ -61,7 +63,6 @@ def parse_version(v: str) -> tuple[int, int, int]:
 def read_target_config(path) -> dict:
     """A HF config.json; multimodal wrappers (Kimi-K2.5) keep the LM, and so its depth and width, under
     text_config. remote_code: why the engine needs --trust-remote-code (target/meta.py needs_remote_code)."""
-    from eyas.target.meta import needs_remote_code  # noqa: PLC0415
     p = Path(path)
     try:
         cfg = json.loads(p.read_text())
@@ -186,7 +187,6 @@ def sglang_args(target_config, version: str, *, model: str = "MODEL", store: str
 
 def longest_prompt(data) -> int | None:
     """The longest sample of a prepared-data directory, in tokens (None when `data` is not one)."""
-    from eyas.data.prepared import PreparedData  # noqa: PLC0415
     if not (Path(data) / "manifest.json").is_file():
         return None
     return max((len(s.input_ids) for s in PreparedData(data)), default=None)

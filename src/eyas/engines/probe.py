@@ -23,6 +23,7 @@ from pathlib import Path
 
 from eyas.engines.client import EngineCaptureConfig, event_offsets, new_events, send_all
 from eyas.engines.records import NO_AUX, STORE_LOCKED, overlap_refusal
+from eyas.engines.vllm_ingest import find_files
 from eyas.errors import EyasError
 from eyas.serving import SERVER_INFO, get_json
 
@@ -101,7 +102,6 @@ class Probe:
         return r
 
     def _vllm_files(self, sid: str) -> list[Path]:
-        from eyas.engines.vllm_ingest import find_files  # noqa: PLC0415
         return find_files(self.cfg.vllm_dir, [sid]).get(sid, []) if Path(self.cfg.vllm_dir).is_dir() else []
 
     def _wait(self, found):

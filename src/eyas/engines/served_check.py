@@ -40,8 +40,14 @@ from pathlib import Path
 
 import torch
 
+from eyas.engines.launch_args import VLLM_SERVED_NAME
 from eyas.errors import EyasError
+from eyas.manifest import atomic_write_bytes
 from eyas.serving import greedy_request, post_json, reply_ids  # light: no httpx until a request
+from eyas.store.reader import Store
+from eyas.target.fingerprint import text_config
+from eyas.target.layers import is_deepseek
+from eyas.target.meta import open_heads, read_json, read_tensor
 
 PROBE_RID = "eyas-probe-"
 CHECK_RID = "eyas-check-"
@@ -184,8 +190,6 @@ def locate_head(target) -> tuple[dict, dict, dict]:
     """(config.json, its text config, kind -> {"name", "path", ...}) of a target directory, checked without
     reading a tensor: the head tensors found by name as every stage finds them (target/meta.py open_heads; no
     tokenizer, no code from the checkpoint), each in a shard that is there."""
-    from eyas.target.fingerprint import text_config  # noqa: PLC0415
-    from eyas.target.meta import open_heads, read_json  # noqa: PLC0415
     d = Path(target)
     raw = read_json(d / "config.json")
     _, where, _ = open_heads(d, raw)
@@ -195,7 +199,6 @@ def locate_head(target) -> tuple[dict, dict, dict]:
 def load_head(target) -> Head:
     """The embedding, LM head and final norm of a target directory (config.json, safetensors index or single
     file; a weightless copy holding only the head shards works), read by name without loading the rest."""
-    from eyas.target.meta import read_tensor  # noqa: PLC0415
     raw, text, where = locate_head(target)
     out = {kind: read_tensor(loc) for kind, loc in where.items()}
     arch = (raw.get("architectures") or text.get("architectures") or ["?"])[0]
@@ -284,7 +287,6 @@ class Server:
         return f"{prefix}{uuid.uuid4().hex[:8]}-{self.n}"
 
     def next_token(self, ids: list[int]) -> int:
-        from eyas.engines.launch_args import VLLM_SERVED_NAME  # noqa: PLC0415
         rid = self._rid(CHECK_RID)
         path, body = greedy_request(self.cfg.engine, ids, 1, model=VLLM_SERVED_NAME, rid=rid, token_ids=True)
         r = self.post(self.cfg.url.rstrip("/") + path, body, self.cfg.timeout_s)
@@ -355,7 +357,6 @@ def final_rows(cfg: CheckConfig, head: Head, samples, server: Server) -> list[di
 
 
 def probe_rows(cfg: CheckConfig, head: Head, samples, aux_ids, server: Server) -> list[dict]:
-    from eyas.target.layers import is_deepseek  # noqa: PLC0415
     anchor = is_deepseek(head.architecture, head.model_type)
     lo = 0 if anchor else 1
     layers = sorted(({0} if anchor else set()) | {j for i in aux_ids for j in (i - 1, i, i + 1)
@@ -383,7 +384,6 @@ def probe_rows(cfg: CheckConfig, head: Head, samples, aux_ids, server: Server) -
 
 def run_served_check(cfg: CheckConfig, *, post=None, head: Head | None = None) -> dict:
     """Run every check that applies to the engine -> {"ok", "rows", "config"}; written to STORE/check.json."""
-    from eyas.store.reader import Store  # noqa: PLC0415
     st = Store(cfg.store, allow_incomplete=True)
     if len(st) == 0:
         raise EyasError(f"{cfg.store}: the store holds no samples, so there is nothing to check")
@@ -400,7 +400,6 @@ def run_served_check(cfg: CheckConfig, *, post=None, head: Head | None = None) -
         rows.append({"check": "aux slots", "value": "not probed", "ok": None,
                      "why": "vLLM has no per-request layer switch; crosscheck in process where the target fits"})
     result = {"ok": all(r["ok"] is not False for r in rows), "rows": rows, "config": asdict(cfg), "time": time.time()}
-    from eyas.manifest import atomic_write_bytes  # noqa: PLC0415
     atomic_write_bytes(Path(cfg.store) / CHECK_FILE, (json.dumps(result, indent=1) + "\n").encode())
     return result
 

@@ -28,9 +28,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from eyas.engines.final_norm import FinalNorm
+from eyas.data.prepared import load_prepared_samples
+from eyas.engines.final_norm import FinalNorm, load_final_norm
+from eyas.engines.locking import CLIENT_RANK, client_writer, finalize_store
 from eyas.engines.records import ATTEMPT_SEP, Record, check_states
 from eyas.errors import EyasError
+from eyas.manifest import atomic_write_bytes, read_manifest
+from eyas.store.lock import acquire_store_lock
 
 
 def read_vllm_file(path) -> dict[str, torch.Tensor]:
@@ -174,11 +178,6 @@ def run_ingest(vllm_dir, data, out, target_config, target_weights=None, *, wait_
     run's skips (one line each); the returned summary counts them by reason. A rerun resumes: committed samples
     are kept, the others are tried again (a newer vLLM attempt first).
     """
-    from eyas.engines.capture import load_prepared_samples  # noqa: PLC0415
-    from eyas.engines.final_norm import load_final_norm  # noqa: PLC0415
-    from eyas.engines.locking import CLIENT_RANK, client_writer, finalize_store  # noqa: PLC0415
-    from eyas.manifest import atomic_write_bytes, read_manifest  # noqa: PLC0415
-    from eyas.store.lock import acquire_store_lock  # noqa: PLC0415
     norm = load_final_norm(target_config, target_weights or None)
     with acquire_store_lock(out, CLIENT_RANK):
         _, ids, masks = load_prepared_samples(data)

@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 
 from eyas.bench.command import recorded_fingerprint
+from eyas.export.export import run_export
 from eyas.knobs import FROM_DRAFTER, FROM_FLAG, announce_target
 
 
 def _run(args: argparse.Namespace) -> int:
-    from eyas.export.export import run_export
-
     if args.target:
         announce_target("export", args.target, FROM_FLAG)
     else:   # the export names the recorded target in its README; nothing is checked against it

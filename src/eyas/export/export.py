@@ -34,8 +34,12 @@ from typing import Any
 import torch
 
 from eyas.errors import EyasError
+from eyas.export.engine_pins import ENGINE_VERSIONS
 from eyas.manifest import atomic_write_bytes, check_target
+from eyas.model.checkpoint import open_drafter
 from eyas.target.layers import SGLANG_OFFSET, sglang_layer_ids
+from eyas.target.load import EMBEDDED, resolve
+from eyas.target.meta import open_target_meta
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +244,6 @@ def engine_model_path(ref: str, *, resolve_embedded: bool) -> str:
     p = Path(ref).expanduser()
     if p.exists():
         return str(p.resolve())
-    from eyas.target.load import EMBEDDED, resolve
     if resolve_embedded and ref in EMBEDDED:
         try:
             return str(Path(resolve(ref)[0]).resolve())
@@ -285,7 +288,6 @@ def export_drafter(drafter, out_dir: str | os.PathLike, *, meta: dict | None = N
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    from eyas.export.engine_pins import ENGINE_VERSIONS
 
     atomic_write_bytes(out / "model.safetensors", save(export_state(drafter, dtype=tdtype),
                                                        metadata={"format": "pt"}))
@@ -335,7 +337,6 @@ def export_dflash(drafter, out_dir: str | os.PathLike, *, meta: dict | None, dty
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    from eyas.export.engine_pins import ENGINE_VERSIONS
 
     atomic_write_bytes(out / "model.safetensors", save(state, metadata={"format": "pt"}))
     atomic_write_bytes(out / "config.json", (json.dumps(config, indent=2) + "\n").encode())
@@ -356,14 +357,10 @@ def run_export(drafter_path: str | os.PathLike, out_dir: str | os.PathLike, *, d
     """`eyas export`: open any drafter (run dir, drafter dir, export or published EAGLE-3 head;
     eyas.model.checkpoint.open_drafter), optionally check the target (its config, tokenizer and fingerprint
     only: target/meta.py, no weights loaded), write the export."""
-    from eyas.model.checkpoint import open_drafter
-
     # the target is checked once, by export_drafter (it records the override in the README)
     drafter, meta = open_drafter(drafter_path)
     target = None
     if target_spec is not None:
-        from eyas.target.meta import open_target_meta
-
         target = open_target_meta(target_spec, aux_layer_ids=drafter.config.aux_layer_ids, tensors=(),
                                   trust_remote_code=trust_remote_code)
     return export_drafter(drafter, out_dir, meta=meta, dtype=dtype, target=target, target_ref=target_spec,

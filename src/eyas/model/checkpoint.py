@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.errors import EyasError
-from eyas.manifest import check_target
+from eyas.manifest import atomic_write_bytes, check_target
 from eyas.model.dflash import DFlashConfig, DFlashDrafter
 from eyas.model.dflash_import import is_dflash_dir, load_dflash_checkpoint
 from eyas.model.drafter import DrafterConfig, Eagle3Drafter
@@ -32,8 +32,6 @@ CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 def save_drafter(drafter: Eagle3Drafter | DFlashDrafter, path: str | os.PathLike, meta: dict[str, Any] | None = None) -> None:
     """Write DIR/config.json (config + meta, e.g. {"target": fingerprint}) and DIR/model.safetensors (fp32)."""
     from safetensors.torch import save
-
-    from eyas.manifest import atomic_write_bytes
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

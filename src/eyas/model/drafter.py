@@ -20,13 +20,12 @@ from eyas.knobs import from_known, to_json
 from eyas.model.blocks import StepBlocks, block_attend
 from eyas.model.shape import MLA_ROPE_THETA, ROPE_TYPES, param_count, summary, target_shape  # noqa: F401
 from eyas.sdpa import INFERENCE_SDPA
+from eyas.target.compile import raise_recompile_limit
 
 
 @functools.cache
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
-
-    from eyas.target.compile import raise_recompile_limit
 
     # TTT calls it with K key lengths (and eval/train variants): room for every shape, never the eager fallback
     # that materialises the whole score matrix

@@ -24,8 +24,9 @@ import torch
 
 from eyas.errors import EyasError
 from eyas.manifest import check_target
-from eyas.target.layers import (check_aux_layer_ids, default_aux_layer_ids, sglang_capture_ids,
-                               sglang_capture_readings)
+from eyas.model.drafter import DrafterConfig, Eagle3Drafter
+from eyas.model.shape import target_rope
+from eyas.target.layers import check_aux_layer_ids, default_aux_layer_ids, sglang_capture_ids, sglang_capture_readings
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +105,6 @@ def resolve_layer_ids(raw: dict, *, num_target_layers: int | None, where: str, w
 
 
 def drafter_config_from_hf(raw: dict, *, aux_layer_ids, where: str):
-    from eyas.model.drafter import DrafterConfig
-    from eyas.model.shape import target_rope
-
     nbf = norm_before_fc(raw, where)
     try:
         h, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
@@ -185,8 +183,6 @@ def load_eagle3_checkpoint(path: str | os.PathLike, *, target=None,
 
     meta: {"format": "eagle3", "source", "aux_layer_ids", "warnings", "target" (fingerprint, if recorded)}.
     """
-    from eyas.model.drafter import Eagle3Drafter
-
     path = Path(path)
     raw = _read_config(path)
     where = str(path / "config.json")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from eyas.target.fingerprint import rope_of, text_config
+
 ROPE_TYPES = ("default", "linear", "llama3")   # the RoPE scalings the drafter implements (drafter.rope_inv_freq)
 # DeepSeek-V2/V3 / Kimi-K2(.5) targets get the Llama head of the published EAGLE-3 heads for them (docs/training.md):
 MLA_HEAD_DIM = 128                 # the width of the targets' value heads (v_head_dim) and of those heads
@@ -21,8 +23,6 @@ DEEPSEEK_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "n_routed_experts")
 def text_view(config):
     """The language model's fields of a target config (target/fingerprint.py text_config: a VLM wrapper's
     text_config, else the config itself) as attributes: a dict of config.json becomes an attribute view."""
-    from eyas.target.fingerprint import text_config
-
     config = text_config(config)
     return SimpleNamespace(**config) if isinstance(config, dict) else config
 
@@ -31,8 +31,6 @@ def target_rope(c) -> tuple[float, dict | None]:
     """(rope_theta, 10000 where the config has none; scaling with "rope_type", or None for default RoPE), read as
     the fingerprint reads it (target/fingerprint.py rope_of: either spelling; a config, an attribute view of one or
     a dict of config.json)."""
-    from eyas.target.fingerprint import rope_of
-
     theta, rope = rope_of(c)
     return float(theta or 10000.0), (rope if rope["rope_type"] != "default" else None)
 

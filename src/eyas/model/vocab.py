@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from eyas.errors import EyasError
+from eyas.manifest import atomic_write_bytes
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,6 @@ def build_draft_vocab(token_counts: Tensor, k: int) -> DraftVocab:
 def save_draft_vocab(vocab: DraftVocab, path: str | os.PathLike) -> None:
     """One safetensors file with token_ids, d2t, t2d (coverage in the metadata)."""
     from safetensors.torch import save
-
-    from eyas.manifest import atomic_write_bytes
 
     tensors = {"token_ids": vocab.token_ids.contiguous(), "d2t": vocab.d2t.contiguous(),
                "t2d": vocab.t2d.contiguous()}

@@ -26,9 +26,13 @@ from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
 
+import eyas.target.device  # its functions looked up at call time: tests patch them
+from eyas.bench.bench import BenchConfig
+from eyas.capture.capture import CaptureConfig
+from eyas.data.prepare import PrepareConfig
 from eyas.errors import EyasError
 from eyas.knobs import knobs
-from eyas.train.config import DFLASH_ONLY, EAGLE_ONLY
+from eyas.train.config import DFLASH_ONLY, EAGLE_ONLY, TrainConfig
 
 DTYPES = ("fp32", "bf16", "fp16")
 FAMILIES = "families"
@@ -76,18 +80,12 @@ def resolve_dtype(dtype: str, device: str) -> str:
     """'auto' -> bf16 on CUDA or a CPU with native bf16, else fp32; any other name unchanged."""
     if dtype != "auto":
         return dtype
-    from eyas.target.device import cpu_bf16_fast
 
-    return "bf16" if device == "cuda" or cpu_bf16_fast() else "fp32"
+    return "bf16" if device == "cuda" or eyas.target.device.cpu_bf16_fast() else "fp32"
 
 
 def stage_classes() -> dict[str, type]:
-    """Table name -> its dataclass (imported here, not at import time: bench and capture import torch)."""
-    from eyas.bench.bench import BenchConfig
-    from eyas.capture.capture import CaptureConfig
-    from eyas.data.prepare import PrepareConfig
-    from eyas.train.config import TrainConfig
-
+    """Table name -> its dataclass."""
     return {"run": RunKnobs, "prepare": PrepareConfig, "capture": CaptureConfig, "train": TrainConfig,
             "bench": BenchConfig}
 

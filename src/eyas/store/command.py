@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from eyas.store.reader import Store
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("store", help="inspect or verify a hidden-state store",
@@ -22,13 +24,11 @@ def register(subparsers) -> None:
 
 
 def _verify(args) -> int:
-    from eyas.store.reader import Store
     report = Store(args.store, allow_incomplete=args.allow_incomplete).verify(progress=True)
     print(f"{args.store}: OK ({report['shards']} shards, {report['samples']} samples, {report['tokens']} tokens)")
     return 0
 
 
 def _info(args) -> int:
-    from eyas.store.reader import Store
     print(json.dumps(Store(args.store, allow_incomplete=True).info(), indent=2))
     return 0

@@ -13,9 +13,10 @@ from safetensors import safe_open
 
 from eyas.errors import EyasError
 from eyas.manifest import check_same, read_manifest
-from eyas.target.fingerprint import file_sha256
 from eyas.store import format as fmt
+from eyas.store.verify import verify_store
 from eyas.store.writer import read_sidecars
+from eyas.target.fingerprint import file_sha256
 
 
 @dataclass(frozen=True)
@@ -215,7 +216,6 @@ class Store:
                 "ranks": sorted({r["rank"] for r in self.records})}
 
     def verify(self, progress: bool = False) -> dict:
-        from eyas.store.verify import verify_store
         return verify_store(self, progress=progress)
 
     # ---- training stream ----

@@ -8,12 +8,16 @@ it: plain torch.compile, or with `persist` a step saved to and loaded from disk 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from eyas.errors import EyasError
+from eyas.target import persist as persist_mod
+from eyas.target.fingerprint import cache_root
+from eyas.target.persist import PersistentStep
 
 ATTENTION = ("matmul", "flex")
 
@@ -105,8 +109,6 @@ class CompilePolicy:
 
 def check_persist(*, compile: bool, dynamic: bool, regions: bool, attention: str, compile_options: dict | None) -> None:
     """Refuse persist where a saved step could not serve: only static whole-model matmul steps, weights not baked in."""
-    from eyas.target import persist as persist_mod
-
     if not compile or dynamic:
         raise EyasError("runner: persist needs compile=True with static shapes (dynamic=False)")
     if regions or attention != "matmul":
@@ -123,8 +125,6 @@ def compile_step(policy: CompilePolicy, fn, *, dynamic, owner=None, free=None, e
     PersistentStep that saves it on disk, its files named also by `config` (what else shapes the step's code)."""
     raise_recompile_limit()  # a process holds a few runners (a bench's, the batched decoder's, the tests')
     if policy.persist is not None and free is not None:
-        from eyas.target.persist import PersistentStep
-
         return PersistentStep(free, owner, policy.persist, config, policy.options, extra)
     c = torch.compile(fn, fullgraph=True, dynamic=dynamic, options=policy.options or None)
     if policy.regions:
@@ -132,3 +132,41 @@ def compile_step(policy: CompilePolicy, fn, *, dynamic, owner=None, free=None, e
         # mishandles (torch 2.13: "Argument ... does not belong to this Graph"); it is a constant anyway
         c = torch._dynamo.config.patch(specialize_float=True)(c)
     return c
+
+
+def _inductor_counters() -> dict:
+    from torch._dynamo.utils import counters
+
+    c = counters["inductor"]
+    return {"fx_graph_hits": int(c.get("fxgraph_cache_hit", 0)), "fx_graph_misses": int(c.get("fxgraph_cache_miss", 0))}
+
+
+@contextmanager
+def compile_cache(enabled: bool):
+    """A persistent compile cache, for the bench's start-up and for training (bench/startup.py says why). While
+    open, inductor's caches live under $EYAS_CACHE/inductor (a TORCHINDUCTOR_CACHE_DIR the user set to a
+    non-default path wins) with the FX graph cache on. Yields a dict that, on exit, holds the directory and the
+    FX-graph cache hits/misses of the block. Restores the environment after."""
+    info: dict = {}
+    if not enabled:
+        yield info
+        return
+    from torch._inductor import config as inductor_config
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    mine = before is None or os.path.abspath(before) == os.path.abspath(default_cache_dir())
+    path = str(Path(cache_root()) / "inductor") if mine else before
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    start = _inductor_counters()
+    try:
+        with inductor_config.patch(fx_graph_cache=True):
+            yield info
+    finally:
+        end = _inductor_counters()
+        info.update({"dir": path, **{k: end[k] - start[k] for k in end}})
+        if mine:
+            if before is None:
+                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+            else:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = before

@@ -1,20 +1,24 @@
 """Plain batched decoding on the static-cache runner: prepare's regeneration, the bench's plain baseline.
 
 Prompts run longest first in chunks of the runner's `max_batch` rows, each row from slot 0; a chunk prefills
-(`decode.common.prefill`, pieces of `prefill_chunk` tokens), then decodes one token per step (a CUDA graph per
+(`target/prefill.py`, pieces of `prefill_chunk` tokens), then decodes one token per step (a CUDA graph per
 (rows, window) shape on CUDA, or per row count when attending by lengths) until every row has met an eos or the
 token budget.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
-from eyas.decode.common import prefill
 from eyas.errors import EyasError
-from eyas.target.runner import Runner
+from eyas.target.prefill import prefill
 from eyas.target.sampling import sample
+
+if TYPE_CHECKING:
+    from eyas.target.runner import Runner
 
 
 @torch.no_grad()
@@ -47,9 +51,9 @@ def generate(runner: Runner, prompts: list[list[int]], max_new_tokens: int, *, t
         if len(p) >= runner.cfg.max_seq:
             raise EyasError(f"generate: prompt {i} has {len(p)} tokens, the cache holds {runner.cfg.max_seq}")
     if lengths is None:
-        lengths = (isinstance(runner, Runner) and runner.device.type == "cuda" and not runner.compiled
+        lengths = (getattr(runner, "attends_by_lengths", False) and runner.device.type == "cuda" and not runner.compiled
                    and runner.cfg.max_batch > 1)
-    elif lengths and not isinstance(runner, Runner):
+    elif lengths and not getattr(runner, "attends_by_lengths", False):
         raise EyasError(f"generate: attention by lengths needs the Llama runner, not {type(runner).__name__}")
     gen = torch.Generator(device=runner.device).manual_seed(seed)
     eos = torch.tensor(sorted(set(eos_ids)) or [-1], device=runner.device)

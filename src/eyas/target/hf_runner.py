@@ -26,7 +26,8 @@ from torch import Tensor, nn
 
 from eyas.errors import EyasError
 from eyas.target.hooks import LayerInputs, decoder_stack
-from eyas.target.runner import copy_slots, move_rows
+from eyas.target.generate import generate
+from eyas.target.slots import copy_slots, move_rows
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,6 +220,4 @@ class HFRunner(nn.Module):
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, **kw) -> list[list[int]]:
         """Plain batched decoding (`eyas.target.generate.generate`)."""
-        from eyas.target.generate import generate
-
         return generate(self, prompts, max_new_tokens, **kw)

@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 
 from eyas.errors import EyasError
-from eyas.target.fingerprint import fingerprint, head_identity, text_config
+from eyas.target.fingerprint import fingerprint, head_identity, text_config, weights_identity
 from eyas.target.layers import resolve_aux_layer_ids
+from eyas.target.resolve import EMBEDDED, embedded_path, eos_ids, gguf_special_tokens, resolve
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -258,8 +259,6 @@ class TargetMeta:
 
     @property
     def eos_token_ids(self) -> list[int]:
-        from eyas.target.load import eos_ids
-
         return eos_ids([self._generation_eos, getattr(self.config, "eos_token_id", None)], self.tokenizer)
 
 
@@ -343,11 +342,21 @@ def head_weights(d: Path) -> dict | None:
     return head_identity(wm, {n: _locate(d, wm, wm_file, n, headers) for n in names.values() if n is not None})
 
 
+def weights_of(spec: str) -> dict | None:
+    """The content hash of a target's weights for its fingerprint: the GGUF file (embedded or given); for a
+    directory its weight map and head tensors (target/meta.py head_weights: never every weight), else its
+    *.safetensors files; None for a hub id or weights too large to hash cheaply."""
+    p = Path(spec).expanduser()
+    if spec in EMBEDDED or p.is_file():
+        return weights_identity([embedded_path(spec) if spec in EMBEDDED else p], "gguf")
+    if p.is_dir():
+        return head_weights(p) or weights_identity(list(p.glob("*.safetensors")), "safetensors")
+    return None
+
+
 def local_dir(spec: str) -> tuple[Path, str]:
     """(directory, identity) of a target spec: a directory, the cached safetensors of a GGUF / embedded default
     (load.gguf_to_cache), or a hub id's snapshot in the local HF cache."""
-    from eyas.target.load import resolve
-
     src, identity = resolve(spec)
     if isinstance(src, Path):
         return src, identity
@@ -366,8 +375,6 @@ def open_target_meta(spec: str, *, aux_layer_ids=None, trust_remote_code: bool =
     """Open a target for the stages that do not run its forward. `tensors`: the head tensors the caller will read
     (checked to be plain bf16/fp16/fp32); all three are still located and hashed for the fingerprint. `dtype`:
     convert them on read (None: as stored)."""
-    from eyas.target.load import gguf_special_tokens, weights_of
-
     d, identity = local_dir(spec)
     raw = read_json(d / "config.json")
     if (why := needs_remote_code(d, raw)) and not trust_remote_code:

@@ -32,7 +32,10 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from eyas.errors import EyasError
 from eyas.sdpa import INFERENCE_SDPA
 from eyas.target.compile import CompilePolicy, check_attention, compile_step, has_regions, raise_recompile_limit
+from eyas.target.generate import generate
 from eyas.target.graphs import capture
+from eyas.target.hf_runner import HFRunner
+from eyas.target.slots import copy_slots, move_rows
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -291,6 +294,9 @@ class _Unpickled(dict):
 class Runner(nn.Module):
     """Static-cache Llama forward. Build with `Runner.from_hf(model, max_batch=, max_seq=)`."""
 
+    attends_by_lengths = True
+    """Its forward can take each row's prefix length in place of a mask (target/generate.py asks; HFRunner cannot)."""
+
     def __init__(self, cfg: RunnerConfig, *, dtype=torch.float32, device="cpu"):
         super().__init__()
         self.cfg = cfg
@@ -323,8 +329,6 @@ class Runner(nn.Module):
         documents and checks them."""
         check_attention(attention)
         if not llama_family(model.config):
-            from eyas.target.hf_runner import HFRunner
-
             print(f"eyas: note: runner: {model.config.model_type} is not a bias-free SiLU Llama; decoding through its "
                   f"own HF forward (target/hf_runner.py: generic, eager, slow{'; compile ignored' if compile else ''})",
                   file=sys.stderr)
@@ -514,28 +518,4 @@ class Runner(nn.Module):
     # ------------------------------------------------------------------ plain decoding
     def generate(self, prompts: list[list[int]], max_new_tokens: int, **kw) -> list[list[int]]:
         """Plain batched decoding on this runner: `eyas.target.generate.generate` (its docstring has the options)."""
-        from eyas.target.generate import generate
-
         return generate(self, prompts, max_new_tokens, **kw)
-
-
-# ---------------------------------------------------------------------- the cache layout, for either runner
-# Runner and HFRunner (target/hf_runner.py) share it: per layer k_cache/v_cache (max_batch, kv, max_seq, hd) and
-# a dict `_graphs` of built steps. Decoders and the bench go through these, never through the fields themselves.
-def copy_slots(layers, src: Tensor, dst: Tensor, row: int = 0) -> None:
-    """Cache entries src[i] -> dst[i] (1-D long) of one row, in every layer that has a cache (a runner's
-    `copy_slots`: Runner's layers and HFRunner's slot cache alike)."""
-    for layer in layers:
-        if layer.k_cache is not None:
-            layer.k_cache[row, :, dst] = layer.k_cache[row, :, src]
-            layer.v_cache[row, :, dst] = layer.v_cache[row, :, src]
-
-
-def move_rows(layers, keep: Tensor, width: int) -> None:
-    """Cache rows `keep` (1-D long) of slots [:width] become rows 0..len(keep)-1, in every layer that has a cache
-    (a runner's `move_rows`)."""
-    m = keep.numel()
-    for layer in layers:
-        if layer.k_cache is not None:
-            layer.k_cache[:m, :, :width] = layer.k_cache[keep, :, :width]
-            layer.v_cache[:m, :, :width] = layer.v_cache[keep, :, :width]

@@ -7,11 +7,11 @@ import json
 from eyas.errors import EyasError
 from eyas.knobs import FROM_FLAG, FROM_STORE, add_flags, announce_target, from_args
 from eyas.manifest import read_manifest
+from eyas.train.config import CHOICES, DEVICE_DEFAULTS, TrainConfig
+from eyas.train.trainer import run_train
 
 
 def register(subparsers) -> None:
-    from eyas.train.config import CHOICES, DEVICE_DEFAULTS, TrainConfig
-
     p = subparsers.add_parser("train", help="train an EAGLE-3 or DFlash drafter (offline from a store, or online)",
                               description="Train an EAGLE-3 drafter, or a DFlash block drafter with --method dflash. "
                                           "Offline: --store STORE. Online: --target T --data PREPARED (the target "
@@ -85,9 +85,6 @@ def store_target(store: str) -> str | None:
 
 
 def main(args) -> int:
-    from eyas.train.config import TrainConfig
-    from eyas.train.trainer import run_train
-
     try:
         cfg = from_args(TrainConfig, args)
     except ValueError as e:

@@ -18,15 +18,15 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from eyas.data.split import sample_number, split_key
 from eyas.errors import EyasError
+from eyas.target.hooks import LayerInputs, decoder_stack
 
 EVAL_SALT = "eyas-train-eval:"   # independent of the prepare stage's own held-out split
 
 
 def is_eval(sample_id: str, fraction: float) -> bool:
     """Held-out for training-time eval: a salted hash of the id (ShareGPT parts `<id>_N` stay together)."""
-    from eyas.data.split import split_key
-
     if fraction <= 0:
         return False
     key = EVAL_SALT + split_key(sample_id, sharegpt=True)
@@ -182,8 +182,6 @@ def target_features(target, batch: Batch, sub_tokens: int | None = None, lengths
     its own longest row), so short rows do not pay for the longest one. `lengths`: each row's valid count, when
     the caller knows it on the host (else it is read back from the device, a host sync).
     """
-    from eyas.target.hooks import LayerInputs, decoder_stack
-
     base = decoder_stack(target.model)
     n = len(base.layers)
     dev = target.device
@@ -276,8 +274,6 @@ def split_indices(source, fraction: float) -> tuple[list[int], list[int]]:
     plan the same batches); samples shorter than 3 tokens (nothing to predict) are dropped. The eval scores each
     conversation once: of its sampled reply sets `#s1..#sN` only the first (greedy under prepare's greedy_sample, so
     the eval reads the texts a run with one greedy set reads); the others are in neither split."""
-    from eyas.data.split import sample_number
-
     train, ev = [], []
     for i, sid in enumerate(source.ids):
         if source.lengths[i] < 3:

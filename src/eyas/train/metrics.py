@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from eyas.manifest import atomic_write_bytes
 from eyas.train.ttt import first_argmax
 
 
@@ -226,7 +227,6 @@ def truncate_metrics(path: Path, step: int) -> None:
     """On resume: drop records logged after the checkpoint's step (the interrupted run's tail)."""
     if not path.exists():
         return
-    from eyas.manifest import atomic_write_bytes
 
     keep = []
     for line in path.read_text().splitlines():

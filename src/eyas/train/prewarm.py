@@ -8,7 +8,7 @@ busy with regeneration and leaves most CPU cores idle. So, when the train stage 
 same target, with samples of half the training length so that packing fills the same (rows, max_len) micro-batches,
 and runs the real Trainer on it with the run's train config for two steps and the final eval. Compiled code depends
 on shapes and dtypes, not on token or weight values, so the train stage then finds its graphs in inductor's caches
-on disk ($EYAS_CACHE/inductor, eyas.bench.startup.compile_cache, which both processes open).
+on disk ($EYAS_CACHE/inductor, eyas.target.compile.compile_cache, which both processes open).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+
+from eyas.warmup import Prewarm, anchored, watch_parent
 
 NAME = "train-prewarm"
 """Its files under RUN/logs: NAME-spec.json, NAME.json, NAME.log, and the directory NAME/ (data and run)."""
@@ -57,7 +59,7 @@ def warm(spec: dict) -> dict:
     under spec["root"]; returns the trainer's start-up and the compile cache's hits and misses."""
     import torch
 
-    from eyas.bench.startup import compile_cache
+    from eyas.target.compile import compile_cache
     from eyas.data.prepared import PreparedWriter, Sample
     from eyas.target import load_target
     from eyas.train.config import TrainConfig
@@ -85,7 +87,6 @@ def warm(spec: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from eyas.bench.prewarm import watch_parent
     from eyas.manifest import atomic_write_bytes
 
     spec_path, result_path = (argv if argv is not None else sys.argv[1:])[:2]
@@ -101,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def start(logs: Path, train, *, target_spec: str, device: str, dtype: str, trust_remote_code: bool = False):
     """Start the warm-up of `train` (the run's TrainConfig) in the background; returns its Prewarm."""
-    from eyas.bench.prewarm import Prewarm, anchored
 
     # the warm-up runs in the run directory (Prewarm): the paths it reads are made absolute here
     t = train.to_dict()

@@ -15,10 +15,17 @@ from pathlib import Path
 
 import torch
 
+import eyas.target  # load_target looked up at call time: tests patch it
+from eyas.data.chat import TemplateError, first_turn_framing
+from eyas.data.prepare import check_max_len
+from eyas.data.prepared import PreparedData
 from eyas.errors import EyasError
 from eyas.manifest import MANIFEST, atomic_write_bytes, check_same, check_target, read_manifest
 from eyas.model.dflash import DFlashConfig, DFlashDrafter, default_mask_token
 from eyas.model.drafter import DrafterConfig
+from eyas.model.vocab import DraftVocab, build_draft_vocab, save_draft_vocab
+from eyas.store.reader import Store
+from eyas.target.meta import open_target_meta
 from eyas.train import checkpoint as ckpt
 from eyas.train.config import TrainConfig
 from eyas.train.data import PreparedSource, StoreSource
@@ -62,24 +69,18 @@ def check_run_dir(cfg: TrainConfig, run: Path) -> None:
 
 def open_source(cfg: TrainConfig, target, device: torch.device):
     """(source, target, reference dict for the manifest). Refuses a store/target mismatch."""
-    from eyas.target import load_target
-
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if cfg.online:
-        from eyas.data.prepared import PreparedData
-
         if target is None:
-            target = load_target(cfg.target, device=device, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+            target = eyas.target.load_target(cfg.target, device=device, dtype=dtype,
+                                             trust_remote_code=cfg.trust_remote_code)
         data = PreparedData(cfg.data, target=target)
         ref = {"data": str(Path(cfg.data).resolve()), "data_manifest": data.manifest.get("config")}
         check_max_len_fits(cfg, target)
         return PreparedSource(data, max_len=cfg.max_len), target, ref
-    from eyas.store.reader import Store
 
     store = Store(cfg.store)
     if target is None:
-        from eyas.target.meta import open_target_meta
-
         spec = cfg.target or store.manifest.get("config", {}).get("target") or store.fingerprint.get("identity")
         # Offline needs only the embedding, LM head and final norm, read from their shards on the CPU.
         target = open_target_meta(spec, dtype=dtype, aux_layer_ids=store.aux_layer_ids,
@@ -101,9 +102,6 @@ def check_max_len_fits(cfg: TrainConfig, target) -> None:
     """Refuse a --max-len that cannot hold the target's chat-template framing of a first turn (its system prompt and
     headers) plus a reply token, the rule prepare applies: every sample would be cut before its first reply. A target
     without a (working) chat template is not checked."""
-    from eyas.data.chat import TemplateError, first_turn_framing
-    from eyas.data.prepare import check_max_len
-
     tok = getattr(target, "tokenizer", None)
     if tok is None or not getattr(tok, "chat_template", None):
         return
@@ -118,8 +116,6 @@ def build_vocab(cfg: TrainConfig, source, train_idx, V: int, init_vocab, *, anno
     """(draft vocabulary, the draft id most common in training, its summary for RUN/vocab/) from the loss-masked
     tokens of `train_idx`, or --init's vocabulary with its coverage of them. Writes nothing (write_vocab does);
     `announce`: say on stderr how many samples add no loss (rank 0)."""
-    from eyas.model.vocab import DraftVocab, build_draft_vocab
-
     counts = torch.zeros(V, dtype=torch.int64)
     untrainable = []  # samples with no loss-masked token within max_len: they add no loss
     for i in train_idx:
@@ -152,8 +148,6 @@ def build_vocab(cfg: TrainConfig, source, train_idx, V: int, init_vocab, *, anno
 
 def write_vocab(run: Path, vocab, summary: dict) -> None:
     """RUN/vocab/: draft_vocab.safetensors and summary.json (rank 0)."""
-    from eyas.model.vocab import save_draft_vocab
-
     (run / "vocab").mkdir(parents=True, exist_ok=True)
     save_draft_vocab(vocab, run / "vocab" / "draft_vocab.safetensors")
     atomic_write_bytes(run / "vocab" / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())

@@ -26,17 +26,19 @@ from pathlib import Path
 import torch
 from torch import nn
 
+import eyas.target.device  # its functions looked up at call time: tests patch them
 from eyas.errors import EyasError
 from eyas.manifest import check_same, write_manifest
+from eyas.model.checkpoint import save_drafter
+from eyas.model.checkpoint import open_drafter  # eyas runs and published EAGLE-3 checkpoints
 from eyas.model.dflash import DFlashDrafter
 from eyas.model.drafter import Eagle3Drafter
-from eyas.train import checkpoint as ckpt
-from eyas.train import dist
+from eyas.target.compile import compile_cache, raise_recompile_limit
+from eyas.train import checkpoint as ckpt, dist
 from eyas.train.config import TrainConfig
-from eyas.train.dflash import BlockLossConfig, DFlashModule
 from eyas.train.data import epoch_batches, group, group_packed, nonfinite_flags, pack, rank_batches, split_indices
-from eyas.train.feature_cache import online_features
-from eyas.train.feature_cache import plan as plan_feature_cache
+from eyas.train.dflash import BlockLossConfig, DFlashModule
+from eyas.train.feature_cache import online_features, plan as plan_feature_cache
 from eyas.train.metrics import MetricsSink, Sums, frequency_baseline, round_counts, truncate_metrics
 from eyas.train.prefetch import Prefetcher
 from eyas.train.setup import (KIND, build_vocab, check_init_config, check_init_kind, check_run_dir,
@@ -63,10 +65,8 @@ class TTTModule(nn.Module):
 
 def run_train(cfg: TrainConfig, target=None) -> dict:
     """Train a drafter as configured; returns the final metrics (train + last eval). A compiled run keeps inductor's
-    caches under $EYAS_CACHE/inductor (eyas.bench.startup.compile_cache), where a later run, or `eyas run`'s
+    caches under $EYAS_CACHE/inductor (eyas.target.compile.compile_cache), where a later run, or `eyas run`'s
     warm-up during prepare (train/prewarm.py), finds them."""
-    from eyas.bench.startup import compile_cache
-
     before = dist.switches()
     try:
         with compile_cache(cfg.compile):
@@ -86,8 +86,6 @@ class Trainer:
     loop: steps, metrics, evals and checkpoints until the last step, then the final drafter."""
 
     def __init__(self, cfg: TrainConfig, target=None):
-        from eyas.target.device import cpu_bf16_fast
-
         t0 = time.perf_counter()
         self.dist = dist.setup(cfg.device, deterministic=cfg.deterministic)
         self.rank, self.world, self.device = self.dist.rank, self.dist.world, self.dist.device
@@ -117,8 +115,6 @@ class Trainer:
                             f"{target.vocab_size}")
         init_drafter, init_vocab = None, None
         if cfg.init:
-            from eyas.model.checkpoint import open_drafter  # eyas runs and published EAGLE-3 checkpoints
-
             # checks the drafter's recorded target (each differing field named), or warns with --allow-target-mismatch
             init_drafter, _ = open_drafter(cfg.init, target, allow_target_mismatch=cfg.allow_target_mismatch)
             check_init_kind(init_drafter, cfg)
@@ -148,7 +144,6 @@ class Trainer:
             init_head_from_target(drafter, target)
         drafter.to(self.device)
         if cfg.compile:
-            from eyas.target.compile import raise_recompile_limit
             raise_recompile_limit()  # K steps x train/eval
             for layer in drafter.layers if dflash else (drafter.midlayer,):
                 layer.compile(dynamic=False)  # in place: the state-dict keys stay the export keys
@@ -182,7 +177,7 @@ class Trainer:
         self.total = cfg.steps if cfg.steps is not None else sum(len(self.plan(e)) for e in range(cfg.epochs or 1))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, schedule(cfg, self.total))
         use_bf16 = cfg.autocast == "bf16" or (cfg.autocast == "auto" and (self.device.type == "cuda"
-                                                                           or cpu_bf16_fast()))
+                                                                           or eyas.target.device.cpu_bf16_fast()))
         self.amp = (torch.autocast(self.device.type, dtype=torch.bfloat16) if use_bf16 and not cfg.deterministic
                     else contextlib.nullcontext())
         if cfg.autocast == "auto" and self.rank == 0:  # the device picked it: say which (issue 15 item 8)
@@ -445,8 +440,6 @@ class Trainer:
 
     def _train(self, pre: Prefetcher | None) -> dict:
         """train()'s loop; `pre` hands it each step's host batches, else they are made in the step."""
-        from eyas.model.checkpoint import save_drafter
-
         cfg = self.cfg
         sink = MetricsSink(self.run, enabled=self.rank == 0, total_steps=self.total, start_step=self.step,
                            progress=cfg.progress)
