@@ -26,7 +26,7 @@ from eyas.target.fingerprint import text_config
 from eyas.target.layers import resolve_aux_layer_ids, sglang_layer_ids
 from eyas.target.meta import needs_remote_code
 
-# Read from the wheels (tests/engine_sglang_layouts.py records each release; the tests check it):
+# Read from the wheels (tests/support/engine_sglang_layouts.py records each release; the tests check it):
 FIRST_HOOKS_VERSION = (0, 5, 6)       # --forward-hooks and model_executor/hook_manager.py
 FIRST_RIDS_VERSION = (0, 5, 10)       # ForwardBatch.rids: the hook attributes rows to requests by it
 FIRST_SUPPORTED = max(FIRST_HOOKS_VERSION, FIRST_RIDS_VERSION)

@@ -71,7 +71,7 @@ def sglang_ranks() -> tuple[int, int, int]:
     SGLang 0.5.14+ has runtime_context.get_parallel() with attn_tp_rank / attn_dp_rank / attn_dp_size;
     its dp_attention.get_attention_* functions lost get_attention_tp_rank in 0.5.16 and the rest in
     0.5.21. Before 0.5.14 the functions are the only source. So: the context when it exists, else the
-    functions (tests/engine_sglang_layouts.py records each version's layout, checked against the wheels).
+    functions (tests/support/engine_sglang_layouts.py records each version's layout, checked against the wheels).
     """
     rc = _optional_module(RUNTIME_CONTEXT)
     if rc is not None and hasattr(rc, "get_parallel"):
