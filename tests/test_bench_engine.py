@@ -416,3 +416,11 @@ def test_a_served_dflash_drafter_is_benched_as_dflash(tiny_served, prompts, tmp_
                                                                           drafter_kind="eagle3"))
     finally:
         srv.close()
+
+
+def test_engine_bench_config_refuses_an_unknown_drafter_kind_and_engine():
+    """Both of the config's checks run: the drafter family and the engine name."""
+    with pytest.raises(EyasError, match="--drafter-kind 'medusa': expected eagle3 or dflash"):
+        EngineBenchConfig(engine="vllm", url="http://127.0.0.1:1", drafter_kind="medusa")
+    with pytest.raises(EyasError, match="engine 'trt': expected sglang or vllm"):
+        EngineBenchConfig(engine="trt", url="http://127.0.0.1:1", drafter_kind="dflash")

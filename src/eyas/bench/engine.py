@@ -67,8 +67,6 @@ class EngineBenchConfig:
     def __post_init__(self):
         if self.drafter_kind not in (None, "eagle3", "dflash"):
             raise EyasError(f"--drafter-kind {self.drafter_kind!r}: expected eagle3 or dflash")
-
-    def __post_init__(self):
         if self.engine not in ENGINES:
             raise EyasError(f"engine {self.engine!r}: expected sglang or vllm")
         if not self.url:
