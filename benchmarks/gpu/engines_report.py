@@ -1,13 +1,14 @@
-"""Tables of a live engine run (benchmarks/gpu/engines_live.sh), appended to BENCHMARKS.md (issue 13).
+"""Tables of a live engine run (benchmarks/gpu/engines_live.sh), appended to BENCHMARKS.md.
 
-    python -m benchmarks.gpu.engines_report --results DIR [--bench NAME=BENCH.json ...] [--note TEXT] [--md FILE]
+    python -m benchmarks.gpu.engines_report --results DIR [--note TEXT] [--machine TEXT] [--md FILE]
 
-DIR holds ENGINE/spec-CONFIG-PROMPTS-bsB.json (engine_measure.py's lines) for sglang and/or vllm. Each engine gets
-one row per prompt set and batch: output tok/s without a drafter and with the EAGLE-3 chain, the speedup, the
-engine's accept length (its own convention: tokens per verify step) and tau in eyas's unit (tokens per target
-forward, the prefill counted). `--bench PROMPTS=FILE` adds `eyas bench` JSONs run on the same batch-1 prompts:
-their tau and the engine's difference from it. The section goes to BENCHMARKS.md through benchmarks.record (--md
-FILE, --no-record); its machine is the one the job ran on (--machine), not the one making the tables.
+DIR holds ENGINE/engine-CONFIG-PROMPTS.json (`eyas bench --engine` reports: a drafter's server against a plain
+server of the same target) and sglang/inproc-CONFIG-PROMPTS.json (`eyas bench` in process on the same prompts and
+drafter), CONFIG being dflash or chain. One row per engine, drafter and prompt set: output tok/s of both servers and
+their ratio, tau from the engine's counters beside the in-process tau and their difference, the turns whose greedy
+replies equal the plain server's (with the divergences' plain-server margins where they differ), and acceptance by
+draft position in both. The section goes to BENCHMARKS.md through benchmarks.record (--md FILE, --no-record); its
+machine is the one the job ran on (--machine), not the one making the tables.
 """
 
 from __future__ import annotations
@@ -19,50 +20,66 @@ from pathlib import Path
 
 from benchmarks import record
 
+CONFIGS = {"dflash": "DFlash", "chain": "EAGLE-3 chain"}
+SETS = ("sharegpt-heldout", "humaneval")
 
-def rows(results: Path, bench: dict[str, float]) -> list[str]:
-    out = []
+
+def _method(report: dict) -> dict:
+    """The drafter's method of a bench report (the one that is not plain or a baseline)."""
+    return next(v for k, v in report["methods"].items() if k.startswith(("dflash", "eagle")))
+
+
+def _positions(m: dict, n: int = 6) -> str:
+    acc = m.get("acceptance_by_position") or []
+    return " ".join(f"{a:.2f}" for a in acc[:n]) + (" ..." if len(acc) > n else "")
+
+
+def _divergences(report: dict) -> str:
+    """The plain server's margins (log-probability of its token less the drafted one's) at the first differing
+    token of each differing turn: small margins are near-ties of the dtype, not a lossless bug."""
+    agree = next(iter(report.get("agreement", {}).values()), {})
+    div = agree.get("divergences") or []
+    margins = [d.get("margin") for d in div if isinstance(d, dict) and d.get("margin") is not None]
+    return ", ".join(f"{x:.3f}" for x in sorted(margins)) if margins else ""
+
+
+def rows(results: Path) -> list[str]:
+    out = ["| engine | drafter | prompts | plain tok/s | drafter tok/s | speedup | tau (engine) | tau (in process) | "
+           "engine vs in process | turns equal to plain | margins where not | acceptance by position (engine) | "
+           "(in process) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for engine in ("sglang", "vllm"):
-        d = results / engine
-        if not d.is_dir():
-            continue
-        out += [f"### {engine}", "",
-                "| prompts | batch | plain tok/s | chain tok/s | speedup | accept length | tau (eyas unit) | "
-                "eyas bench tau | engine vs bench |", "|---|---|---|---|---|---|---|---|---|"]
-        for ps in ("sharegpt-heldout", "humaneval"):
-            for bs in (1, 16):
-                p, c = d / f"spec-plain-{ps}-bs{bs}.json", d / f"spec-chain-{ps}-bs{bs}.json"
-                if not (p.exists() and c.exists()):
+        for config, label in CONFIGS.items():
+            for ps in SETS:
+                f = results / engine / f"engine-{config}-{ps}.json"
+                if not f.exists():
                     continue
-                p, c = json.loads(p.read_text()), json.loads(c.read_text())
-                tau = c.get("tau")
-                ref = bench.get(ps) if bs == 1 else None
-                diff = f"{100 * (tau / ref - 1):+.1f}%" if tau and ref else ""
-                out.append(f"| {ps} ({c['requests']}) | {bs} | {p['output_tok_s']:.0f} | {c['output_tok_s']:.0f} | "
-                           f"{c['output_tok_s'] / p['output_tok_s']:.2f}x | {c['accept_length']} | {tau} | "
-                           f"{'' if ref is None else f'{ref:.3f}'} | {diff} |")
-        out.append("")
-    return out
+                r = json.loads(f.read_text())
+                plain, spec = r["methods"].get("plain", {}), _method(r)
+                ref_file = results / "sglang" / f"inproc-{config}-{ps}.json"
+                ref = _method(json.loads(ref_file.read_text())) if ref_file.exists() else None
+                agree = next(iter(r.get("agreement", {}).values()), {})
+                diff = f"{100 * (spec['tau'] / ref['tau'] - 1):+.1f}%" if ref else ""
+                ref_tau = "" if ref is None else f"{ref['tau']:.3f}"
+                out.append(
+                    f"| {engine} {r['engine']['spec'].get('version', '')} | {label} | {ps} ({r['records']}) | "
+                    f"{plain.get('tokens_per_s', '')} | {spec.get('tokens_per_s')} | {spec.get('speedup', '')}x | "
+                    f"{spec['tau']:.3f} | {ref_tau} | {diff} | "
+                    f"{agree.get('identical_turns', '')}/{agree.get('turns', '')} | {_divergences(r)} | "
+                    f"{_positions(spec)} | {'' if ref is None else _positions(ref)} |")
+    return out if len(out) > 2 else []
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--results", required=True, help="the folder holding sglang/ and vllm/ result folders")
-    ap.add_argument("--bench", action="append", default=[], help="PROMPTS=eyas bench JSON on the same prompts")
-    ap.add_argument("--title", default="Live engines: an eyas drafter served by SGLang and vLLM")
+    ap.add_argument("--results", required=True, help="the folder holding the sglang/ and vllm/ result folders")
+    ap.add_argument("--title", default="Live engines: eyas drafters served by SGLang and vLLM")
     ap.add_argument("--note", action="append", default=[], help="a line added under the table (what ran, caveats)")
     ap.add_argument("--machine", default="the lent GPU machine", help="where the job ran (the section's machine)")
     record.add_options(ap)
     args = ap.parse_args()
-    bench = {}
-    for item in args.bench:
-        name, _, path = item.partition("=")
-        r = json.loads(Path(path).read_text())
-        m = next(v for k, v in r["methods"].items() if k.startswith("eagle"))
-        bench[name] = float(m["tau"])
-    table = rows(Path(args.results), bench)
+    table = rows(Path(args.results))
     if not table:
-        sys.exit(f"{args.results}: no sglang/ or vllm/ folder with spec-*.json")
+        sys.exit(f"{args.results}: no sglang/ or vllm/ folder with engine-*.json")
     print(record.write(args, args.title, "\n".join(table), command=record.command_line(__spec__.name),
                        machine=args.machine, details=args.note, measured_here=False))
     return 0
