@@ -287,8 +287,9 @@ split)  # here: resolve, download, keep what the server imports, trim the big ke
   exit 0 ;;
 drafters)  # here: DRAFTER_EXPORT (EAGLE-3) and DFLASH_EXPORT as .stage-engines/drafter and .stage-engines/dflash
   stage_drafters; exit $? ;;
-drafter)  # there: the carried exports (.stage-engines/drafter, .stage-engines/dflash, in one carry) into WORK
-  mkdir -p $WORK && for name in drafter dflash; do [ -d $D/$name ] || continue
+drafter)  # there: the carried exports (.stage-engines/drafter, .stage-engines/dflash) and prepared data to train an
+  # EAGLE-3 drafter from (.stage-engines/prep-eagle: the eagle phase) into WORK
+  mkdir -p $WORK && for name in drafter dflash prep-eagle; do [ -d $D/$name ] || continue
     rm -rf $WORK/$name && cp -r $D/$name $WORK/$name && ls -la $WORK/$name || exit 1; done; exit 0 ;;
 model-a)  # the GGUF's first half and the ShareGPT wheel (gpu_preset.sh split made them)
   mkdir -p $STAGE && cp .stage2/a/* $STAGE/ && ls -la $STAGE; exit $? ;;
@@ -356,6 +357,8 @@ esac
 
 # ---------------------------------------------------------------- the job (device, background)
 # Phases, each timed and logged on its own; a failed phase is reported and the next one runs:
+#   eagle   an EAGLE-3 drafter trained on this GPU from carried prepared data (EAGLE_RECIPE's [train], default
+#           cpu-demo) and exported to DRAFTER, unless an EAGLE-3 export is there already
 #   serve   a plain server of the target, and beside it one server per exported drafter (SERVE_CONFIGS: dflash, the
 #           DFlash export with its whole block; chain, the EAGLE-3 export at chain CHAIN), each measured by
 #           `eyas bench --engine` against the plain one on LIMIT held-out ShareGPT and HumanEval first turns at
@@ -436,6 +439,16 @@ server_cmd() {  # $1: plain | dflash | chain, $2: port -> the array CMD
       chain) CMD+=(--speculative-config "{\"method\":\"eagle3\",\"model\":\"$DRAFTER\",\"num_speculative_tokens\":$CHAIN}") ;;
     esac
   fi
+}
+eagle() {  # an EAGLE-3 drafter trained here from carried prepared data (prep-eagle) with EAGLE_RECIPE's [train]
+  [ -f $DRAFTER/model.safetensors ] && { say "EAGLE-3 export at $DRAFTER: nothing to train"; return 0; }
+  [ -f $WORK/prep-eagle/manifest.json ] || { say "no prepared data at $WORK/prep-eagle (the drafter mode carries it)"; return 1; }
+  local t=$(date +%s)
+  python3 -m eyas train --recipe ${EAGLE_RECIPE:-cpu-demo} --target $STAGE/smollm2.gguf --data $WORK/prep-eagle \
+    --device cuda --out $WORK/train-eagle --no-progress > $R/train-eagle.log 2>&1 || { tail -n 8 $R/train-eagle.log; return 1; }
+  grep -E "drafter|acc" $R/train-eagle.log | tail -n 4
+  python3 -m eyas export --drafter $WORK/train-eagle --out $DRAFTER > $R/export-eagle.log 2>&1 || { tail -n 5 $R/export-eagle.log; return 1; }
+  cp $DRAFTER/config.json $R/eagle-config.json; say "EAGLE-3 trained and exported in $(( $(date +%s) - t )) s"
 }
 wait_drafter() {  # $1: dflash | chain; its export may still be on its way (a later `drafter` call): WAIT_DRAFTER s
   local d=$DRAFTER t=$(date +%s); [ $1 = dflash ] && d=$DFLASH_DRAFTER
@@ -546,7 +559,7 @@ prefill() {  # issue 13 item 5: the engine's plain prefill tok/s on the same con
 }
 
 only=PHASES_${e^^}                    # PHASES_SGLANG / PHASES_VLLM pick per engine, PHASES for both
-for p in ${!only:-${PHASES:-serve bench}}; do
+for p in ${!only:-${PHASES:-eagle serve bench}}; do
   [ $p = bench ] && [ $e != sglang ] && continue
   phase $p $p
 done
