@@ -15,8 +15,8 @@ from eyas.errors import EyasError
 from eyas.knobs import DEVICE_HELP, add_flags, announce_target, flag_or_default, from_args, resolve_device
 from eyas.store.format import DTYPES
 from eyas.target.dist import destroy_process_group, init_process_group
-from eyas.target.fingerprint import text_config
 from eyas.target.layers import resolve_aux_layer_ids
+from eyas.target.meta import read_config
 
 
 def _layers(text: str) -> tuple[int, ...]:
@@ -54,12 +54,7 @@ def _engine_main(args) -> int:
     if not args.target_config:
         raise EyasError("capture --engine needs --target-config CONFIG.json (the served model's config)")
     path = Path(args.target_config)
-    path = path / "config.json" if path.is_dir() else path
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise EyasError(f"{args.target_config}: cannot read the target config ({e})") from None
-    raw = text_config(raw)  # multimodal wrappers keep the language model's fields inside
+    _, raw = read_config(path / "config.json" if path.is_dir() else path)  # a wrapper's language model fields
     try:
         n, h, v = int(raw["num_hidden_layers"]), int(raw["hidden_size"]), int(raw["vocab_size"])
     except (KeyError, TypeError, ValueError) as e:

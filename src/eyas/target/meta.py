@@ -67,6 +67,17 @@ def read_json(path: Path) -> dict:
     return d
 
 
+def read_config(path) -> tuple[dict, dict]:
+    """A target's config.json as a dict, and its language model's fields (`text_config`: a multimodal wrapper's
+    inner config, else the same dict); a file that cannot be read or is not JSON is refused, naming it."""
+    p = Path(path)
+    try:
+        cfg = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise EyasError(f"{p}: cannot read the target config ({e})") from e
+    return cfg, text_config(cfg)
+
+
 def safetensors_header(path: Path) -> tuple[dict, int]:
     """(tensor name -> {"dtype", "shape", "data_offsets"}, byte offset of the data) from a file's header only."""
     try:
