@@ -27,6 +27,7 @@ import torch
 from eyas.errors import EyasError
 from eyas.model.dflash import DFlashConfig, DFlashDrafter
 from eyas.model.importer import check_for_target, hf_shape, imported_meta, load_weights, named_state
+from eyas.target.meta import read_json
 
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -60,18 +61,6 @@ TOP_NEUTRAL = {"is_causal": (False, None), "attention_bias": (False, None), "use
                "hidden_act": ("silu", None), "is_neox_style": (True, None), "rope_is_neox_style": (True, None),
                "partial_rotary_factor": (1, 1.0, None), "has_own_lm_head": (False, None), "logit_scale": (1, 1.0, None),
                "use_sliding_window": (False, None)}
-
-
-def _read_json(p: Path) -> dict:
-    try:
-        raw = json.loads(p.read_text())
-    except FileNotFoundError as e:
-        raise EyasError(f"{p}: missing") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise EyasError(f"{p}: not valid JSON ({e})") from e
-    if not isinstance(raw, dict):
-        raise EyasError(f"{p}: expected a JSON object")
-    return raw
 
 
 def is_dflash_dir(path: Path) -> bool:
@@ -149,7 +138,7 @@ def _read_weights(path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     if single.exists():
         files, where = [single], single
     elif index.exists():
-        wm = _read_json(index).get("weight_map")
+        wm = read_json(index).get("weight_map")
         if not isinstance(wm, dict):
             raise EyasError(f"{index}: no weight_map")
         files, where = [path / f for f in sorted(set(wm.values()))], index
@@ -216,7 +205,7 @@ def load_dflash_checkpoint(path: str | os.PathLike, *, target=None,
     """
     path = Path(path)
     where = str(path / "config.json")
-    raw = _read_json(path / "config.json")
+    raw = read_json(path / "config.json", absent="missing")
     if ARCHITECTURE not in (raw.get("architectures") or []):
         raise EyasError(f"{where}: architectures {raw.get('architectures')} is not a DFlash drafter "
                         f"(expected {ARCHITECTURE!r})")

@@ -12,7 +12,6 @@ is read where the engines read it and then needs `input_norm.weight`; a checkpoi
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import pickle
@@ -27,21 +26,12 @@ from eyas.manifest import check_target
 from eyas.model.drafter import DrafterConfig, Eagle3Drafter
 from eyas.model.shape import target_rope
 from eyas.target.layers import check_aux_layer_ids, default_aux_layer_ids, sglang_capture_ids, sglang_capture_readings
+from eyas.target.meta import read_json
 
 log = logging.getLogger(__name__)
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "LlamaForCausalLM", "Eagle3LlamaForCausalLM")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-
-
-def _read_config(path: Path) -> dict:
-    p = path / "config.json"
-    if not p.exists():
-        raise EyasError(f"{p}: missing (is {path} an EAGLE-3 checkpoint directory?)")
-    try:
-        return json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise EyasError(f"{p}: not valid JSON ({e})") from e
 
 
 def _read_weights(path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
@@ -237,7 +227,7 @@ def load_eagle3_checkpoint(path: str | os.PathLike, *, target=None,
     meta: {"format": "eagle3", "source", "aux_layer_ids", "warnings", "target" (fingerprint, if recorded)}.
     """
     path = Path(path)
-    raw = _read_config(path)
+    raw = read_json(path / "config.json", absent=f"missing (is {path} an EAGLE-3 checkpoint directory?)")
     where = str(path / "config.json")
     arch = (raw.get("architectures") or ["?"])[0]
     if arch not in ARCHITECTURES:

@@ -55,15 +55,19 @@ class JsonConfig:
         return dict(self.__dict__)
 
 
-def read_json(path: Path) -> dict:
+def read_json(path: Path, absent: str | None = None) -> dict:
+    """The JSON object in the file `path`, refused in one line that names it: unreadable, not JSON, not an object,
+    or (`absent`: what to say then, e.g. which directory was expected) not there."""
+    if absent is not None and not path.exists():
+        raise EyasError(f"{path}: {absent}")
     try:
         d = json.loads(path.read_text())
     except OSError as e:
         raise EyasError(f"{path}: cannot read it ({e.strerror or e})") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise EyasError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(d, dict):
-        raise EyasError(f"{path}: expected a JSON object")
+        raise EyasError(f"{path}: expected a JSON object, got a JSON {type(d).__name__}")
     return d
 
 
