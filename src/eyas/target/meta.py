@@ -72,13 +72,9 @@ def read_json(path: Path, absent: str | None = None) -> dict:
 
 
 def read_config(path) -> tuple[dict, dict]:
-    """A target's config.json as a dict, and its language model's fields (`text_config`: a multimodal wrapper's
-    inner config, else the same dict); a file that cannot be read or is not JSON is refused, naming it."""
-    p = Path(path)
-    try:
-        cfg = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise EyasError(f"{p}: cannot read the target config ({e})") from e
+    """A target's config.json as a dict (read_json), and its language model's fields (`text_config`: a multimodal
+    wrapper's inner config, else the same dict)."""
+    cfg = read_json(Path(path))
     return cfg, text_config(cfg)
 
 
