@@ -133,6 +133,15 @@ def add_flags(parser, cls, names=None, **special: dict) -> None:
         parser.add_argument(*flags, **args)
 
 
+def add_command(subparsers, name: str, run, help: str):
+    """The parser of the command `name`, which runs `run(args)`: `help` is its line in the list of commands, and
+    run's docstring the description atop its --help (as a field's docstring is its flag's help), so the docstring is
+    written for the user."""
+    p = subparsers.add_parser(name, help=help, description=inspect.getdoc(run))
+    p.set_defaults(func=run)
+    return p
+
+
 def from_args(cls, args, **values):
     """cls built from the parsed flags named after its knobs, with `values` on top (what a command sets itself)."""
     given = {n: getattr(args, n) for n in knobs(cls) if hasattr(args, n)}

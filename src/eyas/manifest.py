@@ -16,6 +16,7 @@ from typing import Any
 
 from eyas.errors import EyasError
 from eyas.target.fingerprint import diffs
+from eyas.target.meta import read_json
 
 log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
@@ -59,16 +60,7 @@ def write_manifest(out_dir: str | os.PathLike, manifest: dict[str, Any]) -> None
 def read_manifest(out_dir: str | os.PathLike, kind: str | None = None) -> dict[str, Any]:
     """Read and check DIR/manifest.json; `kind` is the stage that must have written it."""
     path = Path(out_dir) / MANIFEST
-    if not path.exists():
-        raise EyasError(f"{path}: no manifest (is {out_dir} an eyas {kind or 'output'} directory?)")
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise EyasError(f"{path}: manifest is not valid JSON ({e})") from e
-    except OSError as e:
-        raise EyasError(f"{path}: cannot read the manifest ({e.strerror or e})") from e
-    if not isinstance(manifest, dict):
-        raise EyasError(f"{path}: manifest is a JSON {type(manifest).__name__}, expected an object")
+    manifest = read_json(path, absent=f"no manifest (is {out_dir} an eyas {kind or 'output'} directory?)")
     if manifest.get("schema") != SCHEMA_VERSION:
         raise EyasError(f"{path}: schema {manifest.get('schema')!r}, this eyas reads schema {SCHEMA_VERSION}")
     if kind is not None and manifest.get("kind") != kind:

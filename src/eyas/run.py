@@ -29,7 +29,7 @@ from eyas.data.prepared import PreparedData
 from eyas.data.sources import resolve_data
 from eyas.errors import EyasError
 from eyas.export.export import export_drafter
-from eyas.knobs import add_flags, from_args
+from eyas.knobs import add_command, add_flags, from_args
 from eyas.manifest import atomic_write_bytes, diff_dicts
 from eyas.model.checkpoint import open_drafter
 from eyas.recipes import (Recipe, from_legacy_knobs, load_recipe, preset as preset_recipe, resolve_dtype, resolve_key,
@@ -538,9 +538,7 @@ def parse_knob(text: str) -> tuple[str, object]:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("run", help="the whole pipeline in one resumable command",
-                              description="prepare -> capture -> train -> bench -> export -> report.md, resumable by "
-                                          "stage: the target and data, a preset or recipe, and --set for one value.")
+    p = add_command(subparsers, "run", _main, help="the whole pipeline in one resumable command")
     add_flags(p.add_argument_group("target and data"), RunConfig, ["target", "data", "trust_remote_code"])
     recipe = p.add_argument_group("recipe")
     which = recipe.add_mutually_exclusive_group()
@@ -556,10 +554,11 @@ def register(subparsers) -> None:
     add_flags(out, RunConfig, ["out"], out={"default": None, "help": "run directory (default: runs/<preset or "
                                                                     "recipe name>)"})
     add_flags(out, RunConfig, ["overwrite", "quiet", "verbose", "until"], until={"choices": STAGES})
-    p.set_defaults(func=_main)
 
 
 def _main(args) -> int:
+    """prepare -> capture -> train -> bench -> export -> report.md, resumable by stage: the target and data, a preset
+    or recipe, and --set for one value."""
     name = args.preset
     if args.recipe_file:
         name = Path(args.recipe_file).stem

@@ -16,8 +16,8 @@ from eyas.bench.engine import ENGINES, EngineBenchConfig, run_engine_bench
 from eyas.data.prompts import load_prompts
 from eyas.data.sources import resolve_data
 from eyas.errors import EyasError
-from eyas.knobs import (DEVICE_HELP, FROM_DRAFTER, FROM_FLAG, add_flags, announce_target, default_source, flag_name,
-                        from_args, resolve_device)
+from eyas.knobs import (DEVICE_HELP, FROM_DRAFTER, FROM_FLAG, add_command, add_flags, announce_target, default_source,
+                        flag_name, from_args, resolve_device)
 from eyas.manifest import MANIFEST, atomic_write_bytes, read_manifest
 from eyas.model.checkpoint import drafter_dir, open_drafter
 from eyas.target.load import EMBEDDED
@@ -34,11 +34,7 @@ COUNTS = ("chain", "top_k", "depth", "total_tokens", "max_new_tokens", "limit", 
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "bench", help="measure acceptance length and real speedup of a drafter",
-        description="Speculative decoding benchmark with plain and prompt-lookup baselines: tokens per target "
-                    "forward (tau) and the speedup over plain decoding measured in the same run, and at "
-                    "temperature 0 a check that the outputs equal plain greedy decoding.")
+    p = add_command(subparsers, "bench", main, help="measure acceptance length and real speedup of a drafter")
     special = dict(target={"default": None, "help": "target model: embedded name, HF directory, hub id or GGUF path "
                                                     "(default: the target the drafter was trained for, as its run "
                                                     "records it; without --drafter the embedded SmolLM2-135M-Instruct)"},
@@ -77,7 +73,6 @@ def register(subparsers) -> argparse.ArgumentParser:
               engine={"default": None, "required": False, "choices": ENGINES,
                       "help": "bench the drafter served by this engine at --url, from the engine's own counters"},
               url={"default": None, "required": False})
-    p.set_defaults(func=main)
     return p
 
 
@@ -164,6 +159,9 @@ def check_prompts(spec: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    """Speculative decoding benchmark with plain and prompt-lookup baselines: tokens per target forward (tau) and the
+    speedup over plain decoding measured in the same run, and at temperature 0 a check that the outputs equal plain
+    greedy decoding."""
     import torch
 
     check_counts(args)

@@ -12,11 +12,11 @@ from eyas.capture.capture import CaptureConfig
 from eyas.data.prepared import PreparedData
 from eyas.engines.capture import add_engine_args, config_from_args, run_engine_capture, served_check
 from eyas.errors import EyasError
-from eyas.knobs import DEVICE_HELP, add_flags, announce_target, flag_or_default, from_args, resolve_device
+from eyas.knobs import DEVICE_HELP, add_command, add_flags, announce_target, flag_or_default, from_args, resolve_device
 from eyas.store.format import DTYPES
 from eyas.target.dist import destroy_process_group, init_process_group
-from eyas.target.fingerprint import text_config
 from eyas.target.layers import resolve_aux_layer_ids
+from eyas.target.meta import read_config
 
 
 def _layers(text: str) -> tuple[int, ...]:
@@ -27,12 +27,7 @@ def _layers(text: str) -> tuple[int, ...]:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "capture", help="store the target's aux + final hidden states for prepared data",
-        description="Run the target over a prepared directory and store, per sample, the hidden states of three of "
-                    "its layers and its final state: what offline training reads. In process (the target loads "
-                    "here) or through a running SGLang / vLLM server (--engine). Rerunning the same command resumes "
-                    "an interrupted capture.")
+    p = add_command(subparsers, "capture", _main, help="store the target's aux + final hidden states for prepared data")
     special = dict(data={"required": True}, layers={"type": _layers}, dtype={"choices": list(DTYPES)},
                    device={"default": "auto", "help": DEVICE_HELP + "; cuda:LOCAL_RANK under torchrun (default: "
                                                                      "%(default)s)"})
@@ -46,7 +41,6 @@ def register(subparsers) -> None:
     add_flags(p.add_argument_group("output"), CaptureConfig, ["out", "overwrite", "shard_mb"], **special)
 
     add_engine_args(p)
-    p.set_defaults(func=_main)
 
 
 def _engine_main(args) -> int:
@@ -54,12 +48,7 @@ def _engine_main(args) -> int:
     if not args.target_config:
         raise EyasError("capture --engine needs --target-config CONFIG.json (the served model's config)")
     path = Path(args.target_config)
-    path = path / "config.json" if path.is_dir() else path
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise EyasError(f"{args.target_config}: cannot read the target config ({e})") from None
-    raw = text_config(raw)  # multimodal wrappers keep the language model's fields inside
+    _, raw = read_config(path / "config.json" if path.is_dir() else path)  # a wrapper's language model fields
     try:
         n, h, v = int(raw["num_hidden_layers"]), int(raw["hidden_size"]), int(raw["vocab_size"])
     except (KeyError, TypeError, ValueError) as e:
@@ -75,6 +64,9 @@ def _engine_main(args) -> int:
 
 
 def _main(args) -> int:
+    """Run the target over a prepared directory and store, per sample, the hidden states of three of its layers and
+    its final state: what offline training reads. In process (the target loads here) or through a running SGLang /
+    vLLM server (--engine). Rerunning the same command resumes an interrupted capture."""
     if args.engine:
         return _engine_main(args)
     # The data are checked before the target loads, so a wrong --data fails at once, not after a model load; the

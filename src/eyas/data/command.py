@@ -9,7 +9,8 @@ from pathlib import Path
 import eyas.data.prepare  # run_prepare looked up at call time: tests patch it
 from eyas.data.prepare import PrepareConfig, format_counts, skipped_lines
 from eyas.errors import EyasError
-from eyas.knobs import DEVICE_HELP, add_flags, announce_target, flag_or_default, from_args, knobs, resolve_device
+from eyas.knobs import (DEVICE_HELP, add_command, add_flags, announce_target, flag_or_default, from_args, knobs,
+                        resolve_device)
 
 # The --help sections and the PrepareConfig fields in each; a field left out of every one still gets its flag, under
 # "other settings", so a new field never goes without one.
@@ -27,11 +28,7 @@ GROUPS = {
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "prepare", help="tokenize conversations with loss masks (train split only)",
-        description="Tokenize conversations with the target's chat template and assistant loss masks; "
-                    "writes the TRAIN split (held-out ids are skipped) and manifest.json. "
-                    "Rerunning the same command resumes an interrupted run.")
+    p = add_command(subparsers, "prepare", main, help="tokenize conversations with loss masks (train split only)")
     special = dict(regen_temperature={"flags": ("--regen-temperature", "--temperature")},
                    regen_dtype={"choices": ["fp32", "bf16", "fp16"]},
                    device={"default": "auto", "help": DEVICE_HELP + "; local regeneration runs the target there "
@@ -44,11 +41,12 @@ def register(subparsers) -> argparse.ArgumentParser:
         add_flags(p.add_argument_group("other settings"), PrepareConfig, rest, **special)
     groups["output"].add_argument("--verbose", action="store_true", help="print every skipped record and dropped "
                                   "sample (always written to OUT/skipped.jsonl)")
-    p.set_defaults(func=main)
     return p
 
 
 def main(args: argparse.Namespace) -> int:
+    """Tokenize conversations with the target's chat template and assistant loss masks; writes the TRAIN split
+    (held-out ids are skipped) and manifest.json. Rerunning the same command resumes an interrupted run."""
     try:
         cfg = from_args(PrepareConfig, args, device=resolve_device(args.device))
     except ValueError as e:

@@ -11,10 +11,13 @@ from eyas.engines.crosscheck import crosscheck, reference_states, report
 from eyas.engines.served_check import CheckConfig, report as check_report, run_served_check
 from eyas.engines.vllm_ingest import run_ingest, skip_summary
 from eyas.errors import EyasError
+from eyas.knobs import add_command
 from eyas.store.reader import Store
 
 
 def _launch(a) -> int:
+    """Print the SGLang or vLLM server command that serves the target with eyas's capture switched on: one flag and
+    its value per line, ready to paste into a shell. `eyas capture --engine` then sends the prepared data to it."""
     ids = [int(x) for x in a.aux_layer_ids.split(",")] if a.aux_layer_ids else None
     if Path(a.target_config).is_dir():   # a target directory (weightless will do): its config.json
         a.target_config = str(Path(a.target_config) / "config.json")
@@ -33,6 +36,8 @@ def _launch(a) -> int:
 
 
 def _patch(a) -> int:
+    """Patch (or check, or revert) the installed SGLang's model files so that they call eyas's capture hook: for
+    SGLang versions without forward hooks."""
     d = sp.models_dir(a.sglang_dir)
     if a.check:
         for c in sp.plan(d):
@@ -45,6 +50,8 @@ def _patch(a) -> int:
 
 
 def _crosscheck(a) -> int:
+    """Compare the first samples of an engine-captured store with the same samples captured in process (the whole
+    target loads here), layer by layer."""
     st = Store(a.store, allow_incomplete=True)
     if len(st) == 0:
         raise EyasError(f"{a.store}: the store holds no samples, so there is nothing to crosscheck (did the "
@@ -61,6 +68,8 @@ def _crosscheck(a) -> int:
 
 
 def _check(a) -> int:
+    """Check an engine-captured store against the server that wrote it, reading only the target's embedding, LM head
+    and final norm: greedy tokens, the post-norm final slot and (SGLang) the aux layers probed."""
     res = run_served_check(CheckConfig(engine=a.engine, url=a.url, store=a.store, target=a.target, n=a.n, tol=a.tol,
                                        vllm_dir=a.vllm_dir))
     print(check_report(res["rows"]))
@@ -68,6 +77,8 @@ def _check(a) -> int:
 
 
 def _ingest(a) -> int:
+    """Turn the hidden-state files a vLLM server dumped (its extract_hidden_states connector) into an eyas store,
+    applying the target's final norm."""
     import sys  # noqa: PLC0415
     summary = run_ingest(a.vllm_dir, a.data, a.out, a.target_config, a.target_weights or None)
     print(json.dumps(summary, indent=1))
@@ -86,10 +97,7 @@ def register(subparsers) -> None:
                     "captured (crosscheck, check); vLLM's dumps become a store with ingest-vllm. docs/engines.md "
                     "walks through it.")
     sub = p.add_subparsers(dest="engine_cmd", required=True)
-    la = sub.add_parser("launch-args", help="print the server command for capture",
-                        description="Print the SGLang or vLLM server command that serves the target with eyas's "
-                                    "capture switched on: one flag and its value per line, ready to paste into a "
-                                    "shell. `eyas capture --engine` then sends the prepared data to it.")
+    la = add_command(sub, "launch-args", _launch, help="print the server command for capture")
     la.add_argument("engine", choices=["sglang", "vllm"])
     target = la.add_argument_group("target")
     target.add_argument("--target-config", required=True, help="the target's HF config.json or its directory")
@@ -110,20 +118,14 @@ def register(subparsers) -> None:
                        help="vLLM: the directory its hidden-state dumps go to (default: %(default)s)")
     paths.add_argument("--max-model-len", type=int, default=0,
                        help="vLLM's context (default: the longest sample of --data plus one; never the target's own)")
-    la.set_defaults(func=_launch)
-    pa = sub.add_parser("patch", help="AST-patch SGLang model files to call the eyas hook",
-                        description="Patch (or check, or revert) the installed SGLang's model files so that they "
-                                    "call eyas's capture hook: for SGLang versions without forward hooks.")
+    pa = add_command(sub, "patch", _patch, help="AST-patch SGLang model files to call the eyas hook")
     pa.add_argument("engine", choices=["sglang"])
     g = pa.add_mutually_exclusive_group(required=True)
     g.add_argument("--check", action="store_true", help="print the changes a patch would make")
     g.add_argument("--apply", action="store_true", help="patch the files")
     g.add_argument("--revert", action="store_true", help="restore the files as they were")
     pa.add_argument("--sglang-dir", default=None, help="sglang package dir (default: the installed one)")
-    pa.set_defaults(func=_patch)
-    cc = sub.add_parser("crosscheck", help="engine-path store vs in-process capture, per layer",
-                        description="Compare the first samples of an engine-captured store with the same samples "
-                                    "captured in process (the whole target loads here), layer by layer.")
+    cc = add_command(sub, "crosscheck", _crosscheck, help="engine-path store vs in-process capture, per layer")
     cc.add_argument("--store", required=True, help="the engine-captured store")
     cc.add_argument("--target", required=True, help="the target model (loaded with its weights)")
     cc.add_argument("-n", type=int, default=8, help="samples compared (default: %(default)s)")
@@ -131,11 +133,8 @@ def register(subparsers) -> None:
                     help="largest relative error ||engine - reference|| / ||reference|| counted as equal (bf16 engine)")
     cc.add_argument("--trust-remote-code", action="store_true",
                     help="allow the target's own code (its model, tokenizer or config)")
-    cc.set_defaults(func=_crosscheck)
-    ck = sub.add_parser("check", help="engine-captured store vs the served target, with its head tensors only",
-                        description="Check an engine-captured store against the server that wrote it, reading "
-                                    "only the target's embedding, LM head and final norm: greedy tokens, the "
-                                    "post-norm final slot and (SGLang) the aux layers probed.")
+    ck = add_command(sub, "check", _check,
+                     help="engine-captured store vs the served target, with its head tensors only")
     ck.add_argument("--engine", choices=["sglang", "vllm"], required=True)
     ck.add_argument("--url", required=True, help="the server that captured the store")
     ck.add_argument("--store", required=True, help="the store (SGLang: the hook's --store; its probes land in it)")
@@ -146,14 +145,10 @@ def register(subparsers) -> None:
                     help="largest relative error of an aux slot against its probed layer (bf16 engine)")
     ck.add_argument("--vllm-dir", default="", help="vLLM: the directory of its hidden-state dumps (the check's own "
                     "dumps are removed)")
-    ck.set_defaults(func=_check)
-    iv = sub.add_parser("ingest-vllm", help="vLLM extract_hidden_states files -> store",
-                        description="Turn the hidden-state files a vLLM server dumped (its extract_hidden_states "
-                                    "connector) into an eyas store, applying the target's final norm.")
+    iv = add_command(sub, "ingest-vllm", _ingest, help="vLLM extract_hidden_states files -> store")
     iv.add_argument("--vllm-dir", required=True, help="the directory of vLLM's dumps")
     iv.add_argument("--data", required=True, help="the prepared data the server was sent")
     iv.add_argument("--out", required=True, help="the store, created by `eyas capture --engine vllm`")
     iv.add_argument("--target-config", required=True,
                     help="the served target's config.json (vLLM's last slot is pre-norm; eyas applies its final norm)")
     iv.add_argument("--target-weights", default="", help="dir of its safetensors (default: beside --target-config)")
-    iv.set_defaults(func=_ingest)

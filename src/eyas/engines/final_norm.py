@@ -9,15 +9,13 @@ target's logits (EAGLE3.md section 1), so the vLLM ingester applies this norm to
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from eyas.errors import EyasError
-from eyas.target.fingerprint import text_config
-from eyas.target.meta import INDEX, NAMES, SINGLE, find_name, read_tensor, weight_map
+from eyas.target.meta import INDEX, NAMES, SINGLE, find_name, read_config, read_tensor, weight_map
 
 # The final norm's names (target/meta.py, as every stage finds them): HF causal LMs, multimodal wrappers
 # (Kimi-K2.5), and NVIDIA's Kimi-K2.5 quantized checkpoints (language_model.layers.*, language_model.norm.weight).
@@ -60,11 +58,7 @@ def read_norm_weight(d: Path) -> tuple[str, torch.Tensor]:
 def load_final_norm(target_config, weights_dir=None) -> FinalNorm:
     """The final norm of the target whose HF config.json is `target_config` (weights beside it by default)."""
     p = Path(target_config)
-    try:
-        cfg = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise EyasError(f"{p}: cannot read the target config ({e})") from e
-    text = text_config(cfg)
+    cfg, text = read_config(p)
     model_type = str(text.get("model_type") or cfg.get("model_type") or "")
     if model_type.startswith("gemma"):
         raise EyasError(f"{p}: {model_type} scales its norm by (1 + weight); eyas's vLLM ingest supports plain RMSNorm")

@@ -22,9 +22,8 @@ from pathlib import Path
 
 from eyas.data.prepared import PreparedData
 from eyas.errors import EyasError
-from eyas.target.fingerprint import text_config
 from eyas.target.layers import resolve_aux_layer_ids, sglang_layer_ids
-from eyas.target.meta import needs_remote_code
+from eyas.target.meta import needs_remote_code, read_config
 
 # Read from the wheels (tests/support/engine_sglang_layouts.py records each release; the tests check it):
 FIRST_HOOKS_VERSION = (0, 5, 6)       # --forward-hooks and model_executor/hook_manager.py
@@ -64,11 +63,7 @@ def read_target_config(path) -> dict:
     """A HF config.json; multimodal wrappers (Kimi-K2.5) keep the LM, and so its depth and width, under
     text_config. remote_code: why the engine needs --trust-remote-code (target/meta.py needs_remote_code)."""
     p = Path(path)
-    try:
-        cfg = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise EyasError(f"{p}: cannot read target config ({e})") from e
-    text = text_config(cfg)
+    cfg, text = read_config(p)
     if "num_hidden_layers" not in text:
         raise EyasError(f"{p}: no num_hidden_layers (not a HF causal-LM config.json?)")
     arch = (cfg.get("architectures") or text.get("architectures") or ["?"])[0]

@@ -6,10 +6,12 @@ import argparse
 
 from eyas.bench.command import recorded_fingerprint
 from eyas.export.export import run_export
-from eyas.knobs import FROM_DRAFTER, FROM_FLAG, announce_target
+from eyas.knobs import FROM_DRAFTER, FROM_FLAG, add_command, announce_target
 
 
 def _run(args: argparse.Namespace) -> int:
+    """Write a drafter (EAGLE-3 or DFlash) as the serving engines load it: config.json and model.safetensors in the
+    engines' names, and a README.md with the SGLang and vLLM commands that serve it beside its target."""
     if args.target:
         announce_target("export", args.target, FROM_FLAG)
     else:   # the export names the recorded target in its README; nothing is checked against it
@@ -24,11 +26,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "export", help="write a drafter in the layout SGLang and vLLM serve",
-        description="Write a drafter (EAGLE-3 or DFlash) as the serving engines load it: config.json and "
-                    "model.safetensors in the engines' names, and a README.md with the SGLang and vLLM commands "
-                    "that serve it beside its target.")
+    p = add_command(subparsers, "export", _run, help="write a drafter in the layout SGLang and vLLM serve")
     drafter = p.add_argument_group("drafter")
     drafter.add_argument("--drafter", required=True, help="eyas run dir, train run dir, drafter dir, or "
                          "exported/published EAGLE-3 or DFlash dir")
@@ -46,4 +44,3 @@ def register(subparsers) -> None:
     output.add_argument("--out", required=True, help="output directory")
     output.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
                         help="weight dtype (default bf16)")
-    p.set_defaults(func=_run)

@@ -25,6 +25,7 @@ from eyas.model.dflash import DFlashConfig, DFlashDrafter
 from eyas.model.dflash_import import is_dflash_dir, load_dflash_checkpoint
 from eyas.model.drafter import DrafterConfig, Eagle3Drafter
 from eyas.model.importer import accept_mismatch, load_eagle3_checkpoint
+from eyas.target.meta import read_json
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
@@ -51,13 +52,10 @@ def load_drafter(path: str | os.PathLike, *, device="cpu") -> tuple[Eagle3Drafte
 
     path = Path(path)
     cfg_path, w_path = path / CONFIG_FILE, path / WEIGHTS_FILE
-    for p in (cfg_path, w_path):
-        if not p.exists():
-            raise EyasError(f"{p}: missing (is {path} a drafter checkpoint directory?)")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise EyasError(f"{cfg_path}: not valid JSON ({e})") from e
+    absent = f"missing (is {path} a drafter checkpoint directory?)"
+    raw = read_json(cfg_path, absent=absent)
+    if not w_path.exists():
+        raise EyasError(f"{w_path}: {absent}")
     config_cls, model_cls = (DFlashConfig, DFlashDrafter) if raw.get("kind") == "dflash" else (DrafterConfig,
                                                                                               Eagle3Drafter)
     known = {f.name for f in fields(config_cls)}

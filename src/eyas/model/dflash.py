@@ -15,6 +15,7 @@ are not part of the drafter: the caller passes the block's embeddings and applie
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +23,9 @@ from torch import Tensor, nn
 
 from eyas.errors import EyasError
 from eyas.knobs import from_known, to_json
-from eyas.model.drafter import GROUPED_ROWS, MLP, RMSNorm, flex_attend, grouped_attend, rope_inv_freq, rotate_half
-from eyas.model.shape import ROPE_TYPES, mla_or_moe, target_shape, text_view
+from eyas.model.drafter import (GROUPED_ROWS, MLP, RMSNorm, flex_attend, grouped_attend, init_normal, rope_at,
+                                rope_inv_freq, rotate_half)
+from eyas.model.shape import DecoderShape, count_text, mla_or_moe, target_shape, text_view
 
 MAX_BLOCK = 32
 """Largest block: the engines' CUDA-graph and verify buffers are sized for blocks of up to 16-32 tokens."""
@@ -53,31 +55,15 @@ def default_mask_token(tokenizer, vocab_size: int) -> int:
 
 
 @dataclass(frozen=True, kw_only=True)
-class DFlashConfig:
-    hidden_size: int
-    """Drafter width h: the target's hidden size (the context vectors and the block's embeddings are that wide)."""
-    target_hidden_size: int
-    """Width h_t of each context feature; fc takes len(aux_layer_ids) * h_t."""
-    intermediate_size: int
-    """Width of the SwiGLU MLP."""
+class DFlashConfig(DecoderShape):
+    """The DFlash drafter: the target's shape (DecoderShape; the context vectors and the block's embeddings are
+    hidden_size wide, q_norm and k_norm head_dim wide, drafts are read from the target's own LM head), its depth,
+    context layers, block and mask token."""
+
+    what: ClassVar[str] = "dflash config"
+
     num_hidden_layers: int
     """Decoder layers L."""
-    num_attention_heads: int
-    """Query heads."""
-    num_key_value_heads: int
-    """Key/value heads (GQA); divides num_attention_heads."""
-    head_dim: int
-    """Per-head width (q_norm and k_norm are this wide)."""
-    rms_norm_eps: float
-    """RMSNorm epsilon (the target's)."""
-    rope_theta: float
-    """RoPE base."""
-    rope_scaling: dict | None = None
-    """RoPE scaling as in HF configs ({"rope_type": "linear"|"llama3", ...}) or None (plain RoPE)."""
-    max_position_embeddings: int
-    """Longest position the drafter is configured for (the target's)."""
-    vocab_size: int
-    """The target's vocabulary: drafts are read from the target's own LM head."""
     aux_layer_ids: tuple[int, ...]
     """HF hidden_states indices of the context features (the store's aux ids); the engines' target_layer_ids are
     these minus one ("after layer k")."""
@@ -90,16 +76,8 @@ class DFlashConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
-        for name in ("hidden_size", "target_hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
-                     "vocab_size", "num_target_layers"):
-            if int(getattr(self, name)) <= 0:
-                raise EyasError(f"dflash config: {name} must be positive, got {getattr(self, name)}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise EyasError(f"dflash config: num_attention_heads {self.num_attention_heads} is not a multiple of "
-                            f"num_key_value_heads {self.num_key_value_heads}")
-        if self.head_dim % 2:
-            raise EyasError(f"dflash config: head_dim must be even for RoPE, got {self.head_dim}")
+        super().__post_init__()
+        self.check_positive(("num_hidden_layers", "num_target_layers"))
         if not 2 <= self.block_size <= MAX_BLOCK:
             raise EyasError(f"dflash config: block_size must be 2 to {MAX_BLOCK}, got {self.block_size}")
         if not 0 <= self.mask_token_id < self.vocab_size:
@@ -108,9 +86,6 @@ class DFlashConfig:
         if not self.aux_layer_ids or min(self.aux_layer_ids) < 1 or max(self.aux_layer_ids) > self.num_target_layers:
             raise EyasError(f"dflash config: aux_layer_ids {list(self.aux_layer_ids)} must be HF hidden-state indices "
                             f"1..{self.num_target_layers} (the engines capture after layer id - 1)")
-        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
-        if rope_type not in ROPE_TYPES:
-            raise EyasError(f"dflash config: rope_type {rope_type!r} is not supported (supported: {ROPE_TYPES})")
 
     @property
     def target_layer_ids(self) -> list[int]:
@@ -136,12 +111,10 @@ class DFlashConfig:
 
     def summary(self) -> str:
         """One line: depth, block, sizes, context layers and parameter count (what `eyas train` announces)."""
-        n = self.param_count()
-        count = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
         return (f"DFlash, {self.num_hidden_layers} layers, block {self.block_size} (mask token {self.mask_token_id}),"
                 f" h {self.hidden_size}, {self.num_attention_heads} x {self.head_dim} heads "
                 f"({self.num_key_value_heads} kv), mlp {self.intermediate_size}, context after target layers "
-                f"{self.target_layer_ids}, vocab {self.vocab_size}, {count} params")
+                f"{self.target_layer_ids}, vocab {self.vocab_size}, {count_text(self.param_count())} params")
 
     def to_dict(self) -> dict:
         return {"kind": "dflash", **to_json(self)}
@@ -251,18 +224,12 @@ class DFlashDrafter(nn.Module):
         return e
 
     def init_weights(self, std: float = 0.02) -> None:
-        """Normal(0, std) for every Linear, ones for every RMSNorm (uses the global torch RNG)."""
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, mean=0.0, std=std)
-            elif isinstance(m, RMSNorm):
-                nn.init.ones_(m.weight)
+        """Normal(0, std) for every Linear, ones for every RMSNorm (init_normal)."""
+        init_normal(self, std)
 
     def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos, sin (B, S, hd) at positions (B, S)."""
-        freqs = positions.float()[..., None] * self.inv_freq                        # (B, S, hd/2)
-        emb = torch.cat([freqs, freqs], dim=-1)                                      # (B, S, hd)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return rope_at(positions, self.inv_freq, dtype)
 
     def context(self, aux: Tensor) -> Tensor:
         """(B, T, K*h_t) concatenated target features -> the context vectors (B, T, h)."""

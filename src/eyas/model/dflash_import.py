@@ -17,7 +17,6 @@ SGLang 0.5.23 and vLLM read) becomes the drafter's mask row.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import warnings as pywarnings
 from pathlib import Path
@@ -26,12 +25,10 @@ from typing import Any
 import torch
 
 from eyas.errors import EyasError
-from eyas.manifest import check_target
 from eyas.model.dflash import DFlashConfig, DFlashDrafter
-from eyas.model.importer import accept_mismatch, check_weights
-from eyas.model.shape import target_rope
+from eyas.model.importer import check_for_target, hf_shape, imported_meta, load_weights, named_state
+from eyas.target.meta import read_json
 
-log = logging.getLogger(__name__)
 
 ARCHITECTURE = "DFlashDraftModel"
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
@@ -64,18 +61,6 @@ TOP_NEUTRAL = {"is_causal": (False, None), "attention_bias": (False, None), "use
                "hidden_act": ("silu", None), "is_neox_style": (True, None), "rope_is_neox_style": (True, None),
                "partial_rotary_factor": (1, 1.0, None), "has_own_lm_head": (False, None), "logit_scale": (1, 1.0, None),
                "use_sliding_window": (False, None)}
-
-
-def _read_json(p: Path) -> dict:
-    try:
-        raw = json.loads(p.read_text())
-    except FileNotFoundError as e:
-        raise EyasError(f"{p}: missing") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise EyasError(f"{p}: not valid JSON ({e})") from e
-    if not isinstance(raw, dict):
-        raise EyasError(f"{p}: expected a JSON object")
-    return raw
 
 
 def is_dflash_dir(path: Path) -> bool:
@@ -136,17 +121,9 @@ def dflash_config_from_hf(raw: dict, *, where: str, num_target_layers: int | Non
     if num_target_layers is not None and int(n) != num_target_layers:
         raise EyasError(f"{where}: num_target_layers {n} but the target has {num_target_layers} layers")
     try:
-        h, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
-        theta, scaling = target_rope(raw)
-        return DFlashConfig(
-            hidden_size=h, target_hidden_size=int(raw.get("target_hidden_size") or h),
-            intermediate_size=int(raw["intermediate_size"]), num_hidden_layers=int(raw["num_hidden_layers"]),
-            num_attention_heads=heads, num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or h // heads), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta, rope_scaling=scaling,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
-            vocab_size=int(raw["vocab_size"]), aux_layer_ids=tuple(i + 1 for i in ids), num_target_layers=int(n),
-            block_size=int(block), mask_token_id=int(mask))
+        return DFlashConfig(**hf_shape(raw, max_positions=32768), num_hidden_layers=int(raw["num_hidden_layers"]),
+                            aux_layer_ids=tuple(i + 1 for i in ids), num_target_layers=int(n),
+                            block_size=int(block), mask_token_id=int(mask))
     except KeyError as e:
         raise EyasError(f"{where}: missing field {e.args[0]!r}") from e
     except (TypeError, ValueError) as e:
@@ -161,7 +138,7 @@ def _read_weights(path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     if single.exists():
         files, where = [single], single
     elif index.exists():
-        wm = _read_json(index).get("weight_map")
+        wm = read_json(index).get("weight_map")
         if not isinstance(wm, dict):
             raise EyasError(f"{index}: no weight_map")
         files, where = [path / f for f in sorted(set(wm.values()))], index
@@ -228,45 +205,20 @@ def load_dflash_checkpoint(path: str | os.PathLike, *, target=None,
     """
     path = Path(path)
     where = str(path / "config.json")
-    raw = _read_json(path / "config.json")
+    raw = read_json(path / "config.json", absent="missing")
     if ARCHITECTURE not in (raw.get("architectures") or []):
         raise EyasError(f"{where}: architectures {raw.get('architectures')} is not a DFlash drafter "
                         f"(expected {ARCHITECTURE!r})")
     cfg = dflash_config_from_hf(raw, where=where, num_target_layers=target.num_layers if target is not None else None)
-    mismatch = None
-    if target is not None:
-        if raw.get("eyas_target"):
-            mismatch = check_target(raw["eyas_target"], target.fingerprint, where=where,
-                                    allow_mismatch=allow_target_mismatch)
-        if cfg.vocab_size != target.vocab_size or cfg.target_hidden_size != target.hidden_size:
-            raise EyasError(f"{where}: drafter is for vocab {cfg.vocab_size} / hidden {cfg.target_hidden_size}, the "
-                            f"target has {target.vocab_size} / {target.hidden_size}")
+    mismatch = check_for_target(raw, cfg, target, where=where, allow_mismatch=allow_target_mismatch)
 
     wpath, tensors = _read_weights(path)
     warnings: list[str] = []
-    state: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        c = canonical_name(name)
-        if "rotary_emb." in c:      # HF's RoPE caches: derived from the config, skipped by both engines
-            continue
-        if c.startswith(IGNORED):
-            msg = f"{wpath}: ignoring {name!r} {tuple(t.shape)}: eyas uses the target's embedding and LM head"
-            log.warning(msg)
-            warnings.append(msg)
-            continue
-        if c in state:
-            raise EyasError(f"{wpath}: {name!r} duplicates another tensor that also maps to {c!r}")
-        state[c] = t
+    # HF's RoPE caches: derived from the config, skipped by both engines (canonical_name keeps "rotary_emb.")
+    tensors = {name: t for name, t in tensors.items() if "rotary_emb." not in name}
+    state = named_state(wpath, tensors, canonical_name, warnings, ignore=lambda c: c.startswith(IGNORED),
+                        why="eyas uses the target's embedding and LM head")
     drafter = DFlashDrafter(cfg)
-    want = drafter.state_dict()
-    check_weights(wpath, state, want)
-    row = read_mask_embedding(path, cfg)
-    with torch.no_grad():
-        for k, v in want.items():
-            v.copy_(state[k].to(v.dtype))
-    drafter.set_mask_embedding(row)
-    meta: dict[str, Any] = {"format": "dflash", "source": str(path), "aux_layer_ids": list(cfg.aux_layer_ids),
-                            "warnings": warnings}
-    if raw.get("eyas_target"):
-        meta["target"] = raw["eyas_target"]
-    return drafter, accept_mismatch(meta, mismatch)
+    load_weights(wpath, state, drafter.state_dict())
+    drafter.set_mask_embedding(read_mask_embedding(path, cfg))
+    return drafter, imported_meta("dflash", path, cfg.aux_layer_ids, warnings, raw, mismatch)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +19,7 @@ from torch.nn.attention import sdpa_kernel
 from eyas.errors import EyasError
 from eyas.knobs import from_known, to_json
 from eyas.model.blocks import StepBlocks, block_attend
-from eyas.model.shape import MLA_ROPE_THETA, ROPE_TYPES, param_count, summary, target_shape  # noqa: F401
+from eyas.model.shape import MLA_ROPE_THETA, DecoderShape, param_count, summary, target_shape  # noqa: F401
 from eyas.sdpa import INFERENCE_SDPA
 from eyas.target.compile import raise_recompile_limit
 
@@ -42,31 +43,13 @@ def flex_attend(q: Tensor, k: Tensor, v: Tensor, block_mask) -> Tensor:
 
 
 @dataclass(frozen=True, kw_only=True)
-class DrafterConfig:
-    hidden_size: int
-    """Drafter width h (EAGLE-3: the target's hidden size)."""
-    target_hidden_size: int
-    """Width h_t of each of the three aux features; fc takes 3*h_t."""
-    intermediate_size: int
-    """Width of the SiLU-gated MLP."""
-    num_attention_heads: int
-    """Query heads."""
-    num_key_value_heads: int
-    """Key/value heads (GQA); divides num_attention_heads."""
-    head_dim: int
-    """Per-head width."""
-    rms_norm_eps: float
-    """RMSNorm epsilon (the target's)."""
-    rope_theta: float
-    """RoPE base: the target's for Llama-like targets (docs/ttt.md), MLA_ROPE_THETA for DeepSeek-class ones."""
-    rope_scaling: dict | None = None
-    """RoPE scaling as in HF configs ({"rope_type": "linear"|"llama3", ...}) or None (plain RoPE)."""
-    max_position_embeddings: int
-    """Longest position the drafter is configured for (the target's)."""
-    vocab_size: int
-    """Target vocabulary size V (length of t2d)."""
+class DrafterConfig(DecoderShape):
+    """The EAGLE-3 drafter: the target's shape (DecoderShape), its draft vocabulary and aux layers."""
+
+    what: ClassVar[str] = "drafter config"
+
     draft_vocab_size: int
-    """Draft vocabulary size (rows of lm_head, length of d2t)."""
+    """Draft vocabulary size (rows of lm_head, length of d2t; the target's vocab_size is the length of t2d)."""
     aux_layer_ids: tuple[int, int, int]
     """HF hidden_states indices of the low/mid/high aux features."""
     norm_before_fc: bool = False
@@ -74,23 +57,12 @@ class DrafterConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
-        for name in ("hidden_size", "target_hidden_size", "intermediate_size", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "max_position_embeddings", "vocab_size",
-                     "draft_vocab_size"):
-            if int(getattr(self, name)) <= 0:
-                raise EyasError(f"drafter config: {name} must be positive, got {getattr(self, name)}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise EyasError(f"drafter config: num_attention_heads {self.num_attention_heads} is not a multiple "
-                             f"of num_key_value_heads {self.num_key_value_heads}")
-        if self.head_dim % 2:
-            raise EyasError(f"drafter config: head_dim must be even for RoPE, got {self.head_dim}")
+        super().__post_init__()
+        self.check_positive(("draft_vocab_size",))
         if self.draft_vocab_size > self.vocab_size:
             raise EyasError(f"drafter config: draft_vocab_size {self.draft_vocab_size} > vocab_size {self.vocab_size}")
         if len(self.aux_layer_ids) != 3:
             raise EyasError(f"drafter config: aux_layer_ids needs 3 ids, got {self.aux_layer_ids}")
-        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
-        if rope_type not in ROPE_TYPES:
-            raise EyasError(f"drafter config: rope_type {rope_type!r} is not supported (supported: {ROPE_TYPES})")
 
     @classmethod
     def from_target(cls, hf_config, *, draft_vocab_size: int, aux_layer_ids, intermediate_size: int | None = None,
@@ -118,7 +90,7 @@ class DrafterConfig:
         return from_known(cls, d, "drafter config")
 
 
-def rope_inv_freq(cfg: DrafterConfig) -> Tensor:
+def rope_inv_freq(cfg: DecoderShape) -> Tensor:
     """Inverse frequencies (head_dim/2,) for the configured RoPE type (HF Llama conventions)."""
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
@@ -142,6 +114,13 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rope_at(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos, sin (B, S, hd) at positions (B, S) for a drafter's inverse frequencies (hd/2,)."""
+    freqs = positions.float()[..., None] * inv_freq                       # (B, S, hd/2)
+    emb = torch.cat([freqs, freqs], dim=-1)                                # (B, S, hd)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -152,6 +131,16 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+
+def init_normal(model: nn.Module, std: float) -> None:
+    """A drafter's initialisation: Normal(0, std) for every Linear, ones for every RMSNorm (uses the global torch
+    RNG)."""
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=std)
+        elif isinstance(m, RMSNorm):
+            nn.init.ones_(m.weight)
 
 
 # Decoding attends with at most this many query rows per kv head through plain matmuls: the fused SDPA kernels give
@@ -269,12 +258,8 @@ class Eagle3Drafter(nn.Module):
         self.init_weights()
 
     def init_weights(self, std: float = 0.02) -> None:
-        """Normal(0, std) for every Linear, ones for every RMSNorm (uses the global torch RNG)."""
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, mean=0.0, std=std)
-            elif isinstance(m, RMSNorm):
-                nn.init.ones_(m.weight)
+        """Normal(0, std) for every Linear, ones for every RMSNorm (init_normal)."""
+        init_normal(self, std)
 
     @torch.no_grad()
     def set_vocab(self, d2t: Tensor, t2d: Tensor) -> None:
@@ -300,9 +285,7 @@ class Eagle3Drafter(nn.Module):
         return self.fc(aux)
 
     def rope(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        freqs = position_ids.float()[..., None] * self.inv_freq                 # (B, S, hd/2)
-        emb = torch.cat([freqs, freqs], dim=-1)                                  # (B, S, hd)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return rope_at(position_ids, self.inv_freq, dtype)
 
     def layer(self, hidden: Tensor, input_embeds: Tensor, position_ids: Tensor, attn_mask: Tensor,
               kv_cache: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:

@@ -12,7 +12,6 @@ is read where the engines read it and then needs `input_norm.weight`; a checkpoi
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import pickle
@@ -27,21 +26,12 @@ from eyas.manifest import check_target
 from eyas.model.drafter import DrafterConfig, Eagle3Drafter
 from eyas.model.shape import target_rope
 from eyas.target.layers import check_aux_layer_ids, default_aux_layer_ids, sglang_capture_ids, sglang_capture_readings
+from eyas.target.meta import read_json
 
 log = logging.getLogger(__name__)
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "LlamaForCausalLM", "Eagle3LlamaForCausalLM")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-
-
-def _read_config(path: Path) -> dict:
-    p = path / "config.json"
-    if not p.exists():
-        raise EyasError(f"{p}: missing (is {path} an EAGLE-3 checkpoint directory?)")
-    try:
-        return json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise EyasError(f"{p}: not valid JSON ({e})") from e
 
 
 def _read_weights(path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
@@ -107,17 +97,9 @@ def resolve_layer_ids(raw: dict, *, num_target_layers: int | None, where: str, w
 def drafter_config_from_hf(raw: dict, *, aux_layer_ids, where: str):
     nbf = norm_before_fc(raw, where)
     try:
-        h, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
-        theta, scaling = target_rope(raw)
-        return DrafterConfig(
-            hidden_size=h, target_hidden_size=int(raw.get("target_hidden_size") or h),
-            intermediate_size=int(raw["intermediate_size"]), num_attention_heads=heads,
-            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or h // heads), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta, rope_scaling=scaling,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            vocab_size=int(raw["vocab_size"]), draft_vocab_size=int(raw.get("draft_vocab_size") or raw["vocab_size"]),
-            aux_layer_ids=aux_layer_ids, norm_before_fc=nbf)
+        return DrafterConfig(**hf_shape(raw, max_positions=2048),
+                             draft_vocab_size=int(raw.get("draft_vocab_size") or raw["vocab_size"]),
+                             aux_layer_ids=aux_layer_ids, norm_before_fc=nbf)
     except KeyError as e:
         raise EyasError(f"{where}: missing field {e.args[0]!r}") from e
     except (TypeError, ValueError) as e:
@@ -162,9 +144,67 @@ def check_vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor | None, *, vocab_size:
     return rebuilt
 
 
-def check_weights(wpath, state: dict, want: dict, also: tuple[str, ...] = ()) -> None:
-    """Refuse a checkpoint's tensors `state` that do not fill the drafter's `want` exactly (names, shapes, floating
-    point), naming each difference; `also`: names allowed beside them (read separately)."""
+def named_state(wpath, tensors: dict[str, torch.Tensor], rename, warnings: list[str], *, ignore,
+                why: str) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors under eyas's names (`rename`), refusing two that map to one name. A tensor whose eyas
+    name `ignore` selects is not the drafter's: left out with a warning (logged and added to `warnings`) that says
+    `why`."""
+    state: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        c = rename(name)
+        if ignore(c):
+            msg = f"{wpath}: ignoring {name!r} {tuple(t.shape)}: {why}"
+            log.warning(msg)
+            warnings.append(msg)
+            continue
+        if c in state:
+            raise EyasError(f"{wpath}: {name!r} duplicates another tensor that also maps to {c!r}")
+        state[c] = t
+    return state
+
+
+def check_for_target(raw: dict, cfg, target, *, where: str, allow_mismatch: bool) -> str | None:
+    """With a target: the fingerprint config.json records (`eyas_target`) checked against the target's (the warning
+    when `allow_mismatch` lets a mismatch through, else None), and the drafter's vocab and width against the
+    target's. Without one: None."""
+    if target is None:
+        return None
+    mismatch = check_target(raw["eyas_target"], target.fingerprint, where=where,
+                            allow_mismatch=allow_mismatch) if raw.get("eyas_target") else None
+    if cfg.vocab_size != target.vocab_size or cfg.target_hidden_size != target.hidden_size:
+        raise EyasError(f"{where}: drafter is for vocab {cfg.vocab_size} / hidden {cfg.target_hidden_size}, the "
+                        f"target has {target.vocab_size} / {target.hidden_size}")
+    return mismatch
+
+
+def hf_shape(raw: dict, *, max_positions: int) -> dict:
+    """DecoderShape's fields (model/shape.py) from an exported or published drafter's config.json, as the engines
+    default them (`max_positions` where it names none). Raises KeyError for a missing size."""
+    h, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+    theta, scaling = target_rope(raw)
+    return dict(hidden_size=h, target_hidden_size=int(raw.get("target_hidden_size") or h),
+                intermediate_size=int(raw["intermediate_size"]), num_attention_heads=heads,
+                num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=int(raw.get("head_dim") or h // heads), rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=theta, rope_scaling=scaling,
+                max_position_embeddings=int(raw.get("max_position_embeddings", max_positions)),
+                vocab_size=int(raw["vocab_size"]))
+
+
+def imported_meta(fmt: str, path: Path, aux_layer_ids, warnings: list[str], raw: dict, mismatch: str | None) -> dict:
+    """An importer's meta: {"format", "source", "aux_layer_ids", "warnings", "target" (the fingerprint config.json
+    records, if any)}, after an allowed mismatch as accept_mismatch leaves it."""
+    meta: dict[str, Any] = {"format": fmt, "source": str(path), "aux_layer_ids": list(aux_layer_ids),
+                            "warnings": warnings}
+    if raw.get("eyas_target"):
+        meta["target"] = raw["eyas_target"]
+    return accept_mismatch(meta, mismatch)
+
+
+def load_weights(wpath, state: dict, want: dict, also: tuple[str, ...] = ()) -> None:
+    """Copy a checkpoint's tensors `state` into the drafter's `want` (its state dict), refusing first any that do not
+    fill it exactly (names, shapes, floating point), naming each difference; `also`: names allowed beside them (read
+    separately)."""
     missing, extra = sorted(set(want) - set(state)), sorted(set(state) - set(want) - set(also))
     shape = [f"{k} {tuple(state[k].shape)} (expected {tuple(want[k].shape)})"
              for k in want if k in state and state[k].shape != want[k].shape]
@@ -175,6 +215,9 @@ def check_weights(wpath, state: dict, want: dict, also: tuple[str, ...] = ()) ->
     not_float = [k for k in want if not state[k].is_floating_point()]
     if not_float:
         raise EyasError(f"{wpath}: tensors {not_float} are not floating point")
+    with torch.no_grad():
+        for k, v in want.items():
+            v.copy_(state[k].to(v.dtype))
 
 
 def load_eagle3_checkpoint(path: str | os.PathLike, *, target=None,
@@ -184,7 +227,7 @@ def load_eagle3_checkpoint(path: str | os.PathLike, *, target=None,
     meta: {"format": "eagle3", "source", "aux_layer_ids", "warnings", "target" (fingerprint, if recorded)}.
     """
     path = Path(path)
-    raw = _read_config(path)
+    raw = read_json(path / "config.json", absent=f"missing (is {path} an EAGLE-3 checkpoint directory?)")
     where = str(path / "config.json")
     arch = (raw.get("architectures") or ["?"])[0]
     if arch not in ARCHITECTURES:
@@ -192,7 +235,6 @@ def load_eagle3_checkpoint(path: str | os.PathLike, *, target=None,
     if int(raw.get("num_hidden_layers", 1)) != 1:
         raise EyasError(f"{where}: num_hidden_layers {raw['num_hidden_layers']}, eyas drafters have exactly 1")
     warnings: list[str] = []
-    mismatch = None
     n_layers = target.num_layers if target is not None else None
     arch = model_type = None
     if target is not None:
@@ -201,28 +243,14 @@ def load_eagle3_checkpoint(path: str | os.PathLike, *, target=None,
     ids = resolve_layer_ids(raw, num_target_layers=n_layers, where=where, warnings=warnings, arch=arch,
                             model_type=model_type)
     cfg = drafter_config_from_hf(raw, aux_layer_ids=ids, where=where)
-    if target is not None:
-        mismatch = check_target(raw["eyas_target"], target.fingerprint, where=where,
-                                allow_mismatch=allow_target_mismatch) if raw.get("eyas_target") else None
-        if cfg.vocab_size != target.vocab_size or cfg.target_hidden_size != target.hidden_size:
-            raise EyasError(f"{where}: drafter is for vocab {cfg.vocab_size} / hidden {cfg.target_hidden_size}, the "
-                            f"target has {target.vocab_size} / {target.hidden_size}")
+    mismatch = check_for_target(raw, cfg, target, where=where, allow_mismatch=allow_target_mismatch)
 
     wpath, tensors = _read_weights(path)
-    state: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        c = canonical_name(name)
-        if "embed_tokens" in c:
-            msg = f"{wpath}: ignoring {name!r} {tuple(t.shape)}: eyas uses the frozen target embedding"
-            log.warning(msg)
-            warnings.append(msg)
-            continue
-        if c in state:
-            raise EyasError(f"{wpath}: {name!r} duplicates another tensor that also maps to {c!r}")
-        state[c] = t
+    state = named_state(wpath, tensors, canonical_name, warnings, ignore=lambda c: "embed_tokens" in c,
+                        why="eyas uses the frozen target embedding")
     drafter = Eagle3Drafter(cfg)
     want = {k: v for k, v in drafter.state_dict().items() if k not in ("d2t", "t2d")}
-    check_weights(wpath, state, want, also=("d2t", "t2d"))
+    load_weights(wpath, state, want, also=("d2t", "t2d"))
 
     d2t, t2d = state.pop("d2t", None), state.pop("t2d", None)
     if d2t is None:
@@ -232,14 +260,8 @@ def load_eagle3_checkpoint(path: str | os.PathLike, *, target=None,
     if tuple(d2t.shape) != (cfg.draft_vocab_size,) or d2t.is_floating_point():
         raise EyasError(f"{wpath}: d2t is {d2t.dtype} {tuple(d2t.shape)}, expected integer ({cfg.draft_vocab_size},)")
     t2d = check_vocab_maps(d2t, t2d, vocab_size=cfg.vocab_size, where=str(wpath))
-    with torch.no_grad():
-        for k, v in want.items():
-            v.copy_(state[k].to(v.dtype))
     drafter.set_vocab(d2t.to(torch.int64), t2d)
-    meta = {"format": "eagle3", "source": str(path), "aux_layer_ids": list(ids), "warnings": warnings}
-    if raw.get("eyas_target"):
-        meta["target"] = raw["eyas_target"]
-    return drafter, accept_mismatch(meta, mismatch)
+    return drafter, imported_meta("eagle3", path, ids, warnings, raw, mismatch)
 
 
 def accept_mismatch(meta: dict, warning: str | None) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from eyas.knobs import add_command
 from eyas.store.reader import Store
 
 
@@ -11,24 +12,21 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("store", help="inspect or verify a hidden-state store",
                               description="Inspect or verify a store of hidden states written by `eyas capture`.")
     sub = p.add_subparsers(dest="store_cmd", required=True)
-    v = sub.add_parser("verify", help="check checksums, shapes and finiteness of every shard",
-                       description="Read every shard of a store and check its checksum, tensor shapes and that "
-                                   "every value is finite.")
+    v = add_command(sub, "verify", _verify, help="check checksums, shapes and finiteness of every shard")
     v.add_argument("store", help="the store directory")
     v.add_argument("--allow-incomplete", action="store_true", help="also verify an interrupted store")
-    v.set_defaults(func=_verify)
-    i = sub.add_parser("info", help="counts, bytes per token, layers",
-                       description="Print a store's counts, bytes per token and captured layers as JSON.")
+    i = add_command(sub, "info", _info, help="counts, bytes per token, layers")
     i.add_argument("store", help="the store directory")
-    i.set_defaults(func=_info)
 
 
 def _verify(args) -> int:
+    """Read every shard of a store and check its checksum, tensor shapes and that every value is finite."""
     report = Store(args.store, allow_incomplete=args.allow_incomplete).verify(progress=True)
     print(f"{args.store}: OK ({report['shards']} shards, {report['samples']} samples, {report['tokens']} tokens)")
     return 0
 
 
 def _info(args) -> int:
+    """Print a store's counts, bytes per token and captured layers as JSON."""
     print(json.dumps(Store(args.store, allow_incomplete=True).info(), indent=2))
     return 0

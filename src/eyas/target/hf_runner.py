@@ -27,12 +27,12 @@ from torch import Tensor, nn
 from eyas.errors import EyasError
 from eyas.target.hooks import LayerInputs, decoder_stack
 from eyas.target.generate import generate
-from eyas.target.slots import copy_slots, move_rows
+from eyas.target.slots import SlotRunner
 
 
 @dataclass(frozen=True, kw_only=True)
 class HFRunnerConfig:
-    """Shapes of the target the decoders read (a subset of RunnerConfig's names)."""
+    """Shapes of the target the decoders read, and of the cache (RunnerConfig adds the attention's)."""
 
     num_layers: int
     """Decoder layers N."""
@@ -41,9 +41,9 @@ class HFRunnerConfig:
     vocab_size: int
     """Target vocabulary."""
     max_batch: int
-    """Rows of the slot cache."""
+    """Rows of the KV cache."""
     max_seq: int
-    """Slots per row of the slot cache."""
+    """Slots per row of the KV cache."""
 
     def __post_init__(self):
         if self.max_batch < 1 or self.max_seq < 2:
@@ -93,7 +93,7 @@ class SlotCache:
         return self.width
 
 
-class HFRunner(nn.Module):
+class HFRunner(SlotRunner):
     """Runner interface (forward, step_fn, graphed, graph_count, copy_slots, move_rows, generate, embed, lm_head, cfg, layers) on an HF causal
     LM. Build with `HFRunner.from_hf(model, max_batch=, max_seq=)`; `Runner.from_hf` picks it for targets
     that are not Llama-family."""
@@ -135,14 +135,6 @@ class HFRunner(nn.Module):
                              vocab_size=model.get_input_embeddings().weight.shape[0], max_batch=max_batch,
                              max_seq=max_seq)
         return cls(model.eval(), cfg)
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
 
     @property
     def embed(self) -> nn.Embedding:
@@ -204,19 +196,6 @@ class HFRunner(nn.Module):
             f = fn or self._decode
             self._graphs[key] = lambda ids, pos, sl, mask: f(ids, pos, sl, mask)
         return self._graphs[key]
-
-    def copy_slots(self, src: Tensor, dst: Tensor, row: int = 0) -> None:
-        """Move cache entries src[i] -> dst[i] in every layer for one row (tree compaction)."""
-        copy_slots(self.cache.layers, src, dst, row)
-
-    def move_rows(self, keep: Tensor, width: int) -> None:
-        """Cache rows `keep` (1-D long) of slots [:width] become rows 0..len(keep)-1 in every layer."""
-        move_rows(self.cache.layers, keep, width)
-
-    @property
-    def graph_count(self) -> int:
-        """Steps `graphed` has built (plain calls here), as `Runner.graph_count` counts them."""
-        return len(self._graphs)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, **kw) -> list[list[int]]:
         """Plain batched decoding (`eyas.target.generate.generate`)."""

@@ -55,16 +55,27 @@ class JsonConfig:
         return dict(self.__dict__)
 
 
-def read_json(path: Path) -> dict:
+def read_json(path: Path, absent: str | None = None) -> dict:
+    """The JSON object in the file `path`, refused in one line that names it: unreadable, not JSON, not an object,
+    or (`absent`: what to say then, e.g. which directory was expected) not there."""
+    if absent is not None and not path.exists():
+        raise EyasError(f"{path}: {absent}")
     try:
         d = json.loads(path.read_text())
     except OSError as e:
         raise EyasError(f"{path}: cannot read it ({e.strerror or e})") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise EyasError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(d, dict):
-        raise EyasError(f"{path}: expected a JSON object")
+        raise EyasError(f"{path}: expected a JSON object, got a JSON {type(d).__name__}")
     return d
+
+
+def read_config(path) -> tuple[dict, dict]:
+    """A target's config.json as a dict (read_json), and its language model's fields (`text_config`: a multimodal
+    wrapper's inner config, else the same dict)."""
+    cfg = read_json(Path(path))
+    return cfg, text_config(cfg)
 
 
 def safetensors_header(path: Path) -> tuple[dict, int]:

@@ -34,36 +34,25 @@ from eyas.sdpa import INFERENCE_SDPA
 from eyas.target.compile import CompilePolicy, check_attention, compile_step, has_regions, raise_recompile_limit
 from eyas.target.generate import generate
 from eyas.target.graphs import capture
-from eyas.target.hf_runner import HFRunner
-from eyas.target.slots import copy_slots, move_rows
+from eyas.target.hf_runner import HFRunner, HFRunnerConfig
+from eyas.target.slots import SlotRunner
 
 
 @dataclass(frozen=True, kw_only=True)
-class RunnerConfig:
-    """Shapes of the target, read from the HF config."""
+class RunnerConfig(HFRunnerConfig):
+    """Shapes of the target, read from the HF config: HFRunnerConfig's and the attention's."""
 
-    num_layers: int
-    """Decoder layers N."""
-    hidden_size: int
-    """Residual width h."""
     num_heads: int
     """Query heads."""
     num_kv_heads: int
     """Key/value heads (GQA)."""
     head_dim: int
     """Per-head width."""
-    vocab_size: int
-    """Target vocabulary."""
     rms_norm_eps: float
     """RMSNorm epsilon."""
-    max_batch: int
-    """Rows of the static KV cache."""
-    max_seq: int
-    """Slots per row of the static KV cache."""
 
     def __post_init__(self):
-        if self.max_batch < 1 or self.max_seq < 2:
-            raise ValueError(f"runner needs max_batch >= 1 and max_seq >= 2, got {self.max_batch}, {self.max_seq}")
+        super().__post_init__()
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"{self.num_heads} heads are not a multiple of {self.num_kv_heads} kv heads")
 
@@ -291,7 +280,7 @@ class _Unpickled(dict):
         return type(self), ()
 
 
-class Runner(nn.Module):
+class Runner(SlotRunner):
     """Static-cache Llama forward. Build with `Runner.from_hf(model, max_batch=, max_seq=)`."""
 
     attends_by_lengths = True
@@ -389,14 +378,6 @@ class Runner(nn.Module):
         """Whether the decode steps are torch.compile'd (from_hf(compile=True))."""
         return self._compiled is not None
 
-    @property
-    def device(self) -> torch.device:
-        return self.embed.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
-
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
     def forward(self, input_ids: Tensor, positions: Tensor, cache_slots: Tensor, attn_mask: Tensor, *,
@@ -459,20 +440,6 @@ class Runner(nn.Module):
             self._step_fns[capture] = (self._compile(step, dynamic=None, free=_verify_step, extra=(capture,))
                                        if self._compiled is not None else step)
         return self._step_fns[capture]
-
-    def copy_slots(self, src: Tensor, dst: Tensor, row: int = 0) -> None:
-        """Move cache entries src[i] -> dst[i] (1-D long tensors) in every layer for one row (tree compaction)."""
-        copy_slots(self.layers, src, dst, row)
-
-    def move_rows(self, keep: Tensor, width: int) -> None:
-        """Cache rows `keep` (1-D long) of slots [:width] become rows 0..len(keep)-1 in every layer: batched
-        decoders move their live rows to the front and continue at a smaller batch."""
-        move_rows(self.layers, keep, width)
-
-    @property
-    def graph_count(self) -> int:
-        """Steps `graphed` has built (captured CUDA graphs on CUDA): the bench counts the ones built late."""
-        return len(self._graphs)
 
     # ------------------------------------------------------------------ graphed step
     def graphed(self, batch: int, seq: int, fn=None, slots: int | None = None, lengths: bool = False):

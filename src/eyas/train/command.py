@@ -5,18 +5,15 @@ from __future__ import annotations
 import json
 
 from eyas.errors import EyasError
-from eyas.knobs import FROM_FLAG, FROM_STORE, add_flags, announce_target, from_args
+from eyas.knobs import FROM_FLAG, FROM_STORE, add_command, add_flags, announce_target, from_args
 from eyas.manifest import read_manifest
 from eyas.train.config import CHOICES, DEVICE_DEFAULTS, TrainConfig
 from eyas.train.trainer import run_train
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("train", help="train an EAGLE-3 or DFlash drafter (offline from a store, or online)",
-                              description="Train an EAGLE-3 drafter, or a DFlash block drafter with --method dflash. "
-                                          "Offline: --store STORE. Online: --target T --data PREPARED (the target "
-                                          "runs inside each step). Under torchrun every rank trains on its own shard "
-                                          "(DDP, or FSDP2 with --fsdp).")
+    p = add_command(subparsers, "train", main,
+                    help="train an EAGLE-3 or DFlash drafter (offline from a store, or online)")
     cuda, cpu = DEVICE_DEFAULTS["cuda"], DEVICE_DEFAULTS["cpu"]
     # Help texts in a user's words where the field's docstring points into the source.
     special = {n: {"choices": list(c)} for n, c in CHOICES.items()}
@@ -71,7 +68,6 @@ def register(subparsers) -> None:
     block = p.add_argument_group("DFlash (--method dflash)")
     add_flags(block, TrainConfig, ["block_size", "dflash_layers", "mask_token_id", "anchors", "block_gamma", "labels"],
               **special)
-    p.set_defaults(func=main)
 
 
 def store_target(store: str) -> str | None:
@@ -85,6 +81,9 @@ def store_target(store: str) -> str | None:
 
 
 def main(args) -> int:
+    """Train an EAGLE-3 drafter, or a DFlash block drafter with --method dflash. Offline: --store STORE. Online:
+    --target T --data PREPARED (the target runs inside each step). Under torchrun every rank trains on its own shard
+    (DDP, or FSDP2 with --fsdp)."""
     try:
         cfg = from_args(TrainConfig, args)
     except ValueError as e:
