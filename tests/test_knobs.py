@@ -12,7 +12,7 @@ from eyas.capture.capture import CaptureConfig
 from eyas.cli import build_parser
 from eyas.data.prepare import PrepareConfig
 from eyas.decode.spec import SpecConfig
-from eyas.knobs import add_flags, field_docs, flag_name, from_args, knobs
+from eyas.knobs import add_flags, field_docs, flag_name, from_args, from_knobs, knobs
 from eyas.run import RunConfig
 from eyas.train.config import TrainConfig
 
@@ -63,6 +63,18 @@ def test_knobs_read_types_defaults_and_docstrings():
     assert o["steps"].doc == k["steps"].doc
     assert list(knobs(BenchConfig))[3:3 + len(fields(SpecConfig))] == [f.name for f in fields(SpecConfig)]
     assert flag_name("max_new_tokens") == "--max-new-tokens"
+
+
+def test_from_knobs_nests_the_flat_knobs_of_a_nested_config():
+    """Flat knob values (flags, a recipe table) build a config whose nested config field takes its own knobs, over
+    the field's default or a value given for it; a class that sorts its keywords itself gets them flat."""
+    assert from_knobs(Outer, {"label": "y", "steps": 9, "fast": True}) == Outer(
+        label="y", toy=Toy(out="o", steps=9, fast=True))
+    assert from_knobs(Outer, {"toy": Toy(out="p"), "rate": 0.5}) == Outer(toy=Toy(out="p", rate=0.5))
+    assert from_knobs(Outer, {}) == Outer()
+    assert from_knobs(BenchConfig, {"k": 3, "limit": 2}) == BenchConfig(k=3, limit=2)
+    with pytest.raises(TypeError, match="nope"):
+        from_knobs(Outer, {"nope": 1})
 
 
 def test_flags_from_fields_types_none_defaults_bools_and_help():
