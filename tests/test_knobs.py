@@ -11,6 +11,7 @@ from eyas.bench.command import NOT_FIELDS as BENCH_NOT_FIELDS
 from eyas.capture.capture import CaptureConfig
 from eyas.cli import build_parser
 from eyas.data.prepare import PrepareConfig
+from eyas.data.regenerate import RegenConfig
 from eyas.decode.spec import SpecConfig
 from eyas.knobs import add_flags, field_docs, flag_name, from_args, from_knobs, knobs
 from eyas.run import RunConfig
@@ -174,8 +175,8 @@ def test_command_defaults_build_the_default_configs():
     assert from_args(BenchConfig, a, k=a.chain, **bench) == BenchConfig(k=3, baselines=False, json_out="r.json",
                                                                         top_p=0.5)
     a = p.parse_args(["prepare", "--out", "P", "--temperature", "0.7", "--regen-dtype", "bf16"])
-    assert from_args(PrepareConfig, a, device="cpu") == PrepareConfig(out="P", regen_temperature=0.7,
-                                                                      regen_dtype="bf16")
+    assert from_args(PrepareConfig, a, device="cpu") == PrepareConfig(
+        out="P", regen=RegenConfig(regen_temperature=0.7, regen_dtype="bf16"))
     a = p.parse_args(["train", "--data", "D", "--target", "T", "--out", "R", "--no-progress", "--pack", "on"])
     assert from_args(TrainConfig, a) == TrainConfig(data="D", target="T", out="R", progress=False, pack="on")
     a = p.parse_args(["capture", "--data", "D", "--out", "S", "--layers", "1,2,3", "--dtype", "fp8"])

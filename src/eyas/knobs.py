@@ -2,8 +2,8 @@
 
 One reader of the stage dataclasses for the places that list their fields: recipes (a table's keys, their types and
 defaults) and the command lines (`add_flags`, which builds argparse flags from them). A field whose type is itself a
-config dataclass (BenchConfig.spec, a SpecConfig) contributes its fields flat, under their own names, and
-`from_knobs` builds the config back from those flat values.
+config dataclass (BenchConfig.spec, a SpecConfig; PrepareConfig.regen, a RegenConfig) contributes its fields flat,
+under their own names, and `from_knobs` builds the config back from those flat values.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from eyas.data.prepared import PreparedData
 from eyas.data.sources import resolve_data
 from eyas.errors import EyasError
 from eyas.export.export import export_drafter
-from eyas.knobs import add_flags, from_args
+from eyas.knobs import add_flags, from_args, from_knobs
 from eyas.manifest import atomic_write_bytes, diff_dicts
 from eyas.model.checkpoint import open_drafter
 from eyas.recipes import (Recipe, load_recipe, preset as preset_recipe, resolve_dtype, resolve_key, shown_identity,
@@ -115,7 +115,7 @@ def resolve_stages(cfg: RunConfig, run: Path, *, vocab_size: int | None, progres
 
     def build(table, cls, **kw):
         try:
-            return cls(**kw)
+            return from_knobs(cls, kw)
         except ValueError as e:  # a value the stage refuses: name the recipe and the table
             msg = str(e).removeprefix(f"{table}: ")
             raise EyasError(f"recipe {r.name} [{table}]: {msg}") from None
@@ -165,7 +165,7 @@ def resolve_stages(cfg: RunConfig, run: Path, *, vocab_size: int | None, progres
             table["graph_round"] = False
         if not is_long_set(prompts):  # unless the table sets it: prompts that leave room for a reply inside the
             # training budget (RoPE positions seen); the long set keeps its own range (BenchConfig)
-            table.setdefault("max_prompt_tokens", max(1, prepare.max_len - prepare.max_new_tokens))
+            table.setdefault("max_prompt_tokens", max(1, prepare.max_len - prepare.regen.max_new_tokens))
         if dev != "cuda":  # the bench compiles on cuda only, and saved steps are compiled ones (a CPU rehearsal)
             table.pop("persist_steps", None)
         if "graph_round" not in table and table.get("method", "chain") in ("chain", "tree"):  # as `eyas bench` does

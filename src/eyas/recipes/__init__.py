@@ -1,7 +1,8 @@
 """Recipes: TOML files whose tables map one-to-one onto the stage dataclasses of `eyas run`.
 
     [run]      RunKnobs (below): the device, the target's dtypes, capture or online training
-    [prepare]  eyas.data.prepare.PrepareConfig
+    [prepare]  eyas.data.prepare.PrepareConfig; its generation knobs (regen_temperature, max_new_tokens, ...: the
+               fields of eyas.data.regenerate.RegenConfig, PrepareConfig.regen) are keys of the table itself
     [capture]  eyas.capture.capture.CaptureConfig
     [train]    eyas.train.config.TrainConfig
     [[bench]]  eyas.bench.bench.BenchConfig, one table per benchmark; its decode knobs (method, k, top_k, ...:
@@ -219,10 +220,6 @@ def _convert(value, tp):
     elif tp is str and isinstance(value, str):
         return value
     raise TypeError(_type_name(tp))
-
-
-def _hints(cls) -> dict:
-    return typing.get_type_hints(cls)
 
 
 def _check_key(table: str, key: str, where: str) -> None:
