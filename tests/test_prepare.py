@@ -136,8 +136,8 @@ def test_a_prepared_directory_of_another_version_is_refused_in_one_line(tmp_path
     # an interrupted directory: its progress.json
     manifest.unlink()
     progress = tmp_path / "p" / PROGRESS
-    progress.write_text(json.dumps({"version": VERSION + 1, "identity": old["identity"], "bytes": 0, "consumed": 0,
-                                    "state": {}}))
+    progress.write_text(json.dumps({"version": VERSION + 1, "identity": old["identity"], "bytes": 0, "log_bytes": 0,
+                                    "consumed": 0, "state": {}}))
     with pytest.raises(EyasError, match=refused(progress, VERSION + 1)):
         run_prepare(cfg, target, progress=False)
     # --overwrite prepares it again
@@ -174,7 +174,7 @@ def test_uncommitted_tail_is_discarded_on_resume(tmp_path, tok):
              "trainable_tokens": sum(e - s for x in lines[:5] for s, e in json.loads(x)["trainable"])}
     ident = {"config": cfg.identity(), "target": target.fingerprint}
     (out / PROGRESS).write_text(json.dumps({"version": VERSION, "identity": ident, "bytes": len(committed),
-                                            "consumed": consumed, "state": state}))
+                                            "log_bytes": 0, "consumed": consumed, "state": state}))
     m = run_prepare(cfg, target, progress=False)
     assert (out / SAMPLES).read_bytes() == (tmp_path / "ref" / SAMPLES).read_bytes()
     assert m["counts"] == ref["counts"]

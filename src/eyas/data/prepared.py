@@ -123,8 +123,7 @@ class PreparedWriter:
                 raise EyasError(f"{progress}: unreadable ({e}); rerun with --overwrite") from e
             check_version(p, progress)
             self._check_identity(p["identity"], "an interrupted prepare run")
-            committed, self.consumed, self.state = p["bytes"], p["consumed"], p["state"]
-            committed_log = p.get("log_bytes", 0)
+            committed, committed_log, self.consumed, self.state = p["bytes"], p["log_bytes"], p["consumed"], p["state"]
         # no progress file: killed before the first commit, nothing in samples.jsonl counts
         self._f = self._reopen(samples, committed)
         self._log = self._reopen(self.dir / SKIPS, committed_log)
