@@ -415,7 +415,7 @@ def test_report_bench_table_shows_both_checks(tiny_bf16, prompts, tmp_path):
 
 def test_bench_config_holds_one_spec_config():
     """The decode knobs are SpecConfig's, declared and validated there once: BenchConfig takes them as `spec` or
-    flat (recipes' [[bench]] tables), and loads the flat configs that bench JSONs and run.json files hold."""
+    flat (recipes' [[bench]] tables), and from_dict reads back only the form to_dict writes."""
     from dataclasses import fields, replace
 
     from eyas.decode.spec import SpecConfig
@@ -434,18 +434,18 @@ def test_bench_config_holds_one_spec_config():
         BenchConfig(method="lookup")
     with pytest.raises(TypeError, match="nope"):
         BenchConfig(nope=1)
-    # a bench config written before `spec` (the report's "config" of an older eyas) still loads
-    old = {"target": "smollm2-135m", "drafter": "runs/x", "prompts": "humaneval", "method": "chain", "k": 3,
-           "top_k": 10, "depth": 6, "total_tokens": 60, "temperature": 0.0, "top_p": 1.0, "max_new_tokens": 64,
-           "limit": 5, "max_turns": None, "max_prompt_tokens": 1536, "max_seq": 2048, "device": "cpu",
-           "dtype": "fp32", "compile": False, "baselines": True, "lossless_turns": 4, "seed": 0,
-           "json_out": "runs/x/bench/humaneval-chain3.json"}
-    cfg = BenchConfig.from_dict(old)
-    assert cfg.spec == SpecConfig(method="chain", k=3) and cfg.limit == 5 and cfg.json_out == old["json_out"]
-    assert BenchConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg   # the new form round-trips
+    # to_dict's form round-trips; a flat config without `spec` (an older eyas's) is refused in one line
+    cfg = BenchConfig(prompts="humaneval", k=3, limit=5, json_out="runs/x/bench/humaneval-chain3.json")
+    assert BenchConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
     assert cfg.to_dict()["spec"]["k"] == 3 and "k" not in cfg.to_dict()
+    old = {k: v for k, v in cfg.to_dict().items() if k != "spec"} | {"method": "chain", "k": 3}
+    with pytest.raises(EyasError, match=r"^bench config: no `spec` table of decode knobs \(written by an older eyas: "
+                                        r"run the bench again\)$"):
+        BenchConfig.from_dict(old)
     with pytest.raises(EyasError, match="unknown keys.*'kk'"):
-        BenchConfig.from_dict({**old, "kk": 3})
+        BenchConfig.from_dict({**cfg.to_dict(), "kk": 3})
+    with pytest.raises(EyasError, match="unknown keys.*'kk'"):
+        BenchConfig.from_dict({**cfg.to_dict(), "spec": {**cfg.to_dict()["spec"], "kk": 3}})
 
 
 def test_lookup_shares_the_eagle_verify_step(tiny):

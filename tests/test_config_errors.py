@@ -6,6 +6,7 @@ import pytest
 from eyas.bench.bench import BenchConfig
 from eyas.capture.capture import CaptureConfig
 from eyas.data.prepare import PrepareConfig
+from eyas.data.regenerate import RegenConfig
 from eyas.decode.spec import SpecConfig
 from eyas.engines.client import EngineCaptureConfig
 from eyas.errors import EyasError
@@ -15,6 +16,7 @@ from eyas.train.ttt import TTTConfig
 
 BAD = [
     (PrepareConfig, {"out": "P", "max_len": 1}),
+    (RegenConfig, {"regen_temperature": -1.0}),
     (CaptureConfig, {"out": "S", "dtype": "int4"}),
     (TrainConfig, {"out": "R", "store": "S", "epochs": 0}),
     (TTTConfig, {"num_steps": 0}),

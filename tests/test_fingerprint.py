@@ -1,9 +1,10 @@
 """Portable target fingerprints (target/fingerprint.py): the same target under another path or name, or converted by
 another transformers version, is the same target; a different config field, vocabulary, special token or weights
-file is refused naming the field; version-1 and version-2 fingerprints still compare (version 1 is refused saying
-how to convert when it cannot); --allow-target-mismatch overrides with a recorded warning."""
+file is refused naming the field; a fingerprint of an older version is refused in one line; --allow-target-mismatch
+overrides with a recorded warning."""
 
 import json
+import re
 import shutil
 from types import SimpleNamespace
 
@@ -17,8 +18,7 @@ from eyas.errors import EyasError
 from eyas.manifest import check_target, diff_dicts
 from eyas.model.checkpoint import open_drafter
 from eyas.target import load_target
-from eyas.target.fingerprint import (config_fields, diffs, file_sha256, fingerprint, legacy_hashes,
-                                     tokenizer_sha256, tokenizer_sha256_v2)
+from eyas.target.fingerprint import VERSION, config_fields, diffs, file_sha256, fingerprint, tokenizer_sha256
 from eyas.train.config import TrainConfig
 from eyas.train.trainer import run_train
 
@@ -185,31 +185,36 @@ def test_bench_cli_graph_round_reaches_the_report(machine_a, elsewhere):
     assert main(base + ["--temperature", "0.5", "--graph-round"]) == 2
 
 
-def test_version_1_fingerprints_compare_or_say_how_to_convert(machine_a, elsewhere):
+OLDER = "fingerprint version {v} (recorded by an older eyas; this eyas compares version 3): rerun the stage that wrote it"
+
+
+def test_fingerprints_of_older_versions_are_refused_in_one_line(machine_a, elsewhere):
+    """A version-1 or version-2 fingerprint (an older eyas's) is not compared, even where its fields would match the
+    target's: one line says to rerun the stage that wrote it; an export with --allow-target-mismatch converts a
+    drafter by recording this version's fingerprint."""
     from eyas.export.export import export_drafter
     from eyas.model.checkpoint import load_drafter, save_drafter
 
     root, target = machine_a
-    old = {"identity": "some/other/path", **legacy_hashes(target.model.config, target.tokenizer)}
-    assert diff_dicts(old, target.fingerprint) == [] and diff_dicts(target.fingerprint, old) == []
+    fp = target.fingerprint
+    v1 = {"identity": "some/other/path", "config_sha256": "0" * 64, "tokenizer_sha256": "1" * 64}
+    v2 = {"fingerprint": 2, "identity": "elsewhere/tiny", "config": fp["config"], "tokenizer_sha256": "2" * 64,
+          "weights": fp["weights"]}
+    for old, v in ((v1, 1), (v2, 2)):
+        assert diff_dicts(old, fp) == diff_dicts(fp, old) == [OLDER.format(v=v)]
     drafter, _ = load_drafter(root / "run" / "drafter")
-    save_drafter(drafter, elsewhere / "old" / "drafter", meta={"target": old})
-    open_drafter(elsewhere / "old", target=target)   # same transformers version: the old hashes still agree
-    stale = dict(old, config_sha256="0" * 64)            # e.g. written under another transformers version
-    save_drafter(drafter, elsewhere / "stale" / "drafter", meta={"target": stale})
-    with pytest.raises(EyasError, match=r"fingerprint version 1 .*its config hash differs.*--allow-target-mismatch; "
-                                        r"to convert, re-export"):
-        open_drafter(elsewhere / "stale", target=target)
-    # converting: an export against the target with the override records the version-2 fingerprint
-    out = export_drafter(drafter, elsewhere / "exported", meta={"target": stale}, target=target,
+    for name, old, v in (("v1", v1, 1), ("v2", v2, 2)):
+        save_drafter(drafter, elsewhere / name / "drafter", meta={"target": old})
+        with pytest.raises(EyasError, match=rf"{name}/drafter/config.json: target does not match "
+                                            rf"\({re.escape(OLDER.format(v=v))}\); --allow-target-mismatch"):
+            open_drafter(elsewhere / name, target=target)
+    # converting: an export against the target with the override records this version's fingerprint
+    out = export_drafter(drafter, elsewhere / "exported", meta={"target": v1}, target=target,
                          allow_target_mismatch=True)
-    assert json.loads((out / "config.json").read_text())["eyas_target"] == target.fingerprint
+    assert json.loads((out / "config.json").read_text())["eyas_target"] == fp and fp["fingerprint"] == VERSION
     assert "Warning:" in (out / "README.md").read_text()
     _, meta = open_drafter(out, target=target)
-    assert meta["target"] == target.fingerprint and "target_mismatch" not in meta
-    # a version-1 fingerprint cannot be compared with a recorded (JSON) version-2 one: refused, not passed
-    assert "version 1" in diff_dicts(stale, json.loads(json.dumps(target.fingerprint)))[0]
-    assert check_target(stale, target.fingerprint, where="x", allow_mismatch=True).startswith("x: target does not")
+    assert meta["target"] == fp and "target_mismatch" not in meta
 
 
 def test_config_fields_same_for_both_rope_spellings():
@@ -285,8 +290,8 @@ def test_train_override_on_a_store_of_another_target(machine_a, elsewhere):
     assert "config.rms_norm_eps" in manifest["source"]["target_mismatch"]
 
 
-# What the GPU machine (transformers 5.17.0) recorded for the embedded SmolLM2-135M GGUF: the same file
-# as here, byte for byte; only tokenizer_sha256 differs from what eyas with fingerprint version 2 computes here.
+# What the GPU machine (transformers 5.17.0) recorded for the embedded SmolLM2-135M GGUF with fingerprint version 2:
+# the same file as here, byte for byte.
 GPU_5_17_FINGERPRINT = {
     "fingerprint": 2, "identity": "gguf:smollm2.gguf",
     "config": {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
@@ -336,20 +341,13 @@ def byte_level_versions(tmp_path):
 
 def test_tokenizer_identity_is_the_same_under_transformers_5_17_and_5_24(tmp_path):
     config, v517, v524 = byte_level_versions(tmp_path)
-    # the real difference: the same vocabulary, the eos string differs, so the version-2 hash differs
+    # the real difference: the same vocabulary, the eos string differs
     assert v517.get_vocab() == v524.get_vocab()
     assert (v517.eos_token, v524.eos_token) == ("<|im_start|>", "<|im_end|>")
-    assert tokenizer_sha256_v2(v517) != tokenizer_sha256_v2(v524)
-    # version 3: the vocabulary and the special ids the config declares
+    # the fingerprint: the vocabulary and the special ids the config declares
     a, b = fingerprint(config, v517, identity="gpu"), fingerprint(config, v524, identity="cpu")
     assert {k: v for k, v in a.items() if k != "identity"} == {k: v for k, v in b.items() if k != "identity"}
     assert a["special_tokens"] == {"bos": [256], "eos": [257]} and diffs(a, b) == [] and diffs(b, a) == []
-    # a recorded version-2 fingerprint compares at version 2 through the live target's legacy hash
-    recorded = json.loads(json.dumps({**a, "fingerprint": 2, "tokenizer_sha256": a.legacy[2]["tokenizer_sha256"]}))
-    del recorded["special_tokens"]
-    assert diffs(recorded, a) == []
-    h517, h524 = (repr(tokenizer_sha256_v2(t)[:12] + "...") for t in (v517, v524))
-    assert diffs(recorded, b) == [f"tokenizer_sha256 (as fingerprint version 2 computes it): {h517} != {h524}"]
 
 
 def test_added_tokens_count_whether_or_not_get_vocab_lists_them():
@@ -361,49 +359,30 @@ def test_added_tokens_count_whether_or_not_get_vocab_lists_them():
 
 
 def test_the_same_gguf_is_the_same_target_and_another_is_refused_by_field():
-    here = dict(GPU_5_17_FINGERPRINT, fingerprint=3, identity="smollm2-135m", tokenizer_sha256="4" * 64,
-                special_tokens={"bos": [1], "eos": [2], "unk": [0]})
-    assert diffs(GPU_5_17_FINGERPRINT, here) == [] and diffs(here, GPU_5_17_FINGERPRINT) == []
+    recorded = dict(GPU_5_17_FINGERPRINT, fingerprint=3, special_tokens={"bos": [1], "eos": [2], "unk": [0]})
+    here = dict(recorded, identity="smollm2-135m", tokenizer_sha256="4" * 64)
+    assert diffs(recorded, here) == [] and diffs(here, recorded) == []
     other = dict(here, weights={"format": "gguf", "sha256": "5" * 64},
                  config=dict(here["config"], num_hidden_layers=24))
-    assert diffs(GPU_5_17_FINGERPRINT, other) == [
+    assert diffs(recorded, other) == [
         "config.num_hidden_layers: 30 != 24",
-        "tokenizer_sha256: a recorded version-2 fingerprint cannot be compared with a recorded version-3 one",
+        "tokenizer_sha256: 'd09447a23ee1...' != '444444444444...'",
         "weights.sha256 (gguf): 'b179c9523d0e...' != '555555555555...'"]
     unhashed = dict(other, weights=None)   # (the same GGUF would settle it)
     assert diffs(dict(unhashed, special_tokens={"bos": [1], "eos": [1], "unk": [0]}), unhashed) == [
         "special_tokens.eos: [1] != [2]"]
     with pytest.raises(EyasError, match=r"x: target does not match \(config.num_hidden_layers: 30 != 24; .*"
                                         r"weights.sha256 \(gguf\).*\); --allow-target-mismatch uses it anyway"):
-        check_target(GPU_5_17_FINGERPRINT, other, where="x")
-    assert "used anyway" in check_target(GPU_5_17_FINGERPRINT, other, where="x", allow_mismatch=True)
-
-
-def test_version_2_fingerprint_of_the_same_target_accepted_and_of_another_refused(machine_a, elsewhere):
-    from eyas.model.checkpoint import load_drafter, save_drafter
-
-    root, target = machine_a
-    v2 = {"fingerprint": 2, "identity": "elsewhere/tiny", "config": target.fingerprint["config"],
-          "tokenizer_sha256": tokenizer_sha256_v2(target.tokenizer), "weights": target.fingerprint["weights"]}
-    drafter, _ = load_drafter(root / "run" / "drafter")
-    save_drafter(drafter, elsewhere / "v2" / "drafter", meta={"target": v2})
-    _, meta = open_drafter(elsewhere / "v2", target=target)
-    assert meta["target"] == v2 and "target_mismatch" not in meta
-    eps = shutil.copytree(root / "tiny-original", elsewhere / "eps-v2")
-    raw = json.loads((eps / "config.json").read_text())
-    raw["rms_norm_eps"] = 1e-6
-    (eps / "config.json").write_text(json.dumps(raw))
-    swapped_tokenizer().save_pretrained(eps)
-    with pytest.raises(EyasError, match=r"v2/drafter/config.json: target does not match \(config.rms_norm_eps: 1e-05 "
-                                        r"!= 1e-06; tokenizer_sha256 \(as fingerprint version 2 computes it\): "
-                                        r"'[0-9a-f]{12}\.\.\.' != '[0-9a-f]{12}\.\.\.'\); --allow-target-mismatch"):
-        open_drafter(elsewhere / "v2", target=load_target(str(eps)))
+        check_target(recorded, other, where="x")
+    assert "used anyway" in check_target(recorded, other, where="x", allow_mismatch=True)
+    # the GPU machine's own record is version 2: refused, the same GGUF notwithstanding
+    assert diffs(GPU_5_17_FINGERPRINT, here) == diffs(here, GPU_5_17_FINGERPRINT) == [OLDER.format(v=2)]
 
 
 @pytest.mark.slow
 def test_real_gguf_drafter_from_the_gpu_machine_is_accepted(tmp_path):
-    """The embedded GGUF's tokenizer as transformers 5.17 converts it gives the GPU machine's version-2 hash
-    exactly, and the same version-3 fingerprint as here; a drafter recording that fingerprint is accepted."""
+    """The embedded GGUF's tokenizer as transformers 5.17 converts it gives the same fingerprint as here; a drafter
+    recording that fingerprint is accepted."""
     from eyas.export.export import export_drafter
     from eyas.model.drafter import DrafterConfig, Eagle3Drafter
     from eyas.target.load import embedded_path, gguf_to_cache
@@ -411,14 +390,13 @@ def test_real_gguf_drafter_from_the_gpu_machine_is_accepted(tmp_path):
     target = load_target("smollm2-135m")
     cache = gguf_to_cache(embedded_path("smollm2-135m"))
     v517 = as_converted(cache / "tokenizer.json", TOKENIZER_CONFIG_5_17, tmp_path / "5.17")
-    assert tokenizer_sha256_v2(v517) == GPU_5_17_FINGERPRINT["tokenizer_sha256"]
     gpu = fingerprint(target.model.config, v517, identity="gguf:smollm2.gguf", weights=target.fingerprint["weights"])
     assert {k: v for k, v in gpu.items() if k != "identity"} == {k: v for k, v in target.fingerprint.items()
                                                                  if k != "identity"}
     cfg = DrafterConfig.from_target(target.model.config, draft_vocab_size=256, aux_layer_ids=target.aux_layer_ids)
-    out = export_drafter(Eagle3Drafter(cfg), tmp_path / "export", meta={"target": GPU_5_17_FINGERPRINT})
+    out = export_drafter(Eagle3Drafter(cfg), tmp_path / "export", meta={"target": gpu})
     _, meta = open_drafter(out, target=target)
-    assert meta["target"] == GPU_5_17_FINGERPRINT and "target_mismatch" not in meta
+    assert meta["target"] == gpu and "target_mismatch" not in meta
 
 
 def test_text_config_unwraps_a_wrapper_in_every_spelling():

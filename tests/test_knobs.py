@@ -11,8 +11,9 @@ from eyas.bench.command import NOT_FIELDS as BENCH_NOT_FIELDS
 from eyas.capture.capture import CaptureConfig
 from eyas.cli import build_parser
 from eyas.data.prepare import PrepareConfig
+from eyas.data.regenerate import RegenConfig
 from eyas.decode.spec import SpecConfig
-from eyas.knobs import add_flags, field_docs, flag_name, from_args, knobs
+from eyas.knobs import add_flags, field_docs, flag_name, from_args, from_knobs, knobs
 from eyas.run import RunConfig
 from eyas.train.config import TrainConfig
 
@@ -63,6 +64,18 @@ def test_knobs_read_types_defaults_and_docstrings():
     assert o["steps"].doc == k["steps"].doc
     assert list(knobs(BenchConfig))[3:3 + len(fields(SpecConfig))] == [f.name for f in fields(SpecConfig)]
     assert flag_name("max_new_tokens") == "--max-new-tokens"
+
+
+def test_from_knobs_nests_the_flat_knobs_of_a_nested_config():
+    """Flat knob values (flags, a recipe table) build a config whose nested config field takes its own knobs, over
+    the field's default or a value given for it; a class that sorts its keywords itself gets them flat."""
+    assert from_knobs(Outer, {"label": "y", "steps": 9, "fast": True}) == Outer(
+        label="y", toy=Toy(out="o", steps=9, fast=True))
+    assert from_knobs(Outer, {"toy": Toy(out="p"), "rate": 0.5}) == Outer(toy=Toy(out="p", rate=0.5))
+    assert from_knobs(Outer, {}) == Outer()
+    assert from_knobs(BenchConfig, {"k": 3, "limit": 2}) == BenchConfig(k=3, limit=2)
+    with pytest.raises(TypeError, match="nope"):
+        from_knobs(Outer, {"nope": 1})
 
 
 def test_flags_from_fields_types_none_defaults_bools_and_help():
@@ -162,8 +175,8 @@ def test_command_defaults_build_the_default_configs():
     assert from_args(BenchConfig, a, k=a.chain, **bench) == BenchConfig(k=3, baselines=False, json_out="r.json",
                                                                         top_p=0.5)
     a = p.parse_args(["prepare", "--out", "P", "--temperature", "0.7", "--regen-dtype", "bf16"])
-    assert from_args(PrepareConfig, a, device="cpu") == PrepareConfig(out="P", regen_temperature=0.7,
-                                                                      regen_dtype="bf16")
+    assert from_args(PrepareConfig, a, device="cpu") == PrepareConfig(
+        out="P", regen=RegenConfig(regen_temperature=0.7, regen_dtype="bf16"))
     a = p.parse_args(["train", "--data", "D", "--target", "T", "--out", "R", "--no-progress", "--pack", "on"])
     assert from_args(TrainConfig, a) == TrainConfig(data="D", target="T", out="R", progress=False, pack="on")
     a = p.parse_args(["capture", "--data", "D", "--out", "S", "--layers", "1,2,3", "--dtype", "fp8"])

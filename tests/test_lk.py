@@ -274,12 +274,13 @@ def test_loss_is_a_flag_a_recipe_key_and_part_of_the_resume_identity(tmp_path):
         TrainConfig(store="S", out="R", loss="tv")
     with pytest.raises(EyasError, match="lk_eta"):
         TrainConfig(store="S", out="R", lk_eta=-1.0)
-    # a run written before the fields resumes (left out of the identity at their defaults); an LK run names them
+    # the default is CE; a --resume must match the loss and its eta
     assert TrainConfig(store="S", out="R").loss == "ce"
     from eyas.train.config import CHOICES
     from eyas.train.ttt import LOSSES
     assert CHOICES["loss"] == LOSSES
-    assert not {"loss", "lk_eta"} & set(TrainConfig(store="S", out="R").identity())
+    assert {k: TrainConfig(store="S", out="R").identity()[k] for k in ("loss", "lk_eta")} == {"loss": "ce",
+                                                                                             "lk_eta": 3.0}
     assert TrainConfig(store="S", out="R", loss="lk_alpha").identity()["loss"] == "lk_alpha"
 
     for over in ({"train.loss": "lk_lambda", "train.lk_eta": 1.5}, {"loss": "lk_lambda", "lk_eta": 1.5}):

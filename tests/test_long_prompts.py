@@ -282,7 +282,7 @@ def test_gpu_preset_benches_the_long_set_with_its_own_prompt_range(tmp_path):
     assert (long.min_prompt_tokens, long.max_prompt_tokens) == LONG_TOKENS and prompt_room(long) >= LONG_TOKENS[1]
     assert long.json_out == "RUN/bench/long-chain5.json"
     short = stages.bench["sharegpt-heldout-chain5"]
-    assert short.max_prompt_tokens == stages.prepare.max_len - stages.prepare.max_new_tokens
+    assert short.max_prompt_tokens == stages.prepare.max_len - stages.prepare.regen.max_new_tokens
     assert short.min_prompt_tokens is None and short.max_seq == 2048
     recipe = tmp_path / "r.toml"
     recipe.write_text("[[bench]]\nprompts = \"humaneval\"\nmax_prompt_tokens = 1000\n[[bench]]\n")

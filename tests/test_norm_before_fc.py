@@ -144,8 +144,8 @@ def test_train_flag_identity_and_a_run_that_learns(tmp_path):
 
     a = build_parser().parse_args(["train", "--store", "S", "--out", "R", "--norm-before-fc"])
     assert from_args(TrainConfig, a) == TrainConfig(store="S", out="R", norm_before_fc=True)
-    # a run written before the field resumes: identity leaves it out at its default, keeps it when on
-    assert "norm_before_fc" not in TrainConfig(store="S", out="R").identity()
+    # a --resume must match it, off or on
+    assert TrainConfig(store="S", out="R").identity()["norm_before_fc"] is False
     assert TrainConfig(store="S", out="R", norm_before_fc=True).identity()["norm_before_fc"] is True
 
     import test_decode as td

@@ -3,6 +3,7 @@
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,10 +17,12 @@ from test_chat_masks import make_tokenizer
 
 from eyas.data.chat import first_turn_framing, tokenize_conversation
 from eyas.data.prepare import PrepareConfig, run_prepare
-from eyas.data.prepared import PROGRESS, SAMPLES, SKIPS, PreparedData
+from eyas.data.prepared import PROGRESS, SAMPLES, SKIPS, VERSION, PreparedData
+from eyas.data.regenerate import RegenConfig
 from eyas.data.sources import SkipLog, iter_conversations
 from eyas.data.split import is_heldout
 from eyas.errors import EyasError
+from eyas.knobs import from_knobs
 from eyas.target import target_from_model
 
 WORDS = "the quick brown fox jumps over lazy dog hello there paris capital france code return".split()
@@ -108,6 +111,40 @@ def test_reader_refuses_another_target_and_unfinished_dirs(tmp_path, tok):
         PreparedData(tmp_path / "p")
 
 
+def test_a_prepared_directory_of_another_version_is_refused_in_one_line(tmp_path, tok):
+    """A manifest.json or progress.json of another prepared-data version (none recorded: an older eyas's) is not
+    read: the reader, a rerun and a resume refuse it in one line naming the file and the way out."""
+    from dataclasses import replace
+
+    data = write_data(tmp_path / "d.jsonl", 20)
+    target = tiny_chat_target(tok)
+    cfg = PrepareConfig(data=str(data), out=str(tmp_path / "p"))
+    ref = run_prepare(cfg, target, progress=False)
+    assert ref["version"] == VERSION
+
+    def refused(path, got):
+        return rf"^{re.escape(str(path))}: prepared-data version {got}, this eyas reads version {VERSION}; prepare " \
+               rf"the data again \(eyas prepare --overwrite, or eyas run --overwrite\)$"
+
+    manifest = tmp_path / "p" / "manifest.json"
+    old = {k: v for k, v in json.loads(manifest.read_text()).items() if k != "version"}
+    manifest.write_text(json.dumps(old))
+    with pytest.raises(EyasError, match=refused(manifest, 1)):
+        PreparedData(tmp_path / "p", target=target)
+    with pytest.raises(EyasError, match=refused(manifest, 1)):
+        run_prepare(cfg, target, progress=False)
+    # an interrupted directory: its progress.json
+    manifest.unlink()
+    progress = tmp_path / "p" / PROGRESS
+    progress.write_text(json.dumps({"version": VERSION + 1, "identity": old["identity"], "bytes": 0, "log_bytes": 0,
+                                    "consumed": 0, "state": {}}))
+    with pytest.raises(EyasError, match=refused(progress, VERSION + 1)):
+        run_prepare(cfg, target, progress=False)
+    # --overwrite prepares it again
+    again = run_prepare(replace(cfg, overwrite=True), target, progress=False)
+    assert again["files"] == ref["files"] and len(PreparedData(tmp_path / "p", target=target)) == ref["counts"]["kept"]
+
+
 def test_no_chat_template_and_missing_data(tmp_path):
     tok = make_tokenizer()
     tok.chat_template = None
@@ -136,8 +173,8 @@ def test_uncommitted_tail_is_discarded_on_resume(tmp_path, tok):
              "tokens": sum(len(json.loads(x)["input_ids"]) for x in lines[:5]),
              "trainable_tokens": sum(e - s for x in lines[:5] for s, e in json.loads(x)["trainable"])}
     ident = {"config": cfg.identity(), "target": target.fingerprint}
-    (out / PROGRESS).write_text(json.dumps({"identity": ident, "bytes": len(committed), "consumed": consumed,
-                                            "state": state}))
+    (out / PROGRESS).write_text(json.dumps({"version": VERSION, "identity": ident, "bytes": len(committed),
+                                            "log_bytes": 0, "consumed": consumed, "state": state}))
     m = run_prepare(cfg, target, progress=False)
     assert (out / SAMPLES).read_bytes() == (tmp_path / "ref" / SAMPLES).read_bytes()
     assert m["counts"] == ref["counts"]
@@ -149,13 +186,13 @@ def test_bad_input_is_one_clear_error(tmp_path, tok, capsys):
     data = str(write_data(tmp_path / "d.jsonl", 5))
     out = str(tmp_path / "p")
     for kw, msg in [(dict(samples_per_prompt=0), "--samples-per-prompt must be >= 1, got 0"),
-                    (dict(samples_per_prompt=2), "needs --regenerate"),
+                    (dict(samples_per_prompt=2, regen_temperature=1.0), "needs --regenerate"),
                     (dict(samples_per_prompt=2, regenerate=True), "needs --regen-temperature > 0"),
                     (dict(self_prompts=-1), "--self-prompts must be >= 0"),
                     (dict(self_prompts=2, regenerate=True, server="http://x"), "needs local generation"),
                     (dict(self_prompts=2, self_prompt_temperature=0.0), "--self-prompt-temperature must be > 0")]:
-        with pytest.raises(ValueError, match=msg):
-            PrepareConfig(data=data, out=out, **kw)
+        with pytest.raises(ValueError, match=msg):   # the flat knobs, as the flags and a recipe give them
+            from_knobs(PrepareConfig, dict(data=data, out=out, **kw))
     assert main(["prepare", "--data", data, "--out", out, "--regenerate", "--samples-per-prompt", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["eyas prepare: error: --samples-per-prompt must be >= 1, got 0"]
@@ -193,9 +230,10 @@ def test_crash_then_resume_with_sampled_regeneration_and_self_prompts(tmp_path, 
     target = tiny_chat_target(tok)
 
     def cfg(out):
-        return PrepareConfig(data=str(data), out=str(tmp_path / out), regenerate=True, samples_per_prompt=2,
-                             regen_temperature=1.0, self_prompts=5, max_turns=2, batch_size=3, gen_batch=4,
-                             max_len=200, max_new_tokens=6, heldout_fraction=0.2, greedy_sample=greedy_sample)
+        regen = RegenConfig(samples_per_prompt=2, regen_temperature=1.0, self_prompts=5, gen_batch=4, max_new_tokens=6,
+                            greedy_sample=greedy_sample)
+        return PrepareConfig(data=str(data), out=str(tmp_path / out), regenerate=True, max_turns=2, batch_size=3,
+                             max_len=200, heldout_fraction=0.2, regen=regen)
 
     real, calls = PreparedWriter.commit, []
 

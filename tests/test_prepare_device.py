@@ -9,6 +9,7 @@ import torch
 from support.deepseek_twin import CORPUS, save_twin
 from eyas.cli import main
 from eyas.data.prepare import PrepareConfig
+from eyas.data.regenerate import RegenConfig
 from eyas.errors import EyasError
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models on one thread
@@ -26,10 +27,10 @@ def chats(path, n=6):
 
 def test_device_is_checked_and_left_out_of_the_identity():
     with pytest.raises(EyasError, match="--device 'tpu'"):
-        PrepareConfig(out="x", regenerate=True, device="tpu")
-    a = PrepareConfig(out="x", regenerate=True, device="cpu").identity()
-    assert a == PrepareConfig(out="x", regenerate=True, device="cuda").identity()
-    assert "device" not in a
+        PrepareConfig(out="x", regenerate=True, regen=RegenConfig(device="tpu"))
+    a = PrepareConfig(out="x", regenerate=True, regen=RegenConfig(device="cpu")).identity()
+    assert a == PrepareConfig(out="x", regenerate=True, regen=RegenConfig(device="cuda")).identity()
+    assert "device" not in a and "device" not in a["regen"]
 
 
 @pytest.mark.gpu

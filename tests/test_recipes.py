@@ -10,7 +10,8 @@ to a preset or to what resolve_stages derives, regenerate it and review the diff
 
 import json
 import os
-from dataclasses import asdict, fields, replace
+import re
+from dataclasses import asdict, is_dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -19,73 +20,12 @@ from eyas.bench.bench import BenchConfig
 from eyas.capture.capture import CaptureConfig
 from eyas.data.prepare import PrepareConfig
 from eyas.errors import EyasError
-from eyas.recipes import LEGACY, from_legacy_knobs, from_tables, preset, preset_names, with_overrides
+from eyas.recipes import ALIASES, from_tables, preset, preset_names, table_defaults, with_overrides
 from eyas.run import RunConfig, _open_state, resolve_stages
 from eyas.train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = Path("RUN")
-
-# The presets' flat knobs as a run.json written before recipes holds them (identity["knobs"]), with the values the
-# presets had then: since changed, so such a run.json is another configuration than today's preset.
-OLD_PRESETS: dict[str, dict] = {
-    "cpu-demo": dict(
-        device="cpu", dtype="bf16", bench_dtype="fp32", autocast="bf16", limit=1600, max_len=416, max_turns=1,
-        regenerate=True, regen_limit=900, max_new_tokens=96, regen_batch=256, gen_batch=32, regen_dtype=None,
-        samples_per_prompt=1, regen_temperature=0.0, self_prompts=0, capture=True, capture_dtype="bf16",
-        online=False, draft_vocab=8192, ttt_steps=3, epochs=2, steps=None, lr=3e-3, batch_tokens=2048,
-        chunk_size=None, loss_on="assistant", pack="off", attention="auto", compile=False, eval_every=0,
-        bench=[dict(prompts="heldout", method="chain", k=5, limit=20, max_turns=1, max_new_tokens=64)],
-    ),
-    "gpu": dict(
-        device="cuda", dtype="bf16", bench_dtype="bf16", autocast="auto", limit=None, max_len=2048, max_turns=3,
-        regenerate=True, regen_limit=None, max_new_tokens=384, regen_batch=4096, gen_batch=512, regen_dtype=None,
-        samples_per_prompt=1, regen_temperature=0.0, self_prompts=0, capture=False, capture_dtype="bf16",
-        online=True, draft_vocab=32000, ttt_steps=6, epochs=3, steps=None, lr=1e-3, batch_tokens=32768,
-        chunk_size=None, loss_on="assistant", pack="on", attention="flex", compile=True, eval_every=100,
-        bench=[dict(prompts="heldout", method="chain", k=3, limit=30, max_turns=1, max_new_tokens=256),
-               dict(prompts="heldout", method="chain", k=5, limit=30, max_turns=1, max_new_tokens=256),
-               dict(prompts="heldout", method="tree", k=5, limit=10, max_turns=1, max_new_tokens=128),
-               dict(prompts="humaneval", method="chain", k=5, limit=30, max_turns=1, max_new_tokens=256)],
-    ),
-}
-# The presets as the flat knobs of a run.json written before recipes (identity["knobs"]): a run.json that
-# holds these resumes under today's preset (from_legacy_knobs).
-PRESETS_NOW: dict[str, dict] = {
-    'cpu-demo': dict(
-        device='cpu', dtype='auto', bench_dtype=None, autocast='auto', limit=1360, max_len=416, max_turns=1,
-        regenerate=True, regen_limit=770, max_new_tokens=96,
-                 regen_batch=256, gen_batch=32, regen_dtype=None,
-        samples_per_prompt=1, regen_temperature=0.0, self_prompts=0, capture=True, capture_dtype='bf16',
-        online=False, draft_vocab=6144, ttt_steps=3, epochs=3, steps=None, lr=0.003, batch_tokens=2048,
-        chunk_size=None, loss_on='assistant', pack='off', attention='auto', compile=False, eval_every=1000,
-        bench=[
-            dict(prompts='heldout', method='chain', k=5, limit=15, max_turns=1, max_new_tokens=64,
-                 lossless_turns=2),
-        ],
-    ),
-    'gpu': dict(
-        device='cuda', dtype='bf16', bench_dtype='bf16', autocast='auto', limit=None, max_len=2048, max_turns=3,
-        regenerate=True, regen_limit=None, max_new_tokens=384,
-                 regen_batch=4096, gen_batch=512, regen_dtype=None,
-        samples_per_prompt=1, regen_temperature=0.0, self_prompts=0, capture=False, capture_dtype='bf16',
-        online=True, draft_vocab=32000, ttt_steps=6, epochs=5, steps=None, lr=0.001, batch_tokens=32768,
-        chunk_size=None, loss_on='assistant', pack='on', attention='flex', compile=True, eval_every=400,
-        bench=[
-            dict(prompts='heldout', method='chain', k=5, limit=30, max_turns=1, max_new_tokens=256,
-                 graph_round=True, persist_steps=True),
-            dict(prompts='humaneval', method='chain', k=5, limit=30, max_turns=1, max_new_tokens=256,
-                 graph_round=True, persist_steps=True),
-            dict(prompts='long', method='chain', k=5, graph_round=True, limit=30, max_new_tokens=256,
-                 min_prompt_tokens=2048, max_prompt_tokens=6144, persist_steps=True),
-            dict(prompts='heldout', method='chain', k=3, limit=30, max_turns=1, max_new_tokens=256,
-                 graph_round=True, persist_steps=True),
-            dict(prompts='heldout', method='tree', k=5, limit=10, max_turns=1, max_new_tokens=128,
-                 persist_steps=True, graph_round=True),
-        ],
-    ),
-}
-
 
 GOLDEN = Path(__file__).parent / "support" / "golden" / "presets_resolved.json"
 GOLDEN_CASES = [(name, vocab, data) for name in preset_names() for vocab in (49152, 100)   # 100: draft_vocab capped
@@ -131,7 +71,7 @@ def write(tmp_path, text, name="r.toml"):
     return str(p)
 
 
-# ---- the presets are the recipe files, with the pre-recipe values ----------------------------------------------
+# ---- the presets are the recipe files ---------------------------------------------------------------------------
 
 def test_shipped_recipes_are_the_presets():
     assert preset_names() == ["cpu-demo", "gpu", "gpu-dflash"]
@@ -266,11 +206,16 @@ def test_set_with_table_keys_changes_that_field_and_what_derives_from_it():
         RunConfig(overrides={"bench.3.k": 3})
 
 
-def test_flat_names_are_aliases():
-    other = dict(dtype="fp32", autocast="bf16", regen_dtype="fp32", samples_per_prompt=2, regen_temperature=0.5, self_prompts=4, regenerate=False,
-                 capture_dtype="fp8", steps=10, chunk_size=64, loss_on="all", bench=[{"method": "tree"}])
-    for flat, (table, field) in LEGACY.items():   # every pre-recipe knob lands on its field
-        cpu, value = PRESETS_NOW["cpu-demo"][flat], PRESETS_NOW["gpu"][flat]
+def test_short_names_are_aliases():
+    other = dict(dtype="fp32", autocast="bf16", regen_dtype="fp32", samples_per_prompt=2, regen_temperature=0.5,
+                 self_prompts=4, regenerate=False, capture_dtype="fp8", steps=10, chunk_size=64, loss_on="all",
+                 bench=[{"method": "tree"}])
+
+    def in_preset(name, table, field):
+        return preset(name).tables()[table].get(field, table_defaults(table)[field])
+
+    for flat, (table, field) in ALIASES.items():   # every short name lands on its field
+        cpu, value = in_preset("cpu-demo", table, field), in_preset("gpu", table, field)
         value = other[flat] if value == cpu else value
         extra = {"run.online": True} if flat == "capture" else {}   # capture = false needs online training
         tables = with_overrides(preset("cpu-demo"), {**extra, flat: value}).tables()
@@ -294,34 +239,22 @@ def test_identity_ignores_defaults_and_names_differences():
     assert ident["preset"] == "cpu-demo" and set(ident["recipe"]) == {"run", "prepare", "capture", "train", "bench"}
     # a value set to its field's default is the same run as one left out
     assert RunConfig(overrides={"train.chunk_size": None, "prepare.seed": 0}).identity() == ident
-    for name in PRESETS_NOW:  # a pre-recipe run.json's flat knobs describe the same recipe (presets of that time)
-        assert from_legacy_knobs(name, PRESETS_NOW[name]).identity() == preset(name).identity()
-    with pytest.raises(EyasError, match="older eyas"):
-        from_legacy_knobs("cpu-demo", {k: v for k, v in PRESETS_NOW["cpu-demo"].items() if k != "pack"})
 
 
-def _legacy_run_json(run: Path, knobs: dict, preset="cpu-demo"):
-    run.mkdir(parents=True)
-    state = {"identity": {"target": "smollm2-135m", "data": "sharegpt", "preset": preset, "knobs": knobs},
+def test_run_json_without_a_recipe_is_refused_in_one_line(tmp_path):
+    """A run.json whose identity holds flat knobs instead of a recipe (an older eyas's) is not read: refused in one
+    line naming the file and the way out, before anything runs; --overwrite starts the run again."""
+    run = tmp_path / "r"
+    run.mkdir()
+    state = {"identity": {"target": "smollm2-135m", "data": "sharegpt", "preset": "cpu-demo", "knobs": {"limit": 40}},
              "stages": {"prepare": {"done": True, "seconds": 1.0}}, "created": "2025-01-01 00:00:00"}
     (run / "run.json").write_text(json.dumps(state))
-
-
-def test_pre_recipe_run_json_is_resumed_or_refused(tmp_path):
-    # the flat knobs of the same configuration: resumed, and the identity rewritten as a recipe
-    run = tmp_path / "a"
-    _legacy_run_json(run, {**PRESETS_NOW["cpu-demo"], "limit": 40})
-    cfg = RunConfig(out=str(run), overrides={"prepare.limit": 40})
-    state = _open_state(cfg, run)
-    assert state["stages"]["prepare"]["done"] and state["identity"] == cfg.identity()
-    # another configuration: refused, naming the field in its table
-    with pytest.raises(EyasError, match=r"recipe\.prepare\.limit: 40 != 41.*--overwrite"):
-        _open_state(RunConfig(out=str(run), overrides={"limit": 41}), run)
-    # a run.json of an older eyas (knobs that predate these): refused with a way out
-    run = tmp_path / "b"
-    _legacy_run_json(run, {k: v for k, v in PRESETS_NOW["cpu-demo"].items() if k not in ("pack", "attention")})
-    with pytest.raises(EyasError, match=r"older eyas.*'attention', 'pack'.*use another --out, or --overwrite to start it again"):
-        _open_state(RunConfig(out=str(run)), run)
+    for check_only in (True, False):
+        with pytest.raises(EyasError, match=rf"^{re.escape(str(run / 'run.json'))}: written by an older eyas \(its "
+                                            rf"identity holds no recipe\); use another --out, or --overwrite to start "
+                                            rf"it again$"):
+            _open_state(RunConfig(out=str(run), overrides={"prepare.limit": 40}), run, check_only=check_only)
+    assert (run / "run.json").exists()
     state = _open_state(RunConfig(out=str(run), overwrite=True), run)
     assert state["stages"] == {} and state["identity"] == RunConfig().identity()
 
@@ -344,13 +277,13 @@ def test_a_field_set_back_to_its_default_is_named_with_the_default(tmp_path):
 
 def test_every_table_field_is_typed_and_settable_or_owned():
     """Every stage field is either settable from a recipe (and so checkable by its type) or set by eyas run."""
-    from eyas.recipes import OWNED, stage_classes, _type_name, _hints
+    from eyas.knobs import knobs
+    from eyas.recipes import OWNED, stage_classes, _type_name
 
     for table, cls in stage_classes().items():
-        hints = _hints(cls)
-        for f in fields(cls):
-            assert _type_name(hints[f.name]), (table, f.name)
-        assert set(OWNED.get(table, {})) <= {f.name for f in fields(cls)}, table
+        for k in knobs(cls).values():   # a nested config's fields (PrepareConfig.regen) are keys of the table
+            assert _type_name(k.type) and not is_dataclass(k.type), (table, k.name)
+        assert set(OWNED.get(table, {})) <= set(knobs(cls)), table
 
 
 def test_the_gpu_preset_on_the_cpu_trains_with_attention_auto():

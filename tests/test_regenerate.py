@@ -14,7 +14,7 @@ from support.models import make_tiny_llama
 from test_chat_masks import make_tokenizer
 
 from eyas.data.chat import encode_prompt, tokenize_conversation
-from eyas.data.regenerate import LocalBackend, ServerBackend
+from eyas.data.regenerate import LocalBackend, RegenConfig, ServerBackend
 from eyas.data.sources import Conversation, Skipped
 from eyas.errors import EyasError
 from eyas.target import target_from_model
@@ -70,8 +70,8 @@ def test_regen_compile_reaches_the_runner_and_not_the_identity():
 
     tok = make_tokenizer()
     target = target_from_model(make_tiny_llama(vocab=len(tok), seed=3), tok, name="tiny")
-    cfg = PrepareConfig(target="tiny", out="unused", regenerate=True, max_len=100, max_new_tokens=8)
-    on = replace(cfg, regen_compile=True)
+    cfg = PrepareConfig(target="tiny", out="unused", regenerate=True, max_len=100, regen=RegenConfig(max_new_tokens=8))
+    on = replace(cfg, regen=replace(cfg.regen, regen_compile=True))
     assert make_backend(on, target).runner._compiled is not None
     assert make_backend(cfg, target).runner._compiled is None
     assert on.identity() == cfg.identity()
@@ -217,8 +217,8 @@ def test_prepare_regenerate_through_server(server, tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"id": c.id, "messages": list(c.messages)}) + "\n" for c in CONVS))
     target = target_from_model(make_tiny_llama(vocab=len(tok)), tok, name="tiny")
-    m = run_prepare(PrepareConfig(data=str(data), out=str(tmp_path / "p"), regenerate=True, server=server,
-                                  heldout_fraction=0.0, retries=0), target, progress=False)
+    m = run_prepare(PrepareConfig(data=str(data), out=str(tmp_path / "p"), regenerate=True, heldout_fraction=0.0,
+                                  regen=RegenConfig(server=server, retries=0)), target, progress=False)
     assert m["counts"]["regenerated_turns"] == 6 and m["counts"]["kept"] == 3
     s = PreparedData(tmp_path / "p")[0]
     text = tok.decode([i for i, k in zip(s.input_ids, s.loss_mask) if k])
@@ -236,8 +236,8 @@ def test_prepare_keeps_concurrency_requests_in_flight_past_a_small_batch_size(se
     target = target_from_model(make_tiny_llama(vocab=len(tok)), tok, name="tiny")
     Handler.delay = 0.05
     m = run_prepare(PrepareConfig(data=write_jsonl(tmp_path / "d.jsonl", convs), out=str(tmp_path / "p"),
-                                  regenerate=True, server=server, heldout_fraction=0.0, retries=0, batch_size=2,
-                                  concurrency=6), target, progress=False)
+                                  regenerate=True, heldout_fraction=0.0, batch_size=2,
+                                  regen=RegenConfig(server=server, retries=0, concurrency=6)), target, progress=False)
     assert Handler.peak == 6, f"at most {Handler.peak} of 6 requests in flight"
     assert m["counts"]["kept"] == 24 and m["counts"]["regenerated_turns"] == 48
     assert [s.id for s in PreparedData(tmp_path / "p")] == [f"c{i}" for i in range(24)]
@@ -261,8 +261,8 @@ def test_server_replies_are_cut_at_the_first_special(server, tmp_path):
     Handler.plan = {"hello there": ["hello", "runon"]}
     target = target_from_model(make_tiny_llama(vocab=len(tok)), tok, name="tiny")
     run_prepare(PrepareConfig(data=write_jsonl(tmp_path / "d.jsonl", CONVS[:1]), out=str(tmp_path / "p"),
-                              regenerate=True, server=server, heldout_fraction=0.0, retries=0), target,
-                progress=False)
+                              regenerate=True, heldout_fraction=0.0, regen=RegenConfig(server=server, retries=0)),
+                target, progress=False)
     (s,) = PreparedData(tmp_path / "p")
     assert masked_runs(tok, s) == ["Hello<|im_end|>", "Hi<|im_end|>"]
     assert tok.decode(s.input_ids).count("<|im_start|>user") == 2
@@ -277,8 +277,9 @@ def test_regenerate_limit_keeps_the_dataset_replies_after_n(tmp_path):
     data.write_text("".join(json.dumps({"id": c.id, "messages": list(c.messages)}) + "\n" for c in CONVS))
     model = make_tiny_llama(vocab=len(tok), seed=3)
     target = target_from_model(model, tok, name="tiny")
-    m = run_prepare(PrepareConfig(data=str(data), out=str(tmp_path / "p"), regenerate=True, regenerate_limit=1,
-                                  batch_size=2, max_new_tokens=6, heldout_fraction=0.0), target, progress=False)
+    m = run_prepare(PrepareConfig(data=str(data), out=str(tmp_path / "p"), regenerate=True, batch_size=2,
+                                  heldout_fraction=0.0, regen=RegenConfig(regenerate_limit=1, max_new_tokens=6)),
+                    target, progress=False)
     got = {s.id: s for s in PreparedData(tmp_path / "p")}
     assert set(got) == {"a", "b", "c"} and m["counts"]["sent_to_regeneration"] == 1
     # "a": the target's replies (the backend itself is checked against a naive reference above)
@@ -288,7 +289,7 @@ def test_regenerate_limit_keeps_the_dataset_replies_after_n(tmp_path):
     for c in CONVS[1:]:  # "b", "c": the dataset's own replies, untouched
         assert got[c.id].input_ids == tokenize_conversation(tok, c.messages).input_ids
     with pytest.raises(ValueError, match="regenerate-limit"):
-        PrepareConfig(data=str(data), out=str(tmp_path / "q"), regenerate_limit=1)
+        PrepareConfig(data=str(data), out=str(tmp_path / "q"), regen=RegenConfig(regenerate_limit=1))
 
 
 # --------------------------------------------------------------------------- prepare: multi-turn, samples, magpie
@@ -333,8 +334,8 @@ def test_prepare_multi_turn_regeneration_equals_naive_reference(tmp_path, tiny_c
     data = write_jsonl(tmp_path / "d.jsonl", MULTI)
     # 4 conversations per chunk, 2 rows per forward: turn j of a chunk is one sorted, batched pass
     m = run_prepare(PrepareConfig(data=data, out=str(tmp_path / "p"), regenerate=True, max_turns=3, max_len=160,
-                                  max_new_tokens=10, batch_size=4, gen_batch=2, heldout_fraction=0.0),
-                    target, progress=False)
+                                  batch_size=4, heldout_fraction=0.0,
+                                  regen=RegenConfig(max_new_tokens=10, gen_batch=2)), target, progress=False)
     got = {s.id: s for s in PreparedData(tmp_path / "p")}
     eos = set(target.eos_token_ids)
     multi_turn = 0
@@ -363,9 +364,9 @@ def test_sampled_replies_are_reproducible_and_differ(tmp_path, tiny_chat):
     data = write_jsonl(tmp_path / "d.jsonl", MULTI)
 
     def run(out, seed):
+        regen = RegenConfig(max_new_tokens=8, samples_per_prompt=3, regen_temperature=1.0, seed=seed, gen_batch=4)
         return run_prepare(PrepareConfig(data=data, out=str(tmp_path / out), regenerate=True, max_len=160,
-                                         max_new_tokens=8, samples_per_prompt=3, regen_temperature=1.0, seed=seed,
-                                         batch_size=3, gen_batch=4, heldout_fraction=0.0), target, progress=False)
+                                         batch_size=3, heldout_fraction=0.0, regen=regen), target, progress=False)
 
     m = run("a", 0)
     run("b", 0)
@@ -401,11 +402,11 @@ def test_greedy_sample_is_the_greedy_run_and_the_others_are_sampled(tmp_path, ti
 
     tok, model, target = tiny_chat
     data = write_jsonl(tmp_path / "d.jsonl", MULTI)
-    base = dict(data=data, regenerate=True, max_len=160, max_new_tokens=8, batch_size=3, gen_batch=4,
-                heldout_fraction=0.0)
-    greedy = run_prepare(PrepareConfig(out=str(tmp_path / "g"), **base), target, progress=False)
-    mixed = run_prepare(PrepareConfig(out=str(tmp_path / "m"), samples_per_prompt=3, regen_temperature=1.0,
-                                      greedy_sample=True, **base), target, progress=False)
+    base = dict(data=data, regenerate=True, max_len=160, batch_size=3, heldout_fraction=0.0)
+    regen = RegenConfig(max_new_tokens=8, gen_batch=4)
+    greedy = run_prepare(PrepareConfig(out=str(tmp_path / "g"), regen=regen, **base), target, progress=False)
+    mixed = run_prepare(PrepareConfig(out=str(tmp_path / "m"), regen=replace(regen, samples_per_prompt=3,
+                                      regen_temperature=1.0, greedy_sample=True), **base), target, progress=False)
     ref = {s.id: s.input_ids for s in PreparedData(tmp_path / "g")}
     by_conv: dict = {}
     for s in PreparedData(tmp_path / "m"):
@@ -416,10 +417,10 @@ def test_greedy_sample_is_the_greedy_run_and_the_others_are_sampled(tmp_path, ti
         assert sets[1] == ref[cid], cid  # the greedy set: token for token the greedy run's
     sampled = [ids for sets in by_conv.values() for k, ids in sets.items() if k > 1]
     assert len(sampled) >= len(ref) and sum(ids not in ref.values() for ids in sampled) >= len(sampled) - 1
-    assert mixed["identity"]["config"]["greedy_sample"] is True
-    assert "greedy_sample" not in greedy["identity"]["config"]  # older prepared directories still match
+    assert mixed["identity"]["config"]["regen"]["greedy_sample"] is True
+    assert greedy["identity"]["config"]["regen"]["greedy_sample"] is False
     with pytest.raises(EyasError, match="--greedy-sample needs --samples-per-prompt >= 2"):
-        PrepareConfig(out=str(tmp_path / "x"), greedy_sample=True, regen_temperature=1.0, **base)
+        replace(regen, greedy_sample=True, regen_temperature=1.0)
 
 
 def test_regen_fuse_writes_the_same_data_through_fused_layers(tmp_path, tiny_chat):
@@ -432,16 +433,17 @@ def test_regen_fuse_writes_the_same_data_through_fused_layers(tmp_path, tiny_cha
 
     tok, model, target = tiny_chat
     data = write_jsonl(tmp_path / "d.jsonl", MULTI)
-    base = dict(data=data, regenerate=True, max_len=160, max_new_tokens=8, batch_size=3, gen_batch=4,
-                heldout_fraction=0.0)
-    run_prepare(PrepareConfig(out=str(tmp_path / "e"), **base), target, progress=False)
-    m = run_prepare(PrepareConfig(out=str(tmp_path / "f"), regen_fuse=True, **base), target, progress=False)
+    base = dict(data=data, regenerate=True, max_len=160, batch_size=3, heldout_fraction=0.0)
+    eager = RegenConfig(max_new_tokens=8, gen_batch=4)
+    fused = replace(eager, regen_fuse=True)
+    run_prepare(PrepareConfig(out=str(tmp_path / "e"), regen=eager, **base), target, progress=False)
+    m = run_prepare(PrepareConfig(out=str(tmp_path / "f"), regen=fused, **base), target, progress=False)
     assert (tmp_path / "f" / SAMPLES).read_bytes() == (tmp_path / "e" / SAMPLES).read_bytes()
-    assert m["counts"]["regenerated_turns"] > 5 and "regen_fuse" not in m["identity"]["config"]
-    backend = make_backend(PrepareConfig(out=str(tmp_path / "x"), regen_fuse=True, **base), target)
+    assert m["counts"]["regenerated_turns"] > 5 and "regen_fuse" not in m["identity"]["config"]["regen"]
+    backend = make_backend(PrepareConfig(out=str(tmp_path / "x"), regen=fused, **base), target)
     assert all(layer.fused for layer in backend.runner.layers)
     with pytest.raises(EyasError, match="--regen-fuse compiles the layers' pieces"):
-        PrepareConfig(out=str(tmp_path / "y"), regen_fuse=True, regen_compile=True, **base)
+        replace(fused, regen_compile=True)
 
 
 def test_self_prompts_make_well_formed_conversations(tmp_path, tiny_chat):
@@ -451,8 +453,8 @@ def test_self_prompts_make_well_formed_conversations(tmp_path, tiny_chat):
 
     tok, model, target = tiny_chat
     data = write_jsonl(tmp_path / "d.jsonl", MULTI[2:4])
-    cfg = PrepareConfig(data=data, out=str(tmp_path / "p"), self_prompts=6, max_len=160, max_new_tokens=12,
-                        batch_size=4, heldout_fraction=0.0, seed=7)
+    cfg = PrepareConfig(data=data, out=str(tmp_path / "p"), max_len=160, batch_size=4, heldout_fraction=0.0,
+                        regen=RegenConfig(self_prompts=6, max_new_tokens=12, seed=7))
     m = run_prepare(cfg, target, progress=False)
     got = {s.id: s for s in PreparedData(tmp_path / "p")}
     assert {"m2", "m3"} <= set(got)  # the dataset's own replies (no --regenerate), then the self-prompts
@@ -514,8 +516,8 @@ def test_server_empty_replies_cut_the_conversation(server, tmp_path, capsys):
     data = write_jsonl(tmp_path / "d.jsonl", CONVS)
     target = target_from_model(make_tiny_llama(vocab=len(tok)), tok, name="tiny")
     Handler.plan = {"hello there": ["ok", "empty"], "the quick brown fox": ["empty"]}
-    m = run_prepare(PrepareConfig(data=data, out=str(tmp_path / "p"), regenerate=True, server=server,
-                                  heldout_fraction=0.0, retries=0), target, progress=False)
+    m = run_prepare(PrepareConfig(data=data, out=str(tmp_path / "p"), regenerate=True, heldout_fraction=0.0,
+                                  regen=RegenConfig(server=server, retries=0)), target, progress=False)
     c = m["counts"]
     assert c["empty_replies"] == 2 and c["dropped"] == {"empty regenerated reply": 1} and c["kept"] == 2
     got = {s.id: s for s in PreparedData(tmp_path / "p")}
@@ -536,8 +538,8 @@ def test_server_rejections_are_counted_by_status_with_the_message_in_the_skip_lo
     data = write_jsonl(tmp_path / "d.jsonl", CONVS)
     target = target_from_model(make_tiny_llama(vocab=len(tok)), tok, name="tiny")
     Handler.plan = {"hello there": ["400"], "the quick brown fox": ["400"]}
-    m = run_prepare(PrepareConfig(data=data, out=str(tmp_path / "p"), regenerate=True, server=server,
-                                  heldout_fraction=0.0, retries=0), target, progress=False)
+    m = run_prepare(PrepareConfig(data=data, out=str(tmp_path / "p"), regenerate=True, heldout_fraction=0.0,
+                                  regen=RegenConfig(server=server, retries=0)), target, progress=False)
     assert m["counts"]["dropped"] == {"server rejected: HTTP 400": 2} and m["counts"]["kept"] == 1
     skips = [json.loads(x) for x in (tmp_path / "p" / SKIPS).read_text().splitlines()]
     details = sorted(x["detail"] for x in skips if x["reason"] == "server rejected: HTTP 400")

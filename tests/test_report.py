@@ -98,7 +98,7 @@ def full_run(run: Path) -> tuple[dict, SimpleNamespace]:
                                               "--speculative-num-steps 5 `\n\n## vLLM\n\n`or this`\n")
     (run / "logs" / "prewarm.log").write_text("compiling\nIntel oneMKL FATAL ERROR: Cannot load "
                                               "/venv/lib/torch/lib/libtorch_cpu.so.\n\n")
-    (run / "prepared" / "manifest.json").write_text(json.dumps({"config": {"max_new_tokens": 256}}))
+    (run / "prepared" / "manifest.json").write_text(json.dumps({"config": {"regen": {"max_new_tokens": 256}}}))
     prepare = {"read": 200, "kept": 120, "heldout": 40, "tokens": 98765, "trainable_tokens": 45678, "truncated": 3,
                "skipped": {"malformed JSON": 2, "empty turn": 1}, "dropped": {"no trainable tokens": 4},
                "conversations": 60, "sent_to_regeneration": 60, "regenerated_turns": 100,

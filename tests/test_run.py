@@ -79,24 +79,6 @@ def test_run_end_to_end_resume_and_redo(tiny_run_inputs, tmp_path, capsys):
         assert f"{stage}: done earlier" in new
     assert "starting" not in new
 
-    # A run.json written before recipes (flat preset knobs) resumes when its knobs are today's preset's, and is
-    # rewritten as a recipe; one holding the knobs the preset had then (since changed) is another configuration.
-    from test_recipes import OLD_PRESETS, PRESETS_NOW
-    state = json.loads((run / "run.json").read_text())
-    flat = _cfg(tiny_run_inputs, run, eval_every=1)
-    legacy = {"target": flat.target, "data": flat.data, "preset": "cpu-demo"}
-    (run / "run.json").write_text(json.dumps({**state, "identity": {**legacy, "knobs": {**OLD_PRESETS["cpu-demo"],
-                                                                                         **flat.overrides}}}))
-    with pytest.raises(EyasError, match="another configuration .*regenerate_limit"):
-        run_pipeline(_cfg(tiny_run_inputs, run, eval_every=1))
-    state["identity"] = {**legacy, "knobs": {**PRESETS_NOW["cpu-demo"], **flat.overrides}}
-    (run / "run.json").write_text(json.dumps(state))
-    before = log.read_text()
-    run_pipeline(_cfg(tiny_run_inputs, run, eval_every=1))
-    new = log.read_text()[len(before):]
-    assert "starting" not in new and new.count("done earlier") == 5
-    assert json.loads((run / "run.json").read_text())["identity"] == flat.identity()
-
     # A corrupted stage output is detected on resume and that stage is redone.
     shard = next((run / "store").glob("*.safetensors"))
     data = bytearray(shard.read_bytes())

@@ -38,7 +38,7 @@ def test_every_family_recipe_builds_each_stage_config(name, tmp_path):
     """Each table of a shipped family recipe, through its command's parser, is a config its stage accepts."""
     prep = from_args(PrepareConfig, parsed(["prepare", "--recipe", name, "--data", "x.jsonl", "--out", "p",
                                                "--device", "cpu"]))
-    assert prep.regenerate and prep.max_len == 8192 and prep.max_new_tokens == 4096
+    assert prep.regenerate and prep.max_len == 8192 and prep.regen.max_new_tokens == 4096
     args = parsed(["capture", "--recipe", name, "--engine", "sglang", "--url", "http://h:1", "--data", "p", "--out",
                    "s", "--target-config", "c.json"])
     assert args.dtype == "fp8"

@@ -107,7 +107,7 @@ def test_check_run_dir_refuses_what_is_not_a_fresh_or_resumable_run(tmp_path):
     write_manifest(run, {"kind": "capture"})
     with pytest.raises(EyasError, match="holds a 'capture' directory, not a training run"):
         check_run_dir(c, run)
-    write_manifest(run, {"kind": KIND, "config_identity": c.identity()})
+    write_manifest(run, {"kind": KIND, "version": ckpt.VERSION, "config_identity": c.identity()})
     check_run_dir(c, run)                                      # a manifest and no checkpoint: start over
     (run / "checkpoints" / "step-2").mkdir(parents=True)
     with pytest.raises(EyasError, match="pass --resume or choose another --out"):
@@ -115,6 +115,12 @@ def test_check_run_dir_refuses_what_is_not_a_fresh_or_resumable_run(tmp_path):
     check_run_dir(cfg(tmp_path, "store", "run", resume=True), run)
     with pytest.raises(EyasError, match="training configuration"):
         check_run_dir(cfg(tmp_path, "store", "run", resume=True, lr=2e-3), run)
+    # a run of another version (none recorded: an older eyas's) is not resumed: one line, naming the way out
+    write_manifest(run, {"kind": KIND, "config_identity": c.identity()})
+    with pytest.raises(EyasError, match=rf"^{run / 'manifest.json'}: a training run of version 1 \(an older eyas's\), "
+                                        rf"this eyas resumes version {ckpt.VERSION}; train into another --out, or "
+                                        rf"delete {run} to start again$"):
+        check_run_dir(cfg(tmp_path, "store", "run", resume=True), run)
 
 
 def test_schedule_warms_up_linearly_then_cosine_to_the_floor(tmp_path):

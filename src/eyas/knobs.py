@@ -2,7 +2,8 @@
 
 One reader of the stage dataclasses for the places that list their fields: recipes (a table's keys, their types and
 defaults) and the command lines (`add_flags`, which builds argparse flags from them). A field whose type is itself a
-config dataclass (BenchConfig.spec, a SpecConfig) contributes its fields flat, under their own names.
+config dataclass (BenchConfig.spec, a SpecConfig; PrepareConfig.regen, a RegenConfig) contributes its fields flat,
+under their own names, and `from_knobs` builds the config back from those flat values.
 """
 
 from __future__ import annotations
@@ -145,7 +146,27 @@ def add_command(subparsers, name: str, run, help: str):
 def from_args(cls, args, **values):
     """cls built from the parsed flags named after its knobs, with `values` on top (what a command sets itself)."""
     given = {n: getattr(args, n) for n in knobs(cls) if hasattr(args, n)}
-    return cls(**{**given, **values})
+    return from_knobs(cls, {**given, **values})
+
+
+def from_knobs(cls, values: dict):
+    """cls built from values keyed by knob name (parsed flags, a recipe table): the knobs of a field that holds a
+    config dataclass (PrepareConfig.regen) go into that field, over the field's value or default. A class whose
+    __init__ takes keywords of its own (BenchConfig, which places its spec knobs itself) gets them as they are."""
+    if any(p.kind is p.VAR_KEYWORD for p in inspect.signature(cls).parameters.values()):
+        return cls(**values)
+    return cls(**_nested(cls, values))
+
+
+def _nested(cls, values: dict) -> dict:
+    kw, hints = dict(values), typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            inner = {k: kw.pop(k) for k in knobs(tp) if k in kw}
+            if inner:
+                kw[f.name] = dataclasses.replace(kw.get(f.name, f.default), **_nested(tp, inner))
+    return kw
 
 
 def _flag_type(tp):

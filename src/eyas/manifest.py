@@ -77,7 +77,8 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
 
 
 def is_fingerprint(d) -> bool:
-    """A target fingerprint: version 2 (target/fingerprint.py) or the older {"identity", "config_sha256", ...}."""
+    """A target fingerprint (target/fingerprint.py), also an older eyas's (version 1: {"identity", "config_sha256",
+    ...}), which the comparison refuses in one line."""
     return isinstance(d, dict) and ("fingerprint" in d or "config_sha256" in d)
 
 

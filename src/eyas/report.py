@@ -298,7 +298,7 @@ def _warnings(run: Path, state: dict, data: dict) -> list[str]:
                    f"longer" + (f"; logs/{name}.log ends: `{lines[-1]}`" if lines else "") + ".")
     turns, cut = data.get("regenerated_turns"), data.get("replies_cut_at_max_new_tokens")
     if turns and cut is not None and cut / turns >= CUT_WARN_SHARE:
-        limit = _prepare_config(run).get("max_new_tokens")
+        limit = (_prepare_config(run).get("regen") or {}).get("max_new_tokens")
         out.append(f"{cut / turns:.0%} of the regenerated replies ({cut} of {turns}) stopped at the reply length "
                    f"limit (prepare.max_new_tokens" + (f" = {limit}" if limit else "") + ") before their end: the "
                    "drafter learned from replies cut short. Raise it with --set prepare.max_new_tokens=N (a reasoning "

@@ -29,11 +29,11 @@ from eyas.data.prepared import PreparedData
 from eyas.data.sources import resolve_data
 from eyas.errors import EyasError
 from eyas.export.export import export_drafter
-from eyas.knobs import add_command, add_flags, from_args
+from eyas.knobs import add_command, add_flags, from_args, from_knobs
 from eyas.manifest import atomic_write_bytes, diff_dicts
 from eyas.model.checkpoint import open_drafter
-from eyas.recipes import (Recipe, from_legacy_knobs, load_recipe, preset as preset_recipe, resolve_dtype, resolve_key,
-                          shown_identity, with_overrides)
+from eyas.recipes import (Recipe, load_recipe, preset as preset_recipe, resolve_dtype, resolve_key, shown_identity,
+                          with_overrides)
 from eyas.report import write_report
 from eyas.store.reader import Store
 from eyas.target.load import resolve
@@ -65,7 +65,8 @@ class RunConfig:
     out: str = "runs/eyas-run"
     """Run directory."""
     overrides: dict = field(default_factory=dict)
-    """Recipe values changed on the command line (e.g. {"train.epochs": 3}; flat pre-recipe names work too)."""
+    """Recipe values changed on the command line (e.g. {"train.epochs": 3}; the short names of eyas.recipes.ALIASES
+    work too)."""
     overwrite: bool = False
     """Rerun a run directory of another configuration instead of refusing: the finished stages before the first
     one whose configuration changed are kept (after verification), that stage and the later ones are redone."""
@@ -114,7 +115,7 @@ def resolve_stages(cfg: RunConfig, run: Path, *, vocab_size: int | None, progres
 
     def build(table, cls, **kw):
         try:
-            return cls(**kw)
+            return from_knobs(cls, kw)
         except ValueError as e:  # a value the stage refuses: name the recipe and the table
             msg = str(e).removeprefix(f"{table}: ")
             raise EyasError(f"recipe {r.name} [{table}]: {msg}") from None
@@ -164,7 +165,7 @@ def resolve_stages(cfg: RunConfig, run: Path, *, vocab_size: int | None, progres
             table["graph_round"] = False
         if not is_long_set(prompts):  # unless the table sets it: prompts that leave room for a reply inside the
             # training budget (RoPE positions seen); the long set keeps its own range (BenchConfig)
-            table.setdefault("max_prompt_tokens", max(1, prepare.max_len - prepare.max_new_tokens))
+            table.setdefault("max_prompt_tokens", max(1, prepare.max_len - prepare.regen.max_new_tokens))
         if dev != "cuda":  # the bench compiles on cuda only, and saved steps are compiled ones (a CPU rehearsal)
             table.pop("persist_steps", None)
         if "graph_round" not in table and table.get("method", "chain") in ("chain", "tree"):  # as `eyas bench` does
@@ -207,10 +208,12 @@ def _open_state(cfg: RunConfig, run: Path, *, check_only: bool = False) -> dict 
     path = run / "run.json"
     if path.exists():
         state, new = json.loads(path.read_text()), cfg.identity()
-        old = _comparable(state["identity"])
+        old = state["identity"]
+        if "recipe" not in old and not cfg.overwrite:
+            raise EyasError(f"{path}: written by an older eyas (its identity holds no recipe); use another --out, or "
+                            f"--overwrite to start it again")
         diffs = diff_dicts(old, new)
         if not diffs:
-            state["identity"] = new  # a run.json of flat preset knobs is rewritten as a recipe
             return state
         first = _first_changed_stage(old, new)
         redo = STAGES[STAGES.index(first):]
@@ -236,18 +239,6 @@ def _open_state(cfg: RunConfig, run: Path, *, check_only: bool = False) -> dict 
         return None
     run.mkdir(parents=True, exist_ok=True)
     return {"identity": cfg.identity(), "stages": {}, "created": time.strftime("%Y-%m-%d %H:%M:%S")}
-
-
-def _comparable(old: dict) -> dict:
-    """A run.json identity as this version writes it: one written before recipes (flat preset knobs) is read as
-    the recipe it describes, its preset with each knob in its table."""
-    if "knobs" in old and "recipe" not in old:
-        try:
-            recipe = from_legacy_knobs(old.get("preset"), old["knobs"]).identity()
-        except EyasError as e:  # unreadable: differs from any run (the message names why)
-            return {"run.json": str(e)}
-        old = {**{k: v for k, v in old.items() if k != "knobs"}, "recipe": recipe}
-    return old
 
 
 _RUN_KEY_STAGE = {"bench_dtype": "bench", "capture": "capture", "online": "capture"}
@@ -549,7 +540,7 @@ def register(subparsers) -> None:
                            "help": "a recipe TOML file ([run], [prepare], [capture], [train], [[bench]]; docs/run.md)"})
     recipe.add_argument("--set", dest="overrides", action="append", type=parse_knob, default=[], metavar="KEY=VALUE",
                         help="change one recipe value, e.g. --set train.epochs=3 or --set prepare.limit=100; VALUE is "
-                             "JSON (null for None); pre-recipe flat names such as limit=100 still work (repeatable)")
+                             "JSON (null for None); short names such as limit=100 work too (repeatable)")
     out = p.add_argument_group("output and progress")
     add_flags(out, RunConfig, ["out"], out={"default": None, "help": "run directory (default: runs/<preset or "
                                                                     "recipe name>)"})

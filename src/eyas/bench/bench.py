@@ -37,13 +37,13 @@ PROMPT_SETS = ("sharegpt-heldout", "humaneval", "long")
 
 
 SPEC_KNOBS = tuple(f.name for f in fields(SpecConfig))
-"""The decode knobs BenchConfig also takes flat (recipes' [[bench]] tables, bench configs written before `spec`)."""
+"""The decode knobs BenchConfig also takes flat (recipes' [[bench]] tables, `eyas bench`'s flags)."""
 
 
 @dataclass(frozen=True, kw_only=True, init=False)
 class BenchConfig:
     """One benchmark. The decode knobs live in `spec`; BenchConfig(method="tree", k=3, ...) also takes them flat,
-    the form of recipes' [[bench]] tables and of the bench configs written before `spec` (see __init__)."""
+    the form of recipes' [[bench]] tables and of `eyas bench`'s flags (see __init__)."""
 
     target: str = "smollm2-135m"
     """Target spec (embedded name, HF dir, GGUF)."""
@@ -142,15 +142,16 @@ class BenchConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "BenchConfig":
-        """A config as to_dict writes it ({"spec": {...}, ...}), or flat as bench JSONs and run.json files written
-        before `spec` hold it ({"method": "chain", "k": 5, ...})."""
+        """A config as to_dict writes it ({"spec": {...}, ...})."""
         d = dict(d)
         spec = d.pop("spec", None)
-        known = {f.name for f in fields(cls)} | set(SPEC_KNOBS)
-        unknown = sorted(set(d) - known) + sorted(set(spec or {}) - set(SPEC_KNOBS))
+        if not isinstance(spec, dict):
+            raise EyasError("bench config: no `spec` table of decode knobs (written by an older eyas: run the bench "
+                            "again)")
+        unknown = sorted(set(d) - {f.name for f in fields(cls)}) + sorted(set(spec) - set(SPEC_KNOBS))
         if unknown:
             raise EyasError(f"bench config: unknown keys {unknown}")
-        return cls(spec=None if spec is None else SpecConfig(**spec), **d)
+        return cls(spec=SpecConfig(**spec), **d)
 
 
 def graph_round_default(device: str, temperature: float) -> bool:

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 import eyas.target  # load_target looked up at call time: tests patch it
 from eyas.data.chat import TemplateError, Tokenized, check_chat_template, first_turn_framing, tokenize_conversations
 from eyas.data.prepared import PreparedWriter, SKIPS, Sample
-from eyas.data.regenerate import RegenStats, make_backend
+from eyas.data.regenerate import RegenConfig, RegenStats, make_backend
 from eyas.data.sources import Conversation, Skipped, iter_records, resolve_data
 from eyas.data.split import is_heldout, sample_id
 from eyas.errors import EyasError
@@ -41,63 +41,18 @@ class PrepareConfig:
     """Stop after this many kept training conversations (None: all)."""
     max_len: int = 2048
     """Truncate each conversation to this many tokens."""
+    max_turns: int | None = None
+    """Keep only the first N user turns (and their replies) of each conversation (None: all)."""
     heldout_fraction: float = 0.05
     """Fraction of conversation ids held out for bench (never written)."""
     regenerate: bool = False
     """Replace the assistant turns with the target's own replies."""
-    regenerate_limit: int | None = None
-    """With --regenerate: regenerate only the first N conversations sent to the target; the later ones keep
-    the dataset's replies (their labels still come from the target at training time), so a fixed generation
-    budget buys more distinct training text (None: regenerate all)."""
-    server: str | None = None
-    """OpenAI-compatible server URL for regeneration (None: generate locally)."""
-    model: str | None = None
-    """Model name on the server (None: the server's first model)."""
-    concurrency: int = 8
-    """Requests in flight to the server."""
-    timeout: float = 120.0
-    """Seconds per server request."""
-    retries: int = 3
-    """Retries per server request (exponential backoff)."""
-    regen_temperature: float = 0.0
-    """Temperature of regenerated replies: 0 greedy, > 0 sampled."""
-    samples_per_prompt: int = 1
-    """With --regenerate: N regenerated reply sets per conversation (ids `<id>#s1..#sN`, sampled at
-    regen_temperature > 0); every sample stays on its conversation's side of each split."""
-    greedy_sample: bool = False
-    """With samples_per_prompt > 1: the first reply set (`#s1`) is greedy and the others are sampled, so the data
-    hold the texts a greedy decoder meets beside the sampled variety (the trainer's eval scores `#s1` only)."""
-    self_prompts: int = 0
-    """Also write N Magpie-style conversations `magpie-<n>`: the user turn sampled by the target from the chat
-    template's user header (at self_prompt_temperature), the reply greedy. Local generation only."""
-    self_prompt_temperature: float = 1.0
-    """Temperature of the self-written user turns (> 0)."""
-    max_new_tokens: int = 512
-    """Longest regenerated reply."""
     batch_size: int = 16
     """Conversations per generation batch and per commit. With --server, a group is at least 4 x concurrency
     conversations: the group's requests are what is in flight, and it waits for its slowest conversation."""
-    gen_batch: int | None = None
-    """Rows per local generation forward (default: batch_size). A larger batch_size with a smaller
-    gen_batch sorts more prompts by length before batching them, so less of each forward is padding."""
-    regen_compile: bool = False
-    """Local regeneration: torch.compile the decode step once for every batch and slot count (dynamic shapes),
-    so each CUDA-graphed step replays fused kernels instead of ~35 small ones per layer. Costs one compile up
-    front; like gen_batch it changes speed, not the data (up to bf16 rounding)."""
-    regen_fuse: bool = False
-    """Local regeneration: compile each decoder layer's norms, projections, RoPE and MLP (two functions shared by all
-    layers) around its eager attention, inside the same CUDA-graphed steps by lengths; one compile up front. Changes
-    speed, not the data (up to bf16 rounding); faster on CUDA (BENCHMARKS.md, the regeneration modes), where the gpu
-    recipe turns it on."""
-    regen_dtype: str | None = None
-    """Weights dtype of local regeneration: fp32, bf16 or fp16 (None: the target's). bf16 is faster on
-    CPUs with AVX512-BF16/AMX; the replies are then the bf16 target's, which is still the target's style."""
-    device: str = "cpu"
-    """Device of local generation: cpu or cuda (the target loads there; on cuda in bf16 unless --regen-dtype)."""
-    max_turns: int | None = None
-    """Keep only the first N user turns (and their replies) of each conversation (None: all)."""
-    seed: int = 0
-    """Seed for sampled regeneration."""
+    regen: RegenConfig = RegenConfig()
+    """How the target generates text (the replies with --regenerate, the prompts with --self-prompts). Its fields are
+    set by their own names: --regen-temperature, [prepare] regen_temperature, --set prepare.regen_temperature."""
     overwrite: bool = False
     """Delete an existing prepared directory instead of resuming it."""
     trust_remote_code: bool = False
@@ -110,64 +65,41 @@ class PrepareConfig:
             raise EyasError(f"--max-len must be >= 2, got {self.max_len}")
         if not 0.0 <= self.heldout_fraction < 1.0:
             raise EyasError(f"--heldout-fraction must be in [0, 1), got {self.heldout_fraction}")
-        if self.regen_temperature < 0:
-            raise EyasError(f"--regen-temperature must be >= 0, got {self.regen_temperature}")
-        if self.samples_per_prompt < 1:
-            raise EyasError(f"--samples-per-prompt must be >= 1, got {self.samples_per_prompt}")
-        if self.samples_per_prompt > 1 and not self.regenerate:
-            raise EyasError("--samples-per-prompt > 1 needs --regenerate (the dataset has one reply per turn)")
-        if self.samples_per_prompt > 1 and self.regen_temperature == 0:
-            raise EyasError(f"--samples-per-prompt {self.samples_per_prompt} needs --regen-temperature > 0 "
-                             "(greedy samples would all be the same)")
-        if self.greedy_sample and self.samples_per_prompt < 2:
-            raise EyasError(f"--greedy-sample needs --samples-per-prompt >= 2 (one greedy reply set and a sampled "
-                            f"one), got {self.samples_per_prompt}")
-        if self.self_prompts < 0:
-            raise EyasError(f"--self-prompts must be >= 0, got {self.self_prompts}")
-        if self.self_prompts and self.server:
-            raise EyasError("--self-prompts needs local generation (it continues raw template text), not --server")
-        if self.self_prompt_temperature <= 0:
-            raise EyasError(f"--self-prompt-temperature must be > 0, got {self.self_prompt_temperature}")
-        if self.max_new_tokens < 1 or self.batch_size < 1 or self.concurrency < 1 or self.retries < 0:
-            raise EyasError("--max-new-tokens, --batch-size and --concurrency must be >= 1, --retries >= 0")
-        if self.gen_batch is not None and self.gen_batch < 1:
-            raise EyasError(f"--gen-batch must be >= 1, got {self.gen_batch}")
-        if self.regen_fuse and self.regen_compile:
-            raise EyasError("--regen-fuse compiles the layers' pieces of eager steps, --regen-compile the whole step: "
-                            "use one or the other")
-        if self.regen_dtype not in (None, "fp32", "bf16", "fp16"):
-            raise EyasError(f"--regen-dtype {self.regen_dtype!r}: expected fp32, bf16 or fp16")
-        if self.device.split(":")[0] not in ("cpu", "cuda"):
-            raise EyasError(f"--device {self.device!r}: expected cpu or cuda")
+        if self.batch_size < 1:
+            raise EyasError(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.max_turns is not None and self.max_turns < 1:
             raise EyasError(f"--max-turns must be >= 1, got {self.max_turns}")
-        if self.timeout <= 0:
-            raise EyasError(f"--timeout must be > 0, got {self.timeout}")
-        if self.regenerate_limit is not None and (self.regenerate_limit < 0 or not self.regenerate):
-            raise EyasError("--regenerate-limit must be >= 0 and needs --regenerate")
-        if self.server and not self.regenerate:
+        r = self.regen
+        if r.samples_per_prompt > 1 and not self.regenerate:
+            raise EyasError("--samples-per-prompt > 1 needs --regenerate (the dataset has one reply per turn)")
+        if r.regenerate_limit is not None and not self.regenerate:
+            raise EyasError("--regenerate-limit needs --regenerate")
+        if r.server and not self.regenerate:
             raise EyasError("--server is only used with --regenerate")
 
+    @property
+    def generates(self) -> bool:
+        """Whether this run generates text with the target (replies or self-prompts)."""
+        return self.regenerate or self.regen.self_prompts > 0
+
     def identity(self) -> dict:
-        """The options that change the written data (a resume must match them)."""
+        """The options that change the written data (a resume must match them). Paths, speed and the server's
+        connection settings never do; the generation knobs only when the run generates, the replies' knobs only
+        with --regenerate, the self-prompts' temperature only with --self-prompts."""
         d = asdict(self)
-        for k in ("out", "overwrite", "concurrency", "timeout", "retries", "batch_size", "gen_batch", "regen_compile", "regen_fuse",
-                  "device", "trust_remote_code"):
+        for k in ("out", "overwrite", "batch_size", "trust_remote_code"):
             d.pop(k)
-        d["temperature"] = d.pop("regen_temperature")  # its name in manifests written before the rename
-        if self.samples_per_prompt == 1:  # defaults of later knobs: older prepared directories still match
-            d.pop("samples_per_prompt")
-        if not self.greedy_sample:
-            d.pop("greedy_sample")
-        if not self.self_prompts:
-            d.pop("self_prompts")
-            d.pop("self_prompt_temperature")
+        regen = d.pop("regen")
+        for k in ("concurrency", "timeout", "retries", "gen_batch", "regen_compile", "regen_fuse", "device"):
+            regen.pop(k)
         if not self.regenerate:
-            for k in ("server", "model", "temperature", "regenerate_limit"):
-                d.pop(k)
-            if not self.self_prompts:
-                for k in ("max_new_tokens", "seed", "regen_dtype"):
-                    d.pop(k)
+            for k in ("server", "model", "regen_temperature", "regenerate_limit", "samples_per_prompt",
+                      "greedy_sample"):
+                regen.pop(k)
+        if not self.regen.self_prompts:
+            regen.pop("self_prompt_temperature")
+        if self.generates:
+            d["regen"] = regen
         return d
 
 
@@ -205,20 +137,12 @@ def _new_state() -> dict:
             "tokens": 0, "trainable_tokens": 0, "sent_to_regeneration": 0, "self_prompts_done": 0, "regen": {}}
 
 
-def _load_state(old: dict | None) -> dict:
-    st = _new_state()
-    if old:
-        st["conversations"] = old.get("kept", 0)  # states written before samples were counted apart
-        st.update(old)
-    return st
-
-
 def _open_target(cfg: PrepareConfig, target):
     """`target`, or the one cfg names: with weights when this run generates locally, else tokenizer and config only."""
     if target is not None:
         return target
-    if (cfg.regenerate and not cfg.server) or cfg.self_prompts:
-        return eyas.target.load_target(cfg.target, device=cfg.device, trust_remote_code=cfg.trust_remote_code)
+    if (cfg.regenerate and not cfg.regen.server) or cfg.regen.self_prompts:
+        return eyas.target.load_target(cfg.target, device=cfg.regen.device, trust_remote_code=cfg.trust_remote_code)
 
     return open_target_meta(cfg.target, trust_remote_code=cfg.trust_remote_code, tensors=())
 
@@ -253,23 +177,24 @@ class _Preparation:
 
     def __init__(self, cfg: PrepareConfig, target, writer: PreparedWriter, name: str, *, progress: bool):
         self.cfg, self.target, self.writer, self.name, self.tok = cfg, target, writer, name, target.tokenizer
-        self.st = _load_state(writer.state)
+        self.st = {**_new_state(), **(writer.state or {})}
         self.skipped, self.dropped = Counter(self.st["skipped"]), Counter(self.st["dropped"])
         self.template_errors: list[str] = []  # this run's (the first one names the failure if nothing is kept)
         self.backend = None
-        if cfg.regenerate or cfg.self_prompts:
+        if cfg.generates:
             self.backend = make_backend(cfg, target)
             self.backend.stats = RegenStats(**self.st["regen"])
         self.bar = None
         if progress:
             from tqdm import tqdm
 
-            total = None if cfg.limit is None else cfg.limit + cfg.self_prompts
+            total = None if cfg.limit is None else cfg.limit + cfg.regen.self_prompts
             self.bar = tqdm(total=total, initial=self.st["conversations"], unit="conv", desc="prepare",
                             file=sys.stderr, dynamic_ncols=True, disable=None)
         # Conversations per regenerate call and commit. A server gets enough to keep `concurrency` requests in
         # flight while a group's slowest conversations finish; a kill loses at most one group's replies.
-        self.group = max(cfg.batch_size, 4 * cfg.concurrency) if cfg.server and cfg.regenerate else cfg.batch_size
+        self.group = (max(cfg.batch_size, 4 * cfg.regen.concurrency) if cfg.regen.server and cfg.regenerate
+                      else cfg.batch_size)
 
     def drop(self, r: Skipped, counter: Counter | None = None) -> None:
         """Count a skipped record or dropped sample by reason (default: dropped) and log it to skipped.jsonl."""
@@ -323,19 +248,19 @@ class _Preparation:
 
     def process_source(self, convs: list[Conversation]) -> None:
         """Process source conversations; those within --regenerate-limit go to the target."""
-        cfg = self.cfg
-        n_regen = 0 if not cfg.regenerate else len(convs) if cfg.regenerate_limit is None else \
-            max(0, min(len(convs), cfg.regenerate_limit - self.st["sent_to_regeneration"]))
-        self.process(convs, n_regen, cfg.samples_per_prompt)
+        cfg, limit = self.cfg, self.cfg.regen.regenerate_limit
+        n_regen = 0 if not cfg.regenerate else len(convs) if limit is None else \
+            max(0, min(len(convs), limit - self.st["sent_to_regeneration"]))
+        self.process(convs, n_regen, cfg.regen.samples_per_prompt)
         self.st["sent_to_regeneration"] += n_regen
 
     def write_self_prompts(self, seen: int) -> None:
         """Magpie: after the dataset, the target writes the self-prompt conversations not yet done, in groups."""
-        cfg, st = self.cfg, self.st
-        while st["self_prompts_done"] < cfg.self_prompts:
+        r, st = self.cfg.regen, self.st
+        while st["self_prompts_done"] < r.self_prompts:
             start = st["self_prompts_done"]
-            n = min(self.group, cfg.self_prompts - start)
-            prompts = self.backend.self_prompts(start, n, cfg.self_prompt_temperature)
+            n = min(self.group, r.self_prompts - start)
+            prompts = self.backend.self_prompts(start, n, r.self_prompt_temperature)
             for p in prompts:
                 if isinstance(p, Skipped):
                     self.drop(p)
@@ -362,7 +287,7 @@ class _Preparation:
     def regenerate(self, todo: list[tuple[int, int, Conversation]], temperature: float | None) -> list:
         """The backend's results for (conversation, sample number j, sample) in order; with greedy_sample the first
         samples (j = 0) go in a greedy call of their own, the others at the run's temperature."""
-        if temperature is not None or not self.cfg.greedy_sample:
+        if temperature is not None or not self.cfg.regen.greedy_sample:
             return self.backend.regenerate([s for _, _, s in todo], temperature=temperature)
         results: list = [None] * len(todo)
         for greedy in (True, False):
@@ -465,7 +390,7 @@ def skipped_lines(path) -> list[str]:
 
 def format_counts(counts: dict) -> str:
     """One readable block for the CLI."""
-    lines = [f"read {counts['read']}  kept {counts['kept']} samples of {counts.get('conversations', counts['kept'])} "
+    lines = [f"read {counts['read']}  kept {counts['kept']} samples of {counts['conversations']} "
              f"conversations  held out {counts['heldout']}  truncated {counts['truncated']}",
              f"tokens {counts['tokens']}  trainable tokens {counts['trainable_tokens']}"]
     for name in ("skipped", "dropped"):

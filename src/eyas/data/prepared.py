@@ -7,8 +7,10 @@
                         (the run prints one summary line with the counts per reason).
     DIR/progress.json   while writing: the committed byte lengths of samples.jsonl and skipped.jsonl,
                         how many source records were consumed, the counts so far, and the config/target.
-    DIR/manifest.json   written last (kind "prepared"): schema, target fingerprint, counts,
+    DIR/manifest.json   written last (kind "prepared"): schema, version, target fingerprint, counts,
                         resolved config, size and sha256 of samples.jsonl.
+
+Both JSON files carry VERSION; a directory of another version is refused in one line (prepare it again).
 
 Crash safety: samples (and skip details) are appended, then flushed and fsynced, then progress.json
 is replaced atomically. A rerun truncates both files back to their committed lengths and continues
@@ -31,6 +33,9 @@ SAMPLES = "samples.jsonl"
 SKIPS = "skipped.jsonl"
 PROGRESS = "progress.json"
 KIND = "prepared"
+VERSION = 2
+"""The layout of manifest.json and progress.json (the resolved config's shape: PrepareConfig with its nested
+`regen`, and the counts)."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,14 @@ def decode_sample(line: bytes, where: str) -> Sample:
         raise EyasError(f"{where}: corrupt sample ({e})") from e
 
 
+def check_version(record: dict, path: Path) -> None:
+    """Refuse a manifest.json or progress.json of another VERSION (none recorded: version 1)."""
+    v = record.get("version", 1)
+    if v != VERSION:
+        raise EyasError(f"{path}: prepared-data version {v}, this eyas reads version {VERSION}; prepare the data "
+                        f"again (eyas prepare --overwrite, or eyas run --overwrite)")
+
+
 # --------------------------------------------------------------------------- writer
 
 class PreparedWriter:
@@ -98,6 +111,7 @@ class PreparedWriter:
                 p.unlink(missing_ok=True)
         if manifest.exists():
             m = read_manifest(self.dir, kind=KIND)
+            check_version(m, manifest)
             self._check_identity(m.get("identity", {}), "an existing prepared directory")
             self.complete, self.manifest = True, m
             return
@@ -107,9 +121,9 @@ class PreparedWriter:
                 p = json.loads(progress.read_text())
             except (ValueError, UnicodeDecodeError) as e:
                 raise EyasError(f"{progress}: unreadable ({e}); rerun with --overwrite") from e
+            check_version(p, progress)
             self._check_identity(p["identity"], "an interrupted prepare run")
-            committed, self.consumed, self.state = p["bytes"], p["consumed"], p["state"]
-            committed_log = p.get("log_bytes", 0)
+            committed, committed_log, self.consumed, self.state = p["bytes"], p["log_bytes"], p["consumed"], p["state"]
         # no progress file: killed before the first commit, nothing in samples.jsonl counts
         self._f = self._reopen(samples, committed)
         self._log = self._reopen(self.dir / SKIPS, committed_log)
@@ -151,15 +165,15 @@ class PreparedWriter:
                 os.fsync(f.fileno())
                 self._synced[f.name] = n
         self.consumed, self.state = consumed, state
-        rec = {"identity": self.identity, "bytes": self._bytes, "log_bytes": self._log_bytes, "consumed": consumed,
-               "state": state}
+        rec = {"version": VERSION, "identity": self.identity, "bytes": self._bytes, "log_bytes": self._log_bytes,
+               "consumed": consumed, "state": state}
         atomic_write_bytes(self.dir / PROGRESS, json.dumps(rec).encode())
 
     def finish(self, manifest: dict) -> dict:
         self.close()
         files = {name: {"bytes": (self.dir / name).stat().st_size, "sha256": sha256_file(self.dir / name)}
                  for name in (SAMPLES, SKIPS)}
-        manifest = {"kind": KIND, **manifest, "identity": self.identity, "files": files}
+        manifest = {"kind": KIND, "version": VERSION, **manifest, "identity": self.identity, "files": files}
         write_manifest(self.dir, manifest)
         (self.dir / PROGRESS).unlink(missing_ok=True)
         fsync_dir(self.dir)
@@ -182,6 +196,7 @@ class PreparedData:
         if (self.path / PROGRESS).exists() and not (self.path / MANIFEST).exists():
             raise EyasError(f"{self.path}: prepare did not finish (rerun the same prepare command to resume)")
         self.manifest = read_manifest(self.path, kind=KIND)
+        check_version(self.manifest, self.path / MANIFEST)
         if target is not None:
             check_same(self.manifest["target"], target.fingerprint, what="target", where=str(self.path))
         self._file = self.path / SAMPLES

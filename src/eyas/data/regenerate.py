@@ -31,6 +31,94 @@ from eyas.serving import Client, ServerError, TIMEOUT, retrying
 from eyas.target.runner import Runner
 
 
+@dataclass(frozen=True, kw_only=True)
+class RegenConfig:
+    """How `eyas prepare` generates text with the target: the regenerated replies (--regenerate) and the self-written
+    prompts (--self-prompts), locally or through a server (PrepareConfig.regen)."""
+
+    regenerate_limit: int | None = None
+    """With --regenerate: regenerate only the first N conversations sent to the target; the later ones keep
+    the dataset's replies (their labels still come from the target at training time), so a fixed generation
+    budget buys more distinct training text (None: regenerate all)."""
+    server: str | None = None
+    """OpenAI-compatible server URL for regeneration (None: generate locally)."""
+    model: str | None = None
+    """Model name on the server (None: the server's first model)."""
+    concurrency: int = 8
+    """Requests in flight to the server."""
+    timeout: float = 120.0
+    """Seconds per server request."""
+    retries: int = 3
+    """Retries per server request (exponential backoff)."""
+    regen_temperature: float = 0.0
+    """Temperature of regenerated replies: 0 greedy, > 0 sampled."""
+    samples_per_prompt: int = 1
+    """With --regenerate: N regenerated reply sets per conversation (ids `<id>#s1..#sN`, sampled at
+    regen_temperature > 0); every sample stays on its conversation's side of each split."""
+    greedy_sample: bool = False
+    """With samples_per_prompt > 1: the first reply set (`#s1`) is greedy and the others are sampled, so the data
+    hold the texts a greedy decoder meets beside the sampled variety (the trainer's eval scores `#s1` only)."""
+    self_prompts: int = 0
+    """Also write N Magpie-style conversations `magpie-<n>`: the user turn sampled by the target from the chat
+    template's user header (at self_prompt_temperature), the reply greedy. Local generation only."""
+    self_prompt_temperature: float = 1.0
+    """Temperature of the self-written user turns (> 0)."""
+    max_new_tokens: int = 512
+    """Longest regenerated reply."""
+    gen_batch: int | None = None
+    """Rows per local generation forward (default: batch_size). A larger batch_size with a smaller
+    gen_batch sorts more prompts by length before batching them, so less of each forward is padding."""
+    regen_compile: bool = False
+    """Local regeneration: torch.compile the decode step once for every batch and slot count (dynamic shapes),
+    so each CUDA-graphed step replays fused kernels instead of ~35 small ones per layer. Costs one compile up
+    front; like gen_batch it changes speed, not the data (up to bf16 rounding)."""
+    regen_fuse: bool = False
+    """Local regeneration: compile each decoder layer's norms, projections, RoPE and MLP (two functions shared by all
+    layers) around its eager attention, inside the same CUDA-graphed steps by lengths; one compile up front. Changes
+    speed, not the data (up to bf16 rounding); faster on CUDA (BENCHMARKS.md, the regeneration modes), where the gpu
+    recipe turns it on."""
+    regen_dtype: str | None = None
+    """Weights dtype of local regeneration: fp32, bf16 or fp16 (None: the target's). bf16 is faster on
+    CPUs with AVX512-BF16/AMX; the replies are then the bf16 target's, which is still the target's style."""
+    device: str = "cpu"
+    """Device of local generation: cpu or cuda (the target loads there; on cuda in bf16 unless --regen-dtype)."""
+    seed: int = 0
+    """Seed for sampled regeneration."""
+
+    def __post_init__(self):
+        if self.regen_temperature < 0:
+            raise EyasError(f"--regen-temperature must be >= 0, got {self.regen_temperature}")
+        if self.samples_per_prompt < 1:
+            raise EyasError(f"--samples-per-prompt must be >= 1, got {self.samples_per_prompt}")
+        if self.samples_per_prompt > 1 and self.regen_temperature == 0:
+            raise EyasError(f"--samples-per-prompt {self.samples_per_prompt} needs --regen-temperature > 0 "
+                            "(greedy samples would all be the same)")
+        if self.greedy_sample and self.samples_per_prompt < 2:
+            raise EyasError(f"--greedy-sample needs --samples-per-prompt >= 2 (one greedy reply set and a sampled "
+                            f"one), got {self.samples_per_prompt}")
+        if self.self_prompts < 0:
+            raise EyasError(f"--self-prompts must be >= 0, got {self.self_prompts}")
+        if self.self_prompts and self.server:
+            raise EyasError("--self-prompts needs local generation (it continues raw template text), not --server")
+        if self.self_prompt_temperature <= 0:
+            raise EyasError(f"--self-prompt-temperature must be > 0, got {self.self_prompt_temperature}")
+        if self.max_new_tokens < 1 or self.concurrency < 1 or self.retries < 0:
+            raise EyasError("--max-new-tokens and --concurrency must be >= 1, --retries >= 0")
+        if self.gen_batch is not None and self.gen_batch < 1:
+            raise EyasError(f"--gen-batch must be >= 1, got {self.gen_batch}")
+        if self.regen_fuse and self.regen_compile:
+            raise EyasError("--regen-fuse compiles the layers' pieces of eager steps, --regen-compile the whole step: "
+                            "use one or the other")
+        if self.regen_dtype not in (None, "fp32", "bf16", "fp16"):
+            raise EyasError(f"--regen-dtype {self.regen_dtype!r}: expected fp32, bf16 or fp16")
+        if self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise EyasError(f"--device {self.device!r}: expected cpu or cuda")
+        if self.timeout <= 0:
+            raise EyasError(f"--timeout must be > 0, got {self.timeout}")
+        if self.regenerate_limit is not None and self.regenerate_limit < 0:
+            raise EyasError(f"--regenerate-limit must be >= 0, got {self.regenerate_limit}")
+
+
 @dataclass
 class RegenStats:
     turns: int = 0              # replies generated
@@ -365,12 +453,14 @@ class _Rejected(Exception):
 
 
 def make_backend(cfg, target):
-    if cfg.server:
-        return ServerBackend(cfg.server, model=cfg.model, max_new_tokens=cfg.max_new_tokens,
-                             temperature=cfg.regen_temperature, seed=cfg.seed, concurrency=cfg.concurrency,
-                             timeout=cfg.timeout, retries=cfg.retries,
+    """The backend of a PrepareConfig `cfg`: a server's when cfg.regen.server is set, else the loaded target's."""
+    r = cfg.regen
+    if r.server:
+        return ServerBackend(r.server, model=r.model, max_new_tokens=r.max_new_tokens,
+                             temperature=r.regen_temperature, seed=r.seed, concurrency=r.concurrency,
+                             timeout=r.timeout, retries=r.retries,
                              specials=special_strings(target.tokenizer) if target is not None else ())
-    return LocalBackend(target, max_len=cfg.max_len, max_new_tokens=cfg.max_new_tokens,
-                        temperature=cfg.regen_temperature, seed=cfg.seed, batch_size=cfg.batch_size,
-                        dtype=cfg.regen_dtype, gen_batch=cfg.gen_batch, compile=cfg.regen_compile,
-                        fuse=cfg.regen_fuse)
+    return LocalBackend(target, max_len=cfg.max_len, max_new_tokens=r.max_new_tokens,
+                        temperature=r.regen_temperature, seed=r.seed, batch_size=cfg.batch_size,
+                        dtype=r.regen_dtype, gen_batch=r.gen_batch, compile=r.regen_compile,
+                        fuse=r.regen_fuse)

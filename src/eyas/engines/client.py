@@ -44,15 +44,12 @@ class EngineCaptureConfig:
     dtype: str = "bf16"      # store dtype (bf16 | fp8)
     commit_wait_s: float = 60.0  # how long to wait for the hook's idle flush to commit the last shard
     hook_wait_s: float = 10.0    # after the first reply, how long its dump (hook event, vLLM file) may take to show
-    dp_groups: int = 1       # SGLang DP groups: > 1 routes each sample to one (the probe reads it from the server)
 
     def __post_init__(self):
         if self.engine not in ("sglang", "vllm"):
             raise EyasError(f"engine {self.engine!r}: expected sglang or vllm")
-        if self.concurrency < 1 or self.retries < 0 or self.timeout_s <= 0 or self.hook_wait_s <= 0 \
-                or self.dp_groups < 1:
-            raise EyasError("concurrency >= 1, retries >= 0, timeout_s > 0, hook_wait_s > 0 and dp_groups >= 1 are "
-                            "required")
+        if self.concurrency < 1 or self.retries < 0 or self.timeout_s <= 0 or self.hook_wait_s <= 0:
+            raise EyasError("concurrency >= 1, retries >= 0, timeout_s > 0 and hook_wait_s > 0 are required")
         if self.engine == "vllm" and not self.vllm_dir:
             raise EyasError("vllm needs vllm_dir (the connector's shared_storage_path)")
         if self.engine == "vllm" and not self.target_config:
@@ -74,9 +71,10 @@ def request_body(engine: str, rid: str, ids: list[int], dp_groups: int = 1) -> t
     return path, body
 
 
-def send_all(cfg: EngineCaptureConfig, samples: dict, *, attempt: int, post=post_json) -> dict:
+def send_all(cfg: EngineCaptureConfig, samples: dict, *, attempt: int, post=post_json, dp_groups: int = 1) -> dict:
     """POST each sample once (with per-request retries on any failure, backing off from 0.1 s up to 5 s) ->
-    {id: response | error str}. post(url, body, timeout) -> JSON: serving.post_json, or a fake server (tests)."""
+    {id: response | error str}. post(url, body, timeout) -> JSON: serving.post_json, or a fake server (tests).
+    dp_groups: the SGLang server's DP groups (probe.dp_groups, read from the server), > 1 routes each sample to one."""
     if cfg.engine == "vllm":  # vLLM names its file after the request id: no id may point outside its directory
         for sid in samples:
             check_sample_id(sid, cfg.data)
@@ -84,7 +82,7 @@ def send_all(cfg: EngineCaptureConfig, samples: dict, *, attempt: int, post=post
     def one(sid):
         def request(k):
             rid = f"{sid}{ATTEMPT_SEP}{attempt * (cfg.retries + 1) + k}"
-            path, body = request_body(cfg.engine, rid, samples[sid], cfg.dp_groups)
+            path, body = request_body(cfg.engine, rid, samples[sid], dp_groups)
             return post(cfg.url.rstrip("/") + path, body, cfg.timeout_s)
         try:
             return sid, retrying(request, retries=cfg.retries, backoff=0.1, max_backoff=5.0)

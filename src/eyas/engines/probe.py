@@ -18,7 +18,6 @@ fix that.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from eyas.engines.client import EngineCaptureConfig, event_offsets, new_events, send_all
@@ -70,14 +69,13 @@ class Probe:
     def __init__(self, cfg: EngineCaptureConfig, out: Path, poll_s: float = 0.05, get=get_json):
         self.cfg, self.out, self.poll_s, self.get = cfg, Path(out), poll_s, get
         self.verified = self.flags_checked = False
+        self.groups = 1   # the server's DP groups, read from it before the first request (dp_groups)
         self.no_aux: list[str] = []
 
     def send(self, todo: dict, *, attempt: int, **kw) -> dict:
         """send_all(todo) -> {id: reply | error}, its first samples alone until the capture side is verified."""
         if not self.flags_checked:
-            groups = dp_groups(self.cfg.engine, refuse_overlap(self.cfg, self.get))
-            if groups > 1:
-                self.cfg = replace(self.cfg, dp_groups=groups)
+            self.groups = dp_groups(self.cfg.engine, refuse_overlap(self.cfg, self.get))
             self.flags_checked = True
         resp: dict = {}
         for sid in list(todo):
@@ -88,12 +86,12 @@ class Probe:
                 break                   # transport error: no verdict; the rest fail or succeed as they will
         rest = {k: v for k, v in todo.items() if k not in resp}
         if rest:
-            resp.update(send_all(self.cfg, rest, attempt=attempt, **kw))
+            resp.update(send_all(self.cfg, rest, attempt=attempt, dp_groups=self.groups, **kw))
         return resp
 
     def _one(self, sid: str, ids, attempt: int, kw) -> dict:
         before = event_offsets(self.out) if self.cfg.engine == "sglang" else set(self._vllm_files(sid))
-        r = send_all(self.cfg, {sid: ids}, attempt=attempt, **kw)
+        r = send_all(self.cfg, {sid: ids}, attempt=attempt, dp_groups=self.groups, **kw)
         if not isinstance(r[sid], str):
             if self.cfg.engine == "sglang":
                 self._check_hook(sid, before)

@@ -260,7 +260,7 @@ def export_drafter(drafter, out_dir: str | os.PathLike, *, meta: dict | None = N
     `meta["target"]` is the training target's fingerprint; when `target` (an eyas Target) is given,
     its fingerprint must match, and `target_ref` defaults to its name for the command lines. With
     `allow_target_mismatch` a differing one is accepted: the export then records the given target's fingerprint
-    (this converts a drafter with a version-1 fingerprint) and its README the warning.
+    (this converts a drafter whose fingerprint an older eyas recorded) and its README the warning.
     """
     from safetensors.torch import save
 

@@ -1,7 +1,8 @@
 """Recipes: TOML files whose tables map one-to-one onto the stage dataclasses of `eyas run`.
 
     [run]      RunKnobs (below): the device, the target's dtypes, capture or online training
-    [prepare]  eyas.data.prepare.PrepareConfig
+    [prepare]  eyas.data.prepare.PrepareConfig; its generation knobs (regen_temperature, max_new_tokens, ...: the
+               fields of eyas.data.regenerate.RegenConfig, PrepareConfig.regen) are keys of the table itself
     [capture]  eyas.capture.capture.CaptureConfig
     [train]    eyas.train.config.TrainConfig
     [[bench]]  eyas.bench.bench.BenchConfig, one table per benchmark; its decode knobs (method, k, top_k, ...:
@@ -105,8 +106,9 @@ OWNED: dict[str, dict[str, str]] = {
               "compile": "[run] device (on cuda)",
               "json_out": "the run directory", "dtype": "[run] bench_dtype", "trust_remote_code": _TRUST},
 }
-# The flat knob names of the presets before recipes (run.json files and commands written then): their homes.
-LEGACY: dict[str, tuple[str, str]] = {
+# Short --set names: each one's table and field (`--set regen_limit=100` is prepare.regenerate_limit). A field name
+# that only one table has works unqualified too (resolve_key).
+ALIASES: dict[str, tuple[str, str]] = {
     "device": ("run", "device"), "dtype": ("run", "dtype"), "bench_dtype": ("run", "bench_dtype"),
     "capture": ("run", "capture"), "online": ("run", "online"),
     "limit": ("prepare", "limit"), "max_len": ("prepare", "max_len"), "max_turns": ("prepare", "max_turns"),
@@ -218,10 +220,6 @@ def _convert(value, tp):
     elif tp is str and isinstance(value, str):
         return value
     raise TypeError(_type_name(tp))
-
-
-def _hints(cls) -> dict:
-    return typing.get_type_hints(cls)
 
 
 def _check_key(table: str, key: str, where: str) -> None:
@@ -384,8 +382,8 @@ def preset(name: str) -> Recipe:
 def resolve_key(key: str) -> tuple:
     """A --set key -> its place: (table, field), ("bench",) or ("bench", index, field).
 
-    TABLE.FIELD, bench.N.FIELD, the whole `bench` list, a pre-recipe flat knob name (LEGACY), or a field name that
-    only one table has."""
+    TABLE.FIELD, bench.N.FIELD, the whole `bench` list, a short name (ALIASES), or a field name that only one table
+    has."""
     parts = key.split(".")
     if parts == ["bench"]:
         return ("bench",)
@@ -396,8 +394,8 @@ def resolve_key(key: str) -> tuple:
         _check_key(parts[0], parts[1], f"--set {key}")
         return tuple(parts)
     if len(parts) == 1:
-        if key in LEGACY:
-            return LEGACY[key]
+        if key in ALIASES:
+            return ALIASES[key]
         homes = [t for t, cls in stage_classes().items() if t != "bench"
                  and key in knobs(cls) and key not in OWNED.get(t, {})]
         if len(homes) == 1:
@@ -406,7 +404,7 @@ def resolve_key(key: str) -> tuple:
             raise EyasError(f"--set {key}: ambiguous, say which table: " + ", ".join(f"{t}.{key}" for t in homes))
     known = [f"{t}.{k}" for t, cls in stage_classes().items() if t != "bench" for k in knobs(cls)
              if k not in OWNED.get(t, {})]
-    close = difflib.get_close_matches(key, known + list(LEGACY), n=1)
+    close = difflib.get_close_matches(key, known + list(ALIASES), n=1)
     raise EyasError(f"--set {key}: unknown key (expected TABLE.FIELD with TABLE one of {', '.join(TABLES[:-1])}, "
                     f"or bench.N.FIELD, or bench=[...]" + (f"; did you mean {close[0]}?)" if close else ")"))
 
@@ -437,12 +435,3 @@ def with_overrides(recipe: Recipe, overrides: dict) -> Recipe:
             tables[table][k] = _value(table, k, value, what)
     return from_tables(tables, name=recipe.name, where=f"recipe {recipe.name} with --set")
 
-
-def from_legacy_knobs(name: str, knobs: dict) -> Recipe:
-    """The recipe a run.json written before recipes describes: its preset with every flat knob applied.
-
-    Raises EyasError unless the knobs are exactly the pre-recipe set (an older eyas's run directory)."""
-    if set(knobs) != set(LEGACY) | {"bench"}:
-        diff = sorted(set(knobs) ^ (set(LEGACY) | {"bench"}))
-        raise EyasError(f"written by an older eyas (its knobs differ in {diff})")
-    return with_overrides(preset(name), knobs)

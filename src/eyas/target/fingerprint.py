@@ -14,13 +14,12 @@ A safetensors directory's weights are its weight map plus the bytes of its head 
 config and tokenizer in one file), so two fingerprints with the same GGUF hash are the same target whatever a
 transformers version converted the file to. Other weights are compared only when both sides hashed the same format.
 
-Fingerprints of older eyas versions still compare with a loaded target through `TargetFingerprint.legacy`, its
-hashes computed the old ways:
-- version 2 hashed the tokenizer's vocabulary with its bos/eos/unk *strings*. Those are what a converter makes of
-  the files: transformers 5.17.0 converts the SmolLM2 GGUF (eos_token_id 2) to a tokenizer whose eos is
-  '<|im_start|>' (id 1), 5.24.0 to one whose eos is '<|im_end|>' (id 2); the vocabularies are equal.
-- version 1 ({"identity", "config_sha256", "tokenizer_sha256"}) hashed config.to_dict() and the tokenizer with its
-  chat template (equal only under the same transformers version).
+The tokenizer is its vocabulary and the special ids the config declares, never the bos/eos *strings*: those are
+what a converter makes of the files (transformers 5.17.0 converts the SmolLM2 GGUF, eos_token_id 2, to a tokenizer
+whose eos is '<|im_start|>', id 1; 5.24.0 to one whose eos is '<|im_end|>'; the vocabularies are equal).
+
+A fingerprint of another version (an older eyas's: no "fingerprint" key is version 1) is not compared: `diffs`
+refuses it in one line that says to rerun the stage that wrote it.
 """
 
 from __future__ import annotations
@@ -42,22 +41,8 @@ CONFIG_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
                  "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 # The weights are hashed only up to this many bytes in all (once per file: cached by path, size and mtime).
 WEIGHTS_HASH_MAX_BYTES = 8 << 30
-_LEGACY_VOLATILE = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "quantization_config",
-                    "_attn_implementation_autoset", "architectures", "_commit_hash", "use_cache"}
-
-
-# The compared fields of each version (identity and weights aside).
-FIELDS = {1: ("config_sha256", "tokenizer_sha256"), 2: ("config", "tokenizer_sha256"),
-          3: ("config", "tokenizer_sha256", "special_tokens")}
-SAME_SINCE_2 = ("config",)   # fields computed the same way by every version from 2 on
-
-
-class TargetFingerprint(dict):
-    """A fingerprint dict (JSON as it is) that also carries the live target's fields as older versions computed
-    them in `.legacy` ({version: {field: value}}), so that manifests written by older eyas versions can still be
-    compared with it."""
-
-    legacy: dict[int, dict] | None = None
+FIELDS = ("config", "tokenizer_sha256", "special_tokens")
+"""The compared fields (identity and weights aside)."""
 
 
 def _sha256_json(obj) -> str:
@@ -157,15 +142,6 @@ def special_tokens(config, tokenizer) -> dict:
     return out
 
 
-def tokenizer_sha256_v2(tokenizer) -> str | None:
-    """The version-2 tokenizer hash: the vocabulary and the tokenizer's bos/eos/unk strings."""
-    if tokenizer is None:
-        return None
-    special = {k: getattr(tokenizer, f"{k}_token", None) for k in ("bos", "eos", "unk")}
-    return _sha256_json({"vocab": sorted(tokenizer.get_vocab().items()), "special": {k: str(v) if v else None
-                                                                                      for k, v in special.items()}})
-
-
 def cache_root() -> Path:
     return Path(os.environ.get("EYAS_CACHE", Path.home() / ".cache" / "eyas"))
 
@@ -231,7 +207,7 @@ def range_sha256(path: str | os.PathLike, start: int, end: int) -> str:
 HEAD_FORMAT = "safetensors-head"
 """The weights identity of a safetensors directory: its weight map plus the bytes of the head tensors only, so
 that a 600 GB checkpoint and its weightless copy (config, tokenizer, index, the head's shards) hash alike and
-fast. Manifests that recorded the older whole-file "safetensors" format are not compared on weights."""
+fast. A fingerprint whose weights were hashed in another format is not compared on weights (`diffs`)."""
 
 
 def head_identity(weight_map: dict[str, str], heads: dict[str, dict]) -> dict:
@@ -255,23 +231,10 @@ def weights_identity(files: list[Path], fmt: str) -> dict | None:
                                                     .encode()).hexdigest()}
 
 
-def legacy_hashes(config, tokenizer) -> dict:
-    """The version-1 {"config_sha256", "tokenizer_sha256"}: hashes of config.to_dict() and of the tokenizer's
-    vocab, chat template and special tokens, which change with the transformers version."""
-    conf = _sha256_json({k: v for k, v in config.to_dict().items() if k not in _LEGACY_VOLATILE})
-    tok = None
-    if tokenizer is not None:
-        tok = _sha256_json({"vocab": sorted(tokenizer.get_vocab().items()), "chat_template": tokenizer.chat_template,
-                            "special": sorted(map(str, tokenizer.all_special_tokens))})
-    return {"config_sha256": conf, "tokenizer_sha256": tok}
-
-
-def fingerprint(config, tokenizer, *, identity: str, weights: dict | None = None) -> TargetFingerprint:
-    fp = TargetFingerprint(fingerprint=VERSION, identity=identity, config=config_fields(config),
-                           tokenizer_sha256=tokenizer_sha256(tokenizer),
-                           special_tokens=special_tokens(config, tokenizer), weights=weights)
-    fp.legacy = {1: legacy_hashes(config, tokenizer), 2: {"tokenizer_sha256": tokenizer_sha256_v2(tokenizer)}}
-    return fp
+def fingerprint(config, tokenizer, *, identity: str, weights: dict | None = None) -> dict:
+    return {"fingerprint": VERSION, "identity": identity, "config": config_fields(config),
+            "tokenizer_sha256": tokenizer_sha256(tokenizer), "special_tokens": special_tokens(config, tokenizer),
+            "weights": weights}
 
 
 def version(fp: dict) -> int:
@@ -280,18 +243,6 @@ def version(fp: dict) -> int:
 
 def _short(v):
     return f"{v[:12]}..." if isinstance(v, str) and len(v) == 64 else v
-
-
-_UNKNOWN = object()
-
-
-def _at_version(fp: dict, v: int) -> dict:
-    """fp's compared fields as version v computes them: its own, or its live `.legacy` ones; _UNKNOWN where a
-    recorded (JSON) fingerprint of another version cannot say."""
-    if version(fp) == v:
-        return {k: fp.get(k) for k in FIELDS[v]}
-    legacy = (getattr(fp, "legacy", None) or {}).get(v, {})
-    return {k: legacy[k] if k in legacy else fp[k] if k in SAME_SINCE_2 and v >= 2 else _UNKNOWN for k in FIELDS[v]}
 
 
 def _field_diffs(a, b, name: str) -> list[str]:
@@ -309,29 +260,14 @@ def _same_gguf(a: dict, b: dict) -> bool:
 def diffs(expected: dict, actual: dict, prefix: str = "") -> list[str]:
     """What makes two target fingerprints differ, one line per field; [] for the same target. The name/path
     ("identity") never counts; the same GGUF file is the same target; other weights count only when both sides
-    hashed the same format. Fingerprints of two versions compare at the older one, through the live side's
-    `.legacy`; a version-1 one that differs (or cannot be compared) is refused saying how to convert it."""
+    hashed the same format. A fingerprint of another version than VERSION is one line that refuses it."""
+    old = [version(fp) for fp in (expected, actual) if version(fp) != VERSION]
+    if old:
+        return [f"{prefix}fingerprint version {old[0]} (recorded by an older eyas; this eyas compares version "
+                f"{VERSION}): rerun the stage that wrote it"]
     if _same_gguf(expected, actual):
         return []
-    ve, va = version(expected), version(actual)
-    v = min(ve, va)
-    fe, fa = _at_version(expected, v), _at_version(actual, v)
-    tag = f" (as fingerprint version {v} computes it)" if ve != va else ""
-    out, unknown = [], [k for k in FIELDS[v] if fe[k] is _UNKNOWN or fa[k] is _UNKNOWN]
-    for k in FIELDS[v]:
-        if k in unknown:
-            out.append(f"{prefix}{k}: a recorded version-{v} fingerprint cannot be compared with a recorded "
-                       f"version-{max(ve, va)} one")
-        elif k == "config":
-            out += _field_diffs(fe[k], fa[k], prefix + k)
-        else:
-            out += _field_diffs(fe[k], fa[k], prefix + k + tag)
-    if v == 1 and ve != va and out:
-        why = ("it cannot be compared with a recorded version-2+ fingerprint" if unknown else
-               "its " + " and ".join(k.split("_")[0] for k in FIELDS[1] if fe[k] != fa[k]) + " hash differs")
-        return [f"{prefix}fingerprint version 1 (recorded by an older eyas; its hashes change with the transformers "
-                f"version): {why}. If it is the same model, pass --allow-target-mismatch; to convert, re-export the "
-                f"drafter against this target with that flag, or rerun the stage that wrote it"]
+    out = [d for k in FIELDS for d in _field_diffs(expected.get(k), actual.get(k), prefix + k)]
     we, wa = expected.get("weights") or {}, actual.get("weights") or {}
     if we.get("format") == wa.get("format") and we.get("sha256") and wa.get("sha256") and we != wa:
         out.append(f"{prefix}weights.sha256 ({we['format']}): {_short(we['sha256'])!r} != {_short(wa['sha256'])!r}")

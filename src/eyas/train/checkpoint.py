@@ -23,6 +23,9 @@ from eyas.errors import EyasError
 from eyas.manifest import fsync_dir
 
 STEP_RE = re.compile(r"^step-(\d+)$")
+VERSION = 2
+"""The layout of a training run's manifest.json and checkpoints (their config identity: every TrainConfig field
+but RESUME_FREE); a --resume refuses a run of another version (train/setup.py refuse_run_dir)."""
 
 
 def checkpoint_dir(run_dir) -> Path:

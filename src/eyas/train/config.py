@@ -26,10 +26,6 @@ RESUME_FREE = ("resume", "progress", "checkpoint_every", "keep_checkpoints", "ta
                "eval_every", "allow_target_mismatch", "trust_remote_code", "feature_cache",
                "prefetch")
 
-# Fields added after runs were written, with their defaults: identity() omits them at the default.
-ADDED_LATER = {"norm_before_fc": False, "loss": "ce", "lk_eta": 3.0, "method": "eagle3", "block_size": None,
-               "dflash_layers": None, "mask_token_id": None, "anchors": 512, "block_gamma": None, "labels": "soft"}
-
 EAGLE_ONLY = {"ttt_steps": None, "draft_vocab": None, "decay": 0.8, "norm_before_fc": False, "loss": "ce",
               "init_from_target": False}
 """EAGLE-3 fields a DFlash run refuses when set (DFlash drafts the target's whole vocabulary with its own head)."""
@@ -260,7 +256,5 @@ class TrainConfig:
         return from_known(cls, d, "train config")
 
     def identity(self) -> dict:
-        """The fields a --resume must match (a field added later is left out at its default, so that a run written
-        before it resumes)."""
-        return {k: v for k, v in self.to_dict().items()
-                if k not in RESUME_FREE and not (k in ADDED_LATER and v == ADDED_LATER[k])}
+        """The fields a --resume must match."""
+        return {k: v for k, v in self.to_dict().items() if k not in RESUME_FREE}

@@ -44,6 +44,9 @@ def refuse_run_dir(cfg: TrainConfig, run: Path) -> None:
         if old.get("kind") != KIND:
             raise EyasError(f"{run}: holds a {old.get('kind')!r} directory, not a training run")
         if cfg.resume:
+            if (v := old.get("version", 1)) != ckpt.VERSION:
+                raise EyasError(f"{run / MANIFEST}: a training run of version {v} (an older eyas's), this eyas resumes "
+                                f"version {ckpt.VERSION}; train into another --out, or delete {run} to start again")
             check_same(old["config_identity"], cfg.identity(), what="training configuration", where=str(run))
         elif ckpt.list_checkpoints(run):
             raise EyasError(f"{run}: already holds a run with checkpoints; pass --resume or choose another --out")

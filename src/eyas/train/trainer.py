@@ -511,7 +511,8 @@ class Trainer:
 
     def _manifest(self, status: str) -> dict:
         cfg = self.cfg
-        return {"kind": KIND, "status": status, "config": cfg.to_dict(), "config_identity": cfg.identity(),
+        return {"kind": KIND, "version": ckpt.VERSION, "status": status, "config": cfg.to_dict(),
+                "config_identity": cfg.identity(),
                 "target": self.target.fingerprint, "source": self.ref, "drafter": self.dcfg.to_dict(),
                 "counts": {"train_samples": len(self.train_idx), "eval_samples": len(self.eval_idx)},
                 "world_size": self.world, "total_steps": self.total,
