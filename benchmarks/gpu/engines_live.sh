@@ -419,7 +419,8 @@ SETS=(sharegpt-heldout humaneval)
 CHAIN=${CHAIN:-5}                       # EAGLE-3's chain, served and benched alike (the README's and the report's)
 LIMIT=${LIMIT:-16} NEW=${NEW:-256}      # records per prompt set, new tokens per reply
 block_size() { python3 -c "import json,sys; c=json.load(open(sys.argv[1])); print(c.get('block_size') or c['dflash_config']['block_size'])" $DFLASH_DRAFTER/config.json; }
-want() { [[ " ${SERVE_CONFIGS:-plain dflash chain} " == *" $1 "* ]]; }   # the server configurations to run
+want() {  # the server configurations to run: SERVE_CONFIGS_SGLANG / SERVE_CONFIGS_VLLM, else SERVE_CONFIGS
+  local v=SERVE_CONFIGS_${e^^}; [[ " ${!v:-${SERVE_CONFIGS:-plain dflash chain}} " == *" $1 "* ]]; }
 
 server_cmd() {  # $1: plain | dflash | chain, $2: port -> the array CMD
   if [ $e = sglang ]; then
