@@ -308,8 +308,8 @@ def trainer_bench(T: int, K: int, steps: int, device: torch.device, *, rows: int
     warm = 3 if feature_cache == "off" else len(tr.plan(0))   # compile and warm up (and fill the cache)
     for _ in range(warm):
         tr.train_step(tr.next_batch())
-        if tr.pos == len(tr.plan(tr.epoch)):
-            tr.epoch, tr.pos = tr.epoch + 1, 0
+        if tr.loader.end_of_epoch:
+            tr.loader.next_epoch()
     t0, tok0, lengths = time.perf_counter(), tr.seen, []
     for i in range(steps):
         batch = tr.next_batch()
