@@ -41,7 +41,7 @@ from eyas.train.data import group, group_packed, nonfinite_flags, pack, split_in
 from eyas.train.dflash import BlockLossConfig, DFlashModule
 from eyas.train.feature_cache import online_features, plan as plan_feature_cache
 from eyas.train.loader import TrainLoader
-from eyas.train.metrics import MetricsSink, Sums, frequency_baseline, round_counts, truncate_metrics
+from eyas.train.metrics import FiniteWatch, MetricsSink, Sums, frequency_baseline, round_counts, truncate_metrics
 from eyas.train.prefetch import Prefetcher
 from eyas.train.setup import (KIND, build_vocab, check_init_config, check_init_kind, check_run_dir,
                               init_head_from_target, refuse_run_dir, run_drafter_config, schedule, write_vocab)
@@ -104,7 +104,8 @@ class Trainer:
         self.vocab, self.top_id, vocab_summary = build_vocab(cfg, self.source, self.train_idx, self.target.vocab_size,
                                                              init_vocab, announce=self.rank == 0)
         self._build_model(init_drafter)
-        self.packed = self._packed_rows()
+        # packed rows: (rows, row_len) of every micro-batch, a fixed shape
+        self.packed = (max(1, cfg.batch_tokens // cfg.max_len), cfg.max_len) if cfg.packs(self.device) else None
         self.loader = TrainLoader(self.train_idx, self.source.lengths, batch_tokens=cfg.batch_tokens, seed=cfg.seed,
                                   grad_accum=cfg.grad_accum, rank=self.rank, world=self.world, packed=self.packed)
         if not self.loader.plan(0):
@@ -117,12 +118,12 @@ class Trainer:
         self.amp = self._autocast()
         self.step = 0
         self.data_wait_s = 0.0   # seconds the loop waited for its training input (metrics.jsonl's data_wait_s)
-        self._watched: list[tuple[int, str, list[str], torch.Tensor]] = []   # NaN/Inf flags not yet read back
+        self.finite = FiniteWatch()
         # Offline, unpacked: each training sample's full-vocab target argmax, kept from its first pass, so later
         # epochs multiply only the draft vocabulary's rows of the target's head (the store's states never change).
         # Not with an LK loss: its alpha needs the target's full-vocab normaliser, so every pass multiplies it all.
-        self.target_ids: dict[int, torch.Tensor] | None = ({} if not (cfg.online or self.packed or cfg.method == "dflash")
-                                                           and cfg.loss == "ce" else None)
+        keeps = not (cfg.online or self.packed or cfg.method == "dflash") and cfg.loss == "ce"
+        self.target_ids: dict[int, torch.Tensor] | None = {} if keeps else None
         self.fcache = self._feature_cache()
         if self.rank == 0:  # everything above is checked: only now the run directory and its vocabulary
             check_run_dir(cfg, self.run)
@@ -213,11 +214,6 @@ class Trainer:
         self.embed_w = target.embed_tokens.weight.detach().to(self.device)
         self.lm_w = self.embed_w if target.tie_word_embeddings else target.lm_head.weight.detach().to(self.device)
 
-    def _packed_rows(self) -> tuple[int, int] | None:
-        """(rows, row_len) of every packed micro-batch, a fixed shape; None when micro-batches are not packed."""
-        cfg = self.cfg
-        return (max(1, cfg.batch_tokens // cfg.max_len), cfg.max_len) if cfg.packs(self.device) else None
-
     def _autocast(self):
         """The forward's autocast context: bf16 on CUDA and on CPUs with native bf16 unless the config says."""
         cfg = self.cfg
@@ -259,11 +255,6 @@ class Trainer:
         """The step within the epoch that runs next (loader.pos)."""
         return self.loader.pos
 
-    @property
-    def seen(self) -> int:
-        """Tokens (valid, all ranks) of the steps run: the x axis of the scaling curve."""
-        return self.loader.seen
-
     def plan(self, epoch: int) -> list[list[list[int]]]:
         """This rank's steps of `epoch`, each a list of grad_accum micro-batches (sample indices)."""
         return self.loader.plan(epoch)
@@ -275,8 +266,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         """What RUN/checkpoints/step-N/state.pt holds: the full drafter (export keys) and optimizer, the scheduler,
-        the step and the loader's data position, the config identity and the world size. Every rank calls it (FSDP2 gathers);
-        tensors may share storage with the live ones, so save or copy before the next step."""
+        the step, the loader's state (data position), the config identity and the world size. Every rank calls it
+        (FSDP2 gathers); tensors may share storage with the live ones, so save or copy before the next step."""
         m, o = dist.full_state_dict(self.module, self.optim, self.cfg.fsdp)
         return {"model": {k.removeprefix("drafter."): v for k, v in m.items()}, "optimizer": o,
                 "scheduler": self.sched.state_dict(), "step": self.step, "data": self.loader.state_dict(),
@@ -311,7 +302,7 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """RUN/checkpoints/step-N at the current step (atomic; every rank writes its RNG state)."""
-        self.check_finite()
+        self.finite.check()
         state = self.state_dict()
         ckpt.save_checkpoint(self.run, self.step, state if self.rank == 0 else None, rank=self.rank,
                              barrier=dist.barrier, keep=self.cfg.keep_checkpoints)
@@ -325,7 +316,7 @@ class Trainer:
         spent on them add to data_wait_s).
 
         With sync=False nothing is read back from the device (summary and norm are None), so the host can queue
-        the next step while this one runs; the NaN/Inf checks of such steps are read at the next check_finite()
+        the next step while this one runs; the NaN/Inf checks of such steps are read at the next finite.check()
         (every synced step, eval, checkpoint and the end), before anything is evaluated or saved."""
         cfg, model = self.cfg, self.model
         sums = Sums(self.K, self.device)
@@ -336,7 +327,7 @@ class Trainer:
                 h = self._host_batch(idx)
                 self.data_wait_s += time.perf_counter() - t0
             b, n_tok, n_loss = self._features(idx, host[a] if host is not None else h)
-            self._watch(step, "features", b.ids, nonfinite_flags(b))
+            self.finite.watch(step, "features", b.ids, nonfinite_flags(b))
             known = self._known_targets(idx, b.input_ids)
             with dist.sync_grads(model, last=a == len(batch) - 1):
                 with self.amp:
@@ -346,11 +337,12 @@ class Trainer:
                 if known is None and self.target_ids is not None:
                     for r, i in enumerate(idx):
                         self.target_ids[i] = o.target_ids[r, :self.source.lengths[i]].to(torch.int32)
-                self._watch(step, "loss", b.ids, ~torch.isfinite(o.loss.detach()))
+                self.finite.watch(step, "loss", b.ids, ~torch.isfinite(o.loss.detach()))
                 (o.loss / len(batch)).backward()
             sums.add(o, n_tok)
         gnorm = nn.utils.clip_grad_norm_(self.params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-        self._watch(step, "gradient norm", [self.source.ids[j] for idx in batch for j in idx], ~torch.isfinite(gnorm))
+        self.finite.watch(step, "gradient norm", [self.source.ids[j] for idx in batch for j in idx],
+                          ~torch.isfinite(gnorm))
         lr = self.sched.get_last_lr()[0]
         self.optim.step()
         self.sched.step()
@@ -359,7 +351,7 @@ class Trainer:
         self.step = step
         if not sync:
             return None, lr, None
-        self.check_finite()
+        self.finite.check()
         return sums.all_reduce().summary(), lr, float(gnorm)
 
     def _known_targets(self, idx: list[int], input_ids: torch.Tensor) -> torch.Tensor | None:
@@ -371,34 +363,10 @@ class Trainer:
             out[r, :self.source.lengths[i]] = self.target_ids[i]
         return out.to(input_ids.device)
 
-    def _watch(self, step: int, what: str, ids: list[str], flags: torch.Tensor) -> None:
-        if hasattr(flags, "full_tensor"):  # FSDP2's gradient norm is a DTensor
-            flags = flags.full_tensor()
-        self._watched.append((step, what, ids, flags.detach().reshape(-1)))
-
-    def check_finite(self) -> None:
-        """Read back the NaN/Inf flags of the steps since the last check (one host sync); raise for the first bad
-        one on any rank, naming its step and sample(s). Every rank calls it at the same steps."""
-        watched, self._watched = self._watched, []
-        if not watched:
-            return
-        bad = dist.max_over_ranks(torch.stack([f.any() for *_, f in watched]).float())     # (entries,)
-        if not bool(bad.any()):
-            return
-        j = int(bad.nonzero()[0])
-        step, what, ids, flags = watched[j]
-        local = flags.tolist()
-        if what == "features":
-            names = [ids[r] for r, x in enumerate(local) if x]
-        else:
-            names = list(ids) if any(local) else []
-        names = dist.gather_lists(names)
-        raise EyasError(f"step {step}: NaN/Inf in {what}, sample(s) {', '.join(map(repr, names)) or '(another rank)'}")
-
     def evaluate(self) -> dict:
         """Token-weighted TTT metrics, the mean alpha per step (whatever the loss) and the frequency baseline on the
         held-out split ({} when there is none)."""
-        self.check_finite()
+        self.finite.check()
         if not self.eval_idx:
             return {}
         cfg, rank, world, packed = self.cfg, self.rank, self.world, self.packed
@@ -490,8 +458,8 @@ class Trainer:
             rate = sink.step(n, summary and {"loss": f"{summary['loss']:.3f}", "acc0": f"{summary['acc_k'][0]:.3f}"})
             if logged:
                 train_summary = summary
-                sink.log({"step": step, "split": "train", "epoch": self.epoch, "tokens_seen": self.seen, "lr": lr,
-                          "grad_norm": gnorm, "tokens_per_s": rate, "data_wait_s": self.data_wait_s - waited,
+                sink.log({"step": step, "split": "train", "epoch": self.epoch, "tokens_seen": self.loader.seen,
+                          "lr": lr, "grad_norm": gnorm, "tokens_per_s": rate, "data_wait_s": self.data_wait_s - waited,
                           **train_summary})
                 waited = self.data_wait_s
             end_of_epoch = self.loader.end_of_epoch
@@ -499,28 +467,35 @@ class Trainer:
             # share of its training time), else each epoch's end
             due = step % cfg.eval_every == 0 if cfg.eval_every else end_of_epoch
             if due or step == self.total:
-                last_eval = self.evaluate()
-                if last_eval:
-                    sink.log({"step": step, "split": "eval", "epoch": self.epoch, "tokens_seen": self.seen,
-                              **last_eval})
-                    sink.note(f"eval @ step {step}: acc_0 {last_eval['acc_k'][0]:.3f} (frequency baseline "
-                              f"{last_eval.get('baseline_acc_0', float('nan')):.3f}), tau_est "
-                              f"{last_eval['tau_est']:.2f}, replayed {self.chain_name} tau "
-                              f"{last_eval.get('round_tau_by_chain', [float('nan')])[-1]:.2f} (first replies "
-                              f"{last_eval.get('round_tau_first_by_chain', [float('nan')])[-1]:.2f})"
-                              + (f", alpha_0 {last_eval['alpha_k'][0]:.3f}" if "alpha_k" in last_eval else ""))
+                last_eval = self._logged_eval(sink, step)
             if end_of_epoch:
                 self.loader.next_epoch()
             if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == self.total:
                 self.save_checkpoint()
         sink.close()
-        self.check_finite()
+        self.finite.check()
         if self.fcache is not None:  # its memory back for what runs next in this process (eyas run's bench)
             self.fcache.release()
-
-        # --- the final drafter
-        m, _ = dist.full_state_dict(self.module, None, cfg.fsdp)
         result = {"step": self.step, "train": train_summary, "eval": last_eval, "vocab_coverage": self.vocab.coverage}
+        self._write_drafter(result, first_step_s)
+        return result
+
+    def _logged_eval(self, sink: MetricsSink, step: int) -> dict:
+        """evaluate(), its record in the metrics and its line under the progress bar."""
+        ev = self.evaluate()
+        if ev:
+            sink.log({"step": step, "split": "eval", "epoch": self.epoch, "tokens_seen": self.loader.seen, **ev})
+            sink.note(f"eval @ step {step}: acc_0 {ev['acc_k'][0]:.3f} (frequency baseline "
+                      f"{ev.get('baseline_acc_0', float('nan')):.3f}), tau_est {ev['tau_est']:.2f}, replayed "
+                      f"{self.chain_name} tau {ev.get('round_tau_by_chain', [float('nan')])[-1]:.2f} (first replies "
+                      f"{ev.get('round_tau_first_by_chain', [float('nan')])[-1]:.2f})"
+                      + (f", alpha_0 {ev['alpha_k'][0]:.3f}" if "alpha_k" in ev else ""))
+        return ev
+
+    def _write_drafter(self, result: dict, first_step_s: float | None) -> None:
+        """RUN/drafter and the complete manifest with `result` (rank 0; every rank gathers the weights)."""
+        cfg = self.cfg
+        m, _ = dist.full_state_dict(self.module, None, cfg.fsdp)
         startup = {"setup_s": round(self.setup_s, 3),
                    "first_step_s": None if first_step_s is None else round(first_step_s, 3)}
         if self.rank == 0:
@@ -529,7 +504,6 @@ class Trainer:
             save_drafter(final, self.run / "drafter", meta={"target": self.target.fingerprint})
             write_manifest(self.run, {**self._manifest("complete"), "result": result, "startup": startup})
         dist.barrier()
-        return result
 
     def _manifest(self, status: str) -> dict:
         cfg = self.cfg
