@@ -13,7 +13,6 @@ import json
 import random
 import sys
 import time
-import weakref
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -226,9 +225,6 @@ def tau_interval(per_record: list[list[int]], reps: int = 2000, seed: int = 0) -
     return [round(taus[int(0.025 * reps)], 4), round(taus[int(0.975 * reps) - 1], 4)]
 
 
-_RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target model -> {key: Runner}
-
-
 def run_bench(cfg: BenchConfig, *, target=None, drafter=None, drafter_meta: dict | None = None,
               records: list[dict] | None = None, out=None, warm_only: bool = False) -> dict:
     """Run the benchmark; return (and optionally write) the report dict.
@@ -278,55 +274,21 @@ def write_report(report: dict, json_out: str | None, out) -> None:
 
 def _run(cfg, target, drafter, drafter_meta, records, out, warm_only=False) -> dict:
     clock = time.perf_counter()
-    if target is None:
-        dt = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
-        target = eyas.target.load_target(cfg.target, device=cfg.device, dtype=dt,
-                                         trust_remote_code=cfg.trust_remote_code)
+    cfg, target, drafter, meta = _open(cfg, target, drafter, drafter_meta, out)
     tok = target.tokenizer
-    if tok is None:
-        raise EyasError(f"target {cfg.target!r} has no tokenizer; bench needs one to apply the chat template")
-    meta = dict(drafter_meta or {})
-    opened = drafter is None and cfg.drafter is not None
-    if opened:
-        drafter, meta = open_drafter(cfg.drafter, target)  # checks the recorded target
-    if drafter is not None:
-        if meta.get("target") and not opened:  # a drafter passed in: refuse one trained for another target
-            check_same(meta["target"], target.fingerprint, what="drafter's target", where=meta.get("source", "drafter"))
-        if tuple(drafter.config.aux_layer_ids) != tuple(target.aux_layer_ids) and meta.get("target") is None:
-            print(f"note: drafter aux layers {list(drafter.config.aux_layer_ids)} differ from the target default "
-                  f"{list(target.aux_layer_ids)}; using the drafter's", file=out)
-        cfg = for_drafter(cfg, drafter, out)
     skipped = {"too_long": 0, "too_short": 0}
     if records is None:
         records, _ = load_bench_prompts(cfg, tok, skipped)
     if not records:
         raise EyasError(f"{cfg.prompts}: empty prompt set")
-    # One runner per target and shape for the whole process: a fresh runner per benchmark would compile
-    # (and capture CUDA graphs) again each time.
-    runners = _RUNNERS.setdefault(target.model, {})
-    key = (cfg.max_seq, str(target.device), cfg.compile, cfg.persist_steps)
-    runner = runners.get(key)
-    if runner is None:
-        runner = Runner.from_hf(target.model, max_batch=1, max_seq=cfg.max_seq, device=target.device,
-                                compile=cfg.compile, persist=Path(cache_root()) / "steps" if cfg.persist_steps else None)
-        if isinstance(runner, Runner):  # not the generic HFRunner: it holds the model, the map's weak key, for good
-            runners[key] = runner
-    eos = target.eos_token_ids
-    room = prompt_room(cfg)
+    runner = target_runner(cfg, target)
+    eos, room = target.eos_token_ids, prompt_room(cfg)
     methods = _methods(cfg, runner, drafter, eos)
     seconds = {"load": time.perf_counter() - clock}
     before, saved = runner.graph_count, saved_steps(runner)
 
-    # Warm-up, not timed: compile and capture every shape of the timed loop, then decode a few rounds of the
-    # first prompt per method (paths the shape set does not name, e.g. a drafter's chain graph); a few rounds
-    # reach every path, a whole reply would only add decoding time outside the clock (`late_shapes` checks the
-    # runner's shapes; the drafters' graphs are all captured in their first round or by `_warm_up`).
     clock = time.perf_counter()
-    shapes = _warm_up(cfg, runner, methods, drafter)
-    first = prompt_ids(tok, first_messages(records[0]), room)[0]
-    for m in methods:
-        m.decode(first, cfg.seed, min(cfg.max_new_tokens, 4 * (cfg.spec.max_depth + 1) + 8))
-    _sync(runner.device)
+    shapes = _warm_up(cfg, runner, methods, drafter, prompt_ids(tok, first_messages(records[0]), room)[0])
     seconds["warmup"] = time.perf_counter() - clock
     # built: runner shapes this bench's warm-up added (0 when an earlier bench or warm-up of this process built them)
     warm = {"shapes": shapes, "built": shapes - before}
@@ -354,24 +316,73 @@ def _run(cfg, target, drafter, drafter_meta, records, out, warm_only=False) -> d
               "methods": {m.name: m.report() for m in methods},
               "warmup": {**warm, "late_shapes": late, **_saved_delta(cfg, runner, saved)}}
     tau_by_kind(report, records)
-    by = {m.name: m for m in methods}
-    plain = by.get("plain")
+    _speedups(report, methods)
+    clock = time.perf_counter()
+    if cfg.spec.temperature == 0:
+        report.update(_lossless(cfg, target, runner, drafter, methods, records, room, report["dtype"]))
+    seconds["lossless_check"] = time.perf_counter() - clock
+    report["seconds"] = {k: round(v, 3) for k, v in seconds.items()}
+    return report
+
+
+def _open(cfg, target, drafter, drafter_meta, out) -> tuple[BenchConfig, object, object, dict]:
+    """(the config the drafter runs, the target, the drafter, its metadata): the target loaded unless given, and
+    the drafter opened from cfg.drafter unless given, each refused when it was trained for another target."""
+    if target is None:
+        dt = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
+        target = eyas.target.load_target(cfg.target, device=cfg.device, dtype=dt,
+                                         trust_remote_code=cfg.trust_remote_code)
+    if target.tokenizer is None:
+        raise EyasError(f"target {cfg.target!r} has no tokenizer; bench needs one to apply the chat template")
+    meta = dict(drafter_meta or {})
+    opened = drafter is None and cfg.drafter is not None
+    if opened:
+        drafter, meta = open_drafter(cfg.drafter, target)  # checks the recorded target
+    if drafter is not None:
+        if meta.get("target") and not opened:  # a drafter passed in: refuse one trained for another target
+            check_same(meta["target"], target.fingerprint, what="drafter's target", where=meta.get("source", "drafter"))
+        if tuple(drafter.config.aux_layer_ids) != tuple(target.aux_layer_ids) and meta.get("target") is None:
+            print(f"note: drafter aux layers {list(drafter.config.aux_layer_ids)} differ from the target default "
+                  f"{list(target.aux_layer_ids)}; using the drafter's", file=out)
+        cfg = for_drafter(cfg, drafter, out)
+    return cfg, target, drafter, meta
+
+
+def target_runner(cfg: BenchConfig, target) -> Runner:
+    """The runner of cfg's shape on the target: one per target and shape, kept in target.runners, so a later bench
+    of the same target (eyas run's benches, a warm-up's bench) does not compile and capture its graphs again."""
+    key = (cfg.max_seq, str(target.device), cfg.compile, cfg.persist_steps)
+    runner = target.runners.get(key)
+    if runner is None:
+        runner = Runner.from_hf(target.model, max_batch=1, max_seq=cfg.max_seq, device=target.device,
+                                compile=cfg.compile, persist=Path(cache_root()) / "steps" if cfg.persist_steps else None)
+        if isinstance(runner, Runner):  # the generic HFRunner compiles and captures nothing: made anew each time
+            target.runners[key] = runner
+    return runner
+
+
+def _speedups(report: dict, methods: list[Method]) -> None:
+    """Each method's speedup in the report: its tokens/s over plain decoding's (none without plain)."""
+    plain = next((m for m in methods if m.name == "plain"), None)
     for m in methods:
         if plain is not None and m is not plain and plain.seconds and m.seconds:
             report["methods"][m.name]["speedup"] = round(
                 (m.stats.tokens / m.seconds) / (plain.stats.tokens / plain.seconds), 3)
-    clock = time.perf_counter()
-    if cfg.spec.temperature == 0:
-        spec = {m.name: m.outputs for m in methods if m is not plain}
-        if plain is not None:
-            report["agreement"] = {n: {"dtype": report["dtype"], **agreement(o, plain.outputs)} for n, o in spec.items()}
-        if plain is not None and runner.dtype == torch.float32:  # the bench itself is the exact check
-            report["lossless"] = lossless_verdict(spec, plain.outputs, dtype=runner.dtype, rerun=False)
-        elif cfg.lossless_turns and spec:
-            report["lossless"] = _fp32_rerun(cfg, target, runner, drafter, records, tok, room, eos, set(spec))
-    seconds["lossless_check"] = time.perf_counter() - clock
-    report["seconds"] = {k: round(v, 3) for k, v in seconds.items()}
-    return report
+
+
+def _lossless(cfg, target, runner, drafter, methods, records, room, dtype: str) -> dict:
+    """A greedy bench's checks against plain greedy: "agreement" in the bench's dtype, and "lossless": the bench
+    itself in fp32, else an fp32 rerun of the first cfg.lossless_turns turns ({} for what does not apply)."""
+    plain = next((m for m in methods if m.name == "plain"), None)
+    spec = {m.name: m.outputs for m in methods if m is not plain}
+    out = {}
+    if plain is not None:
+        out["agreement"] = {n: {"dtype": dtype, **agreement(o, plain.outputs)} for n, o in spec.items()}
+    if plain is not None and runner.dtype == torch.float32:  # the bench itself is the exact check
+        out["lossless"] = lossless_verdict(spec, plain.outputs, dtype=runner.dtype, rerun=False)
+    elif cfg.lossless_turns and spec:
+        out["lossless"] = _fp32_rerun(cfg, target, runner, drafter, records, room, set(spec))
+    return out
 
 
 def _saved_delta(cfg, runner, before: dict) -> dict:
@@ -403,7 +414,20 @@ def _methods(cfg, runner, drafter, eos, *, baselines=None) -> list[Method]:
     return methods
 
 
-def _warm_up(cfg, runner, methods, drafter) -> int:
+def _warm_up(cfg, runner, methods, drafter, first: list[int]) -> int:
+    """Warm-up, not timed: compile and capture every shape of the timed loop (the fixed shape set of this bench's
+    methods, see startup.py), then decode a few rounds of the prompt `first` per method (paths the shape set does
+    not name, e.g. a drafter's chain graph); a few rounds reach every path, a whole reply would only add decoding
+    time outside the clock (`late_shapes` checks the runner's shapes; the drafters' graphs are all captured in
+    their first round or here). Returns the runner's shapes after the shape set."""
+    shapes = _warm_shapes(cfg, runner, methods, drafter)
+    for m in methods:
+        m.decode(first, cfg.seed, min(cfg.max_new_tokens, 4 * (cfg.spec.max_depth + 1) + 8))
+    _sync(runner.device)
+    return shapes
+
+
+def _warm_shapes(cfg, runner, methods, drafter) -> int:
     """Compile and capture the fixed shape set of this bench's methods (see startup.py)."""
     steps, drafters, c = [], [], cfg.spec
     for m in methods:
@@ -459,15 +483,14 @@ def _decode_all(methods, records, tok, room, cfg, device) -> int:
     return truncated
 
 
-def _fp32_rerun(cfg, target, runner, drafter, records, tok, room, eos, benched) -> dict:
+def _fp32_rerun(cfg, target, runner, drafter, records, room, benched) -> dict:
     """The exact lossless check: the first cfg.lossless_turns turns again in fp32 (same weights, upcast),
     plain greedy and every speculative method; each must reproduce plain greedy token for token."""
-    r32 = fp32_runner(runner, target.model, _RUNNERS.setdefault(target.model, {}),
-                      (cfg.max_seq, str(runner.device), "fp32-check"))
+    r32 = fp32_runner(runner, target.model, target.runners, (cfg.max_seq, str(runner.device), "fp32-check"))
     with exact_fp32():
-        methods = [m for m in _methods(cfg, r32, fp32_drafter(drafter), eos, baselines=True)
+        methods = [m for m in _methods(cfg, r32, fp32_drafter(drafter), target.eos_token_ids, baselines=True)
                    if m.name == "plain" or m.name in benched]
-        _decode_all(methods, first_turns(records, cfg.lossless_turns), tok, room, cfg, r32.device)
+        _decode_all(methods, first_turns(records, cfg.lossless_turns), target.tokenizer, room, cfg, r32.device)
     plain = methods[0]
     return lossless_verdict({m.name: m.outputs for m in methods[1:]}, plain.outputs, dtype=r32.dtype, rerun=True)
 
