@@ -28,8 +28,9 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eyas.bench.bench import BenchConfig, Method, prompt_room, write_report
+from eyas.bench.bench import BenchConfig, Method, prompt_room
 from eyas.bench.check import agreement, common_prefix
+from eyas.bench.output import write_report
 from eyas.bench.prompts import load_bench_prompts, prompt_ids, prompt_summary, tau_by_kind
 from eyas.errors import EyasError
 from eyas.serving import Client, ENGINES, SERVER_INFO, greedy_request, reply_ids
