@@ -86,5 +86,4 @@ class TrainLoader:
         return {"epoch": self.epoch, "position": self.pos, "tokens_seen": self.seen}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.pos = state["epoch"], state["position"]
-        self.seen = state.get("tokens_seen", 0)
+        self.epoch, self.pos, self.seen = state["epoch"], state["position"], state["tokens_seen"]
