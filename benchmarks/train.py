@@ -308,16 +308,16 @@ def trainer_bench(T: int, K: int, steps: int, device: torch.device, *, rows: int
     warm = 3 if feature_cache == "off" else len(tr.plan(0))   # compile and warm up (and fill the cache)
     for _ in range(warm):
         tr.train_step(tr.next_batch())
-        if tr.pos == len(tr.plan(tr.epoch)):
-            tr.epoch, tr.pos = tr.epoch + 1, 0
-    t0, tok0, lengths = time.perf_counter(), tr.seen, []
+        if tr.loader.end_of_epoch:
+            tr.loader.next_epoch()
+    t0, tok0, lengths = time.perf_counter(), tr.loader.seen, []
     for i in range(steps):
         batch = tr.next_batch()
         lengths += [tr.source.lengths[j] for idx in batch for j in idx]
         tr.train_step(batch, sync=(i + 1) % log_every == 0 or i == steps - 1)
     sync(device)
     dt = (time.perf_counter() - t0) / steps
-    tokens = (tr.seen - tok0) / steps
+    tokens = (tr.loader.seen - tok0) / steps
     target_params = sum(p.numel() for p in target.model.parameters()) if feature_cache == "off" else 0
     flops = (sum(useful_flops(tr.dcfg, n, K) for n in lengths) + 2 * target_params * sum(lengths)) / steps
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")

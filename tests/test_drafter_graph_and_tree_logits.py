@@ -112,7 +112,7 @@ def test_graphed_chain_logits_equal_eager_cuda():
 def forced_logits(drafting, drafter, embed, path):
     """Naive reference: (Vd,) draft logits after feeding the target ids `path` one at a time from the
     committed state, each step attending the whole cache (committed entries + its own ancestors)."""
-    hidden, k, v, n = drafting.last, drafting.k, drafting.v, drafting.n
+    hidden, k, v, n = drafting.last, drafting.keys, drafting.values, drafting.n
     for step, tok in enumerate(path):
         mask = torch.ones(1, 1, k.shape[2] + 1, dtype=torch.bool)
         hidden, (k, v) = drafter.layer(hidden, embed(torch.tensor([[tok]])), torch.tensor([[n + step]]), mask, (k, v))

@@ -152,7 +152,7 @@ def test_bonus_from_the_wrong_position_breaks_losslessness(setup, wrong, monkeyp
 def last_entry_off_by(shift):
     def commit(self, aux, tokens, acc):
         out = self._write(aux, tokens[None])  # (1,K+1,h)
-        self.last.copy_(out.index_select(1, (acc + shift).clamp(0, self.K)))
+        self.last.copy_(out.index_select(1, (acc + shift).clamp(0, self.chain_len)))
         self.n.add_(acc[0] + 1)
     return commit
 

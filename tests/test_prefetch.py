@@ -200,7 +200,7 @@ def _rank_worker(rank, world, port, kw, out):
             return real(idx)
         tr._host_batch = host_batch
         tr.train()
-        plan = [idx for batch in tr._upcoming(0, 0, tr.total) for idx in batch[1]]
+        plan = [idx for batch in tr.loader.upcoming(0, 0, tr.total) for idx in batch[1]]
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump({"made": made, "plan": plan}, f)
         dist.teardown(tr.dist)

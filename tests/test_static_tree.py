@@ -330,7 +330,7 @@ def test_cuda_graphed_static_tree_equals_cpu(setup, setting, compile):
     dec = SpecDecoder(gpu, copy.deepcopy(drafters[name]), cfg, compile_drafter=compile)  # fast: the CUDA default
     assert isinstance(dec.drafting, DraftCache) and dec.drafting.tree == (cfg.top_k, cfg.depth, cfg.total_tokens)
     outs, acc, trees = decode(dec, prompts, eos)
-    assert ("tree",) in dec.drafting.graph_keys and dec.drafting.k.is_cuda
+    assert ("tree",) in dec.drafting.graph_keys and dec.drafting.keys.is_cuda
     assert outs == ref == outs_cpu
     assert acc == acc_cpu
     assert_same_trees(trees, trees_cpu)

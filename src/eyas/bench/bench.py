@@ -9,11 +9,9 @@ outputs must equal the plain greedy outputs (the lossless check).
 
 from __future__ import annotations
 
-import json
 import random
 import sys
 import time
-import weakref
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -22,13 +20,14 @@ import torch
 import eyas.target  # load_target looked up at call time: tests patch it
 from eyas.bench.check import (DTYPE_NAMES, agreement, exact_fp32, first_turns, fp32_drafter, fp32_runner,
                               lossless_verdict)
+from eyas.bench.output import write_report
 from eyas.bench.prompts import first_messages, load_bench_prompts, prompt_ids, prompt_summary, tau_by_kind
 from eyas.bench.startup import compile_cache, saved_steps, tree_nodes, verify_shapes, warm_up
 from eyas.data.longprompts import LONG_TOKENS, is_long_set
 from eyas.decode.dflash import block_drafts, check_spec, is_dflash
 from eyas.decode.spec import SpecConfig, SpecDecoder, SpecStats
 from eyas.errors import EyasError
-from eyas.manifest import atomic_write_bytes, check_same
+from eyas.manifest import check_same
 from eyas.model.checkpoint import open_drafter  # shared with `eyas export`, `train --init` and `eyas run`
 from eyas.target.fingerprint import cache_root
 from eyas.target.runner import Runner
@@ -226,9 +225,6 @@ def tau_interval(per_record: list[list[int]], reps: int = 2000, seed: int = 0) -
     return [round(taus[int(0.025 * reps)], 4), round(taus[int(0.975 * reps) - 1], 4)]
 
 
-_RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target model -> {key: Runner}
-
-
 def run_bench(cfg: BenchConfig, *, target=None, drafter=None, drafter_meta: dict | None = None,
               records: list[dict] | None = None, out=None, warm_only: bool = False) -> dict:
     """Run the benchmark; return (and optionally write) the report dict.
@@ -249,84 +245,23 @@ def run_bench(cfg: BenchConfig, *, target=None, drafter=None, drafter_meta: dict
     return report
 
 
-def divergence_line(name: str, div: list[dict]) -> str:
-    """One line on where `name`'s replies first left plain's: the plain side's logprob margins there."""
-    margins = [d["margin"] for d in div if d["margin"] is not None]
-    ended = sum(d["plain"] is None or d["spec"] is None for d in div)
-    outside = len(div) - len(margins) - ended
-    line = f"{name} first differing tokens: {len(div)} turn(s)"
-    if margins:
-        line += (f"; plain's logprob margin over the drafted token: max {max(margins):.3f}, median "
-                 f"{sorted(margins)[len(margins) // 2]:.3f} nats")
-    if ended:
-        line += f"; {ended} where one reply ended"
-    if outside:
-        line += f"; {outside} drafted token(s) outside plain's top candidates"
-    return line
-
-
-def write_report(report: dict, json_out: str | None, out) -> None:
-    """Print the report's table to `out`; with json_out, write the report there and its acceptance plot beside it
-    (the plot's path is added to `report` after the file is written)."""
-    print(format_table(report), file=out)
-    if json_out:
-        path = Path(json_out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(path, (json.dumps(report, indent=2) + "\n").encode())
-        report["plot"] = plot_acceptance(report, path.with_suffix(".png"))
-
-
 def _run(cfg, target, drafter, drafter_meta, records, out, warm_only=False) -> dict:
     clock = time.perf_counter()
-    if target is None:
-        dt = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
-        target = eyas.target.load_target(cfg.target, device=cfg.device, dtype=dt,
-                                         trust_remote_code=cfg.trust_remote_code)
+    cfg, target, drafter, meta = _open(cfg, target, drafter, drafter_meta, out)
     tok = target.tokenizer
-    if tok is None:
-        raise EyasError(f"target {cfg.target!r} has no tokenizer; bench needs one to apply the chat template")
-    meta = dict(drafter_meta or {})
-    opened = drafter is None and cfg.drafter is not None
-    if opened:
-        drafter, meta = open_drafter(cfg.drafter, target)  # checks the recorded target
-    if drafter is not None:
-        if meta.get("target") and not opened:  # a drafter passed in: refuse one trained for another target
-            check_same(meta["target"], target.fingerprint, what="drafter's target", where=meta.get("source", "drafter"))
-        if tuple(drafter.config.aux_layer_ids) != tuple(target.aux_layer_ids) and meta.get("target") is None:
-            print(f"note: drafter aux layers {list(drafter.config.aux_layer_ids)} differ from the target default "
-                  f"{list(target.aux_layer_ids)}; using the drafter's", file=out)
-        cfg = for_drafter(cfg, drafter, out)
     skipped = {"too_long": 0, "too_short": 0}
     if records is None:
         records, _ = load_bench_prompts(cfg, tok, skipped)
     if not records:
         raise EyasError(f"{cfg.prompts}: empty prompt set")
-    # One runner per target and shape for the whole process: a fresh runner per benchmark would compile
-    # (and capture CUDA graphs) again each time.
-    runners = _RUNNERS.setdefault(target.model, {})
-    key = (cfg.max_seq, str(target.device), cfg.compile, cfg.persist_steps)
-    runner = runners.get(key)
-    if runner is None:
-        runner = Runner.from_hf(target.model, max_batch=1, max_seq=cfg.max_seq, device=target.device,
-                                compile=cfg.compile, persist=Path(cache_root()) / "steps" if cfg.persist_steps else None)
-        if isinstance(runner, Runner):  # not the generic HFRunner: it holds the model, the map's weak key, for good
-            runners[key] = runner
-    eos = target.eos_token_ids
-    room = prompt_room(cfg)
+    runner = target_runner(cfg, target)
+    eos, room = target.eos_token_ids, prompt_room(cfg)
     methods = _methods(cfg, runner, drafter, eos)
     seconds = {"load": time.perf_counter() - clock}
     before, saved = runner.graph_count, saved_steps(runner)
 
-    # Warm-up, not timed: compile and capture every shape of the timed loop, then decode a few rounds of the
-    # first prompt per method (paths the shape set does not name, e.g. a drafter's chain graph); a few rounds
-    # reach every path, a whole reply would only add decoding time outside the clock (`late_shapes` checks the
-    # runner's shapes; the drafters' graphs are all captured in their first round or by `_warm_up`).
     clock = time.perf_counter()
-    shapes = _warm_up(cfg, runner, methods, drafter)
-    first = prompt_ids(tok, first_messages(records[0]), room)[0]
-    for m in methods:
-        m.decode(first, cfg.seed, min(cfg.max_new_tokens, 4 * (cfg.spec.max_depth + 1) + 8))
-    _sync(runner.device)
+    shapes = _warm_up(cfg, runner, methods, drafter, prompt_ids(tok, first_messages(records[0]), room)[0])
     seconds["warmup"] = time.perf_counter() - clock
     # built: runner shapes this bench's warm-up added (0 when an earlier bench or warm-up of this process built them)
     warm = {"shapes": shapes, "built": shapes - before}
@@ -354,24 +289,73 @@ def _run(cfg, target, drafter, drafter_meta, records, out, warm_only=False) -> d
               "methods": {m.name: m.report() for m in methods},
               "warmup": {**warm, "late_shapes": late, **_saved_delta(cfg, runner, saved)}}
     tau_by_kind(report, records)
-    by = {m.name: m for m in methods}
-    plain = by.get("plain")
+    _speedups(report, methods)
+    clock = time.perf_counter()
+    if cfg.spec.temperature == 0:
+        report.update(_lossless(cfg, target, runner, drafter, methods, records, room, report["dtype"]))
+    seconds["lossless_check"] = time.perf_counter() - clock
+    report["seconds"] = {k: round(v, 3) for k, v in seconds.items()}
+    return report
+
+
+def _open(cfg, target, drafter, drafter_meta, out) -> tuple[BenchConfig, object, object, dict]:
+    """(the config the drafter runs, the target, the drafter, its metadata): the target loaded unless given, and
+    the drafter opened from cfg.drafter unless given, each refused when it was trained for another target."""
+    if target is None:
+        dt = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
+        target = eyas.target.load_target(cfg.target, device=cfg.device, dtype=dt,
+                                         trust_remote_code=cfg.trust_remote_code)
+    if target.tokenizer is None:
+        raise EyasError(f"target {cfg.target!r} has no tokenizer; bench needs one to apply the chat template")
+    meta = dict(drafter_meta or {})
+    opened = drafter is None and cfg.drafter is not None
+    if opened:
+        drafter, meta = open_drafter(cfg.drafter, target)  # checks the recorded target
+    if drafter is not None:
+        if meta.get("target") and not opened:  # a drafter passed in: refuse one trained for another target
+            check_same(meta["target"], target.fingerprint, what="drafter's target", where=meta.get("source", "drafter"))
+        if tuple(drafter.config.aux_layer_ids) != tuple(target.aux_layer_ids) and meta.get("target") is None:
+            print(f"note: drafter aux layers {list(drafter.config.aux_layer_ids)} differ from the target default "
+                  f"{list(target.aux_layer_ids)}; using the drafter's", file=out)
+        cfg = for_drafter(cfg, drafter, out)
+    return cfg, target, drafter, meta
+
+
+def target_runner(cfg: BenchConfig, target) -> Runner:
+    """The runner of cfg's shape on the target: one per target and shape, kept in target.runners, so a later bench
+    of the same target (eyas run's benches, a warm-up's bench) does not compile and capture its graphs again."""
+    key = (cfg.max_seq, str(target.device), cfg.compile, cfg.persist_steps)
+    runner = target.runners.get(key)
+    if runner is None:
+        runner = Runner.from_hf(target.model, max_batch=1, max_seq=cfg.max_seq, device=target.device,
+                                compile=cfg.compile, persist=Path(cache_root()) / "steps" if cfg.persist_steps else None)
+        if isinstance(runner, Runner):  # the generic HFRunner compiles and captures nothing: made anew each time
+            target.runners[key] = runner
+    return runner
+
+
+def _speedups(report: dict, methods: list[Method]) -> None:
+    """Each method's speedup in the report: its tokens/s over plain decoding's (none without plain)."""
+    plain = next((m for m in methods if m.name == "plain"), None)
     for m in methods:
         if plain is not None and m is not plain and plain.seconds and m.seconds:
             report["methods"][m.name]["speedup"] = round(
                 (m.stats.tokens / m.seconds) / (plain.stats.tokens / plain.seconds), 3)
-    clock = time.perf_counter()
-    if cfg.spec.temperature == 0:
-        spec = {m.name: m.outputs for m in methods if m is not plain}
-        if plain is not None:
-            report["agreement"] = {n: {"dtype": report["dtype"], **agreement(o, plain.outputs)} for n, o in spec.items()}
-        if plain is not None and runner.dtype == torch.float32:  # the bench itself is the exact check
-            report["lossless"] = lossless_verdict(spec, plain.outputs, dtype=runner.dtype, rerun=False)
-        elif cfg.lossless_turns and spec:
-            report["lossless"] = _fp32_rerun(cfg, target, runner, drafter, records, tok, room, eos, set(spec))
-    seconds["lossless_check"] = time.perf_counter() - clock
-    report["seconds"] = {k: round(v, 3) for k, v in seconds.items()}
-    return report
+
+
+def _lossless(cfg, target, runner, drafter, methods, records, room, dtype: str) -> dict:
+    """A greedy bench's checks against plain greedy: "agreement" in the bench's dtype, and "lossless": the bench
+    itself in fp32, else an fp32 rerun of the first cfg.lossless_turns turns ({} for what does not apply)."""
+    plain = next((m for m in methods if m.name == "plain"), None)
+    spec = {m.name: m.outputs for m in methods if m is not plain}
+    out = {}
+    if plain is not None:
+        out["agreement"] = {n: {"dtype": dtype, **agreement(o, plain.outputs)} for n, o in spec.items()}
+    if plain is not None and runner.dtype == torch.float32:  # the bench itself is the exact check
+        out["lossless"] = lossless_verdict(spec, plain.outputs, dtype=runner.dtype, rerun=False)
+    elif cfg.lossless_turns and spec:
+        out["lossless"] = _fp32_rerun(cfg, target, runner, drafter, records, room, set(spec))
+    return out
 
 
 def _saved_delta(cfg, runner, before: dict) -> dict:
@@ -403,7 +387,20 @@ def _methods(cfg, runner, drafter, eos, *, baselines=None) -> list[Method]:
     return methods
 
 
-def _warm_up(cfg, runner, methods, drafter) -> int:
+def _warm_up(cfg, runner, methods, drafter, first: list[int]) -> int:
+    """Warm-up, not timed: compile and capture every shape of the timed loop (the fixed shape set of this bench's
+    methods, see startup.py), then decode a few rounds of the prompt `first` per method (paths the shape set does
+    not name, e.g. a drafter's chain graph); a few rounds reach every path, a whole reply would only add decoding
+    time outside the clock (`late_shapes` checks the runner's shapes; the drafters' graphs are all captured in
+    their first round or here). Returns the runner's shapes after the shape set."""
+    shapes = _warm_shapes(cfg, runner, methods, drafter)
+    for m in methods:
+        m.decode(first, cfg.seed, min(cfg.max_new_tokens, 4 * (cfg.spec.max_depth + 1) + 8))
+    _sync(runner.device)
+    return shapes
+
+
+def _warm_shapes(cfg, runner, methods, drafter) -> int:
     """Compile and capture the fixed shape set of this bench's methods (see startup.py)."""
     steps, drafters, c = [], [], cfg.spec
     for m in methods:
@@ -459,15 +456,14 @@ def _decode_all(methods, records, tok, room, cfg, device) -> int:
     return truncated
 
 
-def _fp32_rerun(cfg, target, runner, drafter, records, tok, room, eos, benched) -> dict:
+def _fp32_rerun(cfg, target, runner, drafter, records, room, benched) -> dict:
     """The exact lossless check: the first cfg.lossless_turns turns again in fp32 (same weights, upcast),
     plain greedy and every speculative method; each must reproduce plain greedy token for token."""
-    r32 = fp32_runner(runner, target.model, _RUNNERS.setdefault(target.model, {}),
-                      (cfg.max_seq, str(runner.device), "fp32-check"))
+    r32 = fp32_runner(runner, target.model, target.runners, (cfg.max_seq, str(runner.device), "fp32-check"))
     with exact_fp32():
-        methods = [m for m in _methods(cfg, r32, fp32_drafter(drafter), eos, baselines=True)
+        methods = [m for m in _methods(cfg, r32, fp32_drafter(drafter), target.eos_token_ids, baselines=True)
                    if m.name == "plain" or m.name in benched]
-        _decode_all(methods, first_turns(records, cfg.lossless_turns), tok, room, cfg, r32.device)
+        _decode_all(methods, first_turns(records, cfg.lossless_turns), target.tokenizer, room, cfg, r32.device)
     plain = methods[0]
     return lossless_verdict({m.name: m.outputs for m in methods[1:]}, plain.outputs, dtype=r32.dtype, rerun=True)
 
@@ -478,68 +474,3 @@ def _plain(runner, prompt, n, cfg, eos, seed):
     out = runner.generate([prompt], n, temperature=cfg.spec.temperature, top_p=cfg.spec.top_p,
                           eos_ids=eos, seed=seed, window=0)[0]
     return out, SpecStats(tokens=len(out), target_forwards=len(out))
-
-
-def format_table(report: dict) -> str:
-    rows = [f"{'method':<14}{'tokens':>8}{'tok/s':>10}{'speedup':>9}{'tau':>7}  acceptance by position"]
-    for name, m in report["methods"].items():
-        acc = " ".join(f"{a:.2f}" for a in m["acceptance_by_position"][:8])
-        rows.append(f"{name:<14}{m['tokens']:>8}{m['tokens_per_s'] or 0:>10.1f}{m.get('speedup', 1.0):>9.2f}"
-                    f"{m['tau']:>7.2f}  {acc}")
-    if "dflash" in report["methods"]:
-        rows.append(f"dflash: {report['methods']['dflash']['label']}; acceptance by position is by block slot")
-    for name, ll in report.get("lossless", {}).items():
-        what = f"fp32 rerun of {ll['turns']} turns" if ll.get("rerun") else f"{ll.get('dtype', 'bench')}, all {ll['turns']} turns"
-        rows.append(f"{name} lossless ({what}): {'yes' if ll['held'] else 'NO'}"
-                    + ("" if ll["held"] else f", {ll['identical_turns']}/{ll['turns']} turns equal plain greedy"))
-    for name, a in report.get("agreement", {}).items():
-        rows.append(f"{name} {a['dtype']} agreement: {a['identical_turns']}/{a['turns']} turns identical, mean identical "
-                    f"prefix {a['mean_prefix_tokens']:.1f} tokens ({a['mean_prefix_share']:.0%} of the turn)")
-        if a.get("divergences"):
-            rows.append(divergence_line(name, a["divergences"]))
-    if "seconds" in report:
-        s = report["seconds"]
-        share = f" ({s['decode'] / s['total']:.0%} of {s['total']:.1f} s)" if s.get("total") else ""
-        cache = report.get("compile_cache")
-        rows.append(f"seconds: load {s['load']:.1f}, compile+warm-up {s['warmup']:.1f}, decoding {s['decode']:.1f}{share}, "
-                    f"lossless check {s['lossless_check']:.1f}"
-                    + (f"; inductor cache {cache['fx_graph_hits']} hits, {cache['fx_graph_misses']} misses" if cache else ""))
-    p = report.get("prompts")
-    about = ""
-    if p:
-        kinds = ", ".join(f"{n} {k}" for k, n in p["kinds"].items())
-        about = f" ({kinds + '; ' if kinds else ''}first prompt {p['tokens']['min']}-{p['tokens']['max']} tokens, " \
-                f"median {p['tokens']['median']})"
-    rows.append(f"{report['records']} prompts{about}, {report['turns']} turns, {report['truncated']} truncated, "
-                f"device {report['device']}")
-    for name, m in report["methods"].items():
-        if m.get("tau_by_kind") and name != "plain":
-            rows.append(f"{name} tau by kind: " + ", ".join(f"{k} {t:.2f}" for k, t in m["tau_by_kind"].items()))
-    return "\n".join(rows)
-
-
-def plot_acceptance(report: dict, path: Path) -> str:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for name, m in report["methods"].items():
-        acc = m["acceptance_by_position"]
-        if acc:
-            ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{m.get('label', name)} (tau {m['tau']:.2f})")
-    longest = max((len(m["acceptance_by_position"]) for m in report["methods"].values()), default=0)
-    ax.set_xticks(range(1, longest + 1))
-    ax.set_xlabel("draft position (DFlash: block slot)" if "dflash" in report["methods"] else "draft position")
-    ax.set_ylabel("fraction of rounds accepted")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    speeds = ", ".join(f"{m.get('label', n)} {m['speedup']:.2f}x" for n, m in report["methods"].items()
-                       if n != "plain" and m.get("speedup"))  # the prompt set (the file's name) and the speedups
-    ax.set_title(f"{path.stem}: acceptance by draft position" + (f"\nspeed against plain: {speeds}" if speeds else ""),
-                 fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return str(path)

@@ -28,8 +28,9 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eyas.bench.bench import BenchConfig, Method, prompt_room, write_report
+from eyas.bench.bench import BenchConfig, Method, prompt_room
 from eyas.bench.check import agreement, common_prefix
+from eyas.bench.output import write_report
 from eyas.bench.prompts import load_bench_prompts, prompt_ids, prompt_summary, tau_by_kind
 from eyas.errors import EyasError
 from eyas.serving import Client, ENGINES, SERVER_INFO, greedy_request, reply_ids
@@ -228,7 +229,19 @@ def _answer(server, rec, tok, room, n, eos, spec, stop, on_reply=lambda: None) -
     return turns
 
 
-def divergences(plain: EngineServer, records, tok, room, spec_out, plain_out, k: int = TOP_K) -> list[dict]:
+@dataclass(frozen=True)
+class Requests:
+    """What every server is asked: each record's turns (encoded with `tok`, left-truncated to `room` tokens), each
+    answered greedily with up to `max_new_tokens` tokens, stopping at the `eos` ids."""
+
+    records: list[dict]
+    tok: object
+    room: int
+    max_new_tokens: int
+    eos: list[int]
+
+
+def divergences(plain: EngineServer, req: Requests, spec_out, plain_out, k: int = TOP_K) -> list[dict]:
     """Where the speculative server's greedy reply first leaves the plain server's, in each record's first turn that
     differs (later turns start from different contexts): the plain server's log-probabilities of its own token
     and of the drafted one after the common prefix. A margin near zero is a near-tie that the two servers' kernels
@@ -236,7 +249,7 @@ def divergences(plain: EngineServer, records, tok, room, spec_out, plain_out, k:
     server's top k, is a lossless-decoding bug. margin None: one reply ended there, or the drafted token is not
     in the top k."""
     found = []
-    for ri, (rec, a_turns, b_turns) in enumerate(zip(records, plain_out, spec_out, strict=True)):
+    for ri, (rec, a_turns, b_turns) in enumerate(zip(req.records, plain_out, spec_out, strict=True)):
         t = next((j for j, (a, b) in enumerate(zip(a_turns, b_turns)) if a != b), None)
         if t is None:
             continue
@@ -245,7 +258,7 @@ def divergences(plain: EngineServer, records, tok, room, spec_out, plain_out, k:
         row = {"record": ri, "turn": t, "position": p, "plain": a[p] if p < len(a) else None,
                "spec": b[p] if p < len(b) else None, "margin": None}
         if row["plain"] is not None and row["spec"] is not None:
-            ids = _turn_prompt(rec, tok, room, a_turns[:t])[0] + a[:p]
+            ids = _turn_prompt(rec, req.tok, req.room, a_turns[:t])[0] + a[:p]
             lp = plain.top_logprobs(ids, k)
             row["plain_logprob"] = lp.get(row["plain"])
             row["spec_logprob"] = lp.get(row["spec"])
@@ -255,18 +268,15 @@ def divergences(plain: EngineServer, records, tok, room, spec_out, plain_out, k:
     return found
 
 
-def _serve_all(server: EngineServer, name: str, records, tok, room, cfg: BenchConfig, eng: EngineBenchConfig,
-               eos, *, spec: bool, depth: int = 0) -> tuple[Method, int]:
-    """All records on one server -> (the method's outputs, stats and seconds; prompts left-truncated).
-    `depth`: draft positions the server proposes (acceptance is reported for each, reached or not).
-    Stops at the first failure with one line saying how many replies had finished."""
-    m, total = Method(name, None), sum(len(r["turns"]) for r in records)
-    if spec:
-        m.stats.accepted_at = [0] * depth
-    vllm_spec = spec and server.engine == "vllm"
-    per_record_counts = vllm_spec and eng.concurrency == 1  # vLLM's counters are global: per record only at batch 1
+def _replies(server: EngineServer, req: Requests, *, spec: bool, concurrency: int, counters: bool,
+             per_record: bool) -> tuple[list[list[tuple]], list, float]:
+    """Every record on one server, `concurrency` records in flight -> (_answer's turns of each record, in record
+    order; vLLM's counters (drafts, by position) with `counters`: before and after the phase, and with `per_record`
+    after each record as well; the phase's wall seconds). Stops at the first failure with one line saying how many
+    replies had finished."""
+    total = sum(len(r["turns"]) for r in req.records)
     results: dict[int, list] = {}
-    marks = []  # vLLM: (drafts, by position) before the phase and after each record (batch 1)
+    marks = []
     stop, lock, done = threading.Event(), threading.Lock(), [0]
 
     def replied():
@@ -274,21 +284,21 @@ def _serve_all(server: EngineServer, name: str, records, tok, room, cfg: BenchCo
             done[0] += 1
 
     def one(ri):
-        turns = _answer(server, records[ri], tok, room, cfg.max_new_tokens, eos, spec, stop, replied)
-        if per_record_counts:
+        turns = _answer(server, req.records[ri], req.tok, req.room, req.max_new_tokens, req.eos, spec, stop, replied)
+        if per_record:
             marks.append(server.counters())
         return ri, turns
 
-    if vllm_spec:
+    if counters:
         marks.append(server.settled_counters())
     t0 = time.perf_counter()
     try:
-        if eng.concurrency == 1:
-            for ri in range(len(records)):
+        if concurrency == 1:
+            for ri in range(len(req.records)):
                 results.update([one(ri)])
         else:
-            with ThreadPoolExecutor(eng.concurrency) as pool:
-                futs = [pool.submit(one, ri) for ri in range(len(records))]
+            with ThreadPoolExecutor(concurrency) as pool:
+                futs = [pool.submit(one, ri) for ri in range(len(req.records))]
                 try:
                     for f in as_completed(futs):
                         results.update([f.result()])
@@ -300,14 +310,27 @@ def _serve_all(server: EngineServer, name: str, records, tok, room, cfg: BenchCo
     except EyasError as e:
         raise EyasError(f"{e}; {done[0]} of {total} replies had finished, no report written") from None
     wall = time.perf_counter() - t0
-    if vllm_spec:
+    if counters:
         end = server.settled_counters()
-        marks = marks[:-1] + [end] if per_record_counts else [marks[0], end]
-    truncated = 0
-    for ri in range(len(records)):
-        turns = results[ri]
+        marks = marks[:-1] + [end] if per_record else [marks[0], end]
+    return [results[ri] for ri in range(len(req.records))], marks, wall
+
+
+def _serve_all(server: EngineServer, name: str, req: Requests, *, spec: bool, depth: int = 0,
+               concurrency: int = 1) -> tuple[Method, int]:
+    """All records on one server -> (the method's outputs, stats and seconds; prompts left-truncated).
+    `depth`: draft positions the server proposes (acceptance is reported for each, reached or not). Target forwards
+    are SGLang's verify steps per reply, or the rise of vLLM's draft counter (per record only at batch 1: the
+    counters are the server's)."""
+    vllm_spec = spec and server.engine == "vllm"
+    per_record = vllm_spec and concurrency == 1
+    results, marks, wall = _replies(server, req, spec=spec, concurrency=concurrency, counters=vllm_spec,
+                                    per_record=per_record)
+    m, truncated = Method(name, None), 0
+    if spec:
+        m.stats.accepted_at = [0] * depth
+    for ri, turns in enumerate(results):
         tokens = sum(len(t[0]) for t in turns)
-        forwards = sum(t[1] + 1 for t in turns)
         m.outputs.append([t[0] for t in turns])
         truncated += sum(t[3] for t in turns)
         m.stats.tokens += tokens
@@ -315,24 +338,29 @@ def _serve_all(server: EngineServer, name: str, records, tok, room, cfg: BenchCo
             m.stats.target_forwards += tokens
             m.per_record.append([tokens, tokens])
         elif server.engine == "sglang":
+            forwards = sum(t[1] + 1 for t in turns)
             m.stats.target_forwards += forwards
             m.stats.rounds += sum(t[1] for t in turns)
             for hist in (t[2] for t in turns if t[2]):
                 _add_positions(m.stats, [sum(hist[j:]) for j in range(1, len(hist))])
             m.per_record.append([tokens, forwards])
-        elif per_record_counts:
+        elif per_record:
             m.per_record.append([tokens, round(marks[ri + 1][0] - marks[ri][0]) + len(turns)])
     if vllm_spec:
-        drafts = round(marks[-1][0] - marks[0][0])
-        replies = sum(len(r["turns"]) for r in records)
-        if drafts == 0 and m.stats.tokens > replies:
-            raise EyasError(f"{server.flag} {server.url} does not decode speculatively: {m.stats.tokens} tokens "
-                            f"and no {DRAFTS} counted (serve the target with its drafter there)")
-        m.stats.rounds, m.stats.target_forwards = drafts, drafts + replies
-        before, after = marks[0][1], marks[-1][1]
-        _add_positions(m.stats, [round(a - (before[j] if j < len(before) else 0)) for j, a in enumerate(after)])
-    m.seconds = sum(t[4] for ts in results.values() for t in ts) if eng.concurrency == 1 else wall
+        _vllm_counts(m, server, marks, replies=sum(len(r["turns"]) for r in req.records))
+    m.seconds = sum(t[4] for ts in results for t in ts) if concurrency == 1 else wall
     return m, truncated
+
+
+def _vllm_counts(m: Method, server: EngineServer, marks: list, replies: int) -> None:
+    """m's rounds, target forwards and acceptance by position from vLLM's counters before and after the phase."""
+    drafts = round(marks[-1][0] - marks[0][0])
+    if drafts == 0 and m.stats.tokens > replies:
+        raise EyasError(f"{server.flag} {server.url} does not decode speculatively: {m.stats.tokens} tokens "
+                        f"and no {DRAFTS} counted (serve the target with its drafter there)")
+    m.stats.rounds, m.stats.target_forwards = drafts, drafts + replies
+    before, after = marks[0][1], marks[-1][1]
+    _add_positions(m.stats, [round(a - (before[j] if j < len(before) else 0)) for j, a in enumerate(after)])
 
 
 def _add_positions(stats, counts: list[int]) -> None:
@@ -340,6 +368,29 @@ def _add_positions(stats, counts: list[int]) -> None:
     stats.accepted_at += [0] * (len(counts) - len(stats.accepted_at))
     for j, c in enumerate(counts):
         stats.accepted_at[j] += c
+
+
+def _open_servers(eng: EngineBenchConfig) -> tuple[tuple[EngineServer, dict], tuple[EngineServer, dict] | None]:
+    """((the speculative server, what it serves), (the plain server, what it serves) or None without --plain-url),
+    refusing a --url that does not decode speculatively, a --plain-url that does, and two different targets."""
+    spec_srv = EngineServer(eng.engine, eng.url, eng.request_timeout, "--url")
+    spec_info = spec_srv.describe(eng.model)
+    if spec_info["speculative"] is None:
+        raise EyasError(f"--url {eng.url} does not decode speculatively ("
+                        + ("its server info has no speculative_algorithm" if eng.engine == "sglang"
+                           else f"its /metrics has no {DRAFTS}") + "): serve the target with its drafter there")
+    if not eng.plain_url:
+        return (spec_srv, spec_info), None
+    plain_srv = EngineServer(eng.engine, eng.plain_url, eng.request_timeout, "--plain-url")
+    plain_info = plain_srv.describe(eng.model)
+    if plain_info["speculative"] is not None:
+        raise EyasError(f"--plain-url {eng.plain_url} decodes speculatively ({plain_info['speculative']['algorithm']}"
+                        f"): the baseline is the target served without a drafter")
+    a, b = (Path(str(i["model_path"]).rstrip("/")).name for i in (spec_info, plain_info))
+    if a != b:
+        raise EyasError(f"--url serves {spec_info['model_path']!r} but --plain-url serves "
+                        f"{plain_info['model_path']!r}: the speedup needs one target on both")
+    return (spec_srv, spec_info), (plain_srv, plain_info)
 
 
 def run_engine_bench(cfg: BenchConfig, eng: EngineBenchConfig, *, tokenizer=None, eos_ids=None, out=None) -> dict:
@@ -353,34 +404,18 @@ def run_engine_bench(cfg: BenchConfig, eng: EngineBenchConfig, *, tokenizer=None
     clock = t_start = time.perf_counter()
     if tokenizer is None:
         tokenizer, eos_ids = open_tokenizer(cfg.target, trust_remote_code=eng.trust_remote_code)
-    room = prompt_room(cfg)
     skipped = {"too_long": 0, "too_short": 0}
     records, _ = load_bench_prompts(cfg, tokenizer, skipped)
-    spec_srv = EngineServer(eng.engine, eng.url, eng.request_timeout, "--url")
-    spec_info = spec_srv.describe(eng.model)
-    if spec_info["speculative"] is None:
-        raise EyasError(f"--url {eng.url} does not decode speculatively ("
-                        + ("its server info has no speculative_algorithm" if eng.engine == "sglang"
-                           else f"its /metrics has no {DRAFTS}") + "): serve the target with its drafter there")
-    servers = [(spec_srv, spec_info)]
-    if eng.plain_url:
-        plain_srv = EngineServer(eng.engine, eng.plain_url, eng.request_timeout, "--plain-url")
-        plain_info = plain_srv.describe(eng.model)
-        if plain_info["speculative"] is not None:
-            raise EyasError(f"--plain-url {eng.plain_url} decodes speculatively ({plain_info['speculative']['algorithm']}"
-                            f"): the baseline is the target served without a drafter")
-        a, b = (Path(str(i["model_path"]).rstrip("/")).name for i in (spec_info, plain_info))
-        if a != b:
-            raise EyasError(f"--url serves {spec_info['model_path']!r} but --plain-url serves "
-                            f"{plain_info['model_path']!r}: the speedup needs one target on both")
-        servers.insert(0, (plain_srv, plain_info))
+    req = Requests(records, tokenizer, prompt_room(cfg), cfg.max_new_tokens, eos_ids)
+    (spec_srv, spec_info), plain = _open_servers(eng)
+    servers = ([plain] if plain else []) + [(spec_srv, spec_info)]   # plain first: run_bench's order
     seconds = {"load": time.perf_counter() - clock}
 
     clock = time.perf_counter()  # warm-up, not timed: the first prompt's first tokens on each server
     first = {**records[0], "turns": records[0]["turns"][:1]}
-    for srv, info in servers:
+    for srv, _ in servers:
         try:
-            _answer(srv, first, tokenizer, room, min(cfg.max_new_tokens, 16), eos_ids, info is spec_info,
+            _answer(srv, first, tokenizer, req.room, min(cfg.max_new_tokens, 16), eos_ids, srv is spec_srv,
                     threading.Event())
         except EyasError as e:
             raise EyasError(f"{e} (warm-up request)") from None
@@ -389,15 +424,14 @@ def run_engine_bench(cfg: BenchConfig, eng: EngineBenchConfig, *, tokenizer=None
     clock = time.perf_counter()
     spec_name = _spec_name(spec_info["speculative"], eng.engine, eng.drafter_kind)
     methods, truncated = [], 0
-    for srv, info in servers:
-        spec = info is spec_info
-        m, cut = _serve_all(srv, spec_name if spec else "plain", records, tokenizer, room, cfg, eng, eos_ids, spec=spec,
-                            depth=_depth(spec_info["speculative"], spec_name))
+    for srv, _ in servers:
+        m, cut = _serve_all(srv, spec_name if srv is spec_srv else "plain", req, spec=srv is spec_srv,
+                            depth=_depth(spec_info["speculative"], spec_name), concurrency=eng.concurrency)
         truncated = truncated or cut  # counted on the first server, as run_bench counts on its first method
         methods.append(m)
     seconds["decode"] = time.perf_counter() - clock
     if truncated:
-        print(f"warning: {truncated} prompt(s) longer than {room} tokens were left-truncated", file=out)
+        print(f"warning: {truncated} prompt(s) longer than {req.room} tokens were left-truncated", file=out)
 
     dtype = " ".join(x for x in (eng.engine, spec_info.get("dtype")) if x and x != "auto")
     report = {"config": cfg.to_dict(), "target": {"dir": cfg.target, "model_path": spec_info["model_path"]},
@@ -406,29 +440,36 @@ def run_engine_bench(cfg: BenchConfig, eng: EngineBenchConfig, *, tokenizer=None
               "truncated": truncated, "skipped_long_prompts": skipped["too_long"],
               "skipped_short_prompts": skipped["too_short"], "prompts": prompt_summary(records, tokenizer),
               "methods": {m.name: m.report() for m in methods},
-              "engine": {**asdict(eng), "spec": spec_info, "plain": servers[0][1] if eng.plain_url else None,
+              "engine": {**asdict(eng), "spec": spec_info, "plain": plain[1] if plain else None,
                          "counters": "meta_info.spec_verify_ct per reply" if eng.engine == "sglang"
                          else f"{DRAFTS} and {PER_POS} of /metrics"}}
     tau_by_kind(report, records)
-    if eng.plain_url:
-        plain, sp = methods
-        if plain.seconds and sp.seconds:
-            report["methods"][spec_name]["speedup"] = round((sp.stats.tokens / sp.seconds)
-                                                            / (plain.stats.tokens / plain.seconds), 3)
-        report["agreement"] = {spec_name: {"dtype": dtype, **agreement(sp.outputs, plain.outputs)}}
-        clock = time.perf_counter()
-        try:
-            div = divergences(plain_srv, records, tokenizer, room, sp.outputs, plain.outputs)
-        except EyasError as e:   # the measurement stands without it: say why it is missing
-            print(f"warning: no margins at the differing tokens: {e}", file=out)
-            div = None
-        report["agreement"][spec_name]["divergences"] = div
-        seconds["divergences"] = time.perf_counter() - clock
+    if plain:
+        seconds["divergences"] = _against_plain(report, spec_name, methods, plain[0], req, out)
     seconds["lossless_check"] = 0.0
     seconds["total"] = time.perf_counter() - t_start
     report["seconds"] = {k: round(v, 3) for k, v in seconds.items()}
     write_report(report, cfg.json_out, out)
     return report
+
+
+def _against_plain(report: dict, spec_name: str, methods: list[Method], plain_srv: EngineServer, req: Requests,
+                   out) -> float:
+    """The speculative server against the plain one, into `report`: the speedup, the greedy agreement and the
+    divergences (a warning instead where the plain server cannot give them). Returns the divergences' seconds."""
+    plain, sp = methods
+    if plain.seconds and sp.seconds:
+        report["methods"][spec_name]["speedup"] = round((sp.stats.tokens / sp.seconds)
+                                                        / (plain.stats.tokens / plain.seconds), 3)
+    report["agreement"] = {spec_name: {"dtype": report["dtype"], **agreement(sp.outputs, plain.outputs)}}
+    clock = time.perf_counter()
+    try:
+        div = divergences(plain_srv, req, sp.outputs, plain.outputs)
+    except EyasError as e:   # the measurement stands without it: say why it is missing
+        print(f"warning: no margins at the differing tokens: {e}", file=out)
+        div = None
+    report["agreement"][spec_name]["divergences"] = div
+    return time.perf_counter() - clock
 
 
 def _depth(spec: dict, name: str) -> int:

@@ -8,6 +8,7 @@ import gzip
 import json
 import sys
 from pathlib import Path
+from typing import Iterator
 
 from eyas.data.longprompts import long_records
 from eyas.data.sources import (HUMANEVAL_FILE, OPENAI_ROLES, SkipLog, Skipped, _Bad, _content_id, _has_surrogates,
@@ -96,54 +97,58 @@ def load_prompts(name_or_path: str, *, heldout_fraction: float = 0.05, limit: in
                 _REPORTED.add(line)
                 print(line, file=sys.stderr)
     kept: list[dict] = []
+    for rec in _records(name_or_path, heldout_fraction, skips, keep):
+        kept.append(rec)
+        if limit is not None and len(kept) >= limit:
+            break
+    return kept
 
-    def add(rec: dict) -> None:
-        if keep is None or keep(rec):
-            kept.append(rec)
 
-    def full() -> bool:
-        return limit is not None and len(kept) >= limit
-
+def _records(name_or_path: str, heldout_fraction: float, skips: SkipLog, keep) -> Iterator[dict]:
+    """load_prompts' records in order, read as they are asked for, those `keep` refuses left out."""
+    kept = (lambda records: records) if keep is None else (lambda records: filter(keep, records))  # noqa: E731
     if name_or_path == "sharegpt-heldout" or name_or_path.startswith("heldout:"):
         data = "sharegpt" if name_or_path == "sharegpt-heldout" else name_or_path.split(":", 1)[1]
-        for c in iter_conversations(data, skips):
-            if is_heldout(c.split_key, heldout_fraction):
-                add({"id": c.id, "turns": [m["content"] for m in c.messages if m["role"] == "user"]})
-                if full():
-                    break
-        return kept
-    if name_or_path == "long" or name_or_path.startswith("long:"):
-        for rec in long_records("sharegpt" if name_or_path == "long" else name_or_path.split(":", 1)[1],
-                                heldout_fraction, skips, keep):   # ordered among the kept records
-            kept.append(rec)
-            if full():
-                break
-        return kept
-    if name_or_path == "humaneval":
-        path = package_file(*HUMANEVAL_FILE)
-        try:
-            with gzip.open(path, "rt", encoding="utf-8") as f:
-                lines = f.readlines()
-        except (OSError, UnicodeDecodeError, EOFError) as e:
-            raise EyasError(f"{path}: cannot read HumanEval ({e})") from e
-        for i, line in enumerate(lines, 1):
-            if line.strip():
-                obj = json.loads(line)
-                add({"id": obj["task_id"], "turns": [obj["prompt"]]})
-                if full():
-                    break
-        return kept
+        held = (c for c in iter_conversations(data, skips) if is_heldout(c.split_key, heldout_fraction))
+        yield from kept(_user_turns(c) for c in held)
+    elif name_or_path == "long" or name_or_path.startswith("long:"):
+        # ordered among the kept records: long_records applies keep itself
+        yield from long_records("sharegpt" if name_or_path == "long" else name_or_path.split(":", 1)[1],
+                                heldout_fraction, skips, keep)
+    elif name_or_path == "humaneval":
+        yield from kept(_humaneval())
+    else:
+        yield from kept(_prompt_file(name_or_path, skips))
+
+
+def _user_turns(c) -> dict:
+    return {"id": c.id, "turns": [m["content"] for m in c.messages if m["role"] == "user"]}
+
+
+def _humaneval() -> Iterator[dict]:
+    """The 164 HumanEval prompts, one turn each."""
+    path = package_file(*HUMANEVAL_FILE)
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            lines = f.readlines()
+    except (OSError, UnicodeDecodeError, EOFError) as e:
+        raise EyasError(f"{path}: cannot read HumanEval ({e})") from e
+    for line in lines:
+        if line.strip():
+            obj = json.loads(line)
+            yield {"id": obj["task_id"], "turns": [obj["prompt"]]}
+
+
+def _prompt_file(name_or_path: str, skips: SkipLog) -> Iterator[dict]:
+    """A .jsonl of prompt records, or the user turns of a file or directory of conversations."""
     path = Path(name_or_path)
     if not path.exists():
         raise EyasError(f"{name_or_path}: no such file (expected 'sharegpt-heldout', 'humaneval', 'long', a "
                         f".jsonl of prompts, or conversations: a .json, a .parquet or a datasets.save_to_disk "
                         f"directory)")
     if path.suffix in (".json", ".parquet") or path.is_dir():
-        for c in iter_conversations(name_or_path, skips):
-            add({"id": c.id, "turns": [m["content"] for m in c.messages if m["role"] == "user"]})
-            if full():
-                break
-        return kept
+        yield from (_user_turns(c) for c in iter_conversations(name_or_path, skips))
+        return
     if path.suffix != ".jsonl":
         raise EyasError(f"{name_or_path}: unknown prompt format {path.suffix!r} (expected .jsonl, .json, .parquet "
                         f"or a datasets.save_to_disk directory)")
@@ -153,10 +158,6 @@ def load_prompts(name_or_path: str, *, heldout_fraction: float = 0.05, limit: in
             continue
         where = f"{path} line {item[0]}"
         try:
-            add(_prompt_record(item[1], where))
+            yield _prompt_record(item[1], where)
         except _Bad as e:
             skips.add(Skipped(e.reason, where, e.detail))
-            continue
-        if full():
-            break
-    return kept

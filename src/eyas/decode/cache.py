@@ -38,11 +38,11 @@ def compiled(fn):
 class DraftCache:
     def __init__(self, drafter, embed, *, slots: int, rows: int = 1, k: int = 1,
                  tree: tuple[int, int, int] | None = None, graphs: bool = False, compile: bool = False):
-        """rows x slots live slots; k: the chain length; tree: (top_k, depth, total) for EAGLE-2 trees (adds the
-        scratch region). graphs: replay extends of up to k+1 (trees: depth+1) entries, chains and trees as CUDA
-        graphs; longer extends (the prompt) run eagerly. compile: torch.compile the fixed-shape bodies (not the
-        prompt's extend)."""
-        self.d, self.embed, self.K, self.live, self.tree = drafter, embed, k, slots, tree  # embed: the target's
+        """rows x slots live slots; k: the chain length (SpecConfig.k, kept as chain_len); tree: (top_k, depth,
+        total) for EAGLE-2 trees (adds the scratch region). graphs: replay extends of up to k+1 (trees: depth+1)
+        entries, chains and trees as CUDA graphs; longer extends (the prompt) run eagerly. compile: torch.compile
+        the fixed-shape bodies (not the prompt's extend). The drafter's keys and values are `keys` and `values`."""
+        self.d, self.embed, self.chain_len, self.live, self.tree = drafter, embed, k, slots, tree  # embed: the target's
         cfg = drafter.config
         self.sizes: list[int] = []  # a tree's frontier sizes, levels 2..depth
         if tree is not None:
@@ -56,8 +56,8 @@ class DraftCache:
         p = next(drafter.parameters())
         dev, dt = p.device, p.dtype
         shape = (rows, cfg.num_key_value_heads, self.M, cfg.head_dim)
-        self.k = torch.zeros(shape, device=dev, dtype=dt)
-        self.v = torch.zeros(shape, device=dev, dtype=dt)
+        self.keys = torch.zeros(shape, device=dev, dtype=dt)     # (rows, kv heads, M, head_dim)
+        self.values = torch.zeros(shape, device=dev, dtype=dt)   # (rows, kv heads, M, head_dim)
         self.n = torch.zeros(rows, dtype=torch.long, device=dev)  # committed entries per row
         self.last = torch.zeros(rows, 1, cfg.hidden_size, device=dev, dtype=dt)  # output of entry n_b-1
         self.cols = torch.arange(self.M, device=dev)
@@ -82,14 +82,15 @@ class DraftCache:
         mask (B,S,W+S) over the first W cache slots, then the new entries."""
         B, S = tokens.shape
         W = mask.shape[-1] - S
-        out, (k, v) = self.d.layer(hidden, self.embed(tokens), pos, mask, (self.k[:B, :, :W], self.v[:B, :, :W]))
+        past = (self.keys[:B, :, :W], self.values[:B, :, :W])
+        out, (k, v) = self.d.layer(hidden, self.embed(tokens), pos, mask, past)
         if B == 1:  # one index_copy_ along the slots
-            self.k[:1].index_copy_(2, slots[0], k[:, :, W:])
-            self.v[:1].index_copy_(2, slots[0], v[:, :, W:])
+            self.keys[:1].index_copy_(2, slots[0], k[:, :, W:])
+            self.values[:1].index_copy_(2, slots[0], v[:, :, W:])
         else:
             rows = torch.arange(B, device=pos.device)[:, None].expand(B, S)  # (B,S)
-            self.k[rows, :, slots] = k[:, :, W:].transpose(1, 2)  # cache[b, :, slot[b,s]] = k_new[b, :, s]
-            self.v[rows, :, slots] = v[:, :, W:].transpose(1, 2)
+            self.keys[rows, :, slots] = k[:, :, W:].transpose(1, 2)  # cache[b, :, slot[b,s]] = k_new[b, :, s]
+            self.values[rows, :, slots] = v[:, :, W:].transpose(1, 2)
         return out  # (B,S,h)
 
     def _write(self, aux: Tensor, tokens: Tensor, count: Tensor | None = None, width: int | None = None) -> Tensor:
@@ -111,7 +112,7 @@ class DraftCache:
 
     def _chain(self, B: int = 1, width: int | None = None) -> Tensor:
         """K greedy draft tokens per row (B,K) target ids; draft keys go to slots n_b..n_b+K-2."""
-        d, K = self.d, self.K
+        d, K = self.d, self.chain_len
         W = self.M if width is None else width  # >= max n + K - 2
         n, hidden = self.n[:B], self.last[:B]  # (B,), (B,1,h)
         toks = []
@@ -166,7 +167,7 @@ class DraftCache:
     def _graph(self, key, fn, *args):
         """The captured replay of fn(*args) for `key` (args are static buffers the caller refills)."""
         if key not in self._graphs:
-            self._graphs[key] = capture(fn, *args, cuda=self.k.is_cuda)
+            self._graphs[key] = capture(fn, *args, cuda=self.keys.is_cuda)
         return self._graphs[key]
 
     @torch.no_grad()
@@ -180,7 +181,7 @@ class DraftCache:
                 # _write is idempotent for fixed inputs (it reads slots < n, writes slots >= n and `last`): the
                 # capture's warm-up calls change nothing that the replay does not redo
                 bufs = (aux.clone(), tokens.clone()) + (() if count is None else (count.clone(),))
-                self._graphs[key] = (capture(self._write_fn, *bufs, cuda=self.k.is_cuda), bufs)
+                self._graphs[key] = (capture(self._write_fn, *bufs, cuda=self.keys.is_cuda), bufs)
             run, bufs = self._graphs[key]
             for b, x in zip(bufs, (aux, tokens, count)):
                 b.copy_(x)
@@ -224,8 +225,8 @@ class DraftCache:
     def move_rows(self, keep: Tensor, width: int) -> None:
         """Rows `keep` (1-D) of slots [:width] become rows 0..len(keep)-1."""
         m = keep.numel()
-        self.k[:m, :, :width] = self.k[keep, :, :width]
-        self.v[:m, :, :width] = self.v[keep, :, :width]
+        self.keys[:m, :, :width] = self.keys[keep, :, :width]
+        self.values[:m, :, :width] = self.values[keep, :, :width]
         self.last[:m] = self.last[keep]
         self.n[:m] = self.n[keep]
 
@@ -237,7 +238,7 @@ class DraftCache:
         pass  # draft entries live at or past n: masked, then overwritten
 
     def propose_chain(self, root: int, K: int, temperature: float, top_p: float, gen, vocab: int) -> Draft:
-        assert temperature == 0 and K == self.K
+        assert temperature == 0 and K == self.chain_len
         return chain(root, self.draft_chain()[0].tolist())
 
     def propose_tree(self, root: int, top_k: int, depth: int, total: int) -> TreeDraft:

@@ -62,8 +62,8 @@ class DFlashDrafting:
         p = next(drafter.parameters())
         dev, dt = p.device, p.dtype
         shape = (1, cfg.num_key_value_heads, slots, cfg.head_dim)
-        self.k = [torch.zeros(shape, device=dev, dtype=dt) for _ in range(cfg.num_hidden_layers)]
-        self.v = [torch.zeros(shape, device=dev, dtype=dt) for _ in range(cfg.num_hidden_layers)]
+        self.keys = [torch.zeros(shape, device=dev, dtype=dt) for _ in range(cfg.num_hidden_layers)]
+        self.values = [torch.zeros(shape, device=dev, dtype=dt) for _ in range(cfg.num_hidden_layers)]
         self.count = 0  # committed entries (host copy): positions 0..count-1
         self.n = torch.zeros(1, dtype=torch.long, device=dev)  # the same count on the device, read by the graphs
         self.ids = torch.full((1, self.B), cfg.mask_token_id, dtype=torch.long, device=dev)  # [bonus, MASK..]
@@ -74,7 +74,7 @@ class DFlashDrafting:
     def _write(self, aux: Tensor) -> None:
         """Context keys and values of aux (1,S,K*h_t) at positions n..n+S-1, written into every layer's buffer."""
         pos = self.n[:, None] + self.cols[:aux.shape[1]]  # (1,S)
-        for (k, v), kb, vb in zip(self.d.context_kv(aux, pos), self.k, self.v):  # (1,nkv,S,hd) each
+        for (k, v), kb, vb in zip(self.d.context_kv(aux, pos), self.keys, self.values):  # (1,nkv,S,hd) each
             kb.index_copy_(2, pos[0], k)
             vb.index_copy_(2, pos[0], v)
 
@@ -88,9 +88,9 @@ class DFlashDrafting:
         if width is None:
             old = (self.cols < self.n)[None, None].expand(1, B, self.M)  # (1,B,M) committed entries
             mask = torch.cat([old, torch.ones(1, B, B, dtype=torch.bool, device=pos.device)], -1)  # (1,B,M+B)
-            ctx = list(zip(self.k, self.v))
+            ctx = list(zip(self.keys, self.values))
         else:
-            mask, ctx = None, [(k[:, :, :width], v[:, :, :width]) for k, v in zip(self.k, self.v)]
+            mask, ctx = None, [(k[:, :, :width], v[:, :, :width]) for k, v in zip(self.keys, self.values)]
         h = self.d(emb, pos, ctx, mask)  # (1,B,h)
         logits = self.lm_head(h[0, 1:]).float()  # (B-1,V)
         return logits, logits.argmax(-1)

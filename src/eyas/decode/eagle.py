@@ -19,12 +19,12 @@ class EagleDrafting:
     def __init__(self, drafter, embed):
         self.drafter = drafter
         self.embed = embed  # the frozen target embedding (nn.Embedding)
-        self.k = self.v = None  # committed drafter cache (1, kv, n, hd)
+        self.keys = self.values = None  # committed drafter cache (1, kv, n, hd)
         self.last = None  # output (1,1,h) of the last committed entry
         self.n = 0  # committed entries: positions 0..n-1
 
     def reset(self) -> None:
-        self.k = self.v = self.last = None
+        self.keys = self.values = self.last = None
         self.n = 0
 
     @torch.no_grad()
@@ -37,8 +37,8 @@ class EagleDrafting:
         pos = torch.arange(self.n, self.n + S, device=aux.device)[None]  # (1,S)
         mask = torch.ones(1, S, self.n + S, dtype=torch.bool, device=aux.device)
         mask[0, :, self.n:] = torch.ones(S, S, dtype=torch.bool, device=aux.device).tril()
-        cache = None if self.k is None else (self.k, self.v)
-        out, (self.k, self.v) = d.layer(g, emb, pos, mask, cache)
+        cache = None if self.keys is None else (self.keys, self.values)
+        out, (self.keys, self.values) = d.layer(g, emb, pos, mask, cache)
         self.last = out[:, -1:]
         self.n += S
 
@@ -52,7 +52,7 @@ class EagleDrafting:
     def propose_chain(self, root: int, K: int, temperature: float, top_p: float, gen, vocab: int) -> Draft:
         """K tokens, each fed back: argmax at temperature 0, else sampled from the draft law q."""
         d, dev = self.drafter, self.last.device
-        hidden, k, v = self.last, self.k, self.v
+        hidden, k, v = self.last, self.keys, self.values
         toks, qs = [], []
         for step in range(K):
             lg = self._draft_logits(hidden)[0, -1]  # (Vd,)
@@ -86,7 +86,7 @@ class EagleDrafting:
         scores, parents, depths = s.tolist(), [-1] * len(toks), [1] * len(toks)
         frontier = list(range(len(toks)))  # pool indices of the nodes to expand
         hidden = self.last.expand(1, len(frontier), -1)  # (1,F,h) input hidden of each frontier node
-        k, v = self.k, self.v
+        k, v = self.keys, self.values
         n = self.n
         anc_cols: dict[int, list[int]] = {-1: []}
         for level in range(2, depth + 1):
@@ -120,5 +120,5 @@ class EagleDrafting:
 
     def rollback(self) -> None:
         """Drop any cache entries beyond the committed ones (draft-only keys)."""
-        if self.k is not None and self.k.shape[2] > self.n:
-            self.k, self.v = self.k[:, :, :self.n], self.v[:, :, :self.n]
+        if self.keys is not None and self.keys.shape[2] > self.n:
+            self.keys, self.values = self.keys[:, :, :self.n], self.values[:, :, :self.n]

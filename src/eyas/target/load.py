@@ -33,6 +33,9 @@ class Target:
     tokenizer: object | None
     aux_layer_ids: tuple[int, int, int]
     fingerprint: dict = field(default_factory=dict)   # target/fingerprint.py
+    runners: dict = field(default_factory=dict, repr=False, compare=False)
+    """Static-cache runners built on this model, by their shape and options: a runner compiles and captures its
+    graphs once, so every bench of this target reuses it; they go when the target does."""
 
     @property
     def config(self):

@@ -23,7 +23,6 @@ import os
 import shutil
 import sys
 import tempfile
-import weakref
 from functools import lru_cache
 from pathlib import Path
 
@@ -72,10 +71,14 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0][:200] if text else ""
 
 
-# The functions of each PersistentStep, by call signature. Kept off the object (which the runner holds): a later
-# aot_compile of that runner pickles guard state reachable from it, and a loaded function's guard manager cannot
-# be pickled (torch 2.13: "cannot pickle 'RootGuardManager'").
-_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+class Unpickled(dict):
+    """A dict that pickles as an empty one. aot_compile of a step whose argument is a runner pickles the guard state
+    reachable from that runner, its plain dicts and closures included; what a runner keeps of its compiled and
+    captured steps cannot be pickled (a loaded function's guard manager: "cannot pickle 'RootGuardManager'"; a CUDA
+    graph: "cannot pickle 'CUDAGraph' object"), so it keeps them in one of these."""
+
+    def __reduce__(self):
+        return type(self), ()
 
 
 class PersistentStep:
@@ -86,15 +89,15 @@ class PersistentStep:
         self.fn, self.owner, self.dir, self.options, self.extra = fn, owner, Path(directory), options, extra
         self.config = config
         self.loaded = self.compiled = self.fallbacks = 0  # files loaded / compiled and saved / plain compiles
+        self._steps: dict = Unpickled()  # call signature -> its function
 
     def __call__(self, *args):
         full = (self.owner, *args, *self.extra)
         with torch.no_grad():
             key = signature(args)
-            steps = _STEPS.setdefault(self, {})
-            step = steps.get(key)
+            step = self._steps.get(key)
             if step is None:
-                step = steps[key] = self._resolve(full, key)
+                step = self._steps[key] = self._resolve(full, key)
             return step(*full)
 
     def path_for(self, key: tuple) -> Path:

@@ -35,6 +35,7 @@ from eyas.target.compile import CompilePolicy, check_attention, compile_step, ha
 from eyas.target.generate import generate
 from eyas.target.graphs import capture
 from eyas.target.hf_runner import HFRunner, HFRunnerConfig
+from eyas.target.persist import Unpickled
 from eyas.target.slots import SlotRunner
 
 
@@ -270,16 +271,6 @@ def _verify_step(runner, ids, pos, slots, mask, capture):
 _layer_region = torch.compiler.nested_compile_region(_layer_body) if has_regions() else None
 
 
-class _Unpickled(dict):
-    """A runner's captured steps (Runner.graphed). `persist` compiles a step with the runner as an argument, and
-    dynamo pickles that step's guard state, walking the runner's plain dicts, closures included; a CUDA graph cannot
-    be pickled ("cannot pickle 'CUDAGraph' object"). This dict pickles as an empty one.
-    (Not a module-level weak map: its values hold the runner, which would then never be freed.)"""
-
-    def __reduce__(self):
-        return type(self), ()
-
-
 class Runner(SlotRunner):
     """Static-cache Llama forward. Build with `Runner.from_hf(model, max_batch=, max_seq=)`."""
 
@@ -295,7 +286,9 @@ class Runner(SlotRunner):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device)
         self.register_buffer("cos", torch.zeros(cfg.max_seq, cfg.head_dim, dtype=dtype, device=device), persistent=False)
         self.register_buffer("sin", torch.zeros(cfg.max_seq, cfg.head_dim, dtype=dtype, device=device), persistent=False)
-        self._graphs: dict = _Unpickled()  # (batch, seq, fn, slots) -> the callable `graphed` built for it
+        # (batch, seq, fn, slots) -> the callable `graphed` built for it; on the runner, not in a module-level weak
+        # map: its values hold the runner, which would then never be freed
+        self._graphs: dict = Unpickled()
         self._compiled = None
         self._step_fns: dict = {}
         self._call_layer = _layer_body

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from eyas.errors import EyasError
 from eyas.train.soft_ce import fused_soft_ce
-from eyas.train.ttt import TTTOutput, first_argmax
+from eyas.train.ttt import Layout, StepTally, TTTOutput, first_argmax, layout
 
 LABELS = ("soft", "hard")
 
@@ -136,6 +136,34 @@ def block_hidden(drafter: nn.Module, *, input_ids: Tensor, aux: Tensor, embed: T
     return hidden.view(R, N, B, -1)
 
 
+@torch.no_grad()
+def counted_slots(lay: Layout, anchors: Tensor, real: Tensor, B: int) -> tuple[Tensor, Tensor]:
+    """(label positions (R, N, B) = anchor + slot, counted (R, N, B) bool): slot k of the block at a real anchor a
+    counts iff a+k lies in a's sample with nothing invalid in between and loss_mask[a+k]; the anchor slot never."""
+    T = lay.seg.shape[1]
+    lab = anchors[..., None] + torch.arange(B, device=anchors.device)                  # (R, N, B) label positions
+    labc = lab.clamp(max=T - 1)                                                        # (R, N, B)
+    a_seg, a_holes = lay.seg.gather(1, anchors), lay.holes.gather(1, anchors)          # (R, N)
+    counted = ((lab < T) & real[..., None] & (_at(lay.seg, labc) == a_seg[..., None])
+               & (_at(lay.holes, labc) == a_holes[..., None]) & _at(lay.lmask, labc))  # (R, N, B)
+    counted[..., 0] = False                                                            # the anchor slot: no loss
+    return lab, counted
+
+
+def slot_loss(x: Tensor, prev: Tensor, lm_head_weight: Tensor, *, labels: str, tokens: Tensor | None, weight: Tensor,
+              chunk: int) -> tuple[Tensor, Tensor, Tensor]:
+    """One block slot's summed cross-entropy over its rows x (M, h) (row weights `weight`), the drafter's argmax and
+    the target's, both (M,). prev (M, h_t): the target's final state before each label; labels 'soft' learns its
+    law there, 'hard' the data's tokens (M,)."""
+    if labels == "soft":  # the target's argmax comes with its soft labels (the same logits)
+        return fused_soft_ce(x, lm_head_weight, prev, lm_head_weight, chunk=chunk, weight=weight, targets=True)
+    loss, pred = fused_soft_ce(x, lm_head_weight, tokens, None, chunk=chunk, weight=weight)
+    with torch.no_grad():  # the target's argmax, in row chunks: (M, V) logits never exist at once
+        tgt = torch.cat([first_argmax(F.linear(prev[i:i + chunk].to(lm_head_weight.dtype), lm_head_weight))
+                         for i in range(0, prev.shape[0], chunk)])                     # (M,)
+    return loss, pred, tgt
+
+
 def dflash_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, valid: Tensor, aux: Tensor,
                    final: Tensor, embed: Tensor, lm_head_weight: Tensor, cfg: BlockLossConfig,
                    anchors: Tensor, real: Tensor, segment_ids: Tensor | None = None,
@@ -144,71 +172,34 @@ def dflash_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, 
 
     input_ids, loss_mask, valid (R, T); aux (R, T, K*h_t); final (R, T, h_t); embed (V, h) and lm_head_weight (V, h_t)
     the target's, frozen; segment_ids / position_ids for packed rows as ttt_forward takes them."""
+    lay = layout("dflash", input_ids, loss_mask, valid, aux, final, segment_ids, position_ids)
     R, T = input_ids.shape
-    if loss_mask.shape != (R, T) or valid.shape != (R, T) or aux.shape[:2] != (R, T) or final.shape[:2] != (R, T):
-        raise ValueError(f"dflash: shape mismatch: input_ids {tuple(input_ids.shape)}, loss_mask "
-                         f"{tuple(loss_mask.shape)}, valid {tuple(valid.shape)}, aux {tuple(aux.shape)}, final "
-                         f"{tuple(final.shape)}")
     dc, dev = drafter.config, input_ids.device
-    B, N, K = dc.block_size, anchors.shape[1], dc.block_size - 1
+    B, N, h_t = dc.block_size, anchors.shape[1], final.shape[-1]
     gamma = cfg.gamma or default_gamma(B)
-    valid = valid.bool()
-    seg = valid.long() if segment_ids is None else torch.where(valid, segment_ids, 0)   # (R, T)
-    positions = torch.arange(T, device=dev).expand(R, T) if position_ids is None else position_ids  # (R, T)
-    lmask = loss_mask.bool() & valid
-    holes = (~valid).long().cumsum(-1)                                             # (R, T)
     use_flex = cfg.attention == "flex" or (cfg.attention == "auto" and input_ids.is_cuda and dc.head_dim >= 16)
+    lab, counted = counted_slots(lay, anchors, real, B)                                # (R, N, B) each
+    hidden = block_hidden(drafter, input_ids=input_ids, aux=aux, embed=embed, anchors=anchors, seg=lay.seg,
+                          positions=lay.positions, flex=use_flex)                      # (R, N, B, h)
 
-    with torch.no_grad():
-        k = torch.arange(B, device=dev)                                            # (B,)
-        lab = anchors[..., None] + k                                               # (R, N, B) label positions
-        inside = lab < T
-        labc = lab.clamp(max=T - 1)                                                # (R, N, B)
-        a_seg, a_holes = seg.gather(1, anchors), holes.gather(1, anchors)          # (R, N)
-        counted = (inside & real[..., None] & (_at(seg, labc) == a_seg[..., None])
-                   & (_at(holes, labc) == a_holes[..., None]) & _at(lmask, labc))  # (R, N, B)
-        counted[..., 0] = False                                                    # the anchor slot: no loss
-    hidden = block_hidden(drafter, input_ids=input_ids, aux=aux, embed=embed, anchors=anchors, seg=seg,
-                          positions=positions, flex=use_flex)                      # (R, N, B, h)
-
-    chunk = cfg.chunk_size or 4096
-    h_t = final.shape[-1]
     total = torch.zeros((), device=dev)
-    losses, counts, corrects, ccounts, ccorrects = [], [], [], [], []
-    prev_right = torch.ones(R, N, dtype=torch.bool, device=dev)
-    accept = torch.zeros(R, N, dtype=torch.long, device=dev)
+    tally = StepTally((R, N), dev)
     for s in range(1, B):
         m = counted[..., s].reshape(-1)                                            # (R*N,)
-        w = m.float()
         x = hidden[:, :, s].reshape(R * N, -1)                                     # (R*N, h)
         prev = _at(final, (lab[..., s] - 1).clamp(max=T - 1)).reshape(R * N, h_t)  # (R*N, h_t) final_{a+s-1}
-        if cfg.labels == "soft":  # the target's argmax comes with its soft labels (the same logits)
-            ls, pred, tgt = fused_soft_ce(x, lm_head_weight, prev, lm_head_weight, chunk=chunk, weight=w,
-                                          targets=True)
-        else:
-            ls, pred = fused_soft_ce(x, lm_head_weight, _at(input_ids, labc[..., s]).reshape(-1), None,
-                                     chunk=chunk, weight=w)
-            with torch.no_grad():  # the target's argmax, in row chunks: (R*N, V) logits never exist at once
-                tgt = torch.cat([first_argmax(F.linear(prev[i:i + chunk].to(lm_head_weight.dtype), lm_head_weight))
-                                 for i in range(0, prev.shape[0], chunk)])           # (R*N,)
+        tokens = (_at(input_ids, lab[..., s].clamp(max=T - 1)).reshape(-1) if cfg.labels == "hard"
+                  else None)                                                       # (R*N,) x_{a+s}
+        ls, pred, tgt = slot_loss(x, prev, lm_head_weight, labels=cfg.labels, tokens=tokens, weight=m.float(),
+                                  chunk=cfg.chunk_size or 4096)
         count = m.sum()
         loss_s = ls / count.clamp(min=1)
         total = total + math.exp(-(s - 1) / gamma) * loss_s
-        right = ((pred == tgt) & m).view(R, N)
-        cond = m.view(R, N) & prev_right
-        prev_right = prev_right & right
-        accept += prev_right
-        losses.append(loss_s.detach())
-        counts.append(count)
-        corrects.append(right.sum())
-        ccounts.append(cond.sum())
-        ccorrects.append((cond & right).sum())
+        tally.add(loss_s, count, ((pred == tgt) & m).view(R, N), m.view(R, N))
     accept_len = torch.zeros(R, T, dtype=torch.long, device=dev)                   # at t = a - 1
     ok = real & (anchors > 0)
-    accept_len.scatter_(1, (anchors - 1).clamp(min=0), torch.where(ok, accept, 0))
-    return TTTOutput(loss=total, loss_k=torch.stack(losses), count_k=torch.stack(counts),
-                     correct_k=torch.stack(corrects), cond_count_k=torch.stack(ccounts),
-                     cond_correct_k=torch.stack(ccorrects), accept_len=accept_len)
+    accept_len.scatter_(1, (anchors - 1).clamp(min=0), torch.where(ok, tally.accept, 0))
+    return tally.output(total, accept_len)
 
 
 def merge(outs: list[TTTOutput]) -> TTTOutput:

@@ -11,8 +11,44 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from eyas.errors import EyasError
 from eyas.manifest import atomic_write_bytes
+from eyas.train import dist
 from eyas.train.ttt import first_argmax
+
+
+class FiniteWatch:
+    """NaN/Inf flags of training steps, kept on the device until check() reads them all back at once: steps that
+    are not logged never wait for the device, and a bad value is still reported before anything is evaluated or
+    saved."""
+
+    def __init__(self):
+        self._watched: list[tuple[int, str, list[str], Tensor]] = []   # (step, what, sample ids, flags)
+
+    def watch(self, step: int, what: str, ids: list[str], flags: Tensor) -> None:
+        """Flags of `what` at `step`: one per row of `ids` ("features"), or one for all of them."""
+        if hasattr(flags, "full_tensor"):  # FSDP2's gradient norm is a DTensor
+            flags = flags.full_tensor()
+        self._watched.append((step, what, ids, flags.detach().reshape(-1)))
+
+    def check(self) -> None:
+        """Read back the NaN/Inf flags of the steps since the last check (one host sync); raise for the first bad
+        one on any rank, naming its step and sample(s). Every rank calls it at the same steps."""
+        watched, self._watched = self._watched, []
+        if not watched:
+            return
+        bad = dist.max_over_ranks(torch.stack([f.any() for *_, f in watched]).float())     # (entries,)
+        if not bool(bad.any()):
+            return
+        j = int(bad.nonzero()[0])
+        step, what, ids, flags = watched[j]
+        local = flags.tolist()
+        if what == "features":
+            names = [ids[r] for r, x in enumerate(local) if x]
+        else:
+            names = list(ids) if any(local) else []
+        names = dist.gather_lists(names)
+        raise EyasError(f"step {step}: NaN/Inf in {what}, sample(s) {', '.join(map(repr, names)) or '(another rank)'}")
 
 
 class Sums:

@@ -12,7 +12,8 @@ One optimizer step on a rank = grad_accum micro-batches (data.rank_batches); the
 loss (mean over its counted positions) / grad_accum, and DDP averages over ranks, so W ranks x A micro-batches
 give the same update as one process with A*W micro-batches of the same data. Ranks, the DDP / FSDP2 wrap and
 full state dicts live in train/dist.py; the set-up steps (run directory, data source, draft vocabulary, head
-init, lr schedule) in train/setup.py.
+init, lr schedule) in train/setup.py; the steps of each epoch and the data position (a checkpoint's "data") in
+train/loader.py.
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ from eyas.model.drafter import Eagle3Drafter
 from eyas.target.compile import compile_cache, raise_recompile_limit
 from eyas.train import checkpoint as ckpt, dist
 from eyas.train.config import TrainConfig
-from eyas.train.data import epoch_batches, group, group_packed, nonfinite_flags, pack, rank_batches, split_indices
+from eyas.train.data import group, group_packed, nonfinite_flags, pack, split_indices
 from eyas.train.dflash import BlockLossConfig, DFlashModule
 from eyas.train.feature_cache import online_features, plan as plan_feature_cache
-from eyas.train.metrics import MetricsSink, Sums, frequency_baseline, round_counts, truncate_metrics
+from eyas.train.loader import TrainLoader
+from eyas.train.metrics import FiniteWatch, MetricsSink, Sums, frequency_baseline, round_counts, truncate_metrics
 from eyas.train.prefetch import Prefetcher
 from eyas.train.setup import (KIND, build_vocab, check_init_config, check_init_kind, check_run_dir,
                               init_head_from_target, refuse_run_dir, run_drafter_config, schedule, write_vocab)
@@ -90,18 +92,62 @@ class Trainer:
         self.dist = dist.setup(cfg.device, deterministic=cfg.deterministic)
         self.rank, self.world, self.device = self.dist.rank, self.dist.world, self.dist.device
         explicit_vocab = cfg.draft_vocab
-        cfg, chosen = cfg.for_device(self.device)  # before the run-dir check: a resume compares resolved values
+        self.cfg = cfg = self._resolve_config(cfg)
+        self.run = Path(cfg.out)
+        if self.rank == 0:  # read only: the run directory is made once the target and data have been checked
+            refuse_run_dir(cfg, self.run)
+        dist.barrier()
+        self.source, self.target, self.ref = _open_source(cfg, target, self.device)
+        self._split_data(explicit_vocab)
+        init_drafter, init_vocab = self._open_init()
+        # DFlash drafts from the target's whole vocabulary: its "draft vocabulary" is the identity
+        self.vocab, self.top_id, vocab_summary = build_vocab(cfg, self.source, self.train_idx, self.target.vocab_size,
+                                                             init_vocab, announce=self.rank == 0)
+        self._build_model(init_drafter)
+        # packed rows: (rows, row_len) of every micro-batch, a fixed shape
+        self.packed = (max(1, cfg.batch_tokens // cfg.max_len), cfg.max_len) if cfg.packs(self.device) else None
+        self.loader = TrainLoader(self.train_idx, self.source.lengths, batch_tokens=cfg.batch_tokens, seed=cfg.seed,
+                                  grad_accum=cfg.grad_accum, rank=self.rank, world=self.world, packed=self.packed)
+        if not self.loader.plan(0):
+            raise EyasError(f"{self.source.where}: {len(self.train_idx)} training samples make fewer micro-batches "
+                            f"than one step needs ({self.world} rank(s) x grad_accum {cfg.grad_accum}); lower "
+                            f"--batch-tokens")
+        self.total = (cfg.steps if cfg.steps is not None
+                      else sum(len(self.loader.plan(e)) for e in range(cfg.epochs or 1)))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, schedule(cfg, self.total))
+        self.amp = self._autocast()
+        self.step = 0
+        self.data_wait_s = 0.0   # seconds the loop waited for its training input (metrics.jsonl's data_wait_s)
+        self.finite = FiniteWatch()
+        # Offline, unpacked: each training sample's full-vocab target argmax, kept from its first pass, so later
+        # epochs multiply only the draft vocabulary's rows of the target's head (the store's states never change).
+        # Not with an LK loss: its alpha needs the target's full-vocab normaliser, so every pass multiplies it all.
+        keeps = not (cfg.online or self.packed or cfg.method == "dflash") and cfg.loss == "ce"
+        self.target_ids: dict[int, torch.Tensor] | None = {} if keeps else None
+        self.fcache = self._feature_cache()
+        if self.rank == 0:  # everything above is checked: only now the run directory and its vocabulary
+            check_run_dir(cfg, self.run)
+            write_vocab(self.run, self.vocab, vocab_summary)
+        dist.barrier()
+        self._restore()
+        self.setup_s = time.perf_counter() - t0  # the train summary's start-up, with the first step's seconds
+
+    # ------------------------------------------------------------------------------------------ set-up
+    def _resolve_config(self, cfg: TrainConfig) -> TrainConfig:
+        """The config with its device defaults filled in (before the run-dir check: a resume compares resolved
+        values); refuses what this device cannot train."""
+        cfg, chosen = cfg.for_device(self.device)
         if cfg.attention == "flex" and self.device.type != "cuda":
             raise EyasError(f"train: --attention flex trains on CUDA only (torch's flex_attention has no backward on "
                             f"the {self.device.type}); use auto, dense or blocks there")
         if chosen and self.rank == 0:
             print(chosen, file=sys.stderr)
-        self.cfg, self.run = cfg, Path(cfg.out)
-        if self.rank == 0:  # read only: the run directory is made once the target and data have been checked
-            refuse_run_dir(cfg, self.run)
-        dist.barrier()
-        self.source, target, self.ref = _open_source(cfg, target, self.device)
-        self.target = target
+        return cfg
+
+    def _split_data(self, explicit_vocab: int | None) -> None:
+        """The train and eval samples of the source (train_idx, eval_idx), refusing data that trains nothing and a
+        --draft-vocab larger than the target's vocabulary."""
+        cfg, target = self.cfg, self.target
         if hasattr(self.source, "store"):  # offline: the ranks hash the store's shards between them, once
             self.source.store.check_shards(self.rank, self.world)
             dist.long_barrier()
@@ -113,18 +159,22 @@ class Trainer:
             raise EyasError(f"--draft-vocab {explicit_vocab} is larger than the target's vocabulary "
                             f"({target.vocab_size} tokens of {cfg.target or 'the store target'}); use at most "
                             f"{target.vocab_size}")
-        init_drafter, init_vocab = None, None
-        if cfg.init:
-            # checks the drafter's recorded target (each differing field named), or warns with --allow-target-mismatch
-            init_drafter, _ = open_drafter(cfg.init, target, allow_target_mismatch=cfg.allow_target_mismatch)
-            check_init_kind(init_drafter, cfg)
-            if cfg.method == "eagle3":
-                init_vocab = (init_drafter.d2t.clone(), init_drafter.t2d.clone())
-        # DFlash drafts from the target's whole vocabulary: its "draft vocabulary" is the identity
-        self.vocab, self.top_id, vocab_summary = build_vocab(cfg, self.source, self.train_idx, target.vocab_size,
-                                                             init_vocab, announce=self.rank == 0)
 
-        # --- the drafter, its loss module and the optimizer
+    def _open_init(self) -> tuple[nn.Module | None, tuple | None]:
+        """--init's drafter and, for EAGLE-3, its vocabulary (d2t, t2d); (None, None) without --init."""
+        cfg = self.cfg
+        if not cfg.init:
+            return None, None
+        # checks the drafter's recorded target (each differing field named), or warns with --allow-target-mismatch
+        init_drafter, _ = open_drafter(cfg.init, self.target, allow_target_mismatch=cfg.allow_target_mismatch)
+        check_init_kind(init_drafter, cfg)
+        vocab = (init_drafter.d2t.clone(), init_drafter.t2d.clone()) if cfg.method == "eagle3" else None
+        return init_drafter, vocab
+
+    def _build_model(self, init_drafter) -> None:
+        """The drafter (from --init's weights, else fresh, its head from the target's with init_from_target) and
+        its loss module, wrapped for the ranks (model), and the optimizer over its trainable parameters."""
+        cfg, target = self.cfg, self.target
         torch.manual_seed(cfg.seed)
         self.dcfg = run_drafter_config(cfg, target, init_drafter.config if init_drafter is not None else None)
         dflash = cfg.method == "dflash"
@@ -147,8 +197,6 @@ class Trainer:
             raise_recompile_limit()  # K steps x train/eval
             for layer in drafter.layers if dflash else (drafter.midlayer,):
                 layer.compile(dynamic=False)  # in place: the state-dict keys stay the export keys
-        # packed rows: (rows, row_len) of every micro-batch, a fixed shape
-        self.packed = (max(1, cfg.batch_tokens // cfg.max_len), cfg.max_len) if cfg.packs(self.device) else None
         if dflash:
             attention = "dense" if cfg.attention == "blocks" else cfg.attention
             self.module = DFlashModule(drafter, BlockLossConfig(anchors=cfg.anchors, gamma=cfg.block_gamma,
@@ -166,98 +214,63 @@ class Trainer:
         self.embed_w = target.embed_tokens.weight.detach().to(self.device)
         self.lm_w = self.embed_w if target.tie_word_embeddings else target.lm_head.weight.detach().to(self.device)
 
-        # --- the plan: steps per epoch are fixed by (seed, epoch, lengths)
-        self._plan: tuple[int, list] = (-1, [])
-        self._step_tokens: tuple[int, list[int]] = (-1, [])
-        self._watched: list[tuple[int, str, list[str], torch.Tensor]] = []   # NaN/Inf flags not yet read back
-        if not self.plan(0):
-            raise EyasError(f"{self.source.where}: {len(self.train_idx)} training samples make fewer micro-batches "
-                            f"than one step needs ({self.world} rank(s) x grad_accum {cfg.grad_accum}); lower "
-                            f"--batch-tokens")
-        self.total = cfg.steps if cfg.steps is not None else sum(len(self.plan(e)) for e in range(cfg.epochs or 1))
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, schedule(cfg, self.total))
+    def _autocast(self):
+        """The forward's autocast context: bf16 on CUDA and on CPUs with native bf16 unless the config says."""
+        cfg = self.cfg
         use_bf16 = cfg.autocast == "bf16" or (cfg.autocast == "auto" and (self.device.type == "cuda"
                                                                            or eyas.target.device.cpu_bf16_fast()))
-        self.amp = (torch.autocast(self.device.type, dtype=torch.bfloat16) if use_bf16 and not cfg.deterministic
-                    else contextlib.nullcontext())
-        if cfg.autocast == "auto" and self.rank == 0:  # the device picked it: say which (issue 15 item 8)
+        if cfg.autocast == "auto" and self.rank == 0:  # the device picked it: say which
             why = ("CUDA" if self.device.type == "cuda" else
                    "this CPU has native bf16" if use_bf16 else "this CPU has no native bf16 (AVX512-BF16/AMX)")
             print(f"eyas train: autocast {'bf16' if use_bf16 else 'off (fp32)'} on {self.device.type}: {why} "
                   f"(--autocast bf16|off to choose)", file=sys.stderr)
-        self.step, self.epoch, self.pos, self.seen = 0, 0, 0, 0
-        self.data_wait_s = 0.0   # seconds the loop waited for its training input (metrics.jsonl's data_wait_s)
-        # Offline, unpacked: each training sample's full-vocab target argmax, kept from its first pass, so later
-        # epochs multiply only the draft vocabulary's rows of the target's head (the store's states never change).
-        # Not with an LK loss: its alpha needs the target's full-vocab normaliser, so every pass multiplies it all.
-        self.target_ids: dict[int, torch.Tensor] | None = ({} if not (cfg.online or self.packed or dflash)
-                                                           and cfg.loss == "ce" else None)
-        # Online: the target's states of each sample from its first pass, for the later ones (train/feature_cache.py)
-        self.fcache = None
-        if cfg.online:
-            h, item = target.hidden_size, torch.empty((), dtype=target.dtype).element_size()
-            needed = sum(self.source.lengths[i] for i in self.train_idx + self.eval_idx) * 4 * h * item
-            self.fcache, where = plan_feature_cache(cfg.feature_cache, needed, self.device)
-            if self.rank == 0:
-                print(f"eyas train: feature cache: {where} (--feature-cache auto|GB|off)", file=sys.stderr)
-        if self.rank == 0:  # everything above is checked: only now the run directory and its vocabulary
-            check_run_dir(cfg, self.run)
-            write_vocab(self.run, self.vocab, vocab_summary)
-        dist.barrier()
-        self._restore()
-        self.setup_s = time.perf_counter() - t0  # the train summary's start-up, with the first step's seconds
+        return (torch.autocast(self.device.type, dtype=torch.bfloat16) if use_bf16 and not cfg.deterministic
+                else contextlib.nullcontext())
+
+    def _feature_cache(self):
+        """Online: the target's states of each sample from its first pass, for the later ones
+        (train/feature_cache.py); None offline."""
+        if not self.cfg.online:
+            return None
+        target = self.target
+        h, item = target.hidden_size, torch.empty((), dtype=target.dtype).element_size()
+        needed = sum(self.source.lengths[i] for i in self.train_idx + self.eval_idx) * 4 * h * item
+        fcache, where = plan_feature_cache(self.cfg.feature_cache, needed, self.device)
+        if self.rank == 0:
+            print(f"eyas train: feature cache: {where} (--feature-cache auto|GB|off)", file=sys.stderr)
+        return fcache
 
     @property
     def chain_name(self) -> str:
         """What the replayed tau decodes: "chain-K" (EAGLE-3) or "block-B" (DFlash, B-1 drafts a round)."""
         return f"block-{self.K + 1}" if self.cfg.method == "dflash" else f"chain-{self.K}"
 
+    # ------------------------------------------------------------------------------------------ data position
+    @property
+    def epoch(self) -> int:
+        return self.loader.epoch
+
+    @property
+    def pos(self) -> int:
+        """The step within the epoch that runs next (loader.pos)."""
+        return self.loader.pos
+
     def plan(self, epoch: int) -> list[list[list[int]]]:
         """This rank's steps of `epoch`, each a list of grad_accum micro-batches (sample indices)."""
-        if self._plan[0] != epoch:
-            self._plan = (epoch, self._rank_plan(epoch))
-        return self._plan[1]
-
-    def _rank_plan(self, epoch: int) -> list[list[list[int]]]:
-        """plan(epoch) without the cache: a pure function of the config and the data (the prefetch thread's)."""
-        mb = epoch_batches(self.train_idx, self.source.lengths, batch_tokens=self.cfg.batch_tokens,
-                           seed=self.cfg.seed, epoch=epoch, packed=self.packed)
-        return rank_batches(mb, rank=self.rank, world_size=self.world, grad_accum=self.cfg.grad_accum)
-
-    def _upcoming(self, epoch: int, pos: int, steps: int):
-        """((epoch, pos), micro-batches) of the next `steps` steps from data position (epoch, pos), in order."""
-        plan = self._rank_plan(epoch)
-        for _ in range(steps):
-            if pos == len(plan):
-                epoch, pos, plan = epoch + 1, 0, self._rank_plan(epoch + 1)
-            yield (epoch, pos), plan[pos]
-            pos += 1
-
-    def tokens_of_step(self, epoch: int, pos: int) -> int:
-        """Counted tokens (valid, all ranks) of step `pos` of `epoch`, from the plan: no host sync."""
-        if self._step_tokens[0] != epoch:
-            cfg, lengths = self.cfg, self.source.lengths
-            mb = epoch_batches(self.train_idx, lengths, batch_tokens=cfg.batch_tokens, seed=cfg.seed, epoch=epoch,
-                               packed=self.packed)
-            per_rank = [rank_batches(mb, rank=r, world_size=self.world, grad_accum=cfg.grad_accum)
-                        for r in range(self.world)]
-            self._step_tokens = (epoch, [sum(lengths[i] for p in per_rank for idx in p[s] for i in idx)
-                                         for s in range(len(per_rank[0]))])
-        return self._step_tokens[1][pos]
+        return self.loader.plan(epoch)
 
     def next_batch(self) -> list[list[int]]:
         """The micro-batches of the step at the data position (epoch, pos)."""
-        return self.plan(self.epoch)[self.pos]
+        return self.loader.next_batch()
 
     # ------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         """What RUN/checkpoints/step-N/state.pt holds: the full drafter (export keys) and optimizer, the scheduler,
-        the step and data position, the config identity and the world size. Every rank calls it (FSDP2 gathers);
-        tensors may share storage with the live ones, so save or copy before the next step."""
+        the step, the loader's state (data position), the config identity and the world size. Every rank calls it
+        (FSDP2 gathers); tensors may share storage with the live ones, so save or copy before the next step."""
         m, o = dist.full_state_dict(self.module, self.optim, self.cfg.fsdp)
         return {"model": {k.removeprefix("drafter."): v for k, v in m.items()}, "optimizer": o,
-                "scheduler": self.sched.state_dict(), "step": self.step,
-                "data": {"epoch": self.epoch, "position": self.pos, "tokens_seen": self.seen},
+                "scheduler": self.sched.state_dict(), "step": self.step, "data": self.loader.state_dict(),
                 "config": self.cfg.identity(), "world_size": self.world}
 
     def load_state_dict(self, state: dict) -> None:
@@ -266,8 +279,8 @@ class Trainer:
         model = {f"drafter.{k}": v for k, v in state["model"].items()}
         dist.load_full_state_dict(self.module, self.optim, model, state["optimizer"], self.cfg.fsdp)
         self.sched.load_state_dict(state["scheduler"])
-        self.step, self.epoch, self.pos = state["step"], state["data"]["epoch"], state["data"]["position"]
-        self.seen = state["data"].get("tokens_seen", 0)
+        self.step = state["step"]
+        self.loader.load_state_dict(state["data"])
 
     def _restore(self) -> None:
         """--resume from the latest checkpoint (same config and world size), else start metrics.jsonl over."""
@@ -289,7 +302,7 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """RUN/checkpoints/step-N at the current step (atomic; every rank writes its RNG state)."""
-        self.check_finite()
+        self.finite.check()
         state = self.state_dict()
         ckpt.save_checkpoint(self.run, self.step, state if self.rank == 0 else None, rank=self.rank,
                              barrier=dist.barrier, keep=self.cfg.keep_checkpoints)
@@ -303,7 +316,7 @@ class Trainer:
         spent on them add to data_wait_s).
 
         With sync=False nothing is read back from the device (summary and norm are None), so the host can queue
-        the next step while this one runs; the NaN/Inf checks of such steps are read at the next check_finite()
+        the next step while this one runs; the NaN/Inf checks of such steps are read at the next finite.check()
         (every synced step, eval, checkpoint and the end), before anything is evaluated or saved."""
         cfg, model = self.cfg, self.model
         sums = Sums(self.K, self.device)
@@ -314,7 +327,7 @@ class Trainer:
                 h = self._host_batch(idx)
                 self.data_wait_s += time.perf_counter() - t0
             b, n_tok, n_loss = self._features(idx, host[a] if host is not None else h)
-            self._watch(step, "features", b.ids, nonfinite_flags(b))
+            self.finite.watch(step, "features", b.ids, nonfinite_flags(b))
             known = self._known_targets(idx, b.input_ids)
             with dist.sync_grads(model, last=a == len(batch) - 1):
                 with self.amp:
@@ -324,20 +337,21 @@ class Trainer:
                 if known is None and self.target_ids is not None:
                     for r, i in enumerate(idx):
                         self.target_ids[i] = o.target_ids[r, :self.source.lengths[i]].to(torch.int32)
-                self._watch(step, "loss", b.ids, ~torch.isfinite(o.loss.detach()))
+                self.finite.watch(step, "loss", b.ids, ~torch.isfinite(o.loss.detach()))
                 (o.loss / len(batch)).backward()
             sums.add(o, n_tok)
         gnorm = nn.utils.clip_grad_norm_(self.params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-        self._watch(step, "gradient norm", [self.source.ids[j] for idx in batch for j in idx], ~torch.isfinite(gnorm))
+        self.finite.watch(step, "gradient norm", [self.source.ids[j] for idx in batch for j in idx],
+                          ~torch.isfinite(gnorm))
         lr = self.sched.get_last_lr()[0]
         self.optim.step()
         self.sched.step()
         self.optim.zero_grad(set_to_none=True)
-        self.seen += self.tokens_of_step(self.epoch, self.pos)  # all ranks: the x axis of the scaling curve
-        self.step, self.pos = step, self.pos + 1
+        self.loader.advance()
+        self.step = step
         if not sync:
             return None, lr, None
-        self.check_finite()
+        self.finite.check()
         return sums.all_reduce().summary(), lr, float(gnorm)
 
     def _known_targets(self, idx: list[int], input_ids: torch.Tensor) -> torch.Tensor | None:
@@ -349,34 +363,10 @@ class Trainer:
             out[r, :self.source.lengths[i]] = self.target_ids[i]
         return out.to(input_ids.device)
 
-    def _watch(self, step: int, what: str, ids: list[str], flags: torch.Tensor) -> None:
-        if hasattr(flags, "full_tensor"):  # FSDP2's gradient norm is a DTensor
-            flags = flags.full_tensor()
-        self._watched.append((step, what, ids, flags.detach().reshape(-1)))
-
-    def check_finite(self) -> None:
-        """Read back the NaN/Inf flags of the steps since the last check (one host sync); raise for the first bad
-        one on any rank, naming its step and sample(s). Every rank calls it at the same steps."""
-        watched, self._watched = self._watched, []
-        if not watched:
-            return
-        bad = dist.max_over_ranks(torch.stack([f.any() for *_, f in watched]).float())     # (entries,)
-        if not bool(bad.any()):
-            return
-        j = int(bad.nonzero()[0])
-        step, what, ids, flags = watched[j]
-        local = flags.tolist()
-        if what == "features":
-            names = [ids[r] for r, x in enumerate(local) if x]
-        else:
-            names = list(ids) if any(local) else []
-        names = dist.gather_lists(names)
-        raise EyasError(f"step {step}: NaN/Inf in {what}, sample(s) {', '.join(map(repr, names)) or '(another rank)'}")
-
     def evaluate(self) -> dict:
         """Token-weighted TTT metrics, the mean alpha per step (whatever the loss) and the frequency baseline on the
         held-out split ({} when there is none)."""
-        self.check_finite()
+        self.finite.check()
         if not self.eval_idx:
             return {}
         cfg, rank, world, packed = self.cfg, self.rank, self.world, self.packed
@@ -432,7 +422,7 @@ class Trainer:
         after the last step) and checkpoints; then write the drafter and the complete manifest.
         Returns {step, train, eval, vocab_coverage}. With cfg.prefetch a thread makes the next step's input while
         this one runs (train/prefetch.py); it is stopped and joined on any exit, KeyboardInterrupt included."""
-        pre = (Prefetcher(self._upcoming(self.epoch, self.pos, self.total - self.step),
+        pre = (Prefetcher(self.loader.upcoming(self.epoch, self.pos, self.total - self.step),
                           lambda batch: [self._host_batch(idx) for idx in batch], device=self.device)
                if self.cfg.prefetch else None)
         with pre or contextlib.nullcontext():
@@ -449,7 +439,7 @@ class Trainer:
         waited = self.data_wait_s
         t_loop, first_step_s = time.perf_counter(), None
         while self.step < self.total:
-            n = self.tokens_of_step(self.epoch, self.pos)
+            n = self.loader.tokens_of_step(self.epoch, self.pos)
             logged = (self.step + 1) % cfg.log_every == 0 or self.step + 1 == self.total
             host = None
             if pre is not None:
@@ -468,37 +458,44 @@ class Trainer:
             rate = sink.step(n, summary and {"loss": f"{summary['loss']:.3f}", "acc0": f"{summary['acc_k'][0]:.3f}"})
             if logged:
                 train_summary = summary
-                sink.log({"step": step, "split": "train", "epoch": self.epoch, "tokens_seen": self.seen, "lr": lr,
-                          "grad_norm": gnorm, "tokens_per_s": rate, "data_wait_s": self.data_wait_s - waited,
+                sink.log({"step": step, "split": "train", "epoch": self.epoch, "tokens_seen": self.loader.seen,
+                          "lr": lr, "grad_norm": gnorm, "tokens_per_s": rate, "data_wait_s": self.data_wait_s - waited,
                           **train_summary})
                 waited = self.data_wait_s
-            end_of_epoch = self.pos == len(self.plan(self.epoch))
+            end_of_epoch = self.loader.end_of_epoch
             # held-out: a fixed interval when one is set (epoch-end evals on top of it cost the gpu preset a large
             # share of its training time), else each epoch's end
             due = step % cfg.eval_every == 0 if cfg.eval_every else end_of_epoch
             if due or step == self.total:
-                last_eval = self.evaluate()
-                if last_eval:
-                    sink.log({"step": step, "split": "eval", "epoch": self.epoch, "tokens_seen": self.seen,
-                              **last_eval})
-                    sink.note(f"eval @ step {step}: acc_0 {last_eval['acc_k'][0]:.3f} (frequency baseline "
-                              f"{last_eval.get('baseline_acc_0', float('nan')):.3f}), tau_est "
-                              f"{last_eval['tau_est']:.2f}, replayed {self.chain_name} tau "
-                              f"{last_eval.get('round_tau_by_chain', [float('nan')])[-1]:.2f} (first replies "
-                              f"{last_eval.get('round_tau_first_by_chain', [float('nan')])[-1]:.2f})"
-                              + (f", alpha_0 {last_eval['alpha_k'][0]:.3f}" if "alpha_k" in last_eval else ""))
+                last_eval = self._logged_eval(sink, step)
             if end_of_epoch:
-                self.epoch, self.pos = self.epoch + 1, 0
+                self.loader.next_epoch()
             if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == self.total:
                 self.save_checkpoint()
         sink.close()
-        self.check_finite()
+        self.finite.check()
         if self.fcache is not None:  # its memory back for what runs next in this process (eyas run's bench)
             self.fcache.release()
-
-        # --- the final drafter
-        m, _ = dist.full_state_dict(self.module, None, cfg.fsdp)
         result = {"step": self.step, "train": train_summary, "eval": last_eval, "vocab_coverage": self.vocab.coverage}
+        self._write_drafter(result, first_step_s)
+        return result
+
+    def _logged_eval(self, sink: MetricsSink, step: int) -> dict:
+        """evaluate(), its record in the metrics and its line under the progress bar."""
+        ev = self.evaluate()
+        if ev:
+            sink.log({"step": step, "split": "eval", "epoch": self.epoch, "tokens_seen": self.loader.seen, **ev})
+            sink.note(f"eval @ step {step}: acc_0 {ev['acc_k'][0]:.3f} (frequency baseline "
+                      f"{ev.get('baseline_acc_0', float('nan')):.3f}), tau_est {ev['tau_est']:.2f}, replayed "
+                      f"{self.chain_name} tau {ev.get('round_tau_by_chain', [float('nan')])[-1]:.2f} (first replies "
+                      f"{ev.get('round_tau_first_by_chain', [float('nan')])[-1]:.2f})"
+                      + (f", alpha_0 {ev['alpha_k'][0]:.3f}" if "alpha_k" in ev else ""))
+        return ev
+
+    def _write_drafter(self, result: dict, first_step_s: float | None) -> None:
+        """RUN/drafter and the complete manifest with `result` (rank 0; every rank gathers the weights)."""
+        cfg = self.cfg
+        m, _ = dist.full_state_dict(self.module, None, cfg.fsdp)
         startup = {"setup_s": round(self.setup_s, 3),
                    "first_step_s": None if first_step_s is None else round(first_step_s, 3)}
         if self.rank == 0:
@@ -507,7 +504,6 @@ class Trainer:
             save_drafter(final, self.run / "drafter", meta={"target": self.target.fingerprint})
             write_manifest(self.run, {**self._manifest("complete"), "result": result, "startup": startup})
         dist.barrier()
-        return result
 
     def _manifest(self, status: str) -> dict:
         cfg = self.cfg

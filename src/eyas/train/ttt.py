@@ -175,6 +175,176 @@ def _select(m: Tensor, n: int | None) -> tuple[Tensor, Tensor | None]:
     return order, flat[order].float()
 
 
+@dataclass
+class Layout:
+    """Where a batch's samples lie, as the TTT and DFlash losses read it; every field (B, T)."""
+
+    valid: Tensor
+    """bool: False on padding."""
+    seg: Tensor
+    """int64: the segment id of each token (one per sample of a packed row), 0 on padding."""
+    positions: Tensor
+    """int64: the RoPE position of each token within its sample."""
+    lmask: Tensor
+    """bool: loss_mask & valid."""
+    holes: Tensor
+    """int64: invalid tokens up to and including t; equal values at s and t mean nothing invalid in between."""
+
+
+def layout(what: str, input_ids: Tensor, loss_mask: Tensor, valid: Tensor, aux: Tensor, final: Tensor,
+           segment_ids: Tensor | None, position_ids: Tensor | None) -> Layout:
+    """The batch's Layout, after checking that its tensors agree on (B, T); `what` names the loss in the error.
+    By default each row is one sample (segment = valid) at positions 0..T-1."""
+    B, T = input_ids.shape
+    if loss_mask.shape != (B, T) or valid.shape != (B, T) or aux.shape[:2] != (B, T) or final.shape[:2] != (B, T):
+        raise ValueError(f"{what}: shape mismatch: input_ids {tuple(input_ids.shape)}, loss_mask "
+                         f"{tuple(loss_mask.shape)}, valid {tuple(valid.shape)}, aux {tuple(aux.shape)}, final "
+                         f"{tuple(final.shape)}")
+    valid = valid.bool()
+    seg = valid.long() if segment_ids is None else torch.where(valid, segment_ids, 0)          # (B, T)
+    positions = (torch.arange(T, device=input_ids.device).expand(B, T) if position_ids is None
+                 else position_ids)                                                           # (B, T)
+    return Layout(valid=valid, seg=seg, positions=positions, lmask=loss_mask.bool() & valid,
+                  holes=(~valid).long().cumsum(-1))                                           # (B, T)
+
+
+class StepTally:
+    """TTTOutput's per-step counts, one step at a time, and the accept length they give: a position's accept length
+    is the number of leading steps that were all counted and correct there."""
+
+    def __init__(self, shape: tuple[int, ...], device):
+        self.prev_right = torch.ones(shape, dtype=torch.bool, device=device)   # every step so far right
+        self.accept = torch.zeros(shape, dtype=torch.long, device=device)
+        self.losses, self.counts, self.corrects, self.cond_counts, self.cond_corrects = [], [], [], [], []
+
+    def add(self, loss: Tensor, count: Tensor, right: Tensor, drafted: Tensor) -> None:
+        """One step: its loss, its counted positions, `right` (counted and correct) and `drafted` (where decoding
+        drafts this step; a target outside the draft vocabulary is a miss there, not a skip)."""
+        cond = drafted & self.prev_right
+        self.prev_right = self.prev_right & right
+        self.accept += self.prev_right
+        self.losses.append(loss.detach())
+        self.counts.append(count)
+        self.corrects.append(right.sum())
+        self.cond_counts.append(cond.sum())
+        self.cond_corrects.append((cond & right).sum())
+
+    def output(self, loss: Tensor, accept_len: Tensor, **extra) -> TTTOutput:
+        return TTTOutput(loss=loss, loss_k=torch.stack(self.losses), count_k=torch.stack(self.counts),
+                         correct_k=torch.stack(self.corrects), cond_count_k=torch.stack(self.cond_counts),
+                         cond_correct_k=torch.stack(self.cond_corrects), accept_len=accept_len, **extra)
+
+
+def _attention(cfg: TTTConfig, drafter: nn.Module, input_ids: Tensor) -> str:
+    """The step masks' kind for this batch: 'flex', 'blocks' or 'dense' (TTTConfig.attention resolved)."""
+    dev = input_ids.device
+    # flex's CUDA kernels need head_dim >= 16; smaller (test-sized) heads stay on the dense path under 'auto'
+    if cfg.attention == "flex" or (cfg.attention == "auto" and input_ids.is_cuda and drafter.config.head_dim >= 16):
+        return "flex"
+    if cfg.attention == "blocks" or (cfg.attention == "auto" and dev.type == "cpu"):
+        if dev.type != "cpu":
+            raise EyasError(f"ttt: attention 'blocks' runs on the CPU only (this batch is on {dev.type})")
+        return "blocks"
+    return "dense"
+
+
+@dataclass
+class _Labels:
+    """The target's side of a batch, made once before the steps (no grad). Step k at position t reads position
+    s = t+k+1: the target's argmax there (about x_{s+1}) and its draft-vocab logits, the soft labels."""
+
+    tgt_id: Tensor
+    """(B, T) int64: the full-vocab target argmax at s where loss_mask[s+1], else 0 (never read)."""
+    in_draft: Tensor
+    """(B, T) bool: tgt_id lies in the draft vocabulary."""
+    tgt_draft: Tensor
+    """(B, T) int64: tgt_id's draft id (clamped where it is not in the draft vocabulary)."""
+    table: Tensor | None
+    """(N, V_draft) the target's draft-vocab logits of the positions `row_of` maps, or None: each step multiplies
+    its rows (the table would pass LABEL_TABLE_BYTES)."""
+    row_of: Tensor
+    """(B*T,) int64: flat position -> table row."""
+    w_draft: Tensor
+    """(V_draft, h_t) the draft vocabulary's rows of the target's head."""
+    lmass: Tensor | None
+    """(B*T,) float32 log m_s, the target's probability mass on the draft vocabulary (when alpha is measured)."""
+
+    def step(self, final: Tensor, k: int, at: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Step k's soft labels at the flat positions `at` (N_k,): (target draft logits, None) from the table,
+        else (the target's final states at t+k+1, w_draft) for the loss to multiply."""
+        BT = self.row_of.shape[0]
+        if self.table is not None:  # counted rows read position t+k+1 (a table row); weight-0 extras any row
+            return self.table[self.row_of[(at + k + 1).clamp(max=BT - 1)]], None         # (N_k, Vd)
+        return _shift(final, k + 1).reshape(BT, -1)[at], self.w_draft                    # (N_k, h_t)
+
+    def log_mass(self, k: int, at: Tensor) -> Tensor | None:
+        """(N_k,) log m at t+k+1 of the flat positions `at`, or None when alpha is not measured."""
+        if self.lmass is None:
+            return None
+        return self.lmass[(at + k + 1).clamp(max=self.lmass.shape[0] - 1)]
+
+
+@torch.no_grad()
+def _target_labels(final: Tensor, lm_head_weight: Tensor, drafter: nn.Module, need: Tensor, *, chunk: int,
+                   max_counted: int | None, target_ids: Tensor | None, alpha: bool) -> _Labels:
+    """The batch's _Labels, at the positions s with `need` (B, T) = loss_mask[s+1]: only those can ever be counted
+    (as t+k+1 of some step), so the full-vocab product runs there only.
+
+    The soft labels of every step are rows of these same positions: when their draft-vocab logits fit in
+    LABEL_TABLE_BYTES they are taken from the full-vocab product here, once per position, instead of a second
+    product per step (K x V_draft more multiply-adds per position). Given target_ids (the same argmax, kept from an
+    earlier epoch) only the draft-vocab columns are multiplied. With alpha, also log m_s from the same product."""
+    B, T = need.shape
+    dev, token_ids = need.device, drafter.token_ids
+    known = target_ids is not None and not alpha
+    lmass = torch.zeros(B * T, dtype=torch.float32, device=dev) if alpha else None      # (B*T,) log m_s
+    tgt_id = target_ids.reshape(B * T).long() if known else torch.zeros(B * T, dtype=torch.long, device=dev)
+    at, _ = _select(need, max_counted)                                                 # (N,) (extra ones: not read)
+    rows = final.reshape(B * T, -1)[at]                                                # (N, h_t)
+    N, Vd = rows.shape[0], token_ids.numel()
+    itemsize = (torch.get_autocast_dtype(dev.type).itemsize if torch.is_autocast_enabled(dev.type)
+                else lm_head_weight.element_size())
+    keep, table = N * Vd * itemsize <= LABEL_TABLE_BYTES, None
+    w_draft = lm_head_weight[token_ids]                                                # (Vd, h_t)
+    for i in range(0, N if keep or not known else 0, chunk):
+        if known:
+            zd = target_logits_from_final(rows[i:i + chunk], w_draft)                  # (c, Vd)
+        else:
+            z = target_logits_from_final(rows[i:i + chunk], lm_head_weight)            # (c, V)
+            tgt_id[at[i:i + chunk]] = first_argmax(z)
+            if lmass is not None:
+                lmass[at[i:i + chunk]] = log_draft_mass(z, token_ids)
+            if not keep:
+                continue
+            zd = z[:, token_ids]                                                       # (c, Vd)
+        table = zd.new_empty(N, Vd) if table is None else table                       # (N, Vd) target draft logits
+        table[i:i + chunk] = zd
+    row_of = torch.zeros(B * T, dtype=torch.long, device=dev)                          # (B*T,) position -> table row
+    row_of[at] = torch.arange(N, device=dev)
+    tgt_id = tgt_id.view(B, T)                                                         # (B, T)
+    return _Labels(tgt_id=tgt_id, in_draft=drafter.t2d[tgt_id],
+                   tgt_draft=torch.searchsorted(token_ids, tgt_id).clamp(max=Vd - 1),  # (B, T)
+                   table=table, row_of=row_of, w_draft=w_draft, lmass=lmass)
+
+
+def _step_loss(drafter: nn.Module, cfg: TTTConfig, x: Tensor, f: Tensor, f_w: Tensor | None, weight: Tensor | None,
+               lm: Tensor | None, count: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    """One step's loss, summed over its rows x (N_k, h) (row weights `weight`, None: all 1) against the labels
+    (f, f_w) of _Labels.step; the drafter's argmax (N_k,); the alpha sum (detached; None without lm, the plain CE)."""
+    chunk = cfg.chunk_size or 4096
+    if lm is None:
+        loss, pred = fused_soft_ce(x, drafter.lm_head.weight, f, f_w, chunk=chunk, weight=weight)
+        return loss, pred, None
+    grads = {"ce": ("ce",), "lk_alpha": ("nla",), "lk_lambda": ("ce", "alpha")}[cfg.loss]
+    ce, a, nla, pred = fused_lk_terms(x, drafter.lm_head.weight, f, f_w, lm, grads=grads, chunk=chunk, weight=weight)
+    if cfg.loss == "lk_lambda":  # sums over the step's positions: w CE_n + (1 - w)(1 - alpha_n)
+        lam = torch.exp(-cfg.lk_eta * a.detach() / count.clamp(min=1))                  # () the CE's weight
+        loss = lam * ce + (1 - lam) * (count - a)
+    else:
+        loss = nla if cfg.loss == "lk_alpha" else ce
+    return loss, pred, a.detach()
+
+
 def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, valid: Tensor, aux: Tensor,
                 final: Tensor, embed: nn.Module | Tensor, lm_head_weight: Tensor, cfg: TTTConfig = TTTConfig(),
                 segment_ids: Tensor | None = None, position_ids: Tensor | None = None,
@@ -194,119 +364,41 @@ def ttt_forward(drafter: nn.Module, *, input_ids: Tensor, loss_mask: Tensor, val
     target's full-vocab normaliser at each position). alpha: also measure alpha_k with the 'ce' loss (the LK losses
     always do); its CE is soft_ce's, to the bit on the CPU.
     """
+    lay = layout("ttt", input_ids, loss_mask, valid, aux, final, segment_ids, position_ids)
     B, T = input_ids.shape
-    if loss_mask.shape != (B, T) or valid.shape != (B, T) or aux.shape[:2] != (B, T) or final.shape[:2] != (B, T):
-        raise ValueError(f"ttt: shape mismatch: input_ids {tuple(input_ids.shape)}, loss_mask {tuple(loss_mask.shape)}, "
-                         f"valid {tuple(valid.shape)}, aux {tuple(aux.shape)}, final {tuple(final.shape)}")
-    K, dev = cfg.num_steps, input_ids.device
-    # flex's CUDA kernels need head_dim >= 16; smaller (test-sized) heads stay on the dense path under 'auto'
-    use_flex = cfg.attention == "flex" or (cfg.attention == "auto" and input_ids.is_cuda
-                                           and drafter.config.head_dim >= 16)
-    use_blocks = cfg.attention == "blocks" or (cfg.attention == "auto" and dev.type == "cpu")
-    if use_blocks and dev.type != "cpu":
-        raise EyasError(f"ttt: attention 'blocks' runs on the CPU only (this batch is on {dev.type})")
-    token_ids, t2d = drafter.token_ids, drafter.t2d
-    valid = valid.bool()
-    seg = valid.long() if segment_ids is None else torch.where(valid, segment_ids, 0)   # (B, T)
-    positions = torch.arange(T, device=dev).expand(B, T) if position_ids is None else position_ids  # (B, T)
-    lmask = loss_mask.bool() & valid
-    alpha = alpha or cfg.loss != "ce"
-    holes = (~valid).long().cumsum(-1)                                           # (B, T) invalid tokens up to t
-
+    K, dev, seg = cfg.num_steps, input_ids.device, lay.seg
+    attention = _attention(cfg, drafter, input_ids)
+    labels = _target_labels(final, lm_head_weight, drafter, _shift(lay.lmask, 1), chunk=cfg.chunk_size or 4096,
+                            max_counted=max_counted, target_ids=target_ids, alpha=alpha or cfg.loss != "ce")
     with torch.no_grad():
-        # About x_{s+1}, per position s: the full-vocab target argmax, and its draft id when in the draft vocab.
-        # Only positions s with loss_mask[s+1] can ever be counted (as t+k+1 of some step), so the full-vocab
-        # product runs there only; elsewhere tgt_id stays 0 and is never read.
-        # The soft labels of every step are rows of these same positions (step k at t reads position t+k+1):
-        # when their draft-vocab logits fit in LABEL_TABLE_BYTES they are taken from the full-vocab product here,
-        # once per position, instead of a second product per step (K x V_draft more multiply-adds per position).
-        # Given target_ids (the same argmax, kept from an earlier epoch) only the draft-vocab columns are multiplied.
-        # With alpha, also log m_s, the target's probability mass on the draft vocabulary (from the same product).
-        need = _shift(lmask, 1)                                                    # (B, T)
-        known = target_ids is not None and not alpha
-        lmass = torch.zeros(B * T, dtype=torch.float32, device=dev) if alpha else None  # (B*T,) log m_s
-        tgt_id = target_ids.reshape(B * T).long() if known else torch.zeros(B * T, dtype=torch.long, device=dev)
-        at, _ = _select(need, max_counted)                                         # (N,) (extra ones: not read)
-        rows, step = final.reshape(B * T, -1)[at], cfg.chunk_size or 4096          # (N, h_t)
-        N, Vd = rows.shape[0], token_ids.numel()
-        itemsize = (torch.get_autocast_dtype(dev.type).itemsize if torch.is_autocast_enabled(dev.type)
-                    else lm_head_weight.element_size())
-        keep, table = N * Vd * itemsize <= LABEL_TABLE_BYTES, None
-        w_draft = lm_head_weight[token_ids]                                        # (Vd, h_t)
-        for i in range(0, N if keep or not known else 0, step):
-            if known:
-                zd = target_logits_from_final(rows[i:i + step], w_draft)           # (c, Vd)
-            else:
-                z = target_logits_from_final(rows[i:i + step], lm_head_weight)    # (c, V)
-                tgt_id[at[i:i + step]] = first_argmax(z)
-                if lmass is not None:
-                    lmass[at[i:i + step]] = log_draft_mass(z, token_ids)
-                if not keep:
-                    continue
-                zd = z[:, token_ids]                                               # (c, Vd)
-            table = zd.new_empty(N, Vd) if table is None else table               # (N, Vd) target draft logits
-            table[i:i + step] = zd
-        row_of = torch.zeros(B * T, dtype=torch.long, device=dev)                  # (B*T,) position -> table row
-        row_of[at] = torch.arange(N, device=dev)
-        tgt_id = tgt_id.view(B, T)                                                 # (B, T)
-        in_draft = t2d[tgt_id]                                                     # (B, T)
-        tgt_draft = torch.searchsorted(token_ids, tgt_id).clamp(max=token_ids.numel() - 1)  # (B, T)
         embeds = embed(input_ids) if isinstance(embed, nn.Module) else F.embedding(input_ids, embed)  # (B, T, h)
-        blocks = StepBlocks(dense_masks(seg, 1)) if use_blocks else None          # step 0's (B, T, T) block
-        full_mask = None if use_flex or use_blocks else dense_masks(seg, K)        # (B, T, K*T)
+        blocks = StepBlocks(dense_masks(seg, 1)) if attention == "blocks" else None  # step 0's (B, T, T) block
+        full_mask = dense_masks(seg, K) if attention == "dense" else None           # (B, T, K*T)
 
     hidden = drafter.fuse(aux)                                                     # (B, T, h) = g
-    cache = None
-    prev_right = torch.ones(B, T, dtype=torch.bool, device=dev)
-    accept_len = torch.zeros(B, T, dtype=torch.long, device=dev)
-    total, losses, counts, corrects, ccounts, ccorrects, alphas = 0.0, [], [], [], [], [], []
-    grads = {"ce": ("ce",), "lk_alpha": ("nla",), "lk_lambda": ("ce", "alpha")}[cfg.loss]
+    cache, total, alphas = None, 0.0, []
+    tally = StepTally((B, T), dev)
     for k in range(K):
         emb_k = _shift(embeds, k + 1)                                              # (B, T, h) embed(x_{t+k+1})
-        mask_k = (flex_mask(seg, k) if use_flex else blocks if use_blocks
+        mask_k = (flex_mask(seg, k) if attention == "flex" else blocks if attention == "blocks"
                   else full_mask[:, :, : (k + 1) * T])                             # (B, T, (k+1)T)
-        out, cache = drafter.layer(hidden, emb_k, positions + k, mask_k, cache)
+        out, cache = drafter.layer(hidden, emb_k, lay.positions + k, mask_k, cache)
         # counted: x_t .. x_{t+k+2} valid and in one sample, loss on x_{t+k+2}, target in the draft vocab
-        span = ((seg > 0) & (seg == _shift(seg, k + 2)) & (holes == _shift(holes, k + 2))
-                & _shift(lmask, k + 2))                                            # (B, T) drafted in decoding
-        m = span & _shift(in_draft, k + 1)                                         # (B, T) counted (loss, acc_k)
-        at, wt = _select(m, max_counted)                                           # (N,), weights (N,) or None
-        if table is not None:  # counted rows read position t+k+1 (same row, need True); weight-0 extras any row
-            f_k, w_k = table[row_of[(at + k + 1).clamp(max=B * T - 1)]], None      # (N_k, Vd) target logits
-        else:
-            f_k, w_k = _shift(final, k + 1).reshape(B * T, -1)[at], w_draft        # (N_k, h_t) target states
+        span = ((seg > 0) & (seg == _shift(seg, k + 2)) & (lay.holes == _shift(lay.holes, k + 2))
+                & _shift(lay.lmask, k + 2))                                        # (B, T) drafted in decoding
+        m = span & _shift(labels.in_draft, k + 1)                                  # (B, T) counted (loss, acc_k)
+        at, wt = _select(m, max_counted)                                           # (N_k,), weights (N_k,) or None
+        f_k, w_k = labels.step(final, k, at)
         x_k, count = drafter.norm(out.reshape(B * T, -1)[at]), m.sum()             # (N_k, h)
-        if lmass is None:  # the plain CE
-            ls, pr = fused_soft_ce(x_k, drafter.lm_head.weight, f_k, w_k, chunk=cfg.chunk_size or 4096, weight=wt)
-        else:
-            lm_k = lmass[(at + k + 1).clamp(max=B * T - 1)]                         # (N_k,) log m at t+k+1
-            ce, a, nla, pr = fused_lk_terms(x_k, drafter.lm_head.weight, f_k, w_k, lm_k, grads=grads,
-                                            chunk=cfg.chunk_size or 4096, weight=wt)
-            alphas.append(a.detach())
-            if cfg.loss == "lk_lambda":  # sums over the step's positions: w CE_n + (1 - w)(1 - alpha_n)
-                lam = torch.exp(-cfg.lk_eta * a.detach() / count.clamp(min=1))      # () the CE's weight
-                ls = lam * ce + (1 - lam) * (count - a)
-            else:
-                ls = nla if cfg.loss == "lk_alpha" else ce
+        ls, pr, a = _step_loss(drafter, cfg, x_k, f_k, w_k, wt, labels.log_mass(k, at), count)
+        if a is not None:
+            alphas.append(a)
         pred = torch.full((B * T,), -1, dtype=torch.long, device=dev)              # (B*T,)
         pred[at] = pr                                     # extra (weight 0) entries land where m is False
         pred = pred.view(B, T)                                                     # (B, T): read only where m
         loss_k = ls / count.clamp(min=1) if cfg.reduction == "mean" else ls
         total = total + cfg.decay ** k * loss_k
-        right = (pred == _shift(tgt_draft, k + 1)) & m
-        # conditional counts see what decoding sees: a target outside the draft vocab is a miss, not a skip
-        cond = span & prev_right
-        prev_right = prev_right & right
-        accept_len += prev_right
-        losses.append(loss_k.detach())
-        counts.append(count)
-        corrects.append(right.sum())
-        ccounts.append(cond.sum())
-        ccorrects.append((cond & right).sum())
+        tally.add(loss_k, count, (pred == _shift(labels.tgt_draft, k + 1)) & m, span)
         hidden = out
-    if not isinstance(total, Tensor):
-        total = torch.zeros((), device=dev)
-    return TTTOutput(loss=total, loss_k=torch.stack(losses), count_k=torch.stack(counts),
-                     correct_k=torch.stack(corrects), cond_count_k=torch.stack(ccounts),
-                     cond_correct_k=torch.stack(ccorrects), accept_len=accept_len, target_ids=tgt_id,
-                     alpha_k=torch.stack(alphas) if alphas else None)
+    return tally.output(total, tally.accept, target_ids=labels.tgt_id,
+                        alpha_k=torch.stack(alphas) if alphas else None)
