@@ -78,7 +78,8 @@ class BenchConfig:
     """torch.compile the target's graphed steps (CUDA)."""
     persist_steps: bool = False
     """With compile: keep the target's compiled steps in $EYAS_CACHE/steps, so later benches load them instead of
-    tracing them again (torch.compile's ahead-of-time compile); what it saves on the H200: BENCHMARKS.md."""
+    tracing them again (torch.compile's ahead-of-time compile); what it saves on the H200:
+    BENCHMARKS.md#the-bench-process-with-saved-steps---persist-steps-chain-5."""
     baselines: bool = True
     """Also run plain decoding and prompt lookup."""
     lossless_turns: int = 4
@@ -155,8 +156,8 @@ class BenchConfig:
 
 def graph_round_default(device: str, temperature: float) -> bool:
     """Whether a bench that does not say runs each round as one CUDA graph (spec.graph_round): greedy chains and
-    trees on CUDA, where one-graph rounds beat host rounds at equal tau (BENCHMARKS.md, "one-graph chain rounds",
-    "The bench's tree default on the GPU"). `eyas bench` and recipes' [[bench]] tables both take it."""
+    trees on CUDA, where one-graph rounds beat host rounds at equal tau (BENCHMARKS.md#one-graph-chain-rounds-2026-12-01-1349-utc-after-the-5-epoch-gpu-preset,
+    BENCHMARKS.md#the-benchs-tree-default-on-the-gpu-one-graph-rounds-compiled-proposer). `eyas bench` and recipes' [[bench]] tables both take it."""
     return device.startswith("cuda") and temperature == 0
 
 
@@ -379,7 +380,8 @@ def _methods(cfg, runner, drafter, eos, *, baselines=None) -> list[Method]:
         methods.append(Method("lookup", lambda p, seed, n=cfg.max_new_tokens: lk.generate(p, n, eos_ids=eos, seed=seed),
                                lk))
     if drafter is not None:
-        # A compiled runner compiles the drafter's steps too: with an eager drafter the rounds are slower (BENCHMARKS.md).
+        # A compiled runner compiles the drafter's steps too: with an eager drafter the rounds are slower
+        # (BENCHMARKS.md#speculative-round-profile-2026-11-30-1220-utc).
         dec = SpecDecoder(runner, drafter, cfg.spec, compile_drafter=runner.compiled)
         methods.append(Method("dflash" if is_dflash(drafter) else f"eagle-{cfg.spec.method}",
                               lambda p, seed, n=cfg.max_new_tokens: dec.generate(p, n, eos_ids=eos, seed=seed), dec,

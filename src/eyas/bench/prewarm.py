@@ -1,6 +1,7 @@
 """Bench warm-up in a background process: `eyas run` compiles the bench's graphs while the drafter trains.
 
-A bench process that finds inductor's caches cold spends minutes compiling (BENCHMARKS.md); the train stage
+A bench process that finds inductor's caches cold spends minutes compiling
+(BENCHMARKS.md#the-gpu-recipes-first-bench-one-eyas-bench-process-with-a-cold-inductor-cache-then-one-with-a-warm-one); the train stage
 before it keeps the GPU busy and the CPU mostly idle. So `eyas run` starts `python -m eyas.bench.prewarm SPEC
 RESULT` at the start of the train stage: its own CUDA context, niced, in a session of its own. It opens the
 target, builds a drafter of the exact config training will write (random weights: compiled code depends on
@@ -26,7 +27,8 @@ AUTO_SHARE = 0.05
 """Auto mode warms only when the warm-up's own copy of the target's weights takes at most this share of the GPU's
 memory: beside training, a second copy of a large target could push training out of memory."""
 WAIT_S = 300.0
-"""Longest wait, after training, for an unfinished warm-up: about two cold compiles of a bench (BENCHMARKS.md);
+"""Longest wait, after training, for an unfinished warm-up: about two cold compiles of a bench
+(BENCHMARKS.md#the-gpu-recipes-first-bench-one-eyas-bench-process-with-a-cold-inductor-cache-then-one-with-a-warm-one);
 the bench compiles what is left after that."""
 
 

@@ -75,7 +75,7 @@ class RegenConfig:
     regen_fuse: bool = False
     """Local regeneration: compile each decoder layer's norms, projections, RoPE and MLP (two functions shared by all
     layers) around its eager attention, inside the same CUDA-graphed steps by lengths; one compile up front. Changes
-    speed, not the data (up to bf16 rounding); faster on CUDA (BENCHMARKS.md, the regeneration modes), where the gpu
+    speed, not the data (up to bf16 rounding); faster on CUDA (BENCHMARKS.md#regeneration-in-the-gpu-presets-prepare-fused-layers--2026-12-04-1657-1700-utc), where the gpu
     recipe turns it on."""
     regen_dtype: str | None = None
     """Weights dtype of local regeneration: fp32, bf16 or fp16 (None: the target's). bf16 is faster on

@@ -44,7 +44,8 @@ def stable_topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
     Long rows (the draft vocabulary) take `topk` for the k-th largest value t, which is exact whatever order topk
     lists ties in: the k kept are every entry above t and the lowest-index entries equal to t. A stable sort of
-    those k orders them (a stable sort of the whole vocabulary costs a multi-pass radix sort; BENCHMARKS.md)."""
+    those k orders them (a stable sort of the whole vocabulary costs a multi-pass radix sort:
+    BENCHMARKS.md#kernels-per-decode-step-and-round-benchmarkskernelspy---compile-first-lease)."""
     n = x.shape[-1]
     if n <= SORT_MAX or k >= n or n >= 1 << 24:  # the float priority below is exact below 2**24 entries
         values, idx = x.sort(dim=-1, descending=True, stable=True)

@@ -145,7 +145,7 @@ def init_normal(model: nn.Module, std: float) -> None:
 
 # Decoding attends with at most this many query rows per kv head through plain matmuls: the fused SDPA kernels give
 # each (head, query block) one thread block and crawl through a long static cache (the drafter's attention was the
-# top kernel of a chain round: docs/decoding.md, BENCHMARKS.md "Kernels per decode step and round").
+# top kernel of a chain round: docs/decoding.md, BENCHMARKS.md#kernels-per-decode-step-and-round-kernelspy---compile-6c4c7d7-gemv-on).
 GROUPED_ROWS = 256
 
 

@@ -52,7 +52,7 @@ class CompilePolicy:
     """One compile for every batch and slot count (batched generation meets many), not one per shape."""
     regions: bool = False
     """With compile: inductor compiles the decoder layer once for all layers, not the unrolled stack (faster to
-    compile, no fusion across layer boundaries; BENCHMARKS.md, 'compile regions vs whole-step compile')."""
+    compile, no fusion across layer boundaries; BENCHMARKS.md#compile-regions-vs-whole-step-compile-2026-12-01-1403-utc)."""
     options: dict = field(default_factory=dict)
     """Inductor options for those compiles (torch.compile `options`); benchmarks.compile_variants compares them."""
     attention: str = "matmul"
@@ -74,7 +74,7 @@ class CompilePolicy:
         """The policy for from_hf's keywords on `device`, or an EyasError naming the setting that cannot work.
 
         gemv None is the default: 1 for a static-shape whole-model compile with matmul attention on CUDA, where it
-        made the batch-1 decode step faster with equal tokens (BENCHMARKS.md, 'Runner compile variants'), else 0.
+        made the batch-1 decode step faster with equal tokens (BENCHMARKS.md#runner-compile-variants-compile_variantspy-6c4c7d7), else 0.
         """
         check_attention(attention)
         if gemv is None:

@@ -39,7 +39,9 @@ def generate(runner: Runner, prompts: list[list[int]], max_new_tokens: int, *, t
     lengths: each decode step passes the rows' prefix lengths instead of a mask (`Runner.forward`), so
     attention reads only each row's own key/value blocks, not the chunk's whole window (`window` then bounds
     only compaction's copies). None: for batched decoding (max_batch > 1) on CUDA with an eager `Runner`, where it
-    was measured (BENCHMARKS.md); batch-1 runners keep their mask steps, and a compiled runner refuses steps by
+    was measured
+    (BENCHMARKS.md#eyas-run-gpu-preset-with-norm_before_fc-regeneration-by-lengths-the-tree-in-graph-rounds-issue-33--2026-12-04-0529-0545-utc);
+    batch-1 runners keep their mask steps, and a compiled runner refuses steps by
     lengths (Runner.graphed says why)."""
     if temperature < 0:
         raise EyasError(f"temperature must be >= 0, got {temperature}")

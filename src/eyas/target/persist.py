@@ -1,7 +1,7 @@
 """Compiled runner steps kept on disk: a later process loads them instead of tracing them again.
 
-With a warm inductor cache, a bench process still pays dynamo's trace of every compiled whole-model step (BENCHMARKS.md,
-"Runner compile variants", the warm-cache column). `torch.compile(fn).aot_compile`
+With a warm inductor cache, a bench process still pays dynamo's trace of every compiled whole-model step (the warm-cache column of
+BENCHMARKS.md#runner-compile-variants-compile_variantspy---variant-timeout-240---variants-wholegemvgemv8-4871fe7). `torch.compile(fn).aot_compile`
 (torch >= 2.11; public from 2.12) traces and compiles once for one call signature and saves the result; the
 saved function reads the runner's weights and caches from its argument at call time (they are not in the file)
 and mutates the caches in place, so it serves any runner of the same configuration.

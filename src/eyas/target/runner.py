@@ -75,7 +75,7 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def rowwise_linear(x: Tensor, weight: Tensor) -> Tensor:
     """x @ weight.T (no bias) as an fp32 multiply + sum over the input features, which inductor compiles to one
     reduction kernel over all outputs. cuBLAS runs an M = 1 GEMM latency-bound on a few dozen thread blocks
-    (BENCHMARKS.md, "Kernels per decode step and round")."""
+    (BENCHMARKS.md#kernels-per-decode-step-and-round-kernelspy---compile-6c4c7d7-gemv-on)."""
     return (x.float()[..., None, :] * weight.float()).sum(-1).to(x.dtype)
 
 

@@ -1,7 +1,8 @@
 """Training's compile in a background process while prepare runs: `eyas run` takes it off the train stage's clock.
 
 A compiled training run spends its first step tracing and compiling the drafter's layer for every TTT step, forward,
-backward and eval (its share of the train stage: BENCHMARKS.md, "train start-up"); prepare before it keeps the GPU
+backward and eval (its share of the train stage, the `train start-up` line of
+BENCHMARKS.md#eyas-run-gpu-preset-with-trainings-compile-during-prepare-issue-33--2026-12-04-1238-1251-utc); prepare before it keeps the GPU
 busy with regeneration and leaves most CPU cores idle. So, when the train stage compiles and trains online, `eyas run` starts
 `python -m eyas.train.prewarm SPEC RESULT` as prepare starts: its own CUDA context, niced, in a session of its own
 (the parent side is eyas/bench/prewarm.py's Prewarm). It writes a small prepared dataset of random tokens for the
