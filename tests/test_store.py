@@ -17,8 +17,14 @@ from eyas.store.command import register
 H = 16
 
 
+def target_fp(identity="tiny", hidden_size=H):
+    """A target fingerprint as target/fingerprint.py writes it (its version, the compared fields)."""
+    return {"fingerprint": 3, "identity": identity, "config": {"model_type": "llama", "hidden_size": hidden_size},
+            "tokenizer_sha256": None, "special_tokens": {}}
+
+
 def header(dtype="bf16", identity="tiny"):
-    return {"target": {"identity": identity, "config_sha256": "c", "tokenizer_sha256": None},
+    return {"target": target_fp(identity),
             "layers": {"aux": [1, 2, 3]}, "dtype": dtype, "hidden_size": H, "vocab_size": 100,
             "data": {"source": "test"}, "config": {}}
 
@@ -128,8 +134,8 @@ def test_verify_catches_non_finite_even_with_good_checksum(tmp_path):
 
 def test_refuses_other_target_and_incomplete(tmp_path):
     write(tmp_path / "s", make())
-    with pytest.raises(EyasError, match="target does not match.*config_sha256"):
-        Store(tmp_path / "s", target={"identity": "tiny", "config_sha256": "other", "tokenizer_sha256": None})
+    with pytest.raises(EyasError, match="target does not match.*config.hidden_size"):
+        Store(tmp_path / "s", target=target_fp(hidden_size=H + 1))
     Store(tmp_path / "s", target=header()["target"])
     w = StoreWriter(tmp_path / "p", header=header(), shard_bytes=1)
     w.add_sample("a", [1], [1], torch.zeros(1, 3, H), torch.zeros(1, H))
