@@ -1,5 +1,7 @@
 """The bf16 capability check that presets use on the CPU."""
 
+import pytest
+
 from eyas.target.device import cpu_bf16_fast
 
 
@@ -18,3 +20,16 @@ def test_auto_dtype_follows_the_device(monkeypatch):
         monkeypatch.setattr(device, "cpu_bf16_fast", lambda fast=fast: fast)
         assert resolve_dtype("auto", "cpu") == want
         assert resolve_dtype("auto", "cuda") == "bf16" and resolve_dtype("fp16", "cpu") == "fp16"
+
+
+@pytest.mark.parametrize("cap, fast", [("AVX2", False), ("avx512_core", False), ("AVX512_CORE_BF16", True),
+                                       ("AVX512_CORE_AMX", True), ("ALL", True), ("", True)])
+def test_a_onednn_cap_below_bf16_means_emulated_bf16(monkeypatch, cap, fast):
+    """oneDNN capped below its bf16 ISA emulates bf16 even where the CPU has it: the flags alone would say fast."""
+    cpu_bf16_fast.cache_clear()
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    try:
+        assert cpu_bf16_fast("flags : fpu avx2 avx512f avx512_bf16\n") is fast
+    finally:
+        cpu_bf16_fast.cache_clear()

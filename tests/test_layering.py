@@ -29,7 +29,7 @@ LAYERS = [
     ("export",),                      # drafter -> engine checkpoint
     ("report",),
     ("recipes",),
-    ("run",),                         # `eyas run`: every stage in order
+    ("run", "sizing"),                # `eyas run`: every stage in order; its sizing to a time budget
     ("cli", "__main__"),
 ]
 LAYER = {pkg: i for i, names in enumerate(LAYERS) for pkg in names}

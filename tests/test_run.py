@@ -1,6 +1,7 @@
 """`eyas run`: the whole pipeline on a tiny target, resume by stage, redo of a corrupted stage, refusals."""
 
 import json
+import math
 import random
 
 import pytest
@@ -214,3 +215,32 @@ def test_first_changed_stage_maps_each_difference_to_the_first_stage_it_reaches(
     assert first("run", {"device": "cpu", "dtype": "bf16"}) == "prepare"
     assert first(None, "other-target", top="target") == "prepare"
     assert first("newtable", {"x": 1}) == "prepare"      # a table this version does not know
+
+
+def test_a_run_sized_to_its_budget_keeps_its_plan_and_what_the_user_set(tiny_run_inputs, tmp_path):
+    """budget_minutes: the machine is measured on the run's own stages, the plan saved in run.json; a budget the
+    measuring alone exceeds gives the smallest plan; a resumed run keeps the plan without measuring again."""
+    from eyas.sizing import MIN_CONVERSATIONS
+
+    run = tmp_path / "run"
+    cfg = _cfg(tiny_run_inputs, run, budget_minutes=0.01)
+    cfg.overrides.pop("limit")   # the preset's 1,360 conversations, which sizing takes down
+    state = run_pipeline(RunConfig(**{**cfg.__dict__, "until": "prepare"}))
+    plan = state["plan"]
+    assert plan["overrides"]["prepare.limit"] == MIN_CONVERSATIONS
+    assert plan["overrides"]["prepare.regenerate_limit"] == 1
+    assert all(v > 0 and math.isfinite(v) for v in plan["rates"].values())
+    assert set(plan["estimate_s"]) == {"prepare", "capture", "train", "bench"}
+    assert state["stages"]["prepare"]["summary"]["kept"] == MIN_CONVERSATIONS
+    assert "bench.0.limit" not in plan["overrides"]     # the test's bench list sets its own limit
+    log = run / "logs" / "run.log"
+    assert "sizing the run to 0.01 minutes" in log.read_text()
+    before = log.read_text()
+    state = run_pipeline(RunConfig(**{**cfg.__dict__, "until": "capture"}))
+    new = log.read_text()[len(before):]
+    assert "as this run's first invocation chose it" in new and "sizing the run" not in new
+    assert state["stages"]["capture"]["done"] and state["plan"] == plan
+    # a size given with --set is the user's: kept as given
+    state = run_pipeline(RunConfig(**{**_cfg(tiny_run_inputs, tmp_path / "set", budget_minutes=0.01).__dict__,
+                                      "until": "prepare"}))
+    assert "prepare.limit" not in state["plan"]["overrides"] and state["stages"]["prepare"]["summary"]["kept"] == 40

@@ -171,9 +171,9 @@ def run_naive(d, c, K, **mut):
     return loss, metrics, {n: p.grad.clone() for n, p in d.named_parameters()}
 
 
-@pytest.mark.parametrize("K", [1, 2, 3, 4])
-def test_fast_path_equals_naive_reference(K):
-    d, c = make_case(seed=K)
+def assert_fast_equals_naive(d, c, K):
+    """ttt_forward's loss, per-step losses and counts and its gradients equal the naive reference's, whole and in
+    logits chunks of 4."""
     loss_n, met_n, grads_n = run_naive(d, c, K)
     assert all(n > 0 for n in met_n["count_k"]), met_n          # every step has counted positions
     for chunk in (None, 4):
@@ -184,6 +184,11 @@ def test_fast_path_equals_naive_reference(K):
             torch.testing.assert_close(grads[name], grads_n[name], rtol=1e-5, atol=1e-5, msg=name)
         for key in ("count_k", "correct_k", "cond_count_k", "cond_correct_k"):
             assert getattr(out, key).tolist() == met_n[key], key
+
+
+@pytest.mark.parametrize("K", [1, 2, 3, 4])
+def test_fast_path_equals_naive_reference(K):
+    assert_fast_equals_naive(*make_case(seed=K), K)
 
 
 @pytest.mark.parametrize("bound", ["tight", "all"])

@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import eyas.train.ttt as ttt
 from eyas.train.ttt import TTTConfig, ttt_forward
-from test_ttt import make_case, run_fast, run_naive, ttt_inputs
+from test_ttt import assert_fast_equals_naive, make_case, run_fast, run_naive, ttt_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -26,17 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("K", [1, 3])
 def test_both_label_paths_equal_naive_reference(monkeypatch, budget, K):
     monkeypatch.setattr(ttt, "LABEL_TABLE_BYTES", 1 << 30 if budget == "table" else 0)
-    d, c = make_case(seed=10 + K, B=3, T=11)
-    loss_n, met_n, grads_n = run_naive(d, c, K)
-    assert all(n > 0 for n in met_n["count_k"]), met_n
-    for chunk in (None, 4):
-        out, grads = run_fast(d, c, K, chunk_size=chunk)
-        torch.testing.assert_close(out.loss, loss_n.detach(), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(out.loss_k, torch.tensor(met_n["loss_k"]), rtol=1e-5, atol=1e-5)
-        for name in grads_n:
-            torch.testing.assert_close(grads[name], grads_n[name], rtol=1e-5, atol=1e-5, msg=name)
-        for key in ("count_k", "correct_k", "cond_count_k", "cond_correct_k"):
-            assert getattr(out, key).tolist() == met_n[key], key
+    assert_fast_equals_naive(*make_case(seed=10 + K, B=3, T=11), K)
 
 
 @pytest.mark.parametrize("budget", ["table", "per_step"])

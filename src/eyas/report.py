@@ -376,7 +376,7 @@ def write_report(run: Path, state: dict, cfg) -> str:
     export = stages.get("export", {}).get("summary", {})
     v, warnings = verdict(bench, train.get("eval") or {}), _warnings(run, state, data)
     L = _header(run, state, cfg) + _verdict_section(run, v, warnings, export)
-    L += _stages_table(stages) + _data_section(data) + _store_section(store)
+    L += _stages_table(stages, state.get("plan")) + _data_section(data) + _store_section(store)
     L += _training_section(train, metrics, plots)
     L += _bench_section(bench, stages.get("bench", {}).get("seconds"), plots)
     L += _export_section(export)
@@ -393,11 +393,25 @@ def _header(run: Path, state: dict, cfg) -> list[str]:
     return L
 
 
-def _stages_table(stages: dict) -> list[str]:
-    L = ["## Stages", "", "| stage | seconds |", "|---|---|"]
-    L += [f"| {s} | {v.get('seconds', 0):.0f} |" for s, v in stages.items()]
+def _stages_table(stages: dict, plan: dict | None) -> list[str]:
+    """Each stage's seconds; with a plan (a run sized to its budget, eyas.sizing), what it was sized to and the
+    estimate beside them."""
+    if not plan:
+        L = ["## Stages", "", "| stage | seconds |", "|---|---|"]
+        L += [f"| {s} | {v.get('seconds', 0):.0f} |" for s, v in stages.items()]
+        total = sum(v.get("seconds", 0) for v in stages.values())
+        return L + [f"| total | {total:.0f} |", ""]
+    est = plan["estimate_s"]
+    sized = (", ".join(f"{k} {plan['recipe'][k]} -> {v}" for k, v in plan["overrides"].items())
+             or "the recipe as written")
+    L = ["## Stages", "", f"Sized to {plan['budget_s'] / 60:g} minutes on this machine after "
+         f"{plan['rates']['seconds']:.0f} s of measuring it: {sized}. The estimate counts every regenerated reply at "
+         "its full length.", "",
+         "| stage | seconds | estimated |", "|---|---|---|"]
+    L += [f"| {s} | {v.get('seconds', 0):.0f} | {est[s]:.0f} |" if s in est else
+          f"| {s} | {v.get('seconds', 0):.0f} | |" for s, v in stages.items()]
     total = sum(v.get("seconds", 0) for v in stages.values())
-    return L + [f"| total | {total:.0f} |", ""]
+    return L + [f"| total | {total:.0f} | {sum(est.values()):.0f} |", ""]
 
 
 def _data_section(c: dict) -> list[str]:

@@ -35,6 +35,7 @@ from eyas.model.checkpoint import open_drafter
 from eyas.recipes import (Recipe, load_recipe, preset as preset_recipe, resolve_dtype, resolve_key, shown_identity,
                           with_overrides)
 from eyas.report import write_report
+from eyas.sizing import choose, measure
 from eyas.store.reader import Store
 from eyas.target.load import resolve
 from eyas.train import prewarm as train_prewarm
@@ -294,6 +295,9 @@ def run_pipeline(cfg: RunConfig) -> dict:
         raise EyasError(f"{why}, but this machine has no CUDA GPU; use --preset cpu-demo (or --set run.device=cpu)")
     run = Path(cfg.out)
     t_start = time.time()
+    user_keys = {resolve_key(k) for k in cfg.overrides}
+    if (saved := _saved_plan(run)) is not None:  # a resumed run keeps the plan its first invocation chose
+        cfg = replace(cfg, overrides={**saved, **cfg.overrides})
     # The run directory is refused, then the target opened, before anything is written: a run that cannot start
     # leaves no directory behind.
     _open_state(cfg, run, check_only=True)
@@ -313,9 +317,12 @@ def run_pipeline(cfg: RunConfig) -> dict:
             "`eyas run --preset gpu` on a CUDA machine", always=True)
     if r.device == "cpu" and r.dtype == "auto":
         log("cpu: native bf16, so bf16 weights and autocast" if eyas.target.device.cpu_bf16_fast() else
-            "cpu: no native bf16 instructions (AVX512-BF16/AMX), so fp32; on 2 cores that takes several times "
-            "the 20 minutes the demo was sized for", always=True)
+            "cpu: no native bf16 instructions (AVX512-BF16/AMX), so fp32", always=True)
     configs = resolve_stages(cfg, run, vocab_size=target.vocab_size, progress=not cfg.quiet)
+    if r.budget_minutes and saved is None and not state["stages"]:
+        cfg, configs = _size(cfg, configs, run, target, state, log, user_keys, dtype, t_start)
+    elif saved is not None:
+        log(f"plan: as this run's first invocation chose it ({_plan_words(state['plan'])})", always=True)
     stages = [s for s in STAGES if s != "capture" or configs.capture is not None]
     started = {}  # the warm-up processes ("train": as prepare starts, "bench": as train starts)
     try:
@@ -335,6 +342,42 @@ def run_pipeline(cfg: RunConfig) -> dict:
     log("report: " + str(run / "report.md"), always=True)
     print(summary, flush=True)
     return state
+
+
+def _saved_plan(run: Path) -> dict | None:
+    """The overrides the sizing of an earlier invocation of this run chose (run.json's plan), if any."""
+    try:
+        return json.loads((run / "run.json").read_text())["plan"]["overrides"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _size(cfg, configs, run, target, state, log, user_keys: set, dtype: str, t_start: float):
+    """Measure this machine, choose the plan that fits [run] budget_minutes (eyas.sizing), save it in run.json; the
+    run's config and stages with the plan applied."""
+    r = cfg.recipe.run
+    log(f"sizing the run to {r.budget_minutes:g} minutes: measuring this machine on each stage's work", always=True)
+    rates = measure(target, configs, bench_dtype=r.bench_dtype or dtype)
+    plan = choose(configs, rates, r.budget_minutes * 60, spent_s=time.time() - t_start, fixed=user_keys,
+                  bench_tables=len(cfg.recipe.bench))
+    if plan.overrides:
+        cfg = replace(cfg, overrides={**plan.overrides, **cfg.overrides})
+        configs = resolve_stages(cfg, run, vocab_size=target.vocab_size, progress=not cfg.quiet)
+        state["identity"] = cfg.identity()
+    state["plan"] = {**plan.to_dict(), "rates": rates.to_dict()}
+    _save_state(run, state)
+    log(f"plan: {_plan_words(state['plan'])}", always=True)
+    return cfg, configs
+
+
+def _plan_words(plan: dict) -> str:
+    est = plan["estimate_s"]
+    stages = ", ".join(f"{k} {v / 60:.1f}" for k, v in est.items())
+    sized = (", ".join(f"{k} {plan['recipe'][k]} -> {v}" for k, v in plan["overrides"].items())
+             + " (--set a key to choose it yourself, budget_minutes=0 for the recipe as written)"
+             if plan["overrides"] else "the recipe as written")
+    return (f"{sized}; estimated {sum(est.values()) / 60:.0f} minutes of stages ({stages}) within "
+            f"{plan['budget_s'] / 60:g}, after {plan['rates']['seconds']:.0f} s of measuring")
 
 
 def _run_stages(cfg, configs, run, target, state, log, stages, started: dict) -> None:

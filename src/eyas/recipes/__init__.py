@@ -54,6 +54,10 @@ class RunKnobs:
     """Run the capture stage (a hidden-state store on disk)."""
     online: bool = False
     """Train online from the prepared data (the target runs inside each step) instead of from the store."""
+    budget_minutes: float | None = None
+    """Size the run to this many minutes on the machine it meets (eyas.sizing: measure the stages' work here, then
+    scale the conversations and bench prompts down until the estimate fits). None or 0: run the recipe as written. Not
+    part of the run's identity: the plan it chose is saved with the run."""
     prewarm_bench: bool | None = None
     """Compile the bench's graphs in a background process while the drafter trains (eyas/bench/prewarm.py), so the
     bench finds them in the caches on disk. None: where a bench compiles (cuda) and a second copy of the target fits
@@ -70,6 +74,8 @@ class RunKnobs:
             value = getattr(self, name)
             if value not in DTYPES + ("auto",) and not (name == "bench_dtype" and value is None):
                 raise EyasError(f"{name} {value!r}: expected one of {', '.join(DTYPES)}")
+        if self.budget_minutes is not None and not self.budget_minutes >= 0:
+            raise EyasError(f"budget_minutes {self.budget_minutes!r}: expected minutes (0: no sizing)")
         if self.bench_dtype == "auto":
             raise EyasError("bench_dtype 'auto': give fp32, bf16 or fp16 (or leave it out to follow dtype)")
         if not self.capture and not self.online:
@@ -151,6 +157,7 @@ class Recipe:
         t = self.tables()
         t["run"].pop("prewarm_bench")  # these change no output: a resumed run may turn them on or off
         t["run"].pop("prewarm_train")
+        t["run"].pop("budget_minutes")  # the plan it chose is in the identity, as overrides (eyas.run)
         out = {name: sparse(name, t[name]) for name in TABLES if name != "bench"}
         out["bench"] = [sparse("bench", b) for b in t["bench"]]
         return json.loads(json.dumps(out))

@@ -14,9 +14,18 @@ from pathlib import Path
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
+ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+"""oneDNN's cap on the instructions it uses (torch's CPU matmuls run through it): a cap below AVX512_CORE_BF16
+(AVX2, say) emulates bf16 on any CPU."""
+
+
 @functools.cache
 def cpu_bf16_fast(cpuinfo: str | None = None) -> bool:
-    """True when the CPU has native bf16 matmul instructions (Linux /proc/cpuinfo flags, else torch's report)."""
+    """True when the CPU has native bf16 matmul instructions (Linux /proc/cpuinfo flags, else torch's report) and
+    oneDNN may use them (ISA_CAPS)."""
+    cap = next((os.environ[k] for k in ISA_CAPS if os.environ.get(k)), "").upper()
+    if cap and cap != "ALL" and not any(x in cap for x in ("BF16", "AMX", "AVX10")):
+        return False
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
