@@ -21,9 +21,22 @@ def section(run: Path, command: str) -> str:
     knobs = state["identity"].get("knobs") or state["identity"].get("recipe") or {}
     lines = []
     total = sum(v.get("seconds", 0) for v in st.values())
-    lines += ["| stage | wall s | done |", "|---|---|---|"]
-    lines += [f"| {name} | {v.get('seconds', 0):.0f} | {v.get('done', False)} |" for name, v in st.items()]
-    lines += [f"| **all** | **{total:.0f}** | |", ""]
+    est = (state.get("plan") or {}).get("estimate_s") or {}
+    lines += ["| stage | wall s | estimated s | done |", "|---|---|---|---|"]
+    lines += [f"| {name} | {v.get('seconds', 0):.0f} | {est[name]:.0f} | {v.get('done', False)} |" if name in est
+              else f"| {name} | {v.get('seconds', 0):.0f} | | {v.get('done', False)} |" for name, v in st.items()]
+    lines += [f"| **all stages** | **{total:.0f}** | {sum(est.values()):.0f} | |" if est
+              else f"| **all stages** | **{total:.0f}** | | |"]
+    if wall := state.get("wall_seconds_this_invocation"):
+        lines.append(f"| whole invocation (load, sizing, report) | {wall:.0f} | | |")
+    lines.append("")
+    if plan := state.get("plan"):
+        sized = ", ".join(f"{k} {plan['recipe'][k]} -> {v}" for k, v in plan["overrides"].items()) or "as written"
+        r = plan["rates"]
+        lines.append(f"- sized to {plan['budget_s'] / 60:g} minutes after {r['seconds']:.0f} s of measuring: {sized}; "
+                     f"measured: regeneration step {r['decode_s_per_step'] * 1e3:.0f} ms, capture "
+                     f"{1 / r['capture_s_per_token']:,.0f} tok/s, training {1 / r['train_s_per_token']:,.0f} tok/s, "
+                     f"batch-1 decoding {1 / r['bench_s_per_token']:.1f} tok/s")
     prep = st.get("prepare", {}).get("summary")
     if prep:
         lines.append(f"- data: kept {prep.get('kept')} conversations, {prep.get('tokens')} tokens "

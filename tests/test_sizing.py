@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from eyas.run import RunConfig, resolve_stages
-from eyas.sizing import MIN_BENCH_PROMPTS, MIN_CONVERSATIONS, Rates, choose, estimate
+from eyas.sizing import MIN_BENCH_PROMPTS, MIN_CONVERSATIONS, RESERVE, Rates, choose, estimate
 
-RATES = Rates(prefill_s_per_token=1e-3, decode_s_per_step=0.05, capture_s_per_token=1e-3, train_s_per_token=2e-3,
-              bench_s_per_token=0.04, lossless_s_per_token=0.06, prompt_tokens=80.0, sample_tokens=300.0,
-              regen_tokens=170.0, seconds=30.0)
+RATES = Rates(read_s_per_conversation=0.01, prefill_s_per_token=1e-3, decode_s_per_step=0.05,
+              capture_s_per_token=1e-3, train_s_per_token=2e-3, bench_s_per_token=0.04, lossless_s_per_token=0.06,
+              prompt_tokens=80.0, sample_tokens=300.0, regen_tokens=170.0, seconds=30.0)
 
 
 def stages(**overrides):
@@ -26,10 +26,12 @@ def test_the_estimate_is_the_plans_work_at_the_measured_rates():
     regen, rest = p.regen.regenerate_limit, p.limit - p.regen.regenerate_limit
     tokens = regen * 170.0 + rest * 300.0
     want = {
-        # each regenerated prompt prefilled, and each batch of gen_batch rows decoded for max_new_tokens steps
-        "prepare": regen * 80.0 * 1e-3 + math.ceil(regen / p.regen.gen_batch) * p.regen.max_new_tokens * 0.05,
+        # each conversation read and written, each regenerated prompt prefilled, and each batch of gen_batch rows
+        # decoded for max_new_tokens steps
+        "prepare": p.limit * 0.01 + regen * 80.0 * 1e-3
+        + math.ceil(regen / p.regen.gen_batch) * p.regen.max_new_tokens * 0.05,
         "capture": tokens * 1e-3,
-        "train": t.epochs * tokens * (1 - t.eval_fraction) * 2e-3,
+        "train": t.epochs * tokens * 2e-3,
         # the drafter, plain and prompt lookup on each prompt; the first lossless_turns again in fp32, twice
         "bench": b.limit * b.max_turns * b.max_new_tokens * 3 * 0.04 + b.lossless_turns * b.max_new_tokens * 2 * 0.06,
     }
@@ -41,7 +43,8 @@ def test_the_estimate_is_the_plans_work_at_the_measured_rates():
 
 def test_a_plan_that_fits_is_run_as_written():
     s = stages()
-    plan = choose(s, RATES, budget_s=sum(estimate(s, RATES).values()) + 61, spent_s=60, fixed=set(), bench_tables=1)
+    fits = (sum(estimate(s, RATES).values()) + 61) / (1 - RESERVE)
+    plan = choose(s, RATES, budget_s=fits, spent_s=60, fixed=set(), bench_tables=1)
     assert plan.scale == 1.0 and plan.overrides == {}
 
 
@@ -51,12 +54,13 @@ def test_a_plan_that_does_not_fit_shrinks_to_the_largest_that_does():
     plan = choose(s, RATES, budget, spent_s=spent, fixed=set(), bench_tables=1)
     assert set(plan.overrides) == {"prepare.limit", "prepare.regenerate_limit", "bench.0.limit"}
     sized = stages(**plan.overrides)
-    assert sum(estimate(sized, RATES).values()) <= budget - spent
+    left = budget * (1 - RESERVE) - spent      # a share of the budget is kept free
+    assert sum(estimate(sized, RATES).values()) <= left
     assert plan.estimate == pytest.approx(estimate(sized, RATES))
     # one more percent of the data would not fit
     bigger = stages(**{"prepare.limit": round(plan.overrides["prepare.limit"] * 1.01) + 1,
                        "prepare.regenerate_limit": round(plan.overrides["prepare.regenerate_limit"] * 1.01) + 1})
-    assert sum(estimate(bigger, RATES).values()) > budget - spent
+    assert sum(estimate(bigger, RATES).values()) > left
     assert plan.overrides["prepare.limit"] < s.prepare.limit and 0 < plan.scale < 1
 
 

@@ -42,6 +42,9 @@ DECODE_STEPS = 8
 """Decode steps timed per measurement (after one untimed step)."""
 TRAIN_STEPS = 4
 """Training steps timed (the first one, with the trainer's set-up and first features, is not counted)."""
+RESERVE = 0.2
+"""The share of the budget the plan leaves free: on the shared 2-core CPUs measured, a run's stages took up to a
+quarter longer than the estimate, training up to 39% (docs/LOG.md, the sizing of the cpu-demo)."""
 MIN_CONVERSATIONS = 200
 MIN_BENCH_PROMPTS = 8
 """The smallest plan `choose` goes to: fewer conversations train no drafter worth benching, fewer prompts say little."""
@@ -51,6 +54,8 @@ MIN_BENCH_PROMPTS = 8
 class Rates:
     """What this machine did, measured by `measure` (seconds per unit)."""
 
+    read_s_per_conversation: float
+    """Prepare's reading, tokenizing and writing of one conversation kept as written."""
     prefill_s_per_token: float
     """The target's batched prefill (regeneration's prompts)."""
     decode_s_per_step: float
@@ -83,19 +88,20 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def data_lengths(prepare, target, root: Path) -> tuple[list[int], list[int]]:
-    """(prompt tokens, conversation tokens) of the first LENGTH_SAMPLE conversations prepare keeps from the data,
-    as prepare itself tokenizes, cuts and filters them (without regeneration): its own code under `root`."""
+def data_lengths(prepare, target, root: Path) -> tuple[list[int], list[int], float]:
+    """(prompt tokens, conversation tokens, seconds per kept conversation) of the first LENGTH_SAMPLE conversations
+    prepare keeps from the data, as prepare itself reads, tokenizes, cuts and filters them (without regeneration):
+    its own code under `root`."""
     cfg = replace(prepare, out=str(root / "prepared"), limit=LENGTH_SAMPLE, regenerate=False, overwrite=True,
                   regen=replace(prepare.regen, self_prompts=0, regenerate_limit=None))
-    run_prepare(cfg, target, progress=False)
+    seconds = _timed(lambda: run_prepare(cfg, target, progress=False))
     prompts, lengths = [], []
     for sample in PreparedData(cfg.out, target=target):
         lengths.append(len(sample.input_ids))
         prompts.append(next((i for i, m in enumerate(sample.loss_mask) if m), len(sample.loss_mask)))
     if not lengths:
         raise EyasError(f"{prepare.data}: prepare kept none of its first {LENGTH_SAMPLE} conversations")
-    return prompts, lengths
+    return prompts, lengths, seconds / len(lengths)
 
 
 def _decode_rate(model, *, rows: int, prompt_len: int, dtype, vocab: int) -> tuple[float, float]:
@@ -133,7 +139,7 @@ def measure(target, stages, *, bench_dtype: str) -> Rates:
 
 def _measure(target, stages, root: Path, bench_dtype: str, t0: float) -> Rates:
     p, tr = stages.prepare, stages.train
-    prompts, lengths = data_lengths(p, target, root)
+    prompts, lengths, read_s = data_lengths(p, target, root)
     prompt_tokens, sample_tokens = statistics.fmean(prompts), statistics.fmean(lengths)
     regen_tokens = statistics.fmean(min(p.max_len, n + p.regen.max_new_tokens) for n in prompts)
     dtypes = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -143,22 +149,26 @@ def _measure(target, stages, root: Path, bench_dtype: str, t0: float) -> Rates:
     _, bench_s = _decode_rate(target.model, rows=1, dtype=dtypes[bench_dtype], **shape)
     lossless_s = bench_s if bench_dtype == "fp32" else _decode_rate(target.model, rows=1, dtype=torch.float32,
                                                                     **shape)[1]
-    # capture and training on synthetic samples of the data's length: enough for TRAIN_STEPS + 1 batches
-    n = max(2, round(sample_tokens))
-    count = math.ceil((TRAIN_STEPS + 1) * tr.batch_tokens / n) + 1
+    # capture and training on random tokens in the data's own lengths (so batches pad as the run's will): enough
+    # for TRAIN_STEPS + 1 batches
     g = torch.Generator().manual_seed(1)
-    samples = [(f"size-{i}", torch.randint(0, vocab, (n,), generator=g).tolist(), [0] * (n // 2) + [1] * (n - n // 2))
-               for i in range(count)]
+    samples, total = [], 0
+    while total < (TRAIN_STEPS + 1) * tr.batch_tokens or len(samples) < 2:
+        k = len(samples) % len(lengths)
+        ids = torch.randint(0, target.vocab_size, (lengths[k],), generator=g).tolist()
+        samples.append((f"size-{len(samples)}", ids, [0] * prompts[k] + [1] * (lengths[k] - prompts[k])))
+        total += lengths[k]
     cap = stages.capture or CaptureConfig(out="", target=tr.target)
     cap = replace(cap, out=str(root / "store"), data=None, progress=False, overwrite=True, limit=None)
-    capture_s = _timed(lambda: run_capture(cap, target, samples=samples)) / (count * n)
+    capture_s = _timed(lambda: run_capture(cap, target, samples=samples)) / total
     cfg = replace(tr, store=str(root / "store"), data=None, out=str(root / "train"), steps=TRAIN_STEPS + 1,
                   epochs=None, resume=False, eval_fraction=0.0, eval_every=0, checkpoint_every=0, log_every=1,
                   progress=False, prefetch=False)
     Trainer(cfg, target).train()
     train_s = _train_rate(root / "train" / "metrics.jsonl")
-    return Rates(prefill_s_per_token=prefill_s, decode_s_per_step=decode_s, capture_s_per_token=capture_s,
-                 train_s_per_token=train_s, bench_s_per_token=bench_s, lossless_s_per_token=lossless_s,
+    return Rates(read_s_per_conversation=read_s, prefill_s_per_token=prefill_s, decode_s_per_step=decode_s,
+                 capture_s_per_token=capture_s, train_s_per_token=train_s, bench_s_per_token=bench_s,
+                 lossless_s_per_token=lossless_s,
                  prompt_tokens=prompt_tokens, sample_tokens=sample_tokens, regen_tokens=regen_tokens,
                  seconds=time.perf_counter() - t0)
 
@@ -172,7 +182,7 @@ def estimate(stages, rates: Rates) -> dict[str, float]:
         if p.regenerate else 0
     rows = p.regen.gen_batch or p.batch_size
     new = p.regen.max_new_tokens
-    out = {"prepare": regen * rates.prompt_tokens * rates.prefill_s_per_token
+    out = {"prepare": limit * rates.read_s_per_conversation + regen * rates.prompt_tokens * rates.prefill_s_per_token
            + math.ceil(regen / rows) * new * rates.decode_s_per_step}
     tokens = regen * rates.regen_tokens + (limit - regen) * rates.sample_tokens
     if stages.capture is not None:
@@ -181,7 +191,7 @@ def estimate(stages, rates: Rates) -> dict[str, float]:
     per_token = rates.train_s_per_token
     if tr.store is None:  # online: the target's forward in every step, at capture's rate
         per_token += rates.capture_s_per_token
-    out["train"] = epochs * tokens * (1 - tr.eval_fraction) * per_token
+    out["train"] = epochs * tokens * per_token  # the held-out share's evaluation counted as if it trained
     bench = 0.0
     for b in stages.bench.values():
         runs = 1 + (2 if b.baselines else 0)  # the drafter, plain and prompt lookup
@@ -210,12 +220,12 @@ class Plan:
 
 
 def choose(stages, rates: Rates, budget_s: float, *, spent_s: float, fixed: set, bench_tables: int) -> Plan:
-    """The largest scale <= 1 of the conversations and bench prompts whose estimate fits budget_s minus spent_s (the
-    run's seconds so far: the target's load and the measuring), floored at MIN_CONVERSATIONS / MIN_BENCH_PROMPTS.
-    `fixed`: the --set places (eyas.recipes.resolve_key) not to touch; bench_tables: the recipe's [[bench]] count (its prompts are scaled
-    only when each table gave one bench, so that bench.N names the right table)."""
+    """The largest scale <= 1 of the conversations and bench prompts whose estimate fits budget_s, less RESERVE and
+    spent_s (the run's seconds so far: the target's load and the measuring), floored at MIN_CONVERSATIONS / MIN_BENCH_PROMPTS.
+    `fixed`: the --set places (eyas.recipes.resolve_key) not to touch. bench_tables: the recipe's [[bench]] count;
+    its prompts are scaled only where each table gave one bench, so that bench.N names the right table."""
     p = stages.prepare
-    left = budget_s - spent_s
+    left = budget_s * (1 - RESERVE) - spent_s
 
     def sized(scale):
         ov = {}
