@@ -297,7 +297,7 @@ def run_pipeline(cfg: RunConfig) -> dict:
     t_start = time.time()
     user_keys = {resolve_key(k) for k in cfg.overrides}
     if (saved := _saved_plan(run)) is not None:  # a resumed run keeps the plan its first invocation chose
-        cfg = replace(cfg, overrides={**saved, **cfg.overrides})
+        cfg = replace(cfg, overrides={**saved["overrides"], **cfg.overrides})
     # The run directory is refused, then the target opened, before anything is written: a run that cannot start
     # leaves no directory behind.
     _open_state(cfg, run, check_only=True)
@@ -321,8 +321,10 @@ def run_pipeline(cfg: RunConfig) -> dict:
     configs = resolve_stages(cfg, run, vocab_size=target.vocab_size, progress=not cfg.quiet)
     if r.budget_minutes and saved is None and not state["stages"]:
         cfg, configs = _size(cfg, configs, run, target, state, log, user_keys, dtype, t_start)
-    elif saved is not None:
-        log(f"plan: as this run's first invocation chose it ({_plan_words(state['plan'])})", always=True)
+    elif saved is not None:  # an --overwrite from prepare starts a new state: the plan stays the run's
+        state["plan"] = saved
+        _save_state(run, state)
+        log(f"plan: as this run's first invocation chose it ({_plan_words(saved)})", always=True)
     stages = [s for s in STAGES if s != "capture" or configs.capture is not None]
     started = {}  # the warm-up processes ("train": as prepare starts, "bench": as train starts)
     try:
@@ -345,10 +347,11 @@ def run_pipeline(cfg: RunConfig) -> dict:
 
 
 def _saved_plan(run: Path) -> dict | None:
-    """The overrides the sizing of an earlier invocation of this run chose (run.json's plan), if any."""
+    """The plan the sizing of an earlier invocation of this run chose (run.json's `plan`), if any."""
     try:
-        return json.loads((run / "run.json").read_text())["plan"]["overrides"]
-    except (OSError, ValueError, KeyError, TypeError):
+        plan = json.loads((run / "run.json").read_text())["plan"]
+        return plan if isinstance(plan.get("overrides"), dict) else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
