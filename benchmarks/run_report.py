@@ -14,8 +14,9 @@ from pathlib import Path
 from benchmarks import record
 
 
-def section(run: Path, command: str) -> str:
-    """The run's section; `command` is the `eyas run` command that made RUN."""
+def section(run: Path, command: str, title: str | None = None) -> str:
+    """The run's section; `command` is the `eyas run` command that made RUN; title: the section's (default: the
+    preset's name)."""
     state = json.loads((run / "run.json").read_text())
     st = state["stages"]
     knobs = state["identity"].get("knobs") or state["identity"].get("recipe") or {}
@@ -87,7 +88,7 @@ def section(run: Path, command: str) -> str:
                              f"{m.get('speedup', 1.0)} | {lossless} | {acc} |")
         lines.append("")
         lines += warmup_lines(state, benches)
-    return record.section(f"eyas run ({state['identity']['preset']} preset)", "\n".join(lines), command=command,
+    return record.section(title or f"eyas run ({state['identity']['preset']} preset)", "\n".join(lines), command=command,
                           details=[f"knobs: `{json.dumps({k: v for k, v in knobs.items() if k != 'bench'})}`"])
 
 
@@ -113,10 +114,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("run", type=Path)
     ap.add_argument("--command", required=True)
+    ap.add_argument("--title", help="the section's title (default: the preset's name)")
     ap.add_argument("--md", type=Path, help="write the section to this file")
     ap.add_argument("--append", type=Path, help="append the section to this file (e.g. BENCHMARKS.md)")
     a = ap.parse_args()
-    text = section(a.run, a.command)
+    text = section(a.run, a.command, a.title)
     print(text)
     if a.md:
         a.md.write_text(text)
