@@ -240,6 +240,9 @@ def test_a_run_sized_to_its_budget_keeps_its_plan_and_what_the_user_set(tiny_run
     new = log.read_text()[len(before):]
     assert "as this run's first invocation chose it" in new and "sizing the run" not in new
     assert state["stages"]["capture"]["done"] and state["plan"] == plan
+    # sizing turned off: the recipe as written is another configuration
+    with pytest.raises(EyasError, match="limit"):
+        run_pipeline(RunConfig(**{**cfg.__dict__, "overrides": {**cfg.overrides, "budget_minutes": 0}}))
     # a size given with --set is the user's: kept as given
     state = run_pipeline(RunConfig(**{**_cfg(tiny_run_inputs, tmp_path / "set", budget_minutes=0.01).__dict__,
                                       "until": "prepare"}))

@@ -296,7 +296,10 @@ def run_pipeline(cfg: RunConfig) -> dict:
     run = Path(cfg.out)
     t_start = time.time()
     user_keys = {resolve_key(k) for k in cfg.overrides}
-    if (saved := _saved_plan(run)) is not None:  # a resumed run keeps the plan its first invocation chose
+    # a resumed run keeps the plan its first invocation chose, unless sizing is now off (budget_minutes=0): then
+    # the recipe as written is another configuration, refused or (--overwrite) redone as any other
+    saved = _saved_plan(run) if cfg.recipe.run.budget_minutes else None
+    if saved is not None:
         cfg = replace(cfg, overrides={**saved["overrides"], **cfg.overrides})
     # The run directory is refused, then the target opened, before anything is written: a run that cannot start
     # leaves no directory behind.
