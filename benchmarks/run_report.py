@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from benchmarks import record
+from eyas.report import plan_changes
 
 
 def section(run: Path, command: str, title: str | None = None) -> str:
@@ -32,9 +33,9 @@ def section(run: Path, command: str, title: str | None = None) -> str:
         lines.append(f"| whole invocation (load, sizing, report) | {wall:.0f} | | |")
     lines.append("")
     if plan := state.get("plan"):
-        sized = ", ".join(f"{k} {plan['recipe'][k]} -> {v}" for k, v in plan["overrides"].items()) or "as written"
         r = plan["rates"]
-        lines.append(f"- sized to {plan['budget_s'] / 60:g} minutes after {r['seconds']:.0f} s of measuring: {sized}; "
+        lines.append(f"- sized to {plan['budget_s'] / 60:g} minutes after {r['seconds']:.0f} s of measuring: "
+                     f"{plan_changes(plan)}; "
                      f"measured: regeneration step {r['decode_s_per_step'] * 1e3:.0f} ms, capture "
                      f"{1 / r['capture_s_per_token']:,.0f} tok/s, training {1 / r['train_s_per_token']:,.0f} tok/s, "
                      f"batch-1 decoding {1 / r['bench_s_per_token']:.1f} tok/s")
@@ -88,7 +89,8 @@ def section(run: Path, command: str, title: str | None = None) -> str:
                              f"{m.get('speedup', 1.0)} | {lossless} | {acc} |")
         lines.append("")
         lines += warmup_lines(state, benches)
-    return record.section(title or f"eyas run ({state['identity']['preset']} preset)", "\n".join(lines), command=command,
+    title = title or f"eyas run ({state['identity']['preset']} preset)"
+    return record.section(title, "\n".join(lines), command=command,
                           details=[f"knobs: `{json.dumps({k: v for k, v in knobs.items() if k != 'bench'})}`"])
 
 

@@ -393,6 +393,13 @@ def _header(run: Path, state: dict, cfg) -> list[str]:
     return L
 
 
+def plan_changes(plan: dict) -> str:
+    """What a sized run's plan (run.json `plan`, eyas.sizing) changed, as `KEY RECIPE -> SIZED, ...`, or "the recipe
+    as written"."""
+    return (", ".join(f"{k} {plan['recipe'][k]} -> {v}" for k, v in plan["overrides"].items())
+            or "the recipe as written")
+
+
 def _stages_table(stages: dict, plan: dict | None) -> list[str]:
     """Each stage's seconds; with a plan (a run sized to its budget, eyas.sizing), what it was sized to and the
     estimate beside them."""
@@ -402,11 +409,9 @@ def _stages_table(stages: dict, plan: dict | None) -> list[str]:
         total = sum(v.get("seconds", 0) for v in stages.values())
         return L + [f"| total | {total:.0f} |", ""]
     est = plan["estimate_s"]
-    sized = (", ".join(f"{k} {plan['recipe'][k]} -> {v}" for k, v in plan["overrides"].items())
-             or "the recipe as written")
     L = ["## Stages", "", f"Sized to {plan['budget_s'] / 60:g} minutes on this machine after "
-         f"{plan['rates']['seconds']:.0f} s of measuring it: {sized}. The estimate counts every regenerated reply at "
-         "its full length.", "",
+         f"{plan['rates']['seconds']:.0f} s of measuring it: {plan_changes(plan)}. The estimate counts every "
+         "regenerated reply at its full length.", "",
          "| stage | seconds | estimated |", "|---|---|---|"]
     L += [f"| {s} | {v.get('seconds', 0):.0f} | {est[s]:.0f} |" if s in est else
           f"| {s} | {v.get('seconds', 0):.0f} | |" for s, v in stages.items()]

@@ -34,7 +34,7 @@ from eyas.manifest import atomic_write_bytes, diff_dicts
 from eyas.model.checkpoint import open_drafter
 from eyas.recipes import (Recipe, load_recipe, preset as preset_recipe, resolve_dtype, resolve_key, shown_identity,
                           with_overrides)
-from eyas.report import write_report
+from eyas.report import plan_changes, write_report
 from eyas.sizing import choose, measure
 from eyas.store.reader import Store
 from eyas.target.load import resolve
@@ -379,9 +379,8 @@ def _size(cfg, configs, run, target, state, log, user_keys: set, dtype: str, t_s
 def _plan_words(plan: dict) -> str:
     est = plan["estimate_s"]
     stages = ", ".join(f"{k} {v / 60:.1f}" for k, v in est.items())
-    sized = (", ".join(f"{k} {plan['recipe'][k]} -> {v}" for k, v in plan["overrides"].items())
-             + " (--set a key to choose it yourself, budget_minutes=0 for the recipe as written)"
-             if plan["overrides"] else "the recipe as written")
+    sized = plan_changes(plan) + (" (--set a key to choose it yourself, budget_minutes=0 for the recipe as written)"
+                                  if plan["overrides"] else "")
     return (f"{sized}; estimated {sum(est.values()) / 60:.0f} minutes of stages ({stages}) within "
             f"{plan['budget_s'] / 60:g}, after {plan['rates']['seconds']:.0f} s of measuring")
 

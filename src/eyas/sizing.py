@@ -1,19 +1,19 @@
 """A run sized to its time budget: measure this machine on the stages' own code, then choose how much data to use.
 
-A recipe with `[run] budget_minutes` (the cpu-demo's 20) must fit that budget on whatever CPU it meets: the same
-plan takes about twice as long on a 2-core CPU that falls back to fp32 (no native bf16) as on one with AVX512-BF16,
-and the same machine varies by a quarter from hour to hour. So before the first stage, `eyas run` times the work
-each stage does, at the stage's shapes and in the run's dtype, on this machine (`measure`, about half a minute):
+A recipe with `[run] budget_minutes` (the cpu-demo's 20) must fit that budget on whatever CPU it meets, and the
+same plan runs far slower where the CPU falls back to fp32 (no native bf16), and slower in a busy hour of a shared
+machine (docs/LOG.md has the measurements). So before the first stage, `eyas run` times the work each stage does,
+at the stage's shapes and in the run's dtype, on this machine (`measure`):
+- prepare: its own reading and tokenizing of the data's first conversations, which also gives their lengths;
 - regeneration: the target's batched prefill and decode steps (the Runner that prepare generates with);
-- capture: `run_capture` over synthetic samples of the data's measured length;
+- capture: `run_capture` over random tokens in those lengths;
 - training: the Trainer, offline from that small store, for a few steps (the first, with its set-up, not counted);
 - the bench: batch-1 decode steps in the bench's dtype and in fp32 (the lossless rerun).
 From those rates and the plan's counts `estimate` predicts each stage's seconds, and `choose` scales the plan's
 conversations (prepare.limit, prepare.regenerate_limit) and bench prompts by one factor so that the sum fits the
-budget; it never grows a plan. The choice is saved in run.json (eyas.run), so that a resumed run keeps its plan.
-A size the user set with --set is kept as given.
+budget less RESERVE; it never grows a plan. The choice is saved in run.json (eyas.run), so that a resumed run keeps
+its plan. A size the user set with --set is kept as given.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -43,8 +43,8 @@ DECODE_STEPS = 8
 TRAIN_STEPS = 4
 """Training steps timed (the first one, with the trainer's set-up and first features, is not counted)."""
 RESERVE = 0.2
-"""The share of the budget the plan leaves free: on the shared 2-core CPUs measured, a run's stages took up to a
-quarter longer than the estimate, training up to 39% (docs/LOG.md, the sizing of the cpu-demo)."""
+"""The share of the budget the plan leaves free: a shared machine's speed moves during a run, so stages can take
+longer than the rates measured at its start (docs/LOG.md, the cpu-demo's sizing, has how much)."""
 MIN_CONVERSATIONS = 200
 MIN_BENCH_PROMPTS = 8
 """The smallest plan `choose` goes to: fewer conversations train no drafter worth benching, fewer prompts say little."""
@@ -221,9 +221,10 @@ class Plan:
 
 def choose(stages, rates: Rates, budget_s: float, *, spent_s: float, fixed: set, bench_tables: int) -> Plan:
     """The largest scale <= 1 of the conversations and bench prompts whose estimate fits budget_s, less RESERVE and
-    spent_s (the run's seconds so far: the target's load and the measuring), floored at MIN_CONVERSATIONS / MIN_BENCH_PROMPTS.
-    `fixed`: the --set places (eyas.recipes.resolve_key) not to touch. bench_tables: the recipe's [[bench]] count;
-    its prompts are scaled only where each table gave one bench, so that bench.N names the right table."""
+    spent_s (the run's seconds so far: the target's load and the measuring), floored at MIN_CONVERSATIONS and
+    MIN_BENCH_PROMPTS. `fixed`: the --set places (eyas.recipes.resolve_key) not to touch. bench_tables: the recipe's
+    [[bench]] count; its prompts are scaled only where each table gave one bench, so that bench.N names the right
+    table."""
     p = stages.prepare
     left = budget_s * (1 - RESERVE) - spent_s
 
