@@ -190,15 +190,14 @@ def test_broken_acceptance_rule_fails_the_dflash_law_test(small, monkeypatch):
 
 # ---------------------------------------------------------------- refusals
 
-def test_dflash_refuses_trees_graph_rounds_and_chains_longer_than_the_block(setup):
+def test_dflash_refuses_trees_and_chains_longer_than_the_block(setup):
     model, runner, prompts, ref = setup
     d = make_dflash(model, block=6)
-    with pytest.raises(EyasError, match="not a tree"):
-        SpecDecoder(runner, d, SpecConfig(method="tree"))
-    with pytest.raises(EyasError, match="graph_round"):
-        SpecDecoder(runner, d, SpecConfig(method="chain", k=5, graph_round=True))
-    with pytest.raises(EyasError, match="B-1 = 5"):
-        SpecDecoder(runner, d, SpecConfig(method="chain", k=6))
+    for graph_round in (False, True):
+        with pytest.raises(EyasError, match="not a tree"):
+            SpecDecoder(runner, d, SpecConfig(method="tree", graph_round=graph_round))
+        with pytest.raises(EyasError, match="B-1 = 5"):
+            SpecDecoder(runner, d, SpecConfig(method="chain", k=6, graph_round=graph_round))
     dec = SpecDecoder(runner, d, SpecConfig(method="chain", k=5))  # k = B-1 is the longest accepted
     assert dec.generate(prompts[2], 24)[0] == ref[2]
     with pytest.raises(EyasError, match="target hidden size"):  # fit_drafter's shape check applies to DFlash too
@@ -211,18 +210,67 @@ def test_dflash_refuses_trees_graph_rounds_and_chains_longer_than_the_block(setu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("block", [4, 16])
 def test_cuda_graphed_dflash_equals_plain_greedy_and_the_cpu(setup, block):
-    """On CUDA the block forward and the extends replay as CUDA graphs: in fp32 the tokens equal plain greedy's and
-    the accepted counts equal the CPU eager decoder's, round by round."""
+    """On CUDA the block forward and the extends replay as CUDA graphs, or (graph_round) each whole round as one: in
+    fp32 the tokens equal plain greedy's and the accepted counts equal the CPU eager decoder's, round by round."""
     model, cpu, prompts, ref = setup
     gpu = Runner.from_hf(model, max_batch=1, max_seq=160, device="cuda")
     drafter = make_dflash(model, block=block, seed=block, std=0.3)
     k = block - 1
     want = decode_all(SpecDecoder(cpu, drafter, SpecConfig(method="chain", k=k), fast=False), prompts)
-    dec = SpecDecoder(gpu, drafter, SpecConfig(method="chain", k=k))
-    assert dec.mode == "static"
-    outs, stats = decode_all(dec, prompts)
-    assert outs == ref == want[0]
-    assert [s.accepted for s in stats] == [s.accepted for s in want[1]]
+    for graph_round, mode in ((False, "static"), (True, "round")):
+        dec = SpecDecoder(gpu, drafter, SpecConfig(method="chain", k=k, graph_round=graph_round))
+        assert dec.mode == mode
+        outs, stats = decode_all(dec, prompts)
+        assert outs == ref == want[0]
+        assert [s.accepted for s in stats] == [s.accepted for s in want[1]]
+
+
+@pytest.fixture(scope="module")
+def fitted(setup):
+    """A block-6 drafter fitted to the target's greedy replies, and the prompts of those replies: rounds accept
+    every count from 0 to the whole block."""
+    model, runner, _, _ = setup
+    return fit_on_replies(model, runner, make_dflash(model, block=6, seed=6, std=0.02))
+
+
+def host_and_round(runner, drafter, prompts, k):
+    """(host-driven outputs and stats, one-graph-round outputs and stats, the round decoder) for `prompts`."""
+    host = decode_all(SpecDecoder(runner, drafter, SpecConfig(method="chain", k=k), fast=True), prompts)
+    dec = SpecDecoder(runner, drafter, SpecConfig(method="chain", k=k, graph_round=True))
+    assert dec.mode == "round" and isinstance(dec._round.drafting, DFlashDrafting)
+    return host, decode_all(dec, prompts), dec
+
+
+@pytest.mark.parametrize("k", [5, 2])
+def test_one_graph_round_equals_plain_greedy_and_the_host_rounds(setup, fitted, k):
+    """graph_round: round.py's chain body over DFlashDrafting's fixed-shape block and commit, eagerly on the CPU.
+    Its tokens equal plain greedy's and its accepted counts equal the host-driven decoder's, round by round (a
+    context entry written at the wrong position, or the bonus not written into the block's slot 0, changes
+    them); acceptance covers 0 and the whole chain."""
+    model, runner, prompts, ref = setup
+    drafter, own = fitted
+    cases = prompts + own
+    want = ref + runner.generate(own, 24)
+    (h_out, h_stats), (r_out, r_stats), _ = host_and_round(runner, drafter, cases, k)
+    assert r_out == h_out == want
+    assert [s.accepted for s in r_stats] == [s.accepted for s in h_stats]
+    assert all(s.target_forwards == 1 + s.rounds and s.tokens == len(o) for s, o in zip(r_stats, r_out))
+    acc = sum((s.accepted for s in r_stats), [])
+    assert 0 in acc and k in acc and sum(acc) / len(acc) > 0.5
+
+
+def test_a_round_that_commits_one_entry_too_few_is_caught(setup, fitted, monkeypatch):
+    """The check above is sensitive to the commit: a round that counts acc entries instead of acc+1 (the drafter's
+    context and the target's committed slots share the count) no longer decodes as plain greedy."""
+    model, runner, prompts, ref = setup
+    drafter, own = fitted
+
+    def short(self, aux, tokens, acc):
+        self._write(aux)
+        self.n += acc.clamp(min=1)
+    monkeypatch.setattr(DFlashDrafting, "commit", short)
+    (h_out, h_stats), (r_out, r_stats), _ = host_and_round(runner, drafter, own, 5)
+    assert h_out == runner.generate(own, 24) != r_out
 
 
 def features(model, x):

@@ -160,10 +160,8 @@ def resolve_stages(cfg: RunConfig, run: Path, *, vocab_size: int | None, progres
         label = "sharegpt-heldout" if prompts == "sharegpt-heldout" else (
             "heldout" if prompts.startswith("heldout:") else "long" if is_long_set(prompts) else Path(prompts).stem)
         table = {**b, "prompts": prompts}
-        if dflash and table.get("method", "chain") == "chain":  # the whole block a round (k = B-1) unless --set;
-            if ("bench", i, "k") not in given:                 # its block forward is one CUDA graph, no graph_round
-                table.pop("k", None)
-            table["graph_round"] = False
+        if dflash and table.get("method", "chain") == "chain" and ("bench", i, "k") not in given:
+            table.pop("k", None)  # the whole block a round (k = B-1) unless --set
         if not is_long_set(prompts):  # unless the table sets it: prompts that leave room for a reply inside the
             # training budget (RoPE positions seen); the long set keeps its own range (BenchConfig)
             table.setdefault("max_prompt_tokens", max(1, prepare.max_len - prepare.regen.max_new_tokens))

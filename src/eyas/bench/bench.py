@@ -54,7 +54,7 @@ class BenchConfig:
     `turns` (and optionally `context`)."""
     spec: SpecConfig = SpecConfig()
     """The drafter's decoding: method chain | tree, its shape and sampling; prompt lookup takes k and max_ngram. A
-    DFlash drafter runs chains of k = B-1 drafts unless k is given (at most B-1), without graph_round."""
+    DFlash drafter runs chains of k = B-1 drafts unless k is given (at most B-1)."""
     max_new_tokens: int = 128
     """New tokens per turn."""
     limit: int | None = 20
@@ -161,17 +161,12 @@ def graph_round_default(device: str, temperature: float) -> bool:
     return device.startswith("cuda") and temperature == 0
 
 
-def for_drafter(cfg: BenchConfig, drafter, out) -> BenchConfig:
+def for_drafter(cfg: BenchConfig, drafter) -> BenchConfig:
     """The config `drafter` runs: unchanged for EAGLE-3; for DFlash, k = B-1 unless given (a given k > B-1 and
-    trees are refused), and graph_round off (its CUDA default is for EAGLE-3 rounds; a DFlash block already replays as
-    one graph), with a note when it was on."""
+    trees are refused)."""
     if drafter is None or not is_dflash(drafter):
         return cfg
-    k = cfg.spec.k if cfg._k_given else block_drafts(drafter)
-    if cfg.spec.graph_round:
-        print("note: graph_round runs EAGLE-3 rounds; the DFlash drafter's block forward is one CUDA graph per round "
-              "instead", file=out)
-    resolved = replace(cfg, k=k, graph_round=False)
+    resolved = replace(cfg, k=cfg.spec.k if cfg._k_given else block_drafts(drafter))
     check_spec(resolved.spec, drafter)
     return resolved
 
@@ -318,7 +313,7 @@ def _open(cfg, target, drafter, drafter_meta, out) -> tuple[BenchConfig, object,
         if tuple(drafter.config.aux_layer_ids) != tuple(target.aux_layer_ids) and meta.get("target") is None:
             print(f"note: drafter aux layers {list(drafter.config.aux_layer_ids)} differ from the target default "
                   f"{list(target.aux_layer_ids)}; using the drafter's", file=out)
-        cfg = for_drafter(cfg, drafter, out)
+        cfg = for_drafter(cfg, drafter)
     return cfg, target, drafter, meta
 
 

@@ -11,6 +11,9 @@ the block's own keys are never cached, so a rejected draft leaves nothing to rol
 With `graphs` the block forward (and its argmax) and the extends of up to B entries replay as CUDA graphs (plain
 calls off CUDA): they read the committed count from a device tensor and attend the whole buffer under a mask, so
 their shapes do not depend on it. Without, the block attends exactly the committed entries (mask None).
+The same fixed-shape bodies serve round.py's one-graph greedy round, through `root`, `draft_chain` and `commit`
+(DraftCache's names): the round writes its bonus into the block's slot 0, drafts, verifies and appends the verified
+entries without the host.
 """
 
 from __future__ import annotations
@@ -36,14 +39,11 @@ def block_drafts(drafter) -> int:
 
 
 def check_spec(cfg: SpecConfig, drafter) -> None:
-    """Refuse what a DFlash drafter cannot do with a one-line error: trees, one-graph rounds, k > B-1."""
+    """Refuse what a DFlash drafter cannot do with a one-line error: trees, k > B-1."""
     B = drafter.config.block_size
     if cfg.method == "tree":
         raise EyasError(f"a DFlash drafter proposes one block (a chain), not a tree: use method 'chain' "
                         f"(k up to {B - 1})")
-    if cfg.graph_round:
-        raise EyasError("graph_round runs EAGLE-3 rounds only; a DFlash drafter already drafts in one graphed "
-                        "block forward: leave graph_round off")
     if cfg.method == "chain" and cfg.k > B - 1:
         raise EyasError(f"chain length k={cfg.k} exceeds this DFlash drafter's block: block size {B} proposes at "
                         f"most B-1 = {B - 1} drafts")
@@ -52,9 +52,10 @@ def check_spec(cfg: SpecConfig, drafter) -> None:
 class DFlashDrafting:
     """EagleDrafting's interface (reset, extend, propose_chain, rollback) for a DFlash drafter, batch 1."""
 
-    def __init__(self, drafter, embed, lm_head, *, slots: int, graphs: bool = False):
+    def __init__(self, drafter, embed, lm_head, *, slots: int, graphs: bool = False, k: int | None = None):
         """embed: the target's embedding (nn.Embedding or its weight); lm_head: the target's head; slots: context
-        entries kept (the runner's max_seq); graphs: replay the block and short extends as CUDA graphs."""
+        entries kept (the runner's max_seq); graphs: replay the block and short extends as CUDA graphs; k: the drafts
+        `draft_chain` returns (default B-1)."""
         self.d, self.lm_head, self.M, self.graphs = drafter, lm_head, slots, graphs
         self.embed_weight = embed.weight if isinstance(embed, nn.Module) else embed
         cfg = drafter.config
@@ -68,6 +69,10 @@ class DFlashDrafting:
         self.n = torch.zeros(1, dtype=torch.long, device=dev)  # the same count on the device, read by the graphs
         self.ids = torch.full((1, self.B), cfg.mask_token_id, dtype=torch.long, device=dev)  # [bonus, MASK..]
         self.cols = torch.arange(slots, device=dev)  # entry indices; also the offsets of new positions from n
+        self.root = self.ids[0, :1]  # (1,) a view of the block's slot 0: the pending token a round writes
+        self.k = self.B - 1 if k is None else k
+        if not 1 <= self.k <= self.B - 1:
+            raise EyasError(f"DFlash drafts per round k={self.k}: between 1 and B-1 = {self.B - 1}")
         self._graphs: dict = {}
 
     # ------------------------------------------------------------------ the bodies
@@ -95,12 +100,24 @@ class DFlashDrafting:
         logits = self.lm_head(h[0, 1:]).float()  # (B-1,V)
         return logits, logits.argmax(-1)
 
+    # ------------------------------------------------------------------ the one-graph round's steps (round.py)
+    def draft_chain(self) -> Tensor:
+        """(1,k) greedy drafts after the pending token in `root`, on fixed shapes (no host sync)."""
+        return self._block()[1][None, :self.k]
+
+    def commit(self, aux: Tensor, tokens: Tensor, acc: Tensor) -> None:
+        """A round's entries: aux (1,k+1,K*h_t) the verify's features of [root, drafts] at positions n..n+k, acc (1,)
+        the accepted drafts; entries n..n+acc count, the rest lie past the new n (masked, overwritten next round).
+        tokens (DraftCache's pairing) is not needed: a DFlash context entry is the feature alone."""
+        self._write(aux)
+        self.n += acc + 1
+
     # ------------------------------------------------------------------ calls
     @torch.no_grad()
     def block(self, root: int) -> tuple[Tensor, Tensor]:
         """The block after the pending `root` token: (logits (B-1,V), argmax (B-1,)); graph output buffers with
         `graphs` (the next call overwrites them)."""
-        self.ids[:, :1].fill_(int(root))
+        self.root.fill_(int(root))
         if not self.graphs:
             return self._block(self.count)
         if "block" not in self._graphs:

@@ -1,4 +1,5 @@
-"""A greedy round as ONE CUDA graph, for EAGLE-3 chains and EAGLE-2 trees: propose, verify, accept, commit.
+"""A greedy round as ONE CUDA graph, for EAGLE-3 chains, EAGLE-2 trees and DFlash blocks: propose, verify, accept,
+commit.
 
 Batch 1 (cache row 0 of the target runner); the tokens and per-round accepted counts of `SpecDecoder`'s greedy
 chains and static trees (tests/test_graph_round_chain.py, tests/test_graph_round_tree.py). A round's state lives in static device
@@ -17,6 +18,9 @@ not yet run through the target) and the drafter's static cache (`cache.DraftCach
   index order (depth order) followed by filler whose writes lie past the new n.
 Both then commit: the drafter writes entries at n.. for the verify's aux states of the path paired with the next
 tokens (accepted drafts, then the bonus); the first a+1 count, and n += a+1.
+A DFlash drafter (dflash.py's DFlashDrafting) runs the chain body: its K drafts are the block [pending, MASK..] at
+positions n..n+B-1 over the context entries 0..n-1, one forward; its commit writes the verify's aux states of
+[pending, d_1..d_K] as context entries n..n+K (a DFlash entry is the feature alone), of which the first a+1 count.
 
 On CUDA the round is captured once per decoder and replayed; nothing in it waits for the host. The host learns a
 round's accepted count and tokens from an async copy into pinned memory that it reads one round late: round r+1 is
@@ -34,6 +38,7 @@ from torch import Tensor
 
 from eyas.decode.cache import DraftCache
 from eyas.decode.common import SpecConfig, SpecStats, accept, fit_drafter, prefill
+from eyas.decode.dflash import DFlashDrafting, check_spec, is_dflash
 from eyas.errors import EyasError
 from eyas.target.graphs import capture
 
@@ -42,11 +47,12 @@ WARMUP = 3
 
 
 class RoundDecoder:
-    """Greedy EAGLE-3 chains or EAGLE-2 trees on a target `Runner` (batch 1, cache row 0), each round one CUDA graph
-    on CUDA."""
+    """Greedy EAGLE-3 chains, EAGLE-2 trees or DFlash blocks on a target `Runner` (batch 1, cache row 0), each round
+    one CUDA graph on CUDA."""
 
     def __init__(self, runner, drafter, cfg: SpecConfig = SpecConfig(), *, compile_drafter: bool = False):
-        """compile_drafter: torch.compile the drafter's part of the round (cache.DraftCache's bodies)."""
+        """compile_drafter: torch.compile the drafter's part of the round (cache.DraftCache's bodies; a DFlash
+        block runs uncompiled inside the graph)."""
         if cfg.method not in ("chain", "tree") or cfg.temperature != 0:
             raise EyasError(f"the one-graph round runs greedy chains and trees only (method chain or tree, "
                             f"temperature 0), got method {cfg.method!r}, temperature {cfg.temperature}")
@@ -54,11 +60,14 @@ class RoundDecoder:
             raise EyasError(f"decode method {cfg.method!r} needs a drafter")
         M, dev = runner.cfg.max_seq, runner.device
         drafter = fit_drafter(runner, drafter)
+        if is_dflash(drafter):
+            check_spec(cfg, drafter)  # chains of k <= B-1 only
         if cfg.method == "chain":
             K = cfg.k
             if K + 2 > M:
                 raise EyasError(f"a draft of {K} tokens does not fit a target cache of {M} slots")
-            d = DraftCache(drafter, runner.embed, slots=M, k=K, compile=compile_drafter)
+            d = (DFlashDrafting(drafter, runner.embed, runner.lm_head, slots=M, k=K) if is_dflash(drafter)
+                 else DraftCache(drafter, runner.embed, slots=M, k=K, compile=compile_drafter))
             S = P = K + 1  # verified nodes, longest accepted path (root included)
             self._body = self._chain_round
         else:

@@ -30,8 +30,8 @@ class SpecDecoder:
         drafter's, none without one); a drafter-less decoder given a drafter's ids shares that decoder's compiled
         verify step (the bench: one compile fewer) and ignores the extra output. compile_drafter: torch.compile the
         static drafter cache's proposers and extends (with graph_round the round's). A DFlash drafter (model/dflash.py)
-        drafts chains of k <= B-1 tokens from one block forward (dflash.py), graphed when `fast`; it refuses trees
-        and graph_round."""
+        drafts chains of k <= B-1 tokens from one block forward (dflash.py), graphed when `fast`, or with graph_round
+        whole greedy rounds (round.py); it refuses trees."""
         if cfg.method in ("chain", "tree") and drafter is None:
             raise EyasError(f"decode method {cfg.method!r} needs a drafter")
         if drafter is not None and cfg.method in ("chain", "tree") and is_dflash(drafter):
