@@ -59,6 +59,14 @@ def main(abl: Path) -> None:
         acc = " ".join(f"{a:.3f}" for a in ev.get("acc_k", [])[:8]) or "-"
         print(f"| {name} | `{flags or '(the recipe)'}` | {rc} | {wall} | {train_rate(recs):,.0f} | {acc} "
               f"| {tau_of(ev)} |")
+    benches = {gr: json.loads((abl / f"bench-{gr}.json").read_text()) for gr in ("graph-round", "no-graph-round")
+               if (abl / f"bench-{gr}.json").exists()}
+    if benches:
+        print("\n| base drafter's bench | method | tau | tok/s | speedup vs plain (same process) |")
+        print("|---|---|---|---|---|")
+        for gr, rep in benches.items():
+            for m, r in rep["methods"].items():
+                print(f"| {gr} | {m} | {r['tau']:.2f} | {r['tokens_per_s'] or 0:,.0f} | {r.get('speedup', 1.0):.2f} |")
     if len(curve) > 1:
         print("\nThe base run's held-out evals along its steps:\n")
         print("| step | tokens seen | acc slot 1 | replayed tau (first replies) |")
