@@ -13,7 +13,7 @@
 # Variables: DATA (prepared dir, /root/run/prepared), TARGET (/root/stage/smollm2.gguf), ABL (work dir, /root/abl),
 # MD (/root/after.md), STEPS (200), EVAL_EVERY (base only, 50), RECIPE (gpu-dflash), VARIANTS (space-separated
 # NAME=FLAGS with commas for spaces; default below), RATES (1: time both drafters' cached-epoch training rate after
-# the base run; 0: skip), BENCH (1: bench the base run's drafter on BENCH_LIMIT (10) held-out ShareGPT prompts
+# the base run; 0: skip), DATA_NOTE (what DATA holds, for the header), BENCH (1: bench the base run's drafter on BENCH_LIMIT (10) held-out ShareGPT prompts
 # with its rounds as one CUDA graph each and host-driven, beside plain decoding and prompt lookup; 0: skip), COMMIT
 # (recorded in the table's header).
 # CPU rehearsal: DATA=... TARGET=... RECIPE=FILE RATES=0 STEPS=2 EVAL_EVERY=1 VARIANTS='base= b8=--block-size,8' bash ...
@@ -31,7 +31,7 @@ mkdir -p "$ABL" && : > "$ABL/runs.txt" || exit 1
 commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "not recorded")}
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1)
 cat > "$ABL/head.md" <<HEAD
-### DFlash knobs on the gpu preset's prepared data ($(date -u '+%Y-%m-%d %H:%M') UTC)
+### DFlash knobs on ${DATA_NOTE:-the gpu preset's prepared data} ($(date -u '+%Y-%m-%d %H:%M') UTC)
 
 - machine: ${gpu:-cpu}; commit $commit
 - command: \`eyas train --method dflash --recipe $RECIPE --data $DATA --target $TARGET --steps $STEPS\` with one knob
