@@ -50,7 +50,8 @@ def check_spec(cfg: SpecConfig, drafter) -> None:
 
 
 class DFlashDrafting:
-    """EagleDrafting's interface (reset, extend, propose_chain, rollback) for a DFlash drafter, batch 1."""
+    """EagleDrafting's interface (reset, extend, propose_chain, rollback) for a DFlash drafter, batch 1, and the
+    steps of round.py's one-graph round (root, draft_chain, commit) that DraftCache also has."""
 
     def __init__(self, drafter, embed, lm_head, *, slots: int, graphs: bool = False, k: int | None = None):
         """embed: the target's embedding (nn.Embedding or its weight); lm_head: the target's head; slots: context
